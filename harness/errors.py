@@ -1,0 +1,15 @@
+"""Errors whose message is meant for the user: the CLI prints them as one line and exits non-zero."""
+
+
+class UserError(Exception):
+    """Bad input or an impossible request; str(exc) is a single line for the user."""
+
+
+class NoGPUError(UserError):
+    """A GPU-only command was run on a machine without a CUDA device."""
+
+
+def require_cuda(what: str) -> None:
+    import torch
+    if not torch.cuda.is_available():
+        raise NoGPUError(f"{what} needs a CUDA GPU and none is visible on this machine")

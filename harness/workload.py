@@ -1,0 +1,169 @@
+"""The workload contract every backend consumes: tensors plus a top-k block selection.
+
+Layout (fixed, see README "Workload contract"):
+  q         [N, Hq, D]                      data dtype (fp8: e4m3 with q_scale)
+  k_cache   [num_pages, Hkv, block, D]      head-major paged cache; a
+  v_cache   [num_pages, Hkv, block, D]      [num_pages * Hkv, 1, block, D] view folds the head into the page
+  selection [Hkv, N, topk] int32            logical block ids of the query's request, valid first, -1 padding,
+                                            causal: the query's own (local) block is the last valid entry
+  page_table[R, max_blocks] int32           logical block -> physical page, per request
+  q_request [N] int32                       request of each query token
+  q_limit   [N] int32                       last key position (within its request) the query may see:
+                                            its own position when causal, kv_len - 1 otherwise
+  pages     [Hkv, N, topk] int32            physical page of each selected block (-1 padding); derived
+  page_block[num_pages] int32               logical block index held by each physical page; derived
+
+Keys of logical block b sit at positions b * block + t, t in [0, block).
+A key is visible to query q iff its position <= q_limit[q].
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+DATA_DTYPES = ("bf16", "fp8", "fp16", "fp32")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+from .errors import UserError
+
+
+class WorkloadError(UserError, ValueError):
+    """A workload that cannot be built as asked; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    hq: int = 64
+    hkv: int = 4
+    head_dim: int = 128
+    block: int = 128
+    topk: int = 16
+
+    def __post_init__(self):
+        for name in ("hq", "hkv", "head_dim", "block", "topk"):
+            if getattr(self, name) <= 0:
+                raise WorkloadError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hq % self.hkv:
+            raise WorkloadError(f"hq ({self.hq}) must be a multiple of hkv ({self.hkv})")
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (the GQA factor)."""
+        return self.hq // self.hkv
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+            "fp16": torch.float16, "fp32": torch.float32}[dtype]
+
+
+def element_bytes(dtype: str) -> int:
+    return {"bf16": 2, "fp8": 1, "fp16": 2, "fp32": 4}[dtype]
+
+
+@dataclass
+class Workload:
+    shape: AttnShape
+    dtype: str
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    selection: torch.Tensor
+    page_table: torch.Tensor
+    q_request: torch.Tensor
+    q_limit: torch.Tensor
+    pages: torch.Tensor
+    page_block: torch.Tensor
+    causal: bool
+    q_scale: float = 1.0
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.shape.head_dim)
+
+    def dequantized(self, dtype=torch.float64):
+        """(q, k, v) as `dtype` with their scales applied: the values every backend computes on."""
+        return (self.q.to(dtype) * self.q_scale, self.k_cache.to(dtype) * self.k_scale,
+                self.v_cache.to(dtype) * self.v_scale)
+
+    def to(self, device) -> "Workload":
+        moved = {name: getattr(self, name).to(device) for name in
+                 ("q", "k_cache", "v_cache", "selection", "page_table", "q_request", "q_limit",
+                  "pages", "page_block")}
+        return replace(self, **moved)
+
+    def with_fresh_data(self, seed: int) -> "Workload":
+        """Same selection and layout, new random Q/K/V (for L2-cold rotation and fresh-input checks)."""
+        q, k, v, scales = draw_tensors(self.shape, self.dtype, self.n_tokens, self.num_pages, seed, self.device)
+        return replace(self, q=q, k_cache=k, v_cache=v, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2])
+
+
+def _quantize(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, float]:
+    if dtype != "fp8":
+        return x.to(torch_dtype(dtype)), 1.0
+    # A power-of-two scale keeps fp8 * scale exact in bf16, so a bf16-Q backend sees the same values.
+    amax = x.abs().max().item()
+    scale = 2.0 ** math.ceil(math.log2(max(amax, 1e-12) / FP8_MAX))
+    return (x / scale).to(torch.float8_e4m3fn), scale
+
+
+def draw_tensors(shape: AttnShape, dtype: str, n_tokens: int, num_pages: int, seed: int, device="cpu"):
+    """Seeded standard-normal Q, K, V (never zeros), quantized to the data dtype."""
+    if dtype not in DATA_DTYPES:
+        raise WorkloadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DATA_DTYPES)}")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dims_q = (n_tokens, shape.hq, shape.head_dim)
+    dims_kv = (num_pages, shape.hkv, shape.block, shape.head_dim)
+    out, scales = [], []
+    for dims in (dims_q, dims_kv, dims_kv):
+        x = torch.randn(dims, generator=gen, dtype=torch.float32)
+        t, s = _quantize(x, dtype)
+        out.append(t.to(device))
+        scales.append(s)
+    return out[0], out[1], out[2], tuple(scales)
+
+
+def physical_pages(selection: torch.Tensor, page_table: torch.Tensor, q_request: torch.Tensor) -> torch.Tensor:
+    """Translate logical block ids [Hkv, N, topk] to physical pages through each query's request page table."""
+    valid = selection >= 0
+    req = q_request.long().view(1, -1, 1).expand_as(selection)
+    pages = page_table.long()[req, selection.long().clamp(min=0)]
+    return torch.where(valid, pages, torch.full_like(pages, -1)).to(torch.int32)
+
+
+def build_workload(shape: AttnShape, dtype: str, selection: torch.Tensor, page_table: torch.Tensor,
+                   q_request: torch.Tensor, q_limit: torch.Tensor, num_pages: int, causal: bool,
+                   seed: int = 0, device="cpu", meta: dict | None = None) -> Workload:
+    """Assemble a workload from a selection and its page tables, drawing seeded random tensors."""
+    hkv, n, topk = selection.shape
+    if hkv != shape.hkv or topk != shape.topk:
+        raise WorkloadError(f"selection shape {tuple(selection.shape)} does not match hkv={shape.hkv}, topk={shape.topk}")
+    pages = physical_pages(selection, page_table, q_request)
+    page_block = torch.full((num_pages,), -1, dtype=torch.int32)
+    used = page_table >= 0
+    blocks = torch.arange(page_table.shape[1], dtype=torch.int32).expand_as(page_table)
+    page_block[page_table[used].long()] = blocks[used]
+    q, k, v, (qs, ks, vs) = draw_tensors(shape, dtype, n, num_pages, seed, device)
+    return Workload(shape=shape, dtype=dtype, q=q, k_cache=k, v_cache=v,
+                    selection=selection.to(torch.int32).to(device), page_table=page_table.to(torch.int32).to(device),
+                    q_request=q_request.to(torch.int32).to(device), q_limit=q_limit.to(torch.int32).to(device),
+                    pages=pages.to(device), page_block=page_block.to(device), causal=causal,
+                    q_scale=qs, k_scale=ks, v_scale=vs, meta=dict(meta or {}))

@@ -1,0 +1,95 @@
+"""The backend contract shared by every schedule.
+
+A backend is planned once per workload (`plan()`: all host work, all allocation, no timing) and
+returns a Plan: named stages that run in order on the current CUDA stream with no device-to-host
+synchronization, writing the module output. The harness times each stage alone and the whole module.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..harness.workload import Workload
+
+STAGE_NAMES = ("index_map", "schedule", "attention", "combine")
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here (no GPU, package missing, dtype unsupported); message says why."""
+
+
+@dataclass
+class Plan:
+    backend: str
+    stages: dict[str, Callable[[], None]]          # ordered: run() calls them in this order
+    output: torch.Tensor                           # [N, Hq, D] bf16 (fp32 for fp32 inputs), valid after run()
+    lse: torch.Tensor | None = None                # [N, Hq] fp32 natural-log LSE where the backend provides it
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)   # named intermediates for stage checks
+    plan_seconds: float = 0.0                      # host time spent in plan()
+    info: dict = field(default_factory=dict)       # path actually taken: kernel names, configs, grid sizes
+
+    def run(self) -> torch.Tensor:
+        for stage in self.stages.values():
+            stage()
+        return self.output
+
+
+class Backend:
+    name: str = ""
+    description: str = ""
+    dtypes: tuple[str, ...] = ()
+
+    def unavailable_reason(self, dtype: str, device: torch.device | str) -> str | None:
+        """None if this backend can run `dtype` on `device`, else one line saying why not."""
+        if dtype not in self.dtypes:
+            return f"{self.name} does not support dtype {dtype} (supports {', '.join(self.dtypes)})"
+        return None
+
+    def plan(self, workload: Workload) -> Plan:
+        reason = self.unavailable_reason(workload.dtype, workload.device)
+        if reason:
+            raise BackendUnavailable(reason)
+        start = time.perf_counter()
+        plan = self._plan(workload)
+        plan.plan_seconds = time.perf_counter() - start
+        return plan
+
+    def _plan(self, workload: Workload) -> Plan:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Callable[[], Backend]] = {}
+
+
+def register(name: str):
+    def wrap(factory):
+        _REGISTRY[name] = factory
+        return factory
+    return wrap
+
+
+def backend_names() -> list[str]:
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    _load_all()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown backend {name!r}; choose one of {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]()
+
+
+def _load_all():
+    # Importing a backend module registers it; a module whose optional dependency is missing still
+    # registers and reports itself unavailable instead of failing the import.
+    import importlib
+    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "cute.backend"):
+        try:
+            importlib.import_module(f"{__package__}.{mod}")
+        except ModuleNotFoundError as exc:
+            if not exc.name or not exc.name.startswith(__package__):
+                raise
