@@ -1,0 +1,32 @@
+"""KV-outer schedule: each selected (KV head, block) is loaded once and attends every query that chose it.
+
+Data passed between the four stages (all device tensors, shapes fixed per plan, no host reads):
+
+index_map  (selection pages [Hkv, N, topk] -> block-to-query lists and the combine's gather index)
+  key of an edge        = head * num_pages + page            (num_keys = Hkv * num_pages)
+  csr_ptr   [num_keys + 1] int32   edges of each key, in key order
+  csr_query [Hkv * N * topk] int32 query of each edge; within a key, queries ascending
+  tile_ptr  [num_keys + 1] int32   tiles of each key: ceil(count / TILE_Q) each, cumulated
+  combine_index [N, Hkv, topk] int32
+                                   where the (query, head, rank) partial lives: tile * TILE_Q + slot,
+                                   -1 for padding ranks
+  num_tiles_max = Hkv * ceil(N * topk / TILE_Q) + min(Hkv * num_pages, Hkv * N * topk)
+
+schedule   (tile counts -> a contiguous, nearly equal slice of the tile sequence per persistent CTA)
+  tile_key  [num_tiles_max] int32  key of each tile (-1 past the last real tile)
+  tile_edge [num_tiles_max] int32  first edge (index into csr_query) of each tile
+  tile_count[num_tiles_max] int32  queries in the tile (1..TILE_Q; 0 past the end)
+  cta_range [num_ctas, 2] int32    [begin, end) tile range of each CTA
+
+attention  (persistent; K/V of a key loaded once per CTA visit, Q gathered per tile)
+  o_part [num_tiles_max, TILE_Q * G, D] bf16  raw, unnormalized P V; row = slot * G + g
+  m_part [num_tiles_max, TILE_Q * G] fp32     row max of the scaled scores (natural-log units)
+  l_part [num_tiles_max, TILE_Q * G] fp32     row sum of exp(score - m)
+
+combine    (gather each (query, head)'s partials through combine_index, log-sum-exp merge, normalize)
+  out [N, Hq, D] bf16 (fp32 for fp32 inputs), lse [N, Hq] fp32 (natural log)
+
+TILE_Q = 8 query tokens, so a tile is TILE_Q * G = 128 rows with the study's G = 16.
+"""
+
+TILE_Q = 8
