@@ -13,3 +13,7 @@ def require_cuda(what: str) -> None:
     import torch
     if not torch.cuda.is_available():
         raise NoGPUError(f"{what} needs a CUDA GPU and none is visible on this machine")
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here (no GPU, package missing, dtype unsupported); message says why."""

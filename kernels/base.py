@@ -12,13 +12,10 @@ from typing import Callable
 
 import torch
 
+from ..harness.errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
 from ..harness.workload import Workload
 
 STAGE_NAMES = ("index_map", "schedule", "attention", "combine")
-
-
-class BackendUnavailable(RuntimeError):
-    """The backend cannot run here (no GPU, package missing, dtype unsupported); message says why."""
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""Device profiles: the bandwidths, MMA peaks and L2 size the roofline divides by.
+
+Presets carry their sources. A profile written by `msa-bench calibrate` (JSON) loads the same way.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..harness.errors import UserError
+
+TB = 1e12
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    hbm_bytes_per_s: float
+    l2_bytes_per_s: float
+    mma_flops: dict            # {"bf16": flop/s, "fp8": flop/s}
+    l2_bytes: int
+    sms: int
+    source: str = ""
+    measured: dict = field(default_factory=dict)
+
+    def peak_flops(self, dtype: str) -> float:
+        # fp16 runs at the bf16 rate and fp32 inputs run tf32-or-slower: bf16's rate is an upper bound.
+        return self.mma_flops.get(dtype) or self.mma_flops["bf16"]
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+PRESETS: dict[str, DeviceProfile] = {
+    "b200": DeviceProfile(
+        name="b200", hbm_bytes_per_s=7.4 * TB, l2_bytes_per_s=24.0 * TB,
+        mma_flops={"bf16": 2.25e15, "fp8": 4.5e15}, l2_bytes=126 * MIB, sms=148,
+        source="L2 and HBM: the measured peaks quoted by the KV-outer design study (shared/reference/000); "
+               "MMA: NVIDIA B200 datasheet dense rates; L2 size: vendor figure"),
+    "h100": DeviceProfile(
+        name="h100", hbm_bytes_per_s=3.35 * TB, l2_bytes_per_s=8.1 * TB,
+        mma_flops={"bf16": 989e12, "fp8": 1979e12}, l2_bytes=50 * MIB, sms=132,
+        source="HBM and MMA: NVIDIA H100 SXM datasheet; L2 read: the H200 measurement (same GH100 die and "
+               "clocks), not measured on an H100"),
+    "h200": DeviceProfile(
+        name="h200", hbm_bytes_per_s=4.19 * TB, l2_bytes_per_s=8.1 * TB,
+        mma_flops={"bf16": 788e12, "fp8": 1435e12}, l2_bytes=60 * MIB, sms=132,
+        source="measured on the lent H200 on 2026-11-29 (shared/measured/h200.json): HBM copy 4.19 TB/s, "
+               "L2 read 8.1 TB/s, bf16 8192^3 matmul 788 TFLOP/s, fp8 _scaled_mm 1435 TFLOP/s"),
+}
+
+_REQUIRED = {"name": str, "hbm_bytes_per_s": (int, float), "l2_bytes_per_s": (int, float),
+             "mma_flops": dict, "l2_bytes": int, "sms": int}
+
+
+def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
+    for key, kind in _REQUIRED.items():
+        if key not in data:
+            raise UserError(f"device profile {origin}: missing key {key!r}")
+        if not isinstance(data[key], kind) or isinstance(data[key], bool):
+            raise UserError(f"device profile {origin}: key {key!r} has the wrong type")
+    for key in ("hbm_bytes_per_s", "l2_bytes_per_s", "l2_bytes", "sms"):
+        if data[key] <= 0:
+            raise UserError(f"device profile {origin}: {key} must be positive")
+    flops = data["mma_flops"]
+    if "bf16" not in flops or not all(isinstance(v, (int, float)) and v > 0 for v in flops.values()):
+        raise UserError(f"device profile {origin}: mma_flops needs a positive 'bf16' rate (flop/s)")
+    known = {k: data[k] for k in DeviceProfile.__dataclass_fields__ if k in data}
+    return DeviceProfile(**known)
+
+
+def load_device(name_or_path: str) -> DeviceProfile:
+    """A preset by name (b200, h100, h200) or a profile JSON written by `msa-bench calibrate`."""
+    key = name_or_path.lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_path)
+    if path.suffix != ".json" and not path.exists():
+        raise UserError(f"unknown device {name_or_path!r}; use one of {', '.join(PRESETS)} or a profile .json file")
+    if not path.is_file():
+        raise UserError(f"device profile {name_or_path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"device profile {name_or_path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})")
+    if not isinstance(data, dict):
+        raise UserError(f"device profile {name_or_path} must hold a JSON object")
+    return profile_from_dict(data, name_or_path)
+
+
+def profile_for_gpu(gpu_name: str) -> DeviceProfile | None:
+    """The preset for a GPU name as CUDA reports it ('NVIDIA H200' -> h200), or None."""
+    lowered = gpu_name.lower()
+    for key in ("b200", "h200", "h100"):
+        if key in lowered:
+            return PRESETS[key]
+    return None

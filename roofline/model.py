@@ -1,0 +1,203 @@
+"""The one byte/FLOP model of the three schedules, per memory level.
+
+HBM traffic is deduplicated (each tensor crosses HBM once); L2 traffic counts every re-read.
+Predicted time = max(HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, FLOPs / MMA peak).
+
+Beyond the pure bandwidth roofline (the design study's), `l2_capacity=True` adds the caveat the
+study states in words: a gathered operand whose working set exceeds the L2 misses with probability
+1 - L2/working_set (uniform random reuse under LRU), and those misses are HBM traffic too.
+The crossover the study publishes is the capacity-free one (`crossover`); `crossover_at` gives the
+capacity-aware one for a given N.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .devices import DeviceProfile
+
+SCHEDULES = ("q-outer", "kv-outer", "msa-scatter")
+SCHEDULE_OF_BACKEND = {"kv-outer": "kv-outer", "kv-outer-cute": "kv-outer", "flashinfer": "q-outer",
+                       "flashinfer-fa3": "q-outer", "msa-scatter": "msa-scatter", "reference": None}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+INDEX_BYTES = 4
+STAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hq: int = 64
+    hkv: int = 4
+    head_dim: int = 128
+    block: int = 128
+    topk: int = 16
+    dtype: str = "bf16"           # Q/K/V data
+    partial_dtype: str = "bf16"   # partial O written by the KV-outer attention stage
+    out_dtype: str = "bf16"
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def data_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """K plus V of one (KV head, block)."""
+        return 2 * self.block * self.head_dim * self.data_bytes
+
+
+@dataclass
+class Prediction:
+    schedule: str
+    time_s: float
+    binding: str                  # "hbm" | "l2" | "mma"
+    hbm_bytes: float
+    l2_bytes: float
+    flops: float
+    hbm_s: float
+    l2_s: float
+    mma_s: float
+    hbm_terms: dict = field(default_factory=dict)
+    l2_terms: dict = field(default_factory=dict)
+
+
+def useful_flops(shape: ModelShape, n_tokens: float, selected_per_query: float | None = None) -> float:
+    """4 x Hq x D x selected key tokens per query, summed over queries (QK^T and PV, 2 flop per MAC)."""
+    sel = shape.topk if selected_per_query is None else selected_per_query
+    return 4.0 * shape.hq * shape.head_dim * sel * shape.block * n_tokens
+
+
+def _miss_rate(working_set: float, device: DeviceProfile | None) -> float:
+    if device is None or working_set <= 0:
+        return 0.0
+    return max(0.0, 1.0 - device.l2_bytes / working_set)
+
+
+def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selected_per_query: float | None = None,
+            device: DeviceProfile | None = None) -> tuple[dict, dict]:
+    """Byte terms (hbm_terms, l2_terms) for one launch. `device` given -> L2-capacity misses included."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    s = shape
+    n = float(n_tokens)
+    sel = s.topk if selected_per_query is None else selected_per_query
+    d = s.data_bytes
+    edges = n * s.hkv * sel                                   # (query, KV head, selected block) triples
+    q_bytes = n * s.hq * s.head_dim * d
+    out_bytes = n * s.hq * s.head_dim * DTYPE_BYTES[s.out_dtype]
+    kv_unique = nsb * s.kv_block_bytes
+    hbm = {"q_read": q_bytes, "kv_read": kv_unique, "out_write": out_bytes}
+    l2 = dict(hbm)
+
+    if schedule == "q-outer":
+        kv_rereads = edges * s.kv_block_bytes
+        l2["kv_read"] = kv_rereads
+        # page lists: indices per edge plus indptr / last-page length per request
+        index = edges * INDEX_BYTES + n * s.hkv * 3 * INDEX_BYTES
+        hbm["index"] = l2["index"] = index
+        miss = _miss_rate(kv_unique, device)
+        if miss:
+            hbm["kv_l2_miss_reread"] = max(0.0, kv_rereads - kv_unique) * miss
+        return hbm, l2
+
+    part_row = s.group * s.head_dim * DTYPE_BYTES[s.partial_dtype]        # one (query, head, block) partial
+    partials = edges * part_row
+    stats_per_row = 2 if schedule == "kv-outer" else 1                      # (m, l) vs normalized + LSE
+    stats = edges * s.group * stats_per_row * STAT_BYTES
+    hbm.update(partial_write=partials, partial_read=partials, stats_write=stats, stats_read=stats)
+    # selection read; CSR query list written and read; combine index (or slot map) written and read
+    index = edges * INDEX_BYTES * 5
+    hbm["index"] = index
+    l2.update(hbm)
+    q_gather = edges * s.group * s.head_dim * d                             # each query re-read per block
+    l2["q_read"] = q_gather
+    # the work list is head-major, so one KV head's queries form the live gather working set
+    miss = _miss_rate(q_bytes / s.hkv, device)
+    if miss:
+        hbm["q_l2_miss_reread"] = max(0.0, q_gather - q_bytes) * miss
+    return hbm, l2
+
+
+def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
+            selected_per_query: float | None = None, flops: float | None = None,
+            l2_capacity: bool = True) -> Prediction:
+    hbm_terms, l2_terms = traffic(schedule, shape, n_tokens, nsb, selected_per_query,
+                                  device if l2_capacity else None)
+    fl = useful_flops(shape, n_tokens, selected_per_query) if flops is None else flops
+    hbm_b, l2_b = sum(hbm_terms.values()), sum(l2_terms.values())
+    times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
+             "mma": fl / device.peak_flops(shape.dtype)}
+    binding = max(times, key=times.get)
+    return Prediction(schedule=schedule, time_s=times[binding], binding=binding, hbm_bytes=hbm_b, l2_bytes=l2_b,
+                      flops=fl, hbm_s=times["hbm"], l2_s=times["l2"], mma_s=times["mma"],
+                      hbm_terms=hbm_terms, l2_terms=l2_terms)
+
+
+def _lines(schedule: str, shape: ModelShape, device: DeviceProfile) -> list[tuple[float, float]]:
+    """Per-query-token time as max over lines a + b * r of reuse r = nsb / N (capacity-free model)."""
+    h0, l0 = (sum(t.values()) for t in traffic(schedule, shape, 1.0, 0.0))
+    kvb = shape.kv_block_bytes
+    l2_slope = 0.0 if schedule == "q-outer" else kvb     # Q-outer's L2 re-reads don't depend on reuse
+    mma = useful_flops(shape, 1.0) / device.peak_flops(shape.dtype)
+    return [(h0 / device.hbm_bytes_per_s, kvb / device.hbm_bytes_per_s),
+            (l0 / device.l2_bytes_per_s, l2_slope / device.l2_bytes_per_s),
+            (mma, 0.0)]
+
+
+def _time_per_token(lines, r):
+    return max(a + b * r for a, b in lines)
+
+
+def crossover(shape: ModelShape, device: DeviceProfile, challenger: str = "kv-outer") -> float:
+    """Closed form: the nsb/N below which `challenger` is predicted faster than Q-outer (capacity-free).
+
+    Both times are maxima of lines in r, so the crossover is one of the pairwise line intersections
+    (or 0 / infinity): take the largest candidate where the challenger still ties or wins.
+    """
+    q_lines, c_lines = _lines("q-outer", shape, device), _lines(challenger, shape, device)
+    if _time_per_token(c_lines, 0.0) >= _time_per_token(q_lines, 0.0):
+        return 0.0
+    candidates = []
+    for a, b in q_lines:
+        for c, e in c_lines:
+            if e != b:
+                r = (a - c) / (e - b)
+                if r > 0:
+                    candidates.append(r)
+    winning = [r for r in candidates
+               if _time_per_token(c_lines, r) <= _time_per_token(q_lines, r) * (1 + 1e-12)]
+    best = max(winning, default=0.0)
+    # If the challenger still wins just past every intersection, it wins for all reuse.
+    if _time_per_token(c_lines, best * 2 + 1) < _time_per_token(q_lines, best * 2 + 1):
+        return math.inf
+    return best
+
+
+def crossover_numeric(shape: ModelShape, device: DeviceProfile, challenger: str = "kv-outer",
+                      n_tokens: float = 16384.0, l2_capacity: bool = False, hi: float | None = None) -> float:
+    """Bisection on predict(): the largest nsb/N where the challenger is still no slower than Q-outer."""
+    hi = float(shape.topk * shape.hkv) * 4 if hi is None else hi
+
+    def kv_wins(r):
+        t_c = predict(challenger, shape, n_tokens, r * n_tokens, device, l2_capacity=l2_capacity).time_s
+        t_q = predict("q-outer", shape, n_tokens, r * n_tokens, device, l2_capacity=l2_capacity).time_s
+        return t_c <= t_q
+
+    if not kv_wins(0.0):
+        return 0.0
+    if kv_wins(hi):
+        return math.inf
+    lo = 0.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if kv_wins(mid) else (lo, mid)
+    return lo
+
+
+def crossover_at(shape: ModelShape, device: DeviceProfile, n_tokens: float, challenger: str = "kv-outer") -> float:
+    """The capacity-aware crossover for a given N (Q-outer's working set grows with nsb)."""
+    return crossover_numeric(shape, device, challenger, n_tokens=n_tokens, l2_capacity=True,
+                             hi=float(shape.topk * shape.hkv))

@@ -1,0 +1,92 @@
+import json
+import math
+
+import pytest
+
+from msa_bench.roofline.devices import PRESETS, load_device, profile_for_gpu
+from msa_bench.roofline.model import (ModelShape, crossover, crossover_at, crossover_numeric, predict, traffic,
+                                      useful_flops)
+
+SMALL = ModelShape(hq=4, hkv=2, head_dim=8, block=4, topk=2, dtype="bf16")
+
+
+def test_byte_terms_hand_computed_small_shape():
+    # N = 3 tokens, nsb = 4: edges = 3 x 2 x 2 = 12, one K+V block = 2 x 4 x 8 x 2 B = 128 B
+    hbm, l2 = traffic("q-outer", SMALL, 3, 4)
+    assert hbm == {"q_read": 192, "kv_read": 512, "out_write": 192, "index": 12 * 4 + 3 * 2 * 3 * 4}
+    assert l2["kv_read"] == 12 * 128
+    hbm, l2 = traffic("kv-outer", SMALL, 3, 4)
+    assert hbm["partial_write"] == hbm["partial_read"] == 12 * 2 * 8 * 2
+    assert hbm["stats_write"] == hbm["stats_read"] == 12 * 2 * 2 * 4
+    assert hbm["kv_read"] == 512 and hbm["q_read"] == 192 and hbm["index"] == 12 * 4 * 5
+    assert l2["q_read"] == 12 * 2 * 8 * 2 and l2["kv_read"] == 512
+    hbm_s, _ = traffic("msa-scatter", SMALL, 3, 4)
+    assert hbm_s["stats_write"] == 12 * 2 * 1 * 4
+    assert useful_flops(SMALL, 3) == 4 * 4 * 8 * 2 * 4 * 3
+
+
+@pytest.mark.parametrize("schedule", ["q-outer", "kv-outer", "msa-scatter"])
+def test_monotonic_in_nsb(schedule):
+    dev = PRESETS["h200"]
+    shape = ModelShape()
+    last = None
+    for nsb in [0, 64, 512, 4096, 32768, 262144]:
+        p = predict(schedule, shape, 16384, nsb, dev)
+        if last is not None:
+            assert p.hbm_bytes >= last.hbm_bytes and p.l2_bytes >= last.l2_bytes and p.time_s >= last.time_s
+        last = p
+
+
+@pytest.mark.parametrize("device", list(PRESETS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_closed_form_crossover_equals_numeric(device, dtype):
+    shape = ModelShape(dtype=dtype)
+    dev = PRESETS[device]
+    closed, numeric = crossover(shape, dev), crossover_numeric(shape, dev)
+    assert math.isfinite(closed) and closed > 0
+    assert closed == pytest.approx(numeric, rel=1e-9)
+    # just below the crossover KV-outer wins, just above it loses (capacity-free model)
+    n = 16384
+    below = predict("kv-outer", shape, n, 0.99 * closed * n, dev, l2_capacity=False).time_s
+    assert below < predict("q-outer", shape, n, 0.99 * closed * n, dev, l2_capacity=False).time_s
+    above = predict("kv-outer", shape, n, 1.01 * closed * n, dev, l2_capacity=False).time_s
+    assert above > predict("q-outer", shape, n, 1.01 * closed * n, dev, l2_capacity=False).time_s
+
+
+def test_b200_fp8_crossover_matches_the_study():
+    r = crossover(ModelShape(dtype="fp8", partial_dtype="bf16"), load_device("b200"))
+    assert 2.65 <= r <= 3.05
+
+
+def test_binding_resources_follow_the_study():
+    dev, shape = PRESETS["b200"], ModelShape(dtype="fp8")
+    assert predict("q-outer", shape, 16384, 1024, dev, l2_capacity=False).binding == "l2"
+    assert predict("kv-outer", shape, 16384, 1024, dev, l2_capacity=False).binding == "hbm"
+
+
+def test_l2_capacity_adds_hbm_rereads_only_past_l2():
+    dev, shape = PRESETS["h200"], ModelShape()
+    small = predict("q-outer", shape, 2048, 64, dev)        # 64 blocks x 64 KiB = 4 MiB: fits
+    assert "kv_l2_miss_reread" not in small.hbm_terms
+    big = predict("q-outer", shape, 16384, 4096, dev)       # 256 MiB working set
+    assert big.hbm_terms["kv_l2_miss_reread"] > 0 and big.binding == "hbm"
+    assert crossover_at(shape, dev, 16384) >= crossover(shape, dev)
+
+
+def test_profile_roundtrip_and_errors(tmp_path):
+    path = tmp_path / "p.json"
+    PRESETS["h200"].to_json(path)
+    assert load_device(str(path)) == PRESETS["h200"]
+    assert profile_for_gpu("NVIDIA H200") is PRESETS["h200"]
+    from msa_bench.harness.errors import UserError
+    with pytest.raises(UserError, match="unknown device"):
+        load_device("tpu")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_device(str(bad))
+    data = json.loads(path.read_text())
+    data["hbm_bytes_per_s"] = -1
+    bad.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="positive"):
+        load_device(str(bad))
