@@ -1,0 +1,260 @@
+"""KV-outer attention stage for Hopper (sm_90a) in CuTe DSL.
+
+Reads and writes exactly what the Triton attention stage does (see kernels/kv_outer/__init__.py):
+every CTA walks its [begin, end) slice of the scheduler's tile list; a tile is one (KV head, page)
+key and up to TILE_Q queries that chose it. The CTA loads the key's K and V block (block x D) into
+shared memory once per run of tiles with the same key, gathers the tile's Q rows (TILE_Q queries x
+G heads, rows picked through csr_query), and two consumer warpgroups (64 rows each) run
+S = Q K^T and O = P V on wgmma with one softmax step. It stores the raw P V (bf16), the row max
+m and the row sum l (fp32, natural-log units of the scaled score).
+
+Row r of a tile is (slot, g) = divmod(r, G). Rows of empty slots (slot >= tile_count) and keys a
+query may not see (position page_block[page] * block + t > q_limit[query]) are masked: such rows
+end with m = -inf, l = 0, o = 0.
+
+Version 1: synchronous cp.async loads by all threads, P passed through shared memory (SS wgmma
+for both products, which also serves fp8 where the register-A layout differs), no warp
+specialization. fp8 wants K-major operands, so for fp8 V is read d-major ([pages, Hkv, D, block]).
+
+Import this module only with CUTE_DSL_ARCH set (build.py does) when no GPU is present.
+"""
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as cutlass_utils
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+LOG2E = math.log2(math.e)
+DSL_DTYPES = {"bf16": cutlass.BFloat16, "fp8": cutlass.Float8E4M3FN}
+KERNEL_VERSION = "v1-sync-ss"
+
+
+def _row_major_smem_layout(dtype, rows: int, cols: int):
+    """Swizzled shared-memory layout of a (rows, cols) tile whose cols are contiguous (K-major)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+
+
+def _transposed(t: cute.Tensor) -> cute.Tensor:
+    """The (cols, rows) view of a 2-D shared-memory tensor."""
+    return cute.composition(t, cute.make_ordered_layout((t.shape[1], t.shape[0]), order=(1, 0)))
+
+
+def _acc_rows_cols(layout: cute.Layout) -> cute.Layout:
+    """Regroup a wgmma accumulator layout ((2, 2, V), M, N) into ((2, M), (2, V, N)): rows x columns
+    of the values one thread holds, so that a row's values are one mode."""
+    flat = cute.make_layout(layout.shape)
+    s, d = flat.shape, flat.stride
+    rows_cols = cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+        stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
+    return cute.composition(layout, rows_cols)
+
+
+def _rows_cols_view(t: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, _acc_rows_cols(t.layout))
+
+
+class KvOuterAttentionSm90:
+    """One compiled configuration: data dtype, TILE_Q, G (query heads per KV head), D, block."""
+
+    num_threads = 256          # two consumer warpgroups, 64 rows each
+
+    def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128):
+        if dtype not in DSL_DTYPES:
+            raise ValueError(f"CuTe attention supports {', '.join(DSL_DTYPES)}, not {dtype}")
+        if tile_q * group != 128:
+            raise ValueError(f"TILE_Q * G must be 128 (two 64-row warpgroups), got {tile_q} * {group}")
+        if head_dim % 64 or block % 64 or not (64 <= head_dim <= 256) or not (64 <= block <= 256):
+            raise ValueError(f"head_dim and block must be multiples of 64 in [64, 256], got {head_dim}, {block}")
+        self.dtype_name = dtype
+        self.dtype = DSL_DTYPES[dtype]
+        self.v_d_major = dtype == "fp8"
+        self.tile_q, self.group, self.head_dim, self.block = tile_q, group, head_dim, block
+        self.rows = tile_q * group
+
+    # ---- host side (traced once at compile time) --------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCsrQuery: cute.Tensor,
+                 mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
+                 mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
+                 mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
+                 hkv: Int32, num_pages: Int32, scale: Float32, v_scale: Float32,
+                 stream: cuda.CUstream):
+        dt = self.dtype
+        kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, self.block))
+        pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj if const_expr(self.v_d_major) else mnmaj,
+                                             Float32, (2, 1, 1), (64, self.head_dim))
+        sQ_layout = _row_major_smem_layout(dt, self.rows, self.head_dim)
+        sK_layout = _row_major_smem_layout(dt, self.block, self.head_dim)
+        if const_expr(self.v_d_major):
+            sV_layout = _row_major_smem_layout(dt, self.head_dim, self.block)
+        else:
+            sV_layout = _row_major_smem_layout(dt, self.block, self.head_dim)
+        sP_layout = _row_major_smem_layout(dt, self.rows, self.block)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(qk_mma, pv_mma, mQ, mK, mV, mCsrQuery, mTileKey, mTileEdge, mTileCount, mCtaRange,
+                    mPageBlock, mQLimit, mO, mM, mL, hkv, num_pages, scale * LOG2E, scale, v_scale,
+                    sQ_layout, sK_layout, sV_layout, sP_layout).launch(
+            grid=(mCtaRange.shape[0], 1, 1), block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ---- device side ------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mQ: cute.Tensor, mK: cute.Tensor,
+               mV: cute.Tensor, mCsrQuery: cute.Tensor, mTileKey: cute.Tensor, mTileEdge: cute.Tensor,
+               mTileCount: cute.Tensor, mCtaRange: cute.Tensor, mPageBlock: cute.Tensor,
+               mQLimit: cute.Tensor, mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
+               hkv: Int32, num_pages: Int32, scale_log2: Float32, scale: Float32, v_scale: Float32,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
+        dt = self.dtype
+        G, D, BLK, ROWS = self.group, self.head_dim, self.block, self.rows
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+
+        storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sVt = sV if const_expr(self.v_d_major) else _transposed(sV)     # (D, keys) B operand
+
+        # wgmma operand fragments (descriptors over shared memory)
+        thr_qk = qk_mma.get_slice(tidx)
+        thr_pv = pv_mma.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tSsP = thr_qk.partition_C(sP)                                   # where this thread's P goes
+        tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
+
+        # global -> shared: 16-byte cp.async, a row of D (or block) elements per threads_per_row threads
+        vec = 128 // dt.width
+        threads_per_row = D // vec
+        g2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                num_bits_per_copy=128),
+            cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)))
+        thr_g2s = g2s.get_slice(tidx)
+        tQsQ = thr_g2s.partition_D(sQ)
+        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((ROWS, D)))
+        tKsK = thr_g2s.partition_D(sK)
+        tVsV = thr_g2s.partition_D(sV)
+
+        hq = hkv * G
+        begin = mCtaRange[cta, 0]
+        end = mCtaRange[cta, 1]
+        loaded_key = Int32(-1)
+        for t in cutlass.range(begin, end, unroll=1):
+            key = mTileKey[t]
+            if key >= 0:
+                head = key // num_pages
+                page = key - head * num_pages
+                slab = page * hkv + head                  # [pages, Hkv, ...] folded: slab-th block x D tile
+                edge = mTileEdge[t]
+                count = mTileCount[t]
+                if key != loaded_key:
+                    cute.copy(g2s, thr_g2s.partition_S(cute.local_tile(mK, (BLK, D), (slab, 0))), tKsK)
+                    if const_expr(self.v_d_major):
+                        gV = cute.local_tile(mV, (D, BLK), (slab, 0))
+                    else:
+                        gV = cute.local_tile(mV, (BLK, D), (slab, 0))
+                    cute.copy(g2s, thr_g2s.partition_S(gV), tVsV)
+                    loaded_key = key
+                # gather Q: row r = (slot, g) comes from q[csr_query[edge + slot], head * G + g];
+                # empty slots repeat the last query (finite data; their rows are masked below)
+                for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+                    row = tQcQ[0, m, 0][0]
+                    slot = cutlass.min(row // G, count - 1)
+                    query = mCsrQuery[edge + slot]
+                    grow = query * hq + head * G + row % G
+                    for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
+                        col = tQcQ[0, m, k][1]
+                        src_ptr = cute.make_ptr(dt, (mQ.iterator + grow * D + col).toint(),
+                                                cute.AddressSpace.gmem, assumed_align=16)
+                        cute.copy(g2s, cute.make_tensor(src_ptr, tQsQ[None, m, k].layout), tQsQ[None, m, k])
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+
+                # S = Q K^T
+                acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, BLK)), Float32)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(qk_mma, acc_s, tSrQ[None, None, kb], tSrK[None, None, kb], acc_s)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # mask, one softmax step, write m and l
+                s_rc = _rows_cols_view(acc_s)
+                key_base = mPageBlock[page] * BLK
+                for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+                    row = tScS[r, 0][0]
+                    slot = row // G
+                    limit = Int32(-1)
+                    if slot < count:
+                        limit = mQLimit[mCsrQuery[edge + slot]] - key_base
+                    row_max = -Float32.inf
+                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                        if tScS[r, c][1] > limit:
+                            s_rc[r, c] = -Float32.inf
+                        row_max = cutlass.max(row_max, s_rc[r, c])
+                    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+                    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+                    m_shift = Float32(0.0)
+                    if row_max != -Float32.inf:
+                        m_shift = row_max * scale_log2
+                    row_sum = Float32(0.0)
+                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                        p = cute.arch.exp2(s_rc[r, c] * scale_log2 - m_shift)
+                        s_rc[r, c] = p
+                        row_sum += p
+                    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=1)
+                    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=2)
+                    if tidx % 4 == 0:
+                        mM[t * ROWS + row] = row_max * scale
+                        mL[t * ROWS + row] = row_sum
+
+                # P -> shared memory (data dtype), visible to this warpgroup's wgmma
+                r_p = cute.make_rmem_tensor_like(acc_s, dt)
+                r_p.store(acc_s.load().to(dt))
+                cute.autovec_copy(r_p, tSsP)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=1 + warp_group, number_of_threads=128)
+
+                # O = P V
+                acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, D)), Float32)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(pv_mma, acc_o, tOrP[None, None, kb], tOrV[None, None, kb], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
+                r_o.store((acc_o.load() * v_scale).to(cutlass.BFloat16))
+                cute.autovec_copy(r_o, thr_pv.partition_C(cute.local_tile(mO, (ROWS, D), (t, 0))))
+                cute.arch.sync_threads()               # shared Q/P (and K/V) are reused next tile
