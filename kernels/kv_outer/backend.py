@@ -1,0 +1,113 @@
+"""The kv-outer backend: index_map -> schedule -> attention -> combine, all buffers allocated in plan().
+
+The attention stage is pluggable: `KVOuterBackend(attention_impl="triton")` picks a factory from
+ATTENTION_IMPLS. A factory is `factory(workload, buffers, config) -> stage` (config.num_ctas resolved);
+`buffers` is the plan's dict (inputs csr_query, tile_key, tile_edge, tile_count, tile_ptr, cta_range; outputs o_part,
+m_part, l_part, layouts in kv_outer/__init__.py) and `stage()` launches the work on the current
+stream with no host sync. Another implementation (e.g. a CuTe DSL kernel) registers itself with
+`register_attention_impl("cute")(factory)` and is compared stage-for-stage with the Triton one.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..base import Backend, BackendUnavailable, Plan, register
+from ...harness.workload import Workload
+from .config import KVOuterConfig, default_config, resolve_num_ctas
+from .triton_mode import triton_unavailable_reason
+
+AttentionFactory = Callable[[Workload, dict, KVOuterConfig], Callable[[], None]]
+ATTENTION_IMPLS: dict[str, AttentionFactory] = {}
+
+
+def register_attention_impl(name: str):
+    def wrap(factory: AttentionFactory) -> AttentionFactory:
+        ATTENTION_IMPLS[name] = factory
+        return factory
+    return wrap
+
+
+@register_attention_impl("triton")
+def triton_attention(workload: Workload, buffers: dict, config: KVOuterConfig):
+    from .attention import STORE_TILES, Attention
+    return Attention(workload, buffers, config.tile_q, config.num_ctas, config.attn_num_warps,
+                     config.attn_num_stages, STORE_TILES)
+
+
+def partial_dtype(dtype: str) -> torch.dtype:
+    return torch.float32 if dtype == "fp32" else torch.bfloat16
+
+
+def check_shape(w: Workload, tile_q: int, name: str) -> None:
+    """The Triton kernels tile with power-of-two extents and need every MMA dimension >= 16."""
+    s = w.shape
+    for what, v in (("GQA group", s.group), ("head_dim", s.head_dim), ("block", s.block), ("tile_q", tile_q)):
+        if v & (v - 1):
+            raise BackendUnavailable(f"{name} needs a power-of-two {what}, got {v}")
+    if s.head_dim < 16 or s.block < 16 or tile_q * s.group < 16:
+        raise BackendUnavailable(f"{name} needs head_dim, block and tile_q * group >= 16 "
+                                 f"(got {s.head_dim}, {s.block}, {tile_q * s.group})")
+
+
+class KVStationaryBackend(Backend):
+    """Shared availability and configuration of the two KV-stationary schedules."""
+    dtypes = ("bf16", "fp8", "fp16", "fp32")
+
+    def __init__(self, attention_impl: str = "triton", config: KVOuterConfig | None = None):
+        self.attention_impl = attention_impl
+        self.config = config
+
+    def unavailable_reason(self, dtype, device):
+        reason = super().unavailable_reason(dtype, device)
+        if reason:
+            return reason
+        if self.attention_impl not in ATTENTION_IMPLS:
+            return (f"{self.name}: unknown attention implementation {self.attention_impl!r} "
+                    f"(have {', '.join(sorted(ATTENTION_IMPLS))})")
+        return triton_unavailable_reason(device)
+
+    def resolved_config(self, w: Workload) -> KVOuterConfig:
+        """The configuration to plan with, num_ctas resolved for the workload's device."""
+        cfg = self.config or default_config(w.dtype)
+        check_shape(w, cfg.tile_q, self.name)
+        return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
+
+
+@register("kv-outer")
+class KVOuterBackend(KVStationaryBackend):
+    name = "kv-outer"
+    description = ("KV-stationary: each selected (KV head, block) loaded once per CTA visit, raw partial "
+                   "tiles stored contiguously, gathered and merged in a separate combine")
+
+    def _plan(self, w: Workload) -> Plan:
+        from .combine import Combine
+        from .index_map import IndexMap
+        from .scheduler import Schedule
+        cfg = self.resolved_config(w)
+        num_ctas = cfg.num_ctas
+        s, dev = w.shape, w.device
+        index_map = IndexMap(w.pages, w.num_pages, cfg.tile_q)
+        schedule = Schedule(index_map.csr_ptr, index_map.tile_ptr, index_map.num_tiles_max, cfg.tile_q,
+                            num_ctas)
+        rows = index_map.num_tiles_max * cfg.tile_q * s.group
+        buffers = dict(
+            csr_ptr=index_map.csr_ptr, csr_query=index_map.csr_query, tile_ptr=index_map.tile_ptr,
+            combine_index=index_map.combine_index, tile_key=schedule.tile_key,
+            tile_edge=schedule.tile_edge, tile_count=schedule.tile_count, cta_range=schedule.cta_range,
+            o_part=torch.empty(rows, s.head_dim, dtype=partial_dtype(w.dtype), device=dev),
+            m_part=torch.empty(rows, dtype=torch.float32, device=dev),
+            l_part=torch.empty(rows, dtype=torch.float32, device=dev),
+        )
+        out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
+        lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
+        attention = ATTENTION_IMPLS[self.attention_impl](w, buffers, cfg)
+        combine = Combine(w, buffers, out, lse, cfg.combine_pairs, cfg.combine_num_warps)
+        stages = {"index_map": index_map, "schedule": schedule, "attention": attention, "combine": combine}
+        info = dict(attention_impl=self.attention_impl, config=dict(cfg.__dict__),
+                    num_tiles_max=index_map.num_tiles_max, tile_rows=cfg.tile_q * s.group,
+                    v_layout="d-major copy (plan time)" if w.dtype == "fp8" else "cache as is",
+                    partial_dtype=str(partial_dtype(w.dtype)).replace("torch.", ""))
+        return Plan(backend=self.name, stages=stages, output=out, lse=lse,
+                    buffers=buffers, info=info)

@@ -1,0 +1,49 @@
+"""Launch configuration of the KV-stationary stages, with the defaults the GPU tuning picked.
+
+benchmarks/kernels_gpu.py sweeps these knobs on the H200 and prints the best; write the winner into
+TUNED below (per data dtype) to make it the default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from . import TILE_Q
+
+
+@dataclass(frozen=True)
+class KVOuterConfig:
+    tile_q: int = TILE_Q            # query tokens per tile (rows = tile_q * G)
+    num_ctas: int | None = None     # persistent attention grid; None: SM count x ctas_per_sm (4 on CPU)
+    ctas_per_sm: int = 1
+    attn_num_warps: int = 8
+    attn_num_stages: int = 2
+    combine_pairs: int = 4          # (query, KV head) pairs per combine program
+    combine_num_warps: int = 4
+
+    def with_(self, **changes) -> "KVOuterConfig":
+        return replace(self, **changes)
+
+
+TUNED: dict[str, KVOuterConfig] = {
+    "bf16": KVOuterConfig(),
+    "fp16": KVOuterConfig(),
+    "fp8": KVOuterConfig(),
+    "fp32": KVOuterConfig(attn_num_warps=4),
+}
+
+CPU_NUM_CTAS = 4
+
+
+def default_config(dtype: str) -> KVOuterConfig:
+    return TUNED.get(dtype, KVOuterConfig())
+
+
+def resolve_num_ctas(config: KVOuterConfig, device) -> int:
+    import torch
+    if config.num_ctas:
+        return config.num_ctas
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return CPU_NUM_CTAS
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return sms * config.ctas_per_sm
