@@ -68,6 +68,31 @@ def roofline(
     print_roofline(summary)
 
 
+# ---- cute (ahead-of-time CuTe DSL kernels) -----------------------------------------------------
+@app.command("build-kernels")
+def build_kernels(
+    arch: str = typer.Option("sm_90a", help="Target GPU architecture (the CuTe attention stage supports sm_90a)."),
+    out: str = typer.Option("", help="Output directory for the libraries and manifest.json (default: build/cute in the checkout)."),
+    dtype: list[str] = typer.Option([], help="Data dtype(s) to build: bf16, fp8 (repeatable; default: all)."),
+):
+    """Compile the CuTe DSL attention stage for every configuration the sweep can ask for (no GPU needed),
+    link one shared library per configuration and write manifest.json (config, DSL/CUDA versions, arch,
+    source hash). Carry the directory to the GPU host; backend kv-outer-cute loads it there."""
+    from pathlib import Path
+    from .harness.errors import UserError
+    from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, SUPPORTED_ARCHS, sweep_configs
+
+    if arch not in SUPPORTED_ARCHS:
+        raise UserError(f"--arch must be one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
+    bad = [d for d in dtype if d not in DTYPES]
+    if bad:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {bad[0]!r}")
+    from .kernels.cute.build import build_all
+    summary = build_all(sweep_configs(tuple(dtype) or DTYPES), Path(out) if out else DEFAULT_BUILD_DIR, arch,
+                        log=typer.echo)
+    typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
+
+
 def main() -> None:
     """Console entry point: user errors become one line on stderr and a non-zero exit."""
     from .harness.errors import BackendUnavailable, UserError

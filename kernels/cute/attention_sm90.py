@@ -15,6 +15,9 @@ end with m = -inf, l = 0, o = 0.
 Version 1: synchronous cp.async loads by all threads, P passed through shared memory (SS wgmma
 for both products, which also serves fp8 where the register-A layout differs), no warp
 specialization. fp8 wants K-major operands, so for fp8 V is read d-major ([pages, Hkv, D, block]).
+As in the Triton stage, fp8 P is scaled by 2^P_SHIFT before the cast (keeps it out of e4m3's
+subnormals); l is divided back here and the host folds 2^-P_SHIFT into out_scale.
+Tile offsets are 64-bit (o_part exceeds 2^31 elements at the study size).
 
 Import this module only with CUTE_DSL_ARCH set (build.py does) when no GPU is present.
 """
@@ -30,6 +33,8 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
+
+from .manifest import P_SHIFT
 
 LOG2E = math.log2(math.e)
 DSL_DTYPES = {"bf16": cutlass.BFloat16, "fp8": cutlass.Float8E4M3FN}
@@ -59,6 +64,12 @@ def _acc_rows_cols(layout: cute.Layout) -> cute.Layout:
     return cute.composition(layout, rows_cols)
 
 
+def _tile(m: cute.Tensor, offset, shape) -> cute.Tensor:
+    """A compact row-major tile of `shape` starting `offset` (64-bit) elements into m's storage."""
+    ptr = cute.make_ptr(m.element_type, (m.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(shape, stride=cute.make_layout(shape[::-1]).stride[::-1]))
+
+
 def _rows_cols_view(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, _acc_rows_cols(t.layout))
 
@@ -80,6 +91,7 @@ class KvOuterAttentionSm90:
         self.v_d_major = dtype == "fp8"
         self.tile_q, self.group, self.head_dim, self.block = tile_q, group, head_dim, block
         self.rows = tile_q * group
+        self.p_shift = P_SHIFT[dtype]
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
@@ -87,7 +99,7 @@ class KvOuterAttentionSm90:
                  mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
                  mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
                  mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
-                 hkv: Int32, num_pages: Int32, scale: Float32, v_scale: Float32,
+                 hkv: Int32, num_pages: Int32, scale: Float32, out_scale: Float32,
                  stream: cuda.CUstream):
         dt = self.dtype
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -111,7 +123,7 @@ class KvOuterAttentionSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(qk_mma, pv_mma, mQ, mK, mV, mCsrQuery, mTileKey, mTileEdge, mTileCount, mCtaRange,
-                    mPageBlock, mQLimit, mO, mM, mL, hkv, num_pages, scale * LOG2E, scale, v_scale,
+                    mPageBlock, mQLimit, mO, mM, mL, hkv, num_pages, scale * LOG2E, scale, out_scale,
                     sQ_layout, sK_layout, sV_layout, sP_layout).launch(
             grid=(mCtaRange.shape[0], 1, 1), block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -122,7 +134,7 @@ class KvOuterAttentionSm90:
                mV: cute.Tensor, mCsrQuery: cute.Tensor, mTileKey: cute.Tensor, mTileEdge: cute.Tensor,
                mTileCount: cute.Tensor, mCtaRange: cute.Tensor, mPageBlock: cute.Tensor,
                mQLimit: cute.Tensor, mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
-               hkv: Int32, num_pages: Int32, scale_log2: Float32, scale: Float32, v_scale: Float32,
+               hkv: Int32, num_pages: Int32, scale_log2: Float32, scale: Float32, out_scale: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
         dt = self.dtype
@@ -175,12 +187,10 @@ class KvOuterAttentionSm90:
                 edge = mTileEdge[t]
                 count = mTileCount[t]
                 if key != loaded_key:
-                    cute.copy(g2s, thr_g2s.partition_S(cute.local_tile(mK, (BLK, D), (slab, 0))), tKsK)
-                    if const_expr(self.v_d_major):
-                        gV = cute.local_tile(mV, (D, BLK), (slab, 0))
-                    else:
-                        gV = cute.local_tile(mV, (BLK, D), (slab, 0))
-                    cute.copy(g2s, thr_g2s.partition_S(gV), tVsV)
+                    kv_offset = cutlass.Int64(slab) * (BLK * D)
+                    cute.copy(g2s, thr_g2s.partition_S(_tile(mK, kv_offset, (BLK, D))), tKsK)
+                    v_shape = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
+                    cute.copy(g2s, thr_g2s.partition_S(_tile(mV, kv_offset, v_shape)), tVsV)
                     loaded_key = key
                 # gather Q: row r = (slot, g) comes from q[csr_query[edge + slot], head * G + g];
                 # empty slots repeat the last query (finite data; their rows are masked below)
@@ -188,12 +198,13 @@ class KvOuterAttentionSm90:
                     row = tQcQ[0, m, 0][0]
                     slot = cutlass.min(row // G, count - 1)
                     query = mCsrQuery[edge + slot]
-                    grow = query * hq + head * G + row % G
+                    q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
                     for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
                         col = tQcQ[0, m, k][1]
-                        src_ptr = cute.make_ptr(dt, (mQ.iterator + grow * D + col).toint(),
-                                                cute.AddressSpace.gmem, assumed_align=16)
-                        cute.copy(g2s, cute.make_tensor(src_ptr, tQsQ[None, m, k].layout), tQsQ[None, m, k])
+                        src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
+                                                             cute.AddressSpace.gmem, assumed_align=16),
+                                               tQsQ[None, m, k].layout)
+                        cute.copy(g2s, src, tQsQ[None, m, k])
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_view_async_shared()
@@ -224,9 +235,9 @@ class KvOuterAttentionSm90:
                         row_max = cutlass.max(row_max, s_rc[r, c])
                     row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
                     row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
-                    m_shift = Float32(0.0)
+                    m_shift = Float32(-self.p_shift)             # p = exp(score - m) * 2^P_SHIFT
                     if row_max != -Float32.inf:
-                        m_shift = row_max * scale_log2
+                        m_shift = row_max * scale_log2 - self.p_shift
                     row_sum = Float32(0.0)
                     for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                         p = cute.arch.exp2(s_rc[r, c] * scale_log2 - m_shift)
@@ -236,7 +247,7 @@ class KvOuterAttentionSm90:
                     row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=2)
                     if tidx % 4 == 0:
                         mM[t * ROWS + row] = row_max * scale
-                        mL[t * ROWS + row] = row_sum
+                        mL[t * ROWS + row] = row_sum * (1.0 / (1 << self.p_shift))
 
                 # P -> shared memory (data dtype), visible to this warpgroup's wgmma
                 r_p = cute.make_rmem_tensor_like(acc_s, dt)
@@ -255,6 +266,6 @@ class KvOuterAttentionSm90:
                 warpgroup.wait_group(0)
 
                 r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-                r_o.store((acc_o.load() * v_scale).to(cutlass.BFloat16))
-                cute.autovec_copy(r_o, thr_pv.partition_C(cute.local_tile(mO, (ROWS, D), (t, 0))))
+                r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+                cute.autovec_copy(r_o, thr_pv.partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D))))
                 cute.arch.sync_threads()               # shared Q/P (and K/V) are reused next tile

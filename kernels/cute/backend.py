@@ -1,0 +1,90 @@
+"""kv-outer-cute: the kv-outer stages (index_map, schedule, combine) with the CuTe DSL attention stage.
+
+The attention stage is registered as kv-outer's attention implementation "cute"; it reads the plan's
+buffers (kernels/kv_outer/__init__.py) and writes o_part, m_part, l_part exactly as the Triton stage
+does, so the combine is shared. It needs a CUDA GPU of a built arch and a prebuilt library (see
+kernels/cute/manifest.py, `msa-bench build-kernels`), or the DSL installed to compile on the spot.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..base import BackendUnavailable, register
+from ..kv_outer.backend import KVOuterBackend, register_attention_impl
+from .manifest import DTYPES, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, device_arch, find_library
+
+
+def cute_config_for(workload, tile_q: int) -> CuteConfig:
+    """The library configuration a workload needs, or BackendUnavailable if the kernel has none."""
+    s = workload.shape
+    if workload.dtype not in DTYPES:
+        raise BackendUnavailable(f"the CuTe attention stage supports {', '.join(DTYPES)}, not {workload.dtype}")
+    if tile_q * s.group != 128 or s.head_dim != 128 or s.block != 128:
+        raise BackendUnavailable(
+            f"the CuTe attention stage is built for TILE_Q * G = 128, D = 128, block = 128 "
+            f"(got TILE_Q {tile_q}, G {s.group}, D {s.head_dim}, block {s.block})")
+    return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block)
+
+
+class CuteAttentionStage:
+    """Binds a loaded library to a plan's buffers; calling it launches one persistent grid on the
+    current CUDA stream (CUDA-graph capturable: no host sync, no allocation)."""
+
+    def __init__(self, workload, buffers: dict, config):
+        from .loader import resolve_library
+        w = workload
+        self.cfg = cute_config_for(w, config.tile_q)
+        self.library = resolve_library(self.cfg, w.device)
+        self.library.load_module()
+        # fp8 wgmma wants K-major operands: V d-major ([pages, Hkv, D, block]), made once here.
+        self.v = w.v_cache.transpose(-1, -2).contiguous() if w.dtype == "fp8" else w.v_cache
+        b = buffers
+        tensors = [w.q, w.k_cache, self.v, b["csr_query"], b["tile_key"], b["tile_edge"], b["tile_count"],
+                   b["cta_range"], w.page_block, w.q_limit, b["o_part"], b["m_part"], b["l_part"]]
+        widths = [w.shape.head_dim, w.shape.head_dim, self.v.shape[-1], 1, 1, 1, 1, 2, 1, 1,
+                  w.shape.head_dim, 1, 1]
+        for t in tensors:
+            if not t.is_contiguous() or t.device != w.device:
+                raise BackendUnavailable("the CuTe attention stage needs contiguous tensors on the workload's device")
+        self.keep = tensors                                  # the pointers stay valid while the stage lives
+        self.packed = self.library.pack([t.data_ptr() for t in tensors],
+                                        [t.numel() // wd for t, wd in zip(tensors, widths)])
+        self.hkv, self.num_pages = w.shape.hkv, w.num_pages
+        self.scale = w.sm_scale * w.q_scale * w.k_scale
+        self.out_scale = w.v_scale / 2.0 ** P_SHIFT[w.dtype]
+        self.device = w.device
+
+    def __call__(self) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.library.launch(self.packed, self.hkv, self.num_pages, self.scale, self.out_scale, stream)
+
+
+@register_attention_impl("cute")
+def cute_attention(workload, buffers: dict, config):
+    return CuteAttentionStage(workload, buffers, config)
+
+
+@register("kv-outer-cute")
+class KVOuterCuteBackend(KVOuterBackend):
+    name = "kv-outer-cute"
+    description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
+    dtypes = DTYPES
+
+    def __init__(self, config=None):
+        super().__init__(attention_impl="cute", config=config)
+
+    def unavailable_reason(self, dtype, device):
+        reason = super().unavailable_reason(dtype, device)
+        if reason:
+            return reason
+        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+            return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
+        arch = device_arch(device)
+        if arch not in SUPPORTED_ARCHS:
+            return f"{self.name} is built for {', '.join(SUPPORTED_ARCHS)}; this GPU is {arch}"
+        from .build import dsl_unavailable_reason
+        from .loader import build_dir
+        _, why = find_library(CuteConfig(dtype), build_dir(), arch)
+        if why and dsl_unavailable_reason() is not None:
+            return why
+        return None

@@ -1,0 +1,167 @@
+"""Ahead-of-time build of the CuTe DSL attention stage: DSL compile -> export_to_c -> shared library.
+
+Needs nvidia-cutlass-dsl[cu13]==4.8.1, g++ and the CUDA 13 headers/libcudart; no GPU (the target
+arch comes from CUTE_DSL_ARCH, set here before cutlass is imported). Each configuration becomes
+lib<name>.so: the exported object, the DSL's static CUDA-dialect runtime and a small C shim
+(shim_template.cpp) that loads the module once and launches on a caller-given stream.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ...harness.errors import UserError
+from .manifest import (DEFAULT_ARCH, SUPPORTED_ARCHS, CuteConfig, config_entry, write_manifest)
+
+DSL_PIP = 'pip install "nvidia-cutlass-dsl[cu13]==4.8.1"'
+TENSOR_ARGS = ("mQ", "mK", "mV", "mCsrQuery", "mTileKey", "mTileEdge", "mTileCount", "mCtaRange",
+               "mPageBlock", "mQLimit", "mO", "mM", "mL")
+
+
+class BuildError(UserError):
+    """The CuTe build could not be done; the message is one line."""
+
+
+def dsl_unavailable_reason() -> str | None:
+    import importlib.util
+    if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return f"nvidia-cutlass-dsl is not installed ({DSL_PIP})"
+    return None
+
+
+def _import_dsl(arch: str):
+    if arch not in SUPPORTED_ARCHS:
+        raise BuildError(f"unsupported arch {arch!r}; the CuTe attention stage targets {', '.join(SUPPORTED_ARCHS)}")
+    reason = dsl_unavailable_reason()
+    if reason:
+        raise BuildError(reason)
+    prior = os.environ.get("CUTE_DSL_ARCH")
+    if "cutlass" in sys.modules and prior not in (None, arch):
+        raise BuildError(f"cutlass was already imported for {prior}; build {arch} in a fresh process")
+    os.environ["CUTE_DSL_ARCH"] = arch
+    import cutlass  # noqa: F401  (reads CUTE_DSL_ARCH on import)
+
+
+def dsl_version() -> str:
+    from importlib.metadata import version
+    return version("nvidia-cutlass-dsl")
+
+
+def cuda_home() -> Path:
+    return Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
+
+
+def cuda_version() -> str:
+    header = cuda_home() / "include" / "cuda_runtime_api.h"
+    try:
+        found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", header.read_text())
+    except OSError:
+        found = None
+    if not found:
+        raise BuildError(f"CUDA headers not found at {header.parent} (set CUDA_HOME)")
+    v = int(found.group(1))
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def dsl_runtime_lib() -> Path:
+    import cutlass
+    major = cuda_version().split(".")[0]
+    lib = Path(cutlass.__file__).resolve().parents[2] / f"cu{major}" / "lib" / "libcuda_dialect_runtime_static.a"
+    if not lib.is_file():
+        raise BuildError(f"DSL runtime {lib} not found: install the cu{major} flavour ({DSL_PIP})")
+    return lib
+
+
+def _fake_args(cfg: CuteConfig):
+    """Argument descriptions for cute.compile: leading extents dynamic, rows contiguous."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor as fake
+
+    from .attention_sm90 import DSL_DTYPES
+    dt, D = DSL_DTYPES[cfg.dtype], cfg.head_dim
+    v_cols = cfg.block if cfg.dtype == "fp8" else D        # fp8: V d-major, rows of `block` keys
+
+    def mat(dtype, cols):
+        return fake(dtype, (cute.SymInt(), cols), stride_order=(1, 0), assumed_align=16)
+
+    def vec(dtype):
+        return fake(dtype, (cute.SymInt(),), assumed_align=4)
+
+    i32 = cutlass.Int32
+    return [mat(dt, D), mat(dt, D), mat(dt, v_cols), vec(i32), vec(i32), vec(i32), vec(i32),
+            fake(i32, (cute.SymInt(), 2), stride_order=(1, 0), assumed_align=8), vec(i32), vec(i32),
+            mat(cutlass.BFloat16, D), vec(cutlass.Float32), vec(cutlass.Float32),
+            i32(1), i32(1), cutlass.Float32(1.0), cutlass.Float32(1.0), cuda.CUstream(0)]
+
+
+def _check_header(header: Path, name: str) -> None:
+    text = header.read_text()
+    for arg in TENSOR_ARGS:
+        body = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{name}_Tensor_{arg}_t;"), text)
+        if body is None or "dynamic_strides" in body.group(1) or "dynamic_shapes[1]" not in body.group(1):
+            raise BuildError(f"{header.name}: tensor {arg} is not exported as data + one dynamic extent; "
+                             "shim_template.cpp needs updating")
+
+
+def _link(cfg: CuteConfig, obj_dir: Path, out: Path) -> None:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise BuildError("no C++ compiler found (g++ or $CXX) to link the CuTe libraries")
+    template = (Path(__file__).resolve().parent / "shim_template.cpp").read_text()
+    shim = obj_dir / f"{cfg.name}_shim.cpp"
+    shim.write_text(template.replace("KVO_NAME", cfg.name))
+    cuda = cuda_home()
+    cmd = [cxx, "-shared", "-fPIC", "-O2", "-o", str(out), str(shim), str(obj_dir / f"{cfg.name}.o"),
+           str(dsl_runtime_lib()), f"-I{obj_dir}", f"-I{cuda / 'include'}", f"-L{cuda / 'lib64'}",
+           "-lcudart", "-Wl,--no-undefined", "-Wl,--exclude-libs,ALL"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
+        raise BuildError(f"linking {out.name} failed: {first}")
+
+
+def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Path:
+    """Compile one configuration for `arch` into out_dir/lib<name>.so; returns the library path."""
+    _import_dsl(arch)
+    import cutlass.cute as cute
+
+    from .attention_sm90 import KvOuterAttentionSm90
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{cfg.name}_") as tmp:
+        tmp = Path(tmp)
+        kernel = KvOuterAttentionSm90(cfg.dtype, cfg.tile_q, cfg.group, cfg.head_dim, cfg.block)
+        try:
+            compiled = cute.compile(kernel, *_fake_args(cfg))
+            compiled.export_to_c(file_path=str(tmp), file_name=cfg.name, function_prefix=cfg.name)
+        except Exception as exc:  # a DSL compile error: report its first line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise BuildError(f"CuTe compile of {cfg.name} for {arch} failed: {first}") from exc
+        _check_header(tmp / f"{cfg.name}.h", cfg.name)
+        lib = out_dir / cfg.library
+        _link(cfg, tmp, lib)
+    return lib
+
+
+def build_all(configs: list[CuteConfig], out_dir: Path, arch: str = DEFAULT_ARCH, log=print) -> dict:
+    """Build every configuration and write the manifest; returns a summary dict."""
+    _import_dsl(arch)
+    from .attention_sm90 import KERNEL_VERSION
+    out_dir = Path(out_dir)
+    entries, start = [], time.perf_counter()
+    for cfg in configs:
+        t0 = time.perf_counter()
+        lib = build_config(cfg, out_dir, arch)
+        entries.append(config_entry(cfg, lib))
+        log(f"built {lib} ({lib.stat().st_size // 1024} KiB, {time.perf_counter() - t0:.1f} s)")
+    manifest = write_manifest(out_dir, arch, dsl_version(), cuda_version(), KERNEL_VERSION, entries)
+    return dict(manifest=str(manifest), libraries=[e["library"] for e in entries],
+                seconds=round(time.perf_counter() - start, 1))

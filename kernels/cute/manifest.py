@@ -1,0 +1,128 @@
+"""What a CuTe DSL build holds and whether it may run here. Imports no DSL: the GPU host reads it.
+
+A build directory holds one shared library per configuration plus manifest.json:
+  {"format", "arch", "dsl_version", "cuda_version", "source_hash", "kernel_version", "built_at",
+   "configs": [{"name", "dtype", "tile_q", "group", "head_dim", "block", "library", "sha256"}]}
+A library runs only if the manifest's arch is the device's, its source_hash is the hash of the
+kernel sources in this checkout (SOURCE_FILES), and the file's sha256 matches the manifest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+DEFAULT_ARCH = "sm_90a"
+SUPPORTED_ARCHS = ("sm_90a",)
+DTYPES = ("bf16", "fp8")
+P_SHIFT = {"bf16": 0, "fp8": 8}   # fp8 P is cast as P * 2^P_SHIFT (as in the Triton stage)
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]          # the repository root is the package
+DEFAULT_BUILD_DIR = PACKAGE_ROOT / "build" / "cute"
+# Files whose content decides the compiled code and the library's C ABI.
+SOURCE_FILES = ("attention_sm90.py", "build.py", "shim_template.cpp", "manifest.py")
+
+
+@dataclass(frozen=True)
+class CuteConfig:
+    dtype: str
+    tile_q: int = 8
+    group: int = 16
+    head_dim: int = 128
+    block: int = 128
+
+    @property
+    def name(self) -> str:
+        return f"kvo_attn_{self.dtype}_q{self.tile_q}g{self.group}d{self.head_dim}b{self.block}"
+
+    @property
+    def library(self) -> str:
+        return f"lib{self.name}.so"
+
+
+def sweep_configs(dtypes=DTYPES) -> list[CuteConfig]:
+    """Every configuration the sweep can ask the CuTe stage for: the study geometry (G = 16, so a
+    TILE_Q = 8 tile is 128 rows, D = 128, block = 128) in each data dtype."""
+    return [CuteConfig(d) for d in dtypes]
+
+
+def source_hash() -> str:
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in SOURCE_FILES:
+        h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def device_arch(device=None) -> str:
+    """The sm_XX(a) name of a CUDA device, as the DSL names targets (Hopper: sm_90a)."""
+    import torch
+    major, minor = torch.cuda.get_device_capability(device)
+    suffix = "a" if major >= 9 else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+def write_manifest(out_dir: Path, arch: str, dsl_version: str, cuda_version: str, kernel_version: str,
+                   entries: list[dict]) -> Path:
+    """Write the manifest; entries of an existing manifest from the same sources and arch are kept
+    unless rebuilt (so building one dtype does not drop the other)."""
+    import datetime
+    path = Path(out_dir) / MANIFEST_NAME
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    if old.get("source_hash") == source_hash() and old.get("arch") == arch and old.get("format") == MANIFEST_FORMAT:
+        rebuilt = {e["name"] for e in entries}
+        entries = [e for e in old.get("configs", []) if e.get("name") not in rebuilt] + list(entries)
+    data = dict(format=MANIFEST_FORMAT, arch=arch, dsl_version=dsl_version, cuda_version=cuda_version,
+                source_hash=source_hash(), kernel_version=kernel_version,
+                built_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                configs=entries)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def config_entry(cfg: CuteConfig, library_path: Path) -> dict:
+    return dict(asdict(cfg), name=cfg.name, library=cfg.library, sha256=file_sha256(library_path))
+
+
+def build_command(cfg: CuteConfig, build_dir: Path, arch: str) -> str:
+    out = "" if Path(build_dir).resolve() == DEFAULT_BUILD_DIR else f" --out {build_dir}"
+    return f"msa-bench build-kernels --arch {arch} --dtype {cfg.dtype}{out}"
+
+
+def find_library(cfg: CuteConfig, build_dir: Path, arch: str) -> tuple[Path | None, str | None]:
+    """(path, None) for a library that may run `cfg` on `arch`, else (None, one-line reason)."""
+    build_dir = Path(build_dir)
+    rebuild = build_command(cfg, build_dir, arch)
+    manifest = build_dir / MANIFEST_NAME
+    if not manifest.is_file():
+        return None, f"no CuTe build at {build_dir} (no {MANIFEST_NAME}); run `{rebuild}`"
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable CuTe manifest {manifest}: {exc}; run `{rebuild}`"
+    if data.get("format") != MANIFEST_FORMAT:
+        return None, f"CuTe manifest {manifest} has format {data.get('format')}, expected {MANIFEST_FORMAT}; run `{rebuild}`"
+    if data.get("arch") != arch:
+        return None, f"CuTe build in {build_dir} is for {data.get('arch')}, this GPU is {arch}; run `{rebuild}`"
+    current = source_hash()
+    if data.get("source_hash") != current:
+        return None, (f"CuTe build in {build_dir} is stale (built from sources {data.get('source_hash')}, "
+                      f"checkout has {current}); run `{rebuild}`")
+    entry = next((e for e in data.get("configs", []) if e.get("name") == cfg.name), None)
+    if entry is None:
+        return None, f"CuTe build in {build_dir} has no {cfg.name}; run `{rebuild}`"
+    path = build_dir / entry["library"]
+    if not path.is_file():
+        return None, f"CuTe library {path} listed in the manifest is missing; run `{rebuild}`"
+    if file_sha256(path) != entry.get("sha256"):
+        return None, f"CuTe library {path} does not match its manifest checksum; run `{rebuild}`"
+    return path, None

@@ -1,0 +1,40 @@
+// C entry points of one compiled CuTe DSL attention configuration (KVO_NAME is replaced by
+// kernels/cute/build.py with the configuration name). Python calls them through ctypes:
+//   KVO_NAME_load()                 loads the embedded module once; returns a cudaError_t
+//   KVO_NAME_launch(ptrs, rows, ...) launches on `stream`; returns a cudaError_t
+// ptrs[i] / rows[i] are the data pointer and the dynamic leading extent of tensor argument i, in
+// the order of KvOuterAttentionSm90.__call__ (q, k, v, csr_query, tile_key, tile_edge, tile_count,
+// cta_range, page_block, q_limit, o_part, m_part, l_part).
+#include "KVO_NAME.h"
+
+static KVO_NAME_Kernel_Module_t kvo_module;
+static int kvo_loaded = 0;
+
+extern "C" int KVO_NAME_load(void) {
+  if (!kvo_loaded) {
+    KVO_NAME_Kernel_Module_Load(&kvo_module);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return (int)err;
+    kvo_loaded = 1;
+  }
+  return 0;
+}
+
+#define KVO_TENSOR(arg, i)          \
+  KVO_NAME_Tensor_##arg##_t arg;    \
+  arg.data = ptrs[i];               \
+  arg.dynamic_shapes[0] = rows[i];
+
+extern "C" int KVO_NAME_launch(void *const *ptrs, const int32_t *rows, int32_t hkv, int32_t num_pages,
+                               float scale, float out_scale, void *stream) {
+  if (!kvo_loaded) return (int)cudaErrorInitializationError;
+  KVO_TENSOR(mQ, 0) KVO_TENSOR(mK, 1) KVO_TENSOR(mV, 2) KVO_TENSOR(mCsrQuery, 3)
+  KVO_TENSOR(mTileKey, 4) KVO_TENSOR(mTileEdge, 5) KVO_TENSOR(mTileCount, 6)
+  KVO_TENSOR(mCtaRange, 7) KVO_TENSOR(mPageBlock, 8) KVO_TENSOR(mQLimit, 9)
+  KVO_TENSOR(mO, 10) KVO_TENSOR(mM, 11) KVO_TENSOR(mL, 12)
+  int32_t ret = cute_dsl_KVO_NAME_wrapper(&kvo_module, &mQ, &mK, &mV, &mCsrQuery, &mTileKey, &mTileEdge,
+                                          &mTileCount, &mCtaRange, &mPageBlock, &mQLimit, &mO, &mM, &mL,
+                                          hkv, num_pages, scale, out_scale, (cudaStream_t)stream);
+  if (ret != 0) return (int)ret;
+  return (int)cudaPeekAtLastError();
+}
