@@ -1,0 +1,95 @@
+"""Where and with what a run was measured: device, software versions, source tree, command, scenario."""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import os
+import platform
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _version(dist: str, module: str | None = None) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        pass
+    if module:
+        try:
+            mod = __import__(module)
+            return str(getattr(mod, "__version__", "unknown"))
+        except ImportError:
+            pass
+    return "not installed"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(SOURCE_ROOT), *args], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def source_tree() -> dict:
+    """Commit and dirty flag of the msa-bench checkout, or 'unknown' when it is not a git checkout."""
+    top = _git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != SOURCE_ROOT:
+        return {"git_commit": "unknown", "git_dirty": "unknown"}
+    commit = _git("rev-parse", "HEAD") or "unknown"
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": commit, "git_dirty": "unknown" if status is None else bool(status)}
+
+
+def device_info(device) -> dict:
+    """Name, SM count, L2 size and driver of the CUDA device; a CPU description otherwise."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        cpu = platform.processor() or platform.machine()
+        return {"device_kind": "cpu", "device_name": f"CPU ({cpu}, {os.cpu_count()} cores)",
+                "gpu_name": None, "sm_count": None, "l2_bytes": None, "driver": None}
+    props = torch.cuda.get_device_properties(device)
+    driver = None
+    try:
+        import pynvml as nv
+        nv.nvmlInit()
+        driver = nv.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:
+        driver = "unknown (NVML unavailable)"
+    return {"device_kind": "cuda", "device_name": props.name, "gpu_name": props.name,
+            "sm_count": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
+            "compute_capability": f"{props.major}.{props.minor}", "driver": driver}
+
+
+def file_sha256(path: str | Path | None) -> str | None:
+    if not path:
+        return None
+    p = Path(path)
+    return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+
+
+def collect(device, scenario_name: str, scenario_file: str | Path | None, argv: list[str] | None = None) -> dict:
+    import torch
+    return {
+        **device_info(device),
+        "cuda": torch.version.cuda or "none",
+        "torch": torch.__version__,
+        "triton": _version("triton", "triton"),
+        "flashinfer": _version("flashinfer-python", "flashinfer"),
+        "python": platform.python_version(),
+        **source_tree(),
+        "command": " ".join(argv if argv is not None else sys.argv),
+        "scenario": scenario_name,
+        "scenario_file": str(scenario_file) if scenario_file else None,
+        "scenario_sha256": file_sha256(scenario_file),
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+    }

@@ -1,0 +1,89 @@
+"""GPU telemetry through NVML: clocks, power, temperature and clock-event (throttle) reasons.
+
+Sampled before and after each timed point; a point during which a thermal, power or hardware
+slowdown bit was set is flagged, since its timings do not reflect the GPU at its normal clocks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# NVML clock-event reason bits (nvml.h, nvmlClocksEventReason*): the ones that mean "slowed down".
+SLOWDOWN_BITS = {
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+}
+OTHER_BITS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x10: "sync_boost",
+              0x100: "display_clock_setting"}
+
+
+def reason_names(mask: int) -> list[str]:
+    names = {**SLOWDOWN_BITS, **OTHER_BITS}
+    return [name for bit, name in sorted(names.items()) if mask & bit]
+
+
+def is_throttled(mask: int) -> bool:
+    return any(mask & bit for bit in SLOWDOWN_BITS)
+
+
+@dataclass
+class Telemetry:
+    """One GPU's NVML handle, or the reason there is none (`available` False)."""
+    available: bool
+    reason: str = ""
+    _handle: object = None
+
+    def sample(self) -> dict:
+        if not self.available:
+            return {}
+        import pynvml as nv
+        h = self._handle
+        get_reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        mask = int(get_reasons(h))
+        return {"sm_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                "mem_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
+                "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                "temperature_c": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                "clock_event_reasons": mask}
+
+
+def open_telemetry(device) -> Telemetry:
+    """NVML for the CUDA device `device`; on CPU or without NVML an unavailable Telemetry saying why."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return Telemetry(False, "telemetry unavailable: not a CUDA device")
+    try:
+        import pynvml as nv
+        nv.nvmlInit()
+    except Exception as exc:  # ImportError or an NVMLError (no driver library)
+        return Telemetry(False, f"telemetry unavailable: NVML could not start ({exc})")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        # Match by UUID: the CUDA index differs from NVML's under CUDA_VISIBLE_DEVICES.
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        handle = nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            return Telemetry(False, "telemetry unavailable: could not match the CUDA device to NVML by UUID")
+        handle = nv.nvmlDeviceGetHandleByIndex(index)
+    return Telemetry(True, "", handle)
+
+
+def point_telemetry(before: dict, after: dict) -> dict:
+    """Flat columns for one timed point: both samples, the union of reasons and the throttle flag."""
+    if not before and not after:
+        return {"telemetry": "unavailable"}
+    row = {"telemetry": "nvml"}
+    for tag, sample in (("before", before), ("after", after)):
+        for key, value in sample.items():
+            row[f"{key}_{tag}"] = value
+    mask = int(before.get("clock_event_reasons", 0)) | int(after.get("clock_event_reasons", 0))
+    row["clock_event_names"] = ",".join(reason_names(mask))
+    row["throttled"] = is_throttled(mask)
+    return row

@@ -1,0 +1,168 @@
+"""Timing protocol: every stage alone and the whole module, L2 cold, raw samples kept.
+
+GPU: each stage is captured into its own CUDA graph and the whole module into one more. One timed
+sample is: replay the preceding stages' graphs (so the stage's inputs are real), write a buffer of
+twice the L2 size (evicts the L2), record an event, replay the graph, record an event. Warm-up
+replays first, then at least `reps` samples; while the coefficient of variation exceeds `cv_target`
+more samples are taken, up to `max_reps`.
+
+CPU: the same loop with the plain stage callables and host perf_counter (no L2 flush, fewer reps).
+Those numbers only exercise the pipeline; they are labelled timer="cpu" everywhere.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+TIMER_GPU = "cuda-graph"
+TIMER_CPU = "cpu"
+MODULE = "module"
+PLAN = "plan"
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    warmup: int = 5
+    reps: int = 20
+    max_reps: int = 200
+    cv_target: float = 0.03
+    cpu_warmup: int = 1
+    cpu_reps: int = 5
+    cpu_max_reps: int = 10
+
+    @classmethod
+    def from_dict(cls, values: dict | None, reps: int | None = None) -> "TimingConfig":
+        """Scenario `timing` table plus the CLI's --reps (which sets both GPU and CPU rep counts)."""
+        known = {f.name: f.type for f in fields(cls)}
+        kwargs = {}
+        for key, value in (values or {}).items():
+            if key not in known:
+                continue  # other timing keys belong to other stages of the run
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UserError(f"timing.{key} must be a number, got {value!r}")
+            kwargs[key] = float(value) if key == "cv_target" else int(value)
+        if reps is not None:
+            if reps < 1:
+                raise UserError(f"--reps must be at least 1, got {reps}")
+            kwargs.update(reps=reps, cpu_reps=reps)
+            kwargs["max_reps"] = max(kwargs.get("max_reps", cls.max_reps), reps)
+            kwargs["cpu_max_reps"] = max(kwargs.get("cpu_max_reps", cls.cpu_max_reps), reps)
+        cfg = cls(**kwargs)
+        if cfg.reps < 1 or cfg.cpu_reps < 1 or cfg.warmup < 0 or cfg.cpu_warmup < 0 or cfg.cv_target <= 0:
+            raise UserError("timing: reps must be >= 1, warmup >= 0 and cv_target > 0")
+        return cfg
+
+
+@dataclass
+class StageSamples:
+    stage: str
+    seconds: list[float]
+    timer: str
+    converged: bool              # CV within target when the loop stopped (always True for `plan`)
+
+
+def summarize(seconds: list[float]) -> dict[str, float]:
+    """Order statistics and spread of raw samples (seconds)."""
+    a = np.asarray(seconds, dtype=np.float64)
+    mean = float(a.mean())
+    std = float(a.std(ddof=1)) if len(a) > 1 else 0.0
+    p25, median, p75 = (float(x) for x in np.percentile(a, [25, 50, 75]))
+    return {"median_s": median, "p25_s": p25, "p75_s": p75, "iqr_s": p75 - p25, "mean_s": mean,
+            "min_s": float(a.min()), "max_s": float(a.max()), "std_s": std,
+            "cv": std / mean if mean > 0 else 0.0, "n_reps": float(len(a))}
+
+
+def coefficient_of_variation(seconds: list[float]) -> float:
+    if len(seconds) < 2:
+        return 0.0
+    mean = statistics.fmean(seconds)
+    return statistics.stdev(seconds) / mean if mean > 0 else 0.0
+
+
+class _HostClock:
+    timer = TIMER_CPU
+
+    def __init__(self, plan):
+        self.targets: dict[str, Callable[[], None]] = dict(plan.stages)
+        self.targets[MODULE] = plan.run
+
+    def batch(self, target, before, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            for fn in before:
+                fn()
+            start = time.perf_counter()
+            target()
+            out.append(time.perf_counter() - start)
+        return out
+
+
+class _GraphClock:
+    timer = TIMER_GPU
+
+    def __init__(self, plan, device: torch.device):
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device)
+        plan.run()                      # compiles kernels and fills every intermediate buffer once
+        torch.cuda.synchronize(device)
+        self.targets: dict[str, Callable[[], None]] = {}
+        self._graphs = []               # keep graphs alive
+        for name, fn in plan.stages.items():
+            self.targets[name] = self._capture(fn)
+        self.targets[MODULE] = self._capture(plan.run)
+        torch.cuda.synchronize(device)
+
+    def _capture(self, fn) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        self._graphs.append(graph)
+        return graph.replay
+
+    def batch(self, target, before, n: int) -> list[float]:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for i in range(n):
+            for replay in before:
+                replay()
+            self.flush.zero_()
+            starts[i].record()
+            target()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+
+
+def _measure(clock, name: str, target, before, warmup: int, reps: int, max_reps: int,
+             cv_target: float) -> StageSamples:
+    if warmup:
+        clock.batch(target, before, warmup)
+    seconds = clock.batch(target, before, reps)
+    while coefficient_of_variation(seconds) > cv_target and len(seconds) < max_reps:
+        seconds += clock.batch(target, before, min(len(seconds), max_reps - len(seconds)))
+    return StageSamples(name, seconds, clock.timer, coefficient_of_variation(seconds) <= cv_target)
+
+
+def time_plan(plan, config: TimingConfig, device: torch.device | str) -> dict[str, StageSamples]:
+    """Samples for `plan` (host planning time), each stage in order, and `module` (all stages)."""
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    clock = _GraphClock(plan, device) if on_gpu else _HostClock(plan)
+    warmup, reps, max_reps = ((config.warmup, config.reps, config.max_reps) if on_gpu else
+                              (config.cpu_warmup, config.cpu_reps, config.cpu_max_reps))
+    results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], "host", True)}
+    names = list(plan.stages)
+    for i, name in enumerate(names):
+        before = [clock.targets[n] for n in names[:i]]
+        results[name] = _measure(clock, name, clock.targets[name], before, warmup, reps, max_reps,
+                                 config.cv_target)
+    results[MODULE] = _measure(clock, MODULE, clock.targets[MODULE], [], warmup, reps, max_reps,
+                               config.cv_target)
+    return results

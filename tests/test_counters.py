@@ -1,0 +1,57 @@
+"""ncu CSV parsing and per-stage sums, on a hand-written parser fixture (not a measurement)."""
+from pathlib import Path
+
+import pytest
+
+from msa_bench.harness.counters import (METRICS, CountersError, ncu_command, parse_ncu_csv, sum_kernels)
+from msa_bench.harness.telemetry import is_throttled, point_telemetry, reason_names
+
+FIXTURE = Path(__file__).parent / "data" / "ncu_details_parser_fixture.csv"
+
+
+def test_parse_fixture_units_separators_and_na():
+    kernels = parse_ncu_csv(FIXTURE.read_text())
+    assert [k["id"] for k in kernels] == ["0", "1"]
+    k0, k1 = kernels
+    assert k0["dram_read_bytes"] == 1_000_000
+    assert k0["dram_write_bytes"] == 250_000          # Kbyte is 1000 bytes in ncu's SI units
+    assert k0["l2_bytes"] == 3_000_000
+    assert k0["kernel_time_s"] == pytest.approx(12.5e-6)
+    assert k0["tensor_inst_gmma"] == 4096
+    assert "l2_bytes" not in k1                       # n/a is absent, not zero
+    assert k1["kernel_time_s"] == pytest.approx(2.5e-6)
+
+
+def test_sum_kernels_per_stage():
+    totals = sum_kernels(parse_ncu_csv(FIXTURE.read_text()))
+    assert totals["dram_read_bytes"] == 1_000_500
+    assert totals["dram_write_bytes"] == 251_500
+    assert totals["hbm_bytes"] == 1_252_000
+    assert totals["l2_bytes"] == 3_000_000
+    assert totals["tensor_inst_gmma"] == 5120
+    assert totals["tensor_inst_hmma"] == 8
+    assert totals["kernel_time_s"] == pytest.approx(15e-6)
+    assert totals["n_kernels"] == 2
+
+
+def test_no_csv_means_no_kernels_and_missing_columns_is_an_error():
+    assert parse_ncu_csv("==PROF== No kernels were profiled.\n") == []
+    with pytest.raises(CountersError):
+        parse_ncu_csv('"ID","Kernel Name"\n"0","k"\n')
+
+
+def test_ncu_command_filters_one_stage_by_nvtx_push_pop_range():
+    cmd = ncu_command("/usr/local/cuda/bin/ncu", "attention", '{"tokens": 1}', "kv-outer")
+    assert cmd[cmd.index("--nvtx-include") + 1] == "attention/"
+    assert "--nvtx" in cmd and cmd[cmd.index("--clock-control") + 1] == "none"
+    assert set(cmd[cmd.index("--metrics") + 1].split(",")) == set(METRICS)
+    assert cmd[-4:] == ["--point", '{"tokens": 1}', "--backend", "kv-outer"]
+
+
+def test_throttle_flags():
+    assert is_throttled(0x20) and is_throttled(0x4) and not is_throttled(0x1 | 0x10)
+    assert reason_names(0x41) == ["gpu_idle", "hw_thermal_slowdown"]
+    row = point_telemetry({"clock_event_reasons": 0, "sm_clock_mhz": 1980.0},
+                          {"clock_event_reasons": 0x8, "sm_clock_mhz": 1500.0})
+    assert row["throttled"] and row["sm_clock_mhz_after"] == 1500.0
+    assert point_telemetry({}, {}) == {"telemetry": "unavailable"}

@@ -1,0 +1,45 @@
+"""The CPU path of the timing protocol, on the real reference backend."""
+import torch
+
+from msa_bench.harness.timing import MODULE, PLAN, TIMER_CPU, TimingConfig, summarize, time_plan
+from msa_bench.harness.workload import AttnShape, build_workload
+from msa_bench.kernels.base import get_backend
+
+
+def small_workload(n=12, blocks=4, seed=0):
+    shape = AttnShape(hq=8, hkv=2, head_dim=16, block=8, topk=2)
+    sel = torch.stack([torch.stack([torch.tensor([(i + h) % blocks, (i + h + 1) % blocks]) for i in range(n)])
+                       for h in range(shape.hkv)]).int()
+    return build_workload(shape, "bf16", sel, torch.arange(blocks).view(1, -1).int(), torch.zeros(n).int(),
+                          torch.full((n,), blocks * shape.block - 1).int(), blocks, causal=False, seed=seed)
+
+
+def test_time_plan_cpu_stages_module_and_plan():
+    plan = get_backend("reference").plan(small_workload())
+    cfg = TimingConfig(cpu_warmup=1, cpu_reps=3, cpu_max_reps=6, cv_target=10.0)
+    out = time_plan(plan, cfg, "cpu")
+    assert list(out) == [PLAN, "attention", "combine", MODULE]
+    assert out[PLAN].seconds == [plan.plan_seconds]
+    for name in ("attention", "combine", MODULE):
+        assert out[name].timer == TIMER_CPU and len(out[name].seconds) == 3
+        assert all(s > 0 for s in out[name].seconds)
+
+
+def test_remeasure_until_cv_or_bound():
+    plan = get_backend("reference").plan(small_workload())
+    # an impossible CV target forces re-measurement up to the bound
+    out = time_plan(plan, TimingConfig(cpu_warmup=0, cpu_reps=2, cpu_max_reps=5, cv_target=1e-12), "cpu")
+    assert len(out[MODULE].seconds) == 5 and not out[MODULE].converged
+
+
+def test_summarize_order_statistics():
+    s = summarize([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s["median_s"] == 3.0 and s["p25_s"] == 2.0 and s["p75_s"] == 4.0 and s["iqr_s"] == 2.0
+    assert s["n_reps"] == 5 and s["cv"] > 1
+
+
+def test_timing_config_from_scenario_and_reps():
+    cfg = TimingConfig.from_dict({"reps": 30, "cv_target": 0.02, "other": "x"}, reps=None)
+    assert cfg.reps == 30 and cfg.cv_target == 0.02
+    cfg = TimingConfig.from_dict({}, reps=7)
+    assert cfg.reps == 7 and cfg.cpu_reps == 7 and cfg.cpu_max_reps >= 7
