@@ -66,7 +66,11 @@ class KVStationaryBackend(Backend):
         if self.attention_impl not in ATTENTION_IMPLS:
             return (f"{self.name}: unknown attention implementation {self.attention_impl!r} "
                     f"(have {', '.join(sorted(ATTENTION_IMPLS))})")
-        return triton_unavailable_reason(device)
+        reason = triton_unavailable_reason(device)
+        if reason is None and dtype == "bf16" and torch.device(device).type == "cpu":
+            reason = (f"{self.name}: bf16 tl.dot gives wrong results in Triton's CPU interpreter; "
+                      "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
+        return reason
 
     def resolved_config(self, w: Workload) -> KVOuterConfig:
         """The configuration to plan with, num_ctas resolved for the workload's device."""

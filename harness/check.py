@@ -1,0 +1,154 @@
+"""`msa-bench check`: run one backend on one workload and compare it with the float64 reference.
+
+check_backend() is the reusable part (the sweep calls it to refuse timing arms that disagree).
+Without a GPU the Triton backends run in Triton's CPU interpreter; importing this module sets
+TRITON_INTERPRET=1 first (before triton is imported) when no CUDA device is visible.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .errors import UserError
+from .reference import reference_attention, relative_error
+from .workload import AttnShape, Workload, WorkloadError, build_workload
+
+TOLERANCE = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8": 5e-2}
+SAMPLED_ROWS = 512          # rows compared with the reference when the workload is bigger than this
+
+
+def tolerance(dtype: str) -> float:
+    return TOLERANCE[dtype]
+
+
+def sample_rows(n_tokens: int, count: int = SAMPLED_ROWS) -> torch.Tensor | None:
+    """Evenly spread rows (first and last included) when n_tokens > count, else None (all rows)."""
+    if n_tokens <= count:
+        return None
+    return torch.linspace(0, n_tokens - 1, count).round().long().unique()
+
+
+def _lse_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative LSE error over rows that see a key; rows that see none must be -inf in both."""
+    got, ref = got.double().cpu(), ref.double().cpu()
+    empty = torch.isinf(ref)
+    if not torch.equal(torch.isinf(got) & (got < 0), empty):
+        return math.inf
+    return relative_error(got[~empty], ref[~empty]) if (~empty).any() else 0.0
+
+
+def check_backend(backend_name: str, workload: Workload, rows=None, stages: bool = False):
+    """Plan and run `backend_name` on `workload` (outputs poisoned with NaN first) and compare with
+    the reference on `rows` (all rows when None).
+
+    Returns (max_rel_err, tol, details): max_rel_err is the larger of the output's and the LSE's
+    relative errors (norm of the difference over norm of the reference); details holds both, the
+    plan's info and, with stages=True for KV-stationary backends, each stage's own check.
+    Raises BackendUnavailable when the backend cannot run here.
+    """
+    from ..kernels.base import get_backend
+    try:
+        backend = get_backend(backend_name)
+    except KeyError as exc:
+        raise UserError(str(exc.args[0])) from None
+    plan = backend.plan(workload)
+    plan.output.fill_(float("nan"))
+    if plan.lse is not None:
+        plan.lse.fill_(float("nan"))
+    plan.run()
+    if workload.device.type == "cuda":
+        torch.cuda.synchronize(workload.device)
+    idx = None if rows is None else torch.as_tensor(rows, device=workload.device).long()
+    ref_out, ref_lse = reference_attention(workload, idx)
+    out = plan.output if idx is None else plan.output[idx]
+    tol = tolerance(workload.dtype)
+    details = {"backend": backend_name, "rows": workload.n_tokens if idx is None else int(idx.numel()),
+               "out_rel_err": relative_error(out, ref_out), "info": plan.info,
+               "stages": list(plan.stages), "plan_seconds": plan.plan_seconds}
+    errs = [details["out_rel_err"]]
+    if plan.lse is not None:
+        lse = plan.lse if idx is None else plan.lse[idx]
+        details["lse_rel_err"] = _lse_error(lse, ref_lse)
+        errs.append(details["lse_rel_err"])
+    if stages and {"csr_ptr", "tile_key"} <= set(plan.buffers):
+        from ..kernels.kv_outer.stage_checks import stage_checks
+        check_rows = torch.arange(workload.n_tokens) if idx is None else idx
+        details["stage_checks"] = stage_checks(plan, workload, check_rows.to(workload.device), tol)
+    return max(errs), tol, details
+
+
+# ---- workloads for the command -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CheckRequest:
+    backend: str
+    dtype: str
+    tokens: int
+    context: int
+    reuse: float
+    causal: bool
+    seed: int
+    shape: AttnShape
+
+
+CPU_SHAPE = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
+CPU_TOKENS, CPU_CONTEXT, CPU_REUSE = 40, 256, 0.5
+GPU_TOKENS, GPU_CONTEXT, GPU_REUSE = 4096, 32768, 0.25
+
+
+def default_request(backend: str, dtype: str, tokens, context, reuse, causal, seed, shape=None,
+                    on_gpu: bool | None = None) -> CheckRequest:
+    """Fill unset sizes: small on CPU (the interpreter is slow), the study shape on a GPU."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    shape = shape or (AttnShape() if on_gpu else CPU_SHAPE)
+    tokens = tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
+    context = context or (GPU_CONTEXT if on_gpu else CPU_CONTEXT)
+    if reuse is None:
+        reuse = GPU_REUSE if on_gpu else CPU_REUSE
+    return CheckRequest(backend, dtype, tokens, context, reuse, causal, seed, shape)
+
+
+def random_workload(shape: AttnShape, dtype: str, tokens: int, context: int, reuse: float, causal: bool,
+                    seed: int, device) -> Workload:
+    """Synthetic selection at the requested reuse (harness.selection) when available, else a plain
+    random one: each query picks topk distinct blocks it can see, uniformly."""
+    try:
+        from .selection import synthetic_workload
+    except ImportError:
+        synthetic_workload = None
+    if synthetic_workload is not None:
+        return synthetic_workload(shape, dtype, tokens, context, reuse, causal=causal, seed=seed, device=device)
+    if tokens <= 0 or context <= 0 or (causal and context < tokens):
+        raise WorkloadError(f"need 0 < tokens <= context (causal), got tokens={tokens}, context={context}")
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = -(-context // shape.block)
+    q_limit = (torch.arange(context - tokens, context) if causal else torch.full((tokens,), context - 1)).int()
+    sel = torch.full((shape.hkv, tokens, shape.topk), -1, dtype=torch.int32)
+    for i in range(tokens):
+        own = int(q_limit[i]) // shape.block
+        for h in range(shape.hkv):
+            pick = torch.randperm(own + 1, generator=gen)[:shape.topk]
+            if causal:      # the local block last
+                pick = torch.cat([pick[pick != own][:shape.topk - 1], torch.tensor([own])])
+            sel[h, i, :len(pick)] = pick.int()
+    table = torch.randperm(n_blocks, generator=gen).int().view(1, -1)
+    return build_workload(shape, dtype, sel, table, torch.zeros(tokens, dtype=torch.int32), q_limit, n_blocks,
+                          causal, seed, device, meta={"generator": "check-random"})
+
+
+def run_check(req: CheckRequest):
+    """Build the request's workload on this machine's device and check the backend on it."""
+    from ..kernels.base import get_backend
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        get_backend(req.backend)
+    except KeyError as exc:
+        raise UserError(str(exc.args[0])) from None
+    w = random_workload(req.shape, req.dtype, req.tokens, req.context, req.reuse, req.causal, req.seed, device)
+    return w, check_backend(req.backend, w, rows=sample_rows(w.n_tokens), stages=True)
