@@ -74,14 +74,16 @@ class KVOuterCuteBackend(KVOuterBackend):
         super().__init__(attention_impl="cute", config=config)
 
     def unavailable_reason(self, dtype, device):
-        reason = super().unavailable_reason(dtype, device)
-        if reason:
-            return reason
+        if dtype not in self.dtypes:
+            return f"{self.name} does not support dtype {dtype} (supports {', '.join(self.dtypes)})"
         if torch.device(device).type != "cuda" or not torch.cuda.is_available():
             return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
         arch = device_arch(device)
         if arch not in SUPPORTED_ARCHS:
             return f"{self.name} is built for {', '.join(SUPPORTED_ARCHS)}; this GPU is {arch}"
+        reason = super().unavailable_reason(dtype, device)     # the shared Triton stages
+        if reason:
+            return reason
         from .build import dsl_unavailable_reason
         from .loader import build_dir
         _, why = find_library(CuteConfig(dtype), build_dir(), arch)

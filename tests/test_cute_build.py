@@ -1,0 +1,200 @@
+"""CuTe DSL attention stage: the ahead-of-time build (a real sm_90a compile, no GPU needed) and the
+Python side of loading (manifest checks: stale sources, wrong arch, missing or altered library)."""
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from msa_bench.kernels.base import BackendUnavailable, get_backend
+from msa_bench.kernels.cute import manifest as mf
+from msa_bench.kernels.cute.build import dsl_unavailable_reason
+
+needs_dsl = pytest.mark.skipif(dsl_unavailable_reason() is not None,
+                               reason=f"CuTe DSL not installed: {dsl_unavailable_reason()}")
+
+
+def _cli(*args, env=None):
+    code = "import sys; from msa_bench.cli import main; sys.argv = ['msa-bench'] + sys.argv[1:]; main()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every sweep configuration compiled for sm_90a through the CLI, PTX kept for inspection."""
+    if dsl_unavailable_reason():
+        pytest.skip(f"CuTe DSL not installed: {dsl_unavailable_reason()}")
+    out = tmp_path_factory.mktemp("cute")
+    dump = tmp_path_factory.mktemp("ptx")
+    proc = _cli("build-kernels", "--arch", "sm_90a", "--out", str(out),
+                env={"CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump)})
+    assert proc.returncode == 0, proc.stderr
+    return out, dump
+
+
+@needs_dsl
+def test_build_writes_every_config_and_manifest(built):
+    out, _ = built
+    data = json.loads((out / mf.MANIFEST_NAME).read_text())
+    assert data["arch"] == "sm_90a" and data["source_hash"] == mf.source_hash()
+    assert data["dsl_version"] == "4.8.1" and data["cuda_version"].startswith("13.")
+    names = {e["name"] for e in data["configs"]}
+    assert names == {c.name for c in mf.sweep_configs()}
+    for cfg in mf.sweep_configs():
+        path, reason = mf.find_library(cfg, out, "sm_90a")
+        assert reason is None and path.stat().st_size > 10_000
+
+
+@needs_dsl
+def test_built_kernels_are_sm90a_wgmma(built):
+    _, dump = built
+    ptx = [Path(p).read_text() for p in glob.glob(str(dump / "*.ptx"))]
+    assert len(ptx) == len(mf.sweep_configs())
+    for text in ptx:
+        assert ".target sm_90a" in text
+        assert "wgmma.mma_async" in text and "cp.async" in text
+    kinds = {"bf16": "f32.bf16.bf16", "fp8": "f32.e4m3.e4m3"}
+    for dtype, frag in kinds.items():
+        assert any(frag in t for t in ptx), f"no {dtype} wgmma in the PTX"
+
+
+@needs_dsl
+def test_built_library_exports_the_shim(built):
+    out, _ = built
+    try:
+        ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pytest.skip("libcudart.so.13 not loadable here")
+    for cfg in mf.sweep_configs():
+        lib = ctypes.CDLL(str(out / cfg.library))
+        assert getattr(lib, f"{cfg.name}_load") and getattr(lib, f"{cfg.name}_launch")
+
+
+# ---- manifest checks (no DSL needed) -----------------------------------------------------------
+
+def _fake_build(tmp_path: Path, arch="sm_90a", source_hash=None, dtypes=("bf16", "fp8")) -> Path:
+    entries = []
+    for cfg in mf.sweep_configs(dtypes):
+        lib = tmp_path / cfg.library
+        lib.write_bytes(b"not really a library: " + cfg.name.encode())
+        entries.append(mf.config_entry(cfg, lib))
+    mf.write_manifest(tmp_path, arch, "4.8.1", "13.0", "test", entries)
+    if source_hash:
+        data = json.loads((tmp_path / mf.MANIFEST_NAME).read_text())
+        data["source_hash"] = source_hash
+        (tmp_path / mf.MANIFEST_NAME).write_text(json.dumps(data))
+    return tmp_path
+
+
+def test_matching_build_is_found(tmp_path):
+    _fake_build(tmp_path)
+    path, reason = mf.find_library(mf.CuteConfig("fp8"), tmp_path, "sm_90a")
+    assert reason is None and path == tmp_path / mf.CuteConfig("fp8").library
+
+
+def test_stale_sources_refused(tmp_path):
+    _fake_build(tmp_path, source_hash="0123456789abcdef")
+    path, reason = mf.find_library(mf.CuteConfig("bf16"), tmp_path, "sm_90a")
+    assert path is None and "stale" in reason and "msa-bench build-kernels" in reason
+
+
+def test_wrong_arch_refused(tmp_path):
+    _fake_build(tmp_path, arch="sm_80")
+    path, reason = mf.find_library(mf.CuteConfig("bf16"), tmp_path, "sm_90a")
+    assert path is None and "sm_80" in reason and "sm_90a" in reason
+
+
+def test_missing_build_and_missing_library(tmp_path):
+    path, reason = mf.find_library(mf.CuteConfig("bf16"), tmp_path, "sm_90a")
+    assert path is None and "no CuTe build" in reason and "--out" in reason
+    _fake_build(tmp_path)
+    (tmp_path / mf.CuteConfig("bf16").library).unlink()
+    path, reason = mf.find_library(mf.CuteConfig("bf16"), tmp_path, "sm_90a")
+    assert path is None and "missing" in reason
+
+
+def test_altered_library_refused(tmp_path):
+    _fake_build(tmp_path)
+    (tmp_path / mf.CuteConfig("fp8").library).write_bytes(b"something else")
+    path, reason = mf.find_library(mf.CuteConfig("fp8"), tmp_path, "sm_90a")
+    assert path is None and "checksum" in reason
+
+
+def test_unbuilt_config_and_manifest_merge(tmp_path):
+    _fake_build(tmp_path, dtypes=("bf16",))
+    path, reason = mf.find_library(mf.CuteConfig("fp8"), tmp_path, "sm_90a")
+    assert path is None and "no kvo_attn_fp8" in reason
+    _fake_build(tmp_path, dtypes=("fp8",))            # building fp8 keeps bf16 in the manifest
+    for dtype in ("bf16", "fp8"):
+        assert mf.find_library(mf.CuteConfig(dtype), tmp_path, "sm_90a")[1] is None
+
+
+def test_source_hash_tracks_kernel_sources():
+    here = Path(mf.__file__).parent
+    assert all((here / f).is_file() for f in mf.SOURCE_FILES)
+    assert len(mf.source_hash()) == 16 and mf.source_hash() == mf.source_hash()
+
+
+# ---- backend and CLI surface -------------------------------------------------------------------
+
+def test_backend_reports_unavailable_without_gpu():
+    b = get_backend("kv-outer-cute")
+    assert b.unavailable_reason("fp16", "cpu").startswith("kv-outer-cute does not support dtype fp16")
+    if not torch.cuda.is_available():
+        assert "CUDA GPU" in b.unavailable_reason("bf16", "cpu")
+
+
+def test_config_for_other_geometry_is_unavailable():
+    from msa_bench.harness.workload import AttnShape
+    from msa_bench.kernels.cute.backend import cute_config_for
+
+    class W:
+        dtype = "bf16"
+        shape = AttnShape(hq=32, hkv=4)
+    with pytest.raises(BackendUnavailable, match="TILE_Q \\* G = 128"):
+        cute_config_for(W(), 8)
+    W.shape = AttnShape()
+    assert cute_config_for(W(), 8) == mf.CuteConfig("bf16")
+
+
+def test_pack_rejects_bad_extents():
+    from msa_bench.kernels.cute.loader import CuteAttentionLibrary
+    with pytest.raises(ValueError, match="13 tensors"):
+        CuteAttentionLibrary.pack([0] * 12, [1] * 12)
+    with pytest.raises(ValueError, match="int32"):
+        CuteAttentionLibrary.pack([0] * 13, [2 ** 31] + [1] * 12)
+
+
+@pytest.mark.parametrize("args, msg", [(["--dtype", "fp4"], "--dtype must be one of"),
+                                       (["--arch", "sm_100a"], "--arch must be one of")])
+def test_build_kernels_bad_input_is_one_line(args, msg):
+    proc = _cli("build-kernels", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and msg in proc.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cute_stage_matches_reference_on_gpu():
+    """Small end-to-end check where a GPU and a build (or the DSL) are present."""
+    from msa_bench.harness.reference import reference_attention, relative_error
+    from msa_bench.harness.selection import synthetic_workload
+    from msa_bench.harness.workload import AttnShape
+    b = get_backend("kv-outer-cute")
+    for dtype, tol in (("bf16", 1e-2), ("fp8", 5e-2)):
+        reason = b.unavailable_reason(dtype, "cuda")
+        if reason:
+            pytest.skip(reason)
+        w = synthetic_workload(AttnShape(), dtype, tokens=64, context=4096, reuse=1.0, causal=True,
+                               seed=3, device="cuda")
+        out = b.plan(w).run()
+        ref, _ = reference_attention(w)
+        assert relative_error(out, ref) <= tol
