@@ -3,7 +3,7 @@
 Needs nvidia-cutlass-dsl[cu13]==4.8.1, g++ and the CUDA 13 headers/libcudart; no GPU (the target
 arch comes from CUTE_DSL_ARCH, set here before cutlass is imported). Each configuration becomes
 lib<name>.so: the exported object, the DSL's static CUDA-dialect runtime and a small C shim
-(shim_template.cpp) that loads the module once and launches on a caller-given stream.
+(shim_template.py) that loads the module once and launches on a caller-given stream.
 """
 from __future__ import annotations
 
@@ -108,14 +108,14 @@ def _check_header(header: Path, name: str) -> None:
         body = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{name}_Tensor_{arg}_t;"), text)
         if body is None or "dynamic_strides" in body.group(1) or "dynamic_shapes[1]" not in body.group(1):
             raise BuildError(f"{header.name}: tensor {arg} is not exported as data + one dynamic extent; "
-                             "shim_template.cpp needs updating")
+                             "shim_template.py needs updating")
 
 
 def _link(cfg: CuteConfig, obj_dir: Path, out: Path) -> None:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise BuildError("no C++ compiler found (g++ or $CXX) to link the CuTe libraries")
-    template = (Path(__file__).resolve().parent / "shim_template.cpp").read_text()
+    from .shim_template import SHIM_CPP as template
     shim = obj_dir / f"{cfg.name}_shim.cpp"
     shim.write_text(template.replace("KVO_NAME", cfg.name))
     cuda = cuda_home()

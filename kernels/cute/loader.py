@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..base import BackendUnavailable
-from .manifest import DEFAULT_BUILD_DIR, SUPPORTED_ARCHS, CuteConfig, device_arch, find_library
+from .manifest import DEFAULT_BUILD_DIR, MANIFEST_NAME, SUPPORTED_ARCHS, CuteConfig, device_arch, find_library
 
 BUILD_DIR_ENV = "MSA_BENCH_CUTE_DIR"
 N_TENSORS = 13
@@ -19,8 +19,15 @@ _LOADED: dict[str, "CuteAttentionLibrary"] = {}
 
 
 def build_dir() -> Path:
-    """Where prebuilt libraries are looked for: $MSA_BENCH_CUTE_DIR, else build/cute in the checkout."""
-    return Path(os.environ.get(BUILD_DIR_ENV) or DEFAULT_BUILD_DIR)
+    """Where prebuilt libraries are looked for: $MSA_BENCH_CUTE_DIR if set; else the first of
+    build/cute next to the package (an editable checkout) and ./build/cute (the checkout the command
+    runs in, when the package is installed elsewhere) that holds a manifest; else the former."""
+    if os.environ.get(BUILD_DIR_ENV):
+        return Path(os.environ[BUILD_DIR_ENV])
+    for cand in (DEFAULT_BUILD_DIR, Path.cwd() / "build" / "cute"):
+        if (cand / MANIFEST_NAME).is_file():
+            return cand
+    return DEFAULT_BUILD_DIR
 
 
 def _load_cudart() -> None:

@@ -22,7 +22,7 @@ P_SHIFT = {"bf16": 0, "fp8": 8}   # fp8 P is cast as P * 2^P_SHIFT (as in the Tr
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]          # the repository root is the package
 DEFAULT_BUILD_DIR = PACKAGE_ROOT / "build" / "cute"
 # Files whose content decides the compiled code and the library's C ABI.
-SOURCE_FILES = ("attention_sm90.py", "build.py", "shim_template.cpp", "manifest.py")
+SOURCE_FILES = ("attention_sm90.py", "build.py", "shim_template.py", "manifest.py")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-// C entry points of one compiled CuTe DSL attention configuration (KVO_NAME is replaced by
+"""C++ source of the per-configuration shim linked into each CuTe library (a Python string so that
+it is installed with the package and hashed with the kernel sources). KVO_NAME is replaced by the
+configuration name in kernels/cute/build.py."""
+
+SHIM_CPP = r"""// C entry points of one compiled CuTe DSL attention configuration (KVO_NAME is replaced by
 // kernels/cute/build.py with the configuration name). Python calls them through ctypes:
 //   KVO_NAME_load()                 loads the embedded module once; returns a cudaError_t
 //   KVO_NAME_launch(ptrs, rows, ...) launches on `stream`; returns a cudaError_t
@@ -38,3 +42,4 @@ extern "C" int KVO_NAME_launch(void *const *ptrs, const int32_t *rows, int32_t h
   if (ret != 0) return (int)ret;
   return (int)cudaPeekAtLastError();
 }
+"""
