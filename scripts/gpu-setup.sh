@@ -28,8 +28,15 @@ _msa_setup() {
         echo "gpu-setup: warning: no wheels in $whl_dir (FlashInfer backends will be unavailable)" >&2
     fi
     echo "gpu-setup: installing msa_bench from $_msa_repo into $_msa_pkg"
-    "${_msa_pip[@]}" --no-build-isolation --upgrade --target "$_msa_pkg" "$_msa_repo" \
-        || { echo "gpu-setup: error: msa_bench install failed (needs setuptools)" >&2; return 1; }
+    [ -L "$_msa_pkg/msa_bench" ] && rm -f "$_msa_pkg/msa_bench"      # an earlier fallback link
+    if ! "${_msa_pip[@]}" --no-build-isolation --upgrade --target "$_msa_pkg" "$_msa_repo"; then
+        # no usable setuptools/bdist_wheel on the host: link the checkout as the package instead
+        echo "gpu-setup: pip build failed; linking $_msa_repo as $_msa_pkg/msa_bench" >&2
+        rm -rf "$_msa_pkg/msa_bench" && mkdir -p "$_msa_pkg/bin" && ln -s "$_msa_repo" "$_msa_pkg/msa_bench" \
+            && printf '#!/usr/bin/env python3\nimport sys\nfrom msa_bench.cli import main\nsys.exit(main())\n' \
+                > "$_msa_pkg/bin/msa-bench" && chmod +x "$_msa_pkg/bin/msa-bench" \
+            || { echo "gpu-setup: error: could not install msa_bench" >&2; return 1; }
+    fi
     case ":${PYTHONPATH:-}:" in *":$_msa_wheels:"*) ;; *) export PYTHONPATH="$_msa_wheels${PYTHONPATH:+:$PYTHONPATH}";; esac
     case ":$PYTHONPATH:" in *":$_msa_pkg:"*) ;; *) export PYTHONPATH="$_msa_pkg:$PYTHONPATH";; esac
     case ":$PATH:" in *":$_msa_pkg/bin:"*) ;; *) export PATH="$_msa_pkg/bin:$_msa_wheels/bin:$PATH";; esac
