@@ -1,0 +1,358 @@
+"""Scenario files (TOML) -> a validated grid of points -> workloads.
+
+A scenario file (scenarios/*.toml) holds:
+
+    description = "one line"                     # required
+    backends = ["kv-outer", "flashinfer"]        # required, non-empty
+    [shape]                                      # optional: hq, hkv, head_dim, block, topk (AttnShape defaults)
+    [timing]                                     # optional: reps, warmup, cold_l2
+    [[grid]]                                     # one or more grids (a single [grid] table works too)
+    generator = "synthetic"                      # "synthetic" | "indexer" | "real-prefill", or a list
+    tokens = 16384                               # N query tokens          (synthetic, indexer)
+    context = [131072, 262144]                   # context tokens          (synthetic, indexer)
+    reuse = [0.25, 1.0]                          # target nsb / N          (synthetic)
+    skew = 0.0                                   # Zipf exponent           (synthetic)
+    causal = false                               # chunked prefill at the context's end (synthetic, indexer)
+    cases = ["prefill_..."] or "representative"  # MSA prefill case ids   (real-prefill)
+    dtypes = ["bf16", "fp8"]
+    seed = 0
+
+Every axis takes a value or a list; the grid is their product. Any problem (unknown key, wrong
+type, impossible shape or target, empty grid) is a UserError naming the file, the key and why.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+
+from .errors import UserError
+from .workload import DATA_DTYPES, AttnShape, Workload, WorkloadError
+
+GENERATORS = ("synthetic", "real-prefill", "indexer")
+TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
+TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool}
+SHAPE_KEYS = ("hq", "hkv", "head_dim", "block", "topk")
+# axis -> (element type, generators it applies to, default)
+AXES = {
+    "generator": (str, GENERATORS, None),
+    "tokens": (int, ("synthetic", "indexer"), None),
+    "context": (int, ("synthetic", "indexer"), None),
+    "reuse": (float, ("synthetic",), None),
+    "skew": (float, ("synthetic",), [0.0]),
+    "causal": (bool, ("synthetic", "indexer"), [False]),
+    "cases": (str, ("real-prefill",), None),
+    "dtypes": (str, GENERATORS, ["bf16"]),
+    "seed": (int, GENERATORS, [0]),
+}
+REQUIRED = {"synthetic": ("tokens", "context", "reuse"), "indexer": ("tokens", "context"), "real-prefill": ("cases",)}
+
+
+def _num(x: float) -> str:
+    return format(float(x), ".12g")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One workload of the grid, with its dtype."""
+    generator: str
+    tokens: int
+    context: int
+    reuse: float | None
+    skew: float
+    causal: bool
+    dtype: str
+    seed: int
+    case_id: str | None
+    weight: float
+    shape: AttnShape
+
+    def key(self) -> str:
+        """Stable, human-readable unique id (matches points across runs; resume)."""
+        s = self.shape
+        parts = [self.generator]
+        if self.generator == "real-prefill":
+            parts.append(self.case_id or "")
+        else:
+            parts += [f"N{self.tokens}", f"T{self.context}"]
+            if self.reuse is not None:
+                parts.append(f"reuse{_num(self.reuse)}")
+            if self.generator == "synthetic":
+                parts.append(f"skew{_num(self.skew)}")
+            parts.append("causal" if self.causal else "noncausal")
+        parts += [self.dtype, f"seed{self.seed}",
+                  f"hq{s.hq}-hkv{s.hkv}-d{s.head_dim}-b{s.block}-top{s.topk}"]
+        return "/".join(parts)
+
+    def as_dict(self) -> dict:
+        """Flat columns for results tables."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "shape"}
+        d.update({name: getattr(self.shape, name) for name in SHAPE_KEYS})
+        d["point"] = self.key()
+        return d
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    backends: list[str]
+    points: list[Point]
+    source: str
+    timing: dict = field(default_factory=dict)
+    shape: AttnShape = field(default_factory=AttnShape)
+    grids: list[dict] = field(default_factory=list, repr=False)   # the axes the points came from
+
+
+# ---- validation helpers ------------------------------------------------------------------------
+
+def _type_ok(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def _type_name(kind) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[kind]
+
+
+def _axis(src: str, where: str, key: str, value) -> list:
+    kind = AXES[key][0]
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise UserError(f"{src}: {where}.{key} is an empty list (the grid would be empty)")
+    for v in values:
+        if not _type_ok(v, kind):
+            raise UserError(f"{src}: {where}.{key} must be {_type_name(kind)} or a list of them, got {v!r}")
+    return [float(v) if kind is float else v for v in values]
+
+
+def _parse_grid(src: str, where: str, table) -> dict:
+    if not isinstance(table, dict):
+        raise UserError(f"{src}: {where} must be a table")
+    for key in table:
+        if key not in AXES:
+            raise UserError(f"{src}: {where}: unknown key {key!r} (known: {', '.join(AXES)})")
+    grid = {key: _axis(src, where, key, value) for key, value in table.items()}
+    if "generator" not in grid:
+        raise UserError(f"{src}: {where}.generator is missing (one of {', '.join(GENERATORS)})")
+    for g in grid["generator"]:
+        if g not in GENERATORS:
+            raise UserError(f"{src}: {where}.generator: unknown generator {g!r} (known: {', '.join(GENERATORS)})")
+    for key in grid:
+        if not set(AXES[key][1]) & set(grid["generator"]):
+            raise UserError(f"{src}: {where}.{key} does not apply to generator {', '.join(grid['generator'])}")
+    return grid
+
+
+def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
+    from .prefill_cases import get_case, representative_cases
+    for dt in grid.get("dtypes", []):
+        if dt not in DATA_DTYPES:
+            raise UserError(f"{src}: {where}.dtypes: unknown dtype {dt!r} (known: {', '.join(DATA_DTYPES)})")
+    ax = lambda key: grid.get(key, AXES[key][2])
+    points = []
+    for gen in grid["generator"]:
+        for key in REQUIRED[gen]:
+            if key not in grid:
+                raise UserError(f"{src}: {where}.{key} is missing (needed by generator {gen})")
+        if gen == "real-prefill":
+            ids = []
+            for c in grid["cases"]:
+                ids += [x.case_id for x in representative_cases()] if c == "representative" else [c]
+            try:
+                cases = [get_case(c) for c in ids]
+            except UserError as exc:
+                raise UserError(f"{src}: {where}.cases: {exc}") from None
+            for case, dt, seed in itertools.product(cases, ax("dtypes"), ax("seed")):
+                points.append(Point("real-prefill", case.total_q, case.max_final_kv, None, 0.0, True, dt, seed,
+                                    case.case_id, case.weight, shape))
+            continue
+        reuses = ax("reuse") if gen == "synthetic" else [None]
+        skews = ax("skew") if gen == "synthetic" else [0.0]
+        for n, t, r, z, causal, dt, seed in itertools.product(ax("tokens"), ax("context"), reuses, skews,
+                                                              ax("causal"), ax("dtypes"), ax("seed")):
+            p = Point(gen, n, t, r, z, causal, dt, seed, None, 1.0, shape)
+            _check_point(src, where, p)
+            points.append(p)
+    return points
+
+
+def _check_point(src: str, where: str, p: Point) -> None:
+    from .selection import check_synthetic
+    s = p.shape
+    problems = [
+        ("tokens", p.tokens <= 0, f"tokens must be positive, got {p.tokens}"),
+        ("context", p.context <= 0, f"context must be positive, got {p.context}"),
+        ("skew", p.skew < 0, f"skew (Zipf exponent) must be >= 0, got {_num(p.skew)}"),
+        ("context", p.causal and p.context < p.tokens,
+         f"causal: context ({p.context} tokens) must hold the {p.tokens} query tokens"),
+        ("context", not p.causal and -(-p.context // s.block) < s.topk,
+         f"context {p.context} holds fewer than top-{s.topk} blocks of {s.block} tokens"),
+    ]
+    for key, bad, why in problems:
+        if bad:
+            raise UserError(f"{src}: {where}.{key}: {why}")
+    if p.generator == "synthetic":
+        try:
+            check_synthetic(s, p.tokens, p.context, p.reuse, p.causal)
+        except WorkloadError as exc:
+            raise UserError(f"{src}: {where}.reuse: {exc}") from None
+
+
+def _points(src: str, grids: list[dict], shape: AttnShape) -> list[Point]:
+    if not grids:
+        raise UserError(f"{src}: no [grid] table: the grid would be empty")
+    points, seen = [], set()
+    for i, grid in enumerate(grids):
+        where = "grid" if len(grids) == 1 else f"grid[{i}]"
+        for p in _expand(src, where, grid, shape):
+            if p.key() not in seen:
+                seen.add(p.key())
+                points.append(p)
+    if not points:
+        raise UserError(f"{src}: the grid is empty")
+    return points
+
+
+def parse_scenario(data: dict, src: str, name: str) -> Scenario:
+    for key in data:
+        if key not in TOP_KEYS:
+            raise UserError(f"{src}: unknown key {key!r} (known: {', '.join(sorted(TOP_KEYS))})")
+    desc = data.get("description")
+    if not isinstance(desc, str) or not desc.strip() or "\n" in desc.strip():
+        raise UserError(f"{src}: description must be a one-line string")
+    backends = data.get("backends")
+    if not isinstance(backends, list) or not backends or not all(isinstance(b, str) and b for b in backends):
+        raise UserError(f"{src}: backends must be a non-empty list of backend names")
+    shape_t = data.get("shape", {})
+    if not isinstance(shape_t, dict):
+        raise UserError(f"{src}: shape must be a table")
+    for key, value in shape_t.items():
+        if key not in SHAPE_KEYS:
+            raise UserError(f"{src}: shape: unknown key {key!r} (known: {', '.join(SHAPE_KEYS)})")
+        if not _type_ok(value, int):
+            raise UserError(f"{src}: shape.{key} must be an integer, got {value!r}")
+    try:
+        shape = AttnShape(**shape_t)
+    except WorkloadError as exc:
+        raise UserError(f"{src}: shape: {exc}") from None
+    timing = data.get("timing", {})
+    if not isinstance(timing, dict):
+        raise UserError(f"{src}: timing must be a table")
+    for key, value in timing.items():
+        if key not in TIMING_KEYS:
+            raise UserError(f"{src}: timing: unknown key {key!r} (known: {', '.join(TIMING_KEYS)})")
+        if not _type_ok(value, TIMING_KEYS[key]) or (TIMING_KEYS[key] is int and value < 0):
+            raise UserError(f"{src}: timing.{key} must be {_type_name(TIMING_KEYS[key])} >= 0, got {value!r}")
+    raw = data.get("grid", [])
+    raw = [raw] if isinstance(raw, dict) else raw
+    if not isinstance(raw, list):
+        raise UserError(f"{src}: grid must be a table or an array of tables")
+    grids = [_parse_grid(src, "grid" if len(raw) == 1 else f"grid[{i}]", t) for i, t in enumerate(raw)]
+    return Scenario(name=name, description=desc.strip(), backends=list(backends), points=_points(src, grids, shape),
+                    source=src, timing=dict(timing), shape=shape, grids=grids)
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+def _shipped() -> dict[str, object]:
+    return {p.name[:-5]: p for p in resources.files("msa_bench.scenarios").iterdir() if p.name.endswith(".toml")}
+
+
+def _read(path, src: str) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{src}: invalid TOML: {' '.join(str(exc).split())}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{src}: cannot read: {exc}") from None
+
+
+def list_scenarios() -> list[tuple[str, str]]:
+    out = []
+    for name, path in sorted(_shipped().items()):
+        try:
+            desc = str(_read(path, name).get("description", "")).strip()
+        except UserError as exc:
+            desc = f"(unreadable: {exc})"
+        out.append((name, desc))
+    return out
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A shipped scenario by name (see list_scenarios) or a .toml file path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise UserError(f"scenario file {name_or_path} does not exist")
+        return parse_scenario(_read(path, str(path)), str(path), path.stem)
+    shipped = _shipped()
+    if name_or_path not in shipped:
+        raise UserError(f"unknown scenario {name_or_path!r}; shipped: {', '.join(sorted(shipped))} (or give a .toml path)")
+    res = shipped[name_or_path]
+    src = f"scenarios/{name_or_path}.toml"
+    return parse_scenario(_read(res, src), src, name_or_path)
+
+
+def with_overrides(s: Scenario, *, reuse=None, tokens=None, context=None, skew=None, dtypes=None, backends=None,
+                   causal=None, generator=None) -> Scenario:
+    """The scenario with grid axes replaced (lists replace an axis; a scalar is a one-element list).
+
+    An override applies to every grid whose generators use that axis; one that applies to none is an error.
+    """
+    src = f"{s.source} (with overrides)"
+    given = {"reuse": reuse, "tokens": tokens, "context": context, "skew": skew, "dtypes": dtypes,
+             "causal": causal, "generator": generator}
+    given = {k: v for k, v in given.items() if v is not None}
+    grids = [dict(g) for g in s.grids]
+    if "generator" in given:
+        gens = _axis(src, "override", "generator", list(given.pop("generator")) if isinstance(generator, (list, tuple))
+                     else given.pop("generator"))
+        for g in gens:
+            if g not in GENERATORS:
+                raise UserError(f"{src}: generator: unknown generator {g!r} (known: {', '.join(GENERATORS)})")
+        grids = [{k: v for k, v in g.items() if set(AXES[k][1]) & set(gens)} | {"generator": gens} for g in grids]
+    for key, value in given.items():
+        values = _axis(src, "override", key, list(value) if isinstance(value, (list, tuple)) else value)
+        applied = False
+        for g in grids:
+            if set(AXES[key][1]) & set(g["generator"]):
+                g[key] = values
+                applied = True
+        if not applied:
+            raise UserError(f"{src}: {key} does not apply to this scenario's generators")
+    new_backends = s.backends
+    if backends is not None:
+        new_backends = list(backends) if isinstance(backends, (list, tuple)) else [backends]
+        if not new_backends or not all(isinstance(b, str) and b for b in new_backends):
+            raise UserError(f"{src}: backends must be a non-empty list of backend names")
+    return replace(s, backends=new_backends, points=_points(src, grids, s.shape), grids=grids, source=s.source)
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+def make_workload(point: Point, device="cpu", with_tensors: bool = True) -> Workload:
+    """Build the point's workload (selection-only when with_tensors=False, except the indexer, which
+    derives its selection from the tensors and so always draws them)."""
+    if point.generator == "synthetic":
+        from .selection import synthetic_workload
+        w = synthetic_workload(point.shape, point.dtype, point.tokens, point.context, point.reuse, point.skew,
+                               point.causal, point.seed, device, with_tensors)
+    elif point.generator == "indexer":
+        from .indexer import indexer_workload
+        w = indexer_workload(point.shape, point.dtype, point.tokens, point.context, point.causal, point.seed, device)
+    elif point.generator == "real-prefill":
+        from .prefill_cases import get_case, prefill_workload
+        w = prefill_workload(get_case(point.case_id), point.shape, point.dtype, point.seed, device, with_tensors)
+    else:
+        raise UserError(f"unknown generator {point.generator!r} (known: {', '.join(GENERATORS)})")
+    w.meta["point"] = point.key()
+    return w

@@ -1,0 +1,267 @@
+"""Top-k selections: the contract rules, the scattered paged cache, and the synthetic generator.
+
+Contract (see workload.py): selection [Hkv, N, topk] int32 of logical block ids of the query's
+request, valid entries first, -1 padding after them, ids distinct per (head, query). Under
+causality the query's own (local) block, q_limit // block, is the last valid entry and every other
+entry is a block before it.
+
+Synthetic generator, for a target reuse r = nsb / N (nsb = distinct selected (KV head, block) pairs):
+each KV head draws a pool of blocks and every query picks distinct blocks from its head's pool. The
+first `pool` picks of a head (in a random query order) walk a random permutation of the pool, so
+every pool block is chosen at least once and nsb is exact (up to rounding r * N to an integer);
+the remaining picks follow the popularity law (uniform, or Zipf with exponent `skew` over a random
+ranking of the pool) without repeating a block within a query.
+
+Causal mode is a chunked prefill: the N queries sit at positions context - N .. context - 1 after a
+prefix of context - N tokens. Each query keeps its local block (last) plus topk - 1 history blocks
+drawn from its head's pool, and the pool is taken from the prefix's complete blocks only, which
+every query of the chunk can see. So nsb = Hkv x (local blocks of the chunk) + the pools, exactly,
+and no pick is ever refused for visibility.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .workload import AttnShape, Workload, WorkloadError, build_workload, physical_pages, torch_dtype
+
+_REJECTION_ROUNDS = 24
+_FALLBACK_ELEMS = 1 << 24   # row chunk size (rows x pool) for the exact Gumbel fallback
+
+
+# ---- contract rules ----------------------------------------------------------------------------
+
+def local_blocks(q_limit: torch.Tensor, block: int) -> torch.Tensor:
+    """The block holding each query's own position (causal)."""
+    return torch.div(q_limit.long(), block, rounding_mode="floor")
+
+
+def check_selection(selection: torch.Tensor, q_limit: torch.Tensor, block: int, causal: bool,
+                    blocks_per_request: torch.Tensor | None = None, q_request: torch.Tensor | None = None) -> None:
+    """Raise WorkloadError naming the first contract violation; return None if the selection is valid."""
+    sel = selection.long()
+    hkv, n, topk = sel.shape
+    if q_limit.shape != (n,):
+        raise WorkloadError(f"q_limit has shape {tuple(q_limit.shape)}, expected ({n},)")
+    valid = sel >= 0
+    if (sel < -1).any():
+        raise WorkloadError("selection holds ids below -1")
+    # padding only after valid entries: once invalid, stays invalid along the rank axis
+    if (valid[..., 1:] & ~valid[..., :-1]).any():
+        raise WorkloadError("selection has a valid id after -1 padding")
+    srt = torch.where(valid, sel, torch.full_like(sel, -1 - topk) - torch.arange(topk)).sort(dim=-1).values
+    if (srt[..., 1:] == srt[..., :-1]).any():
+        raise WorkloadError("selection repeats a block id within one (KV head, query)")
+    if blocks_per_request is not None:
+        limit = blocks_per_request.long()[q_request.long()].view(1, n, 1)
+        if (valid & (sel >= limit)).any():
+            raise WorkloadError("selection names a block outside its request's page table")
+    # no selected block may start past the query's limit (it would hold no visible key)
+    if (valid & (sel * block > q_limit.long().view(1, n, 1))).any():
+        raise WorkloadError("selection names a block that starts after the query's last visible key")
+    if causal:
+        count = valid.sum(-1)
+        if (count == 0).any():
+            raise WorkloadError("causal selection has a query without its local block")
+        last = sel.gather(-1, (count - 1).unsqueeze(-1)).squeeze(-1)
+        if (last != local_blocks(q_limit, block).view(1, n)).any():
+            raise WorkloadError("causal selection does not end with the query's local block")
+
+
+def append_local(history: torch.Tensor, count: torch.Tensor, local: torch.Tensor, topk: int) -> torch.Tensor:
+    """Causal selection [Hkv, N, topk] from history [Hkv, N, <= topk - 1] whose first `count` [N] (or
+    [Hkv, N]) entries are valid: the local block goes right after them, -1 padding after that."""
+    hkv, n, width = history.shape
+    count = count.long().expand(hkv, n) if count.dim() == 1 else count.long()
+    sel = torch.full((hkv, n, topk), -1, dtype=torch.long)
+    slot = torch.arange(width).view(1, 1, -1)
+    sel[..., :width] = torch.where(slot < count.unsqueeze(-1), history.long(), -1)
+    sel.scatter_(2, count.unsqueeze(-1), local.long().view(1, n, 1).expand(hkv, n, 1))
+    return sel.to(torch.int32)
+
+
+# ---- paged cache -------------------------------------------------------------------------------
+
+def scattered_page_table(kv_lens: list[int], block: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Per-request page tables over one random permutation of the physical pages (like a serving cache).
+
+    Returns page_table [R, max_blocks] int32 (-1 past a request's blocks) and the number of pages.
+    """
+    counts = [max(1, math.ceil(n / block)) for n in kv_lens]
+    num_pages = sum(counts)
+    perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    table = torch.full((len(counts), max(counts)), -1, dtype=torch.int32)
+    start = 0
+    for r, c in enumerate(counts):
+        table[r, :c] = perm[start:start + c]
+        start += c
+    return table, num_pages
+
+
+def assemble(shape: AttnShape, dtype: str, selection: torch.Tensor, page_table: torch.Tensor,
+             q_request: torch.Tensor, q_limit: torch.Tensor, num_pages: int, causal: bool, seed: int,
+             device="cpu", with_tensors: bool = True, tensors=None, meta: dict | None = None) -> Workload:
+    """A Workload from a selection and its page tables.
+
+    with_tensors=True draws seeded random Q/K/V (harness.workload.build_workload); `tensors`
+    = (q, k, v, (q_scale, k_scale, v_scale)) supplies them instead. with_tensors=False gives a
+    selection-only workload for statistics: q/k/v are zero-stride placeholders of the right shape
+    (no memory) and meta["with_tensors"] is False; `with_fresh_data` turns it into a full one.
+    """
+    meta = dict(meta or {})
+    if with_tensors and tensors is None:
+        meta["with_tensors"] = True
+        return build_workload(shape, dtype, selection, page_table, q_request, q_limit, num_pages, causal,
+                              seed=seed, device=device, meta=meta)
+    hkv, n, topk = selection.shape
+    if hkv != shape.hkv or topk != shape.topk:
+        raise WorkloadError(f"selection shape {tuple(selection.shape)} does not match hkv={shape.hkv}, topk={shape.topk}")
+    pages = physical_pages(selection, page_table, q_request)
+    page_block = torch.full((num_pages,), -1, dtype=torch.int32)
+    used = page_table >= 0
+    blocks = torch.arange(page_table.shape[1], dtype=torch.int32).expand_as(page_table)
+    page_block[page_table[used].long()] = blocks[used]
+    if tensors is not None:
+        q, k, v, (qs, ks, vs) = tensors
+        meta["with_tensors"] = True
+    else:
+        zero = torch.zeros((), dtype=torch_dtype(dtype), device=device)
+        q = zero.expand(n, shape.hq, shape.head_dim)
+        k = v = zero.expand(num_pages, shape.hkv, shape.block, shape.head_dim)
+        qs = ks = vs = 1.0
+        meta["with_tensors"] = False
+    return Workload(shape=shape, dtype=dtype, q=q.to(device), k_cache=k.to(device), v_cache=v.to(device),
+                    selection=selection.to(torch.int32).to(device), page_table=page_table.to(torch.int32).to(device),
+                    q_request=q_request.to(torch.int32).to(device), q_limit=q_limit.to(torch.int32).to(device),
+                    pages=pages.to(device), page_block=page_block.to(device), causal=causal,
+                    q_scale=qs, k_scale=ks, v_scale=vs, meta=meta)
+
+
+# ---- synthetic generator -----------------------------------------------------------------------
+
+def _plan_synthetic(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool) -> dict:
+    """Pool sizes for a synthetic target; raises WorkloadError (one line) when it cannot be met."""
+    if tokens <= 0 or context <= 0:
+        raise WorkloadError(f"tokens and context must be positive, got tokens={tokens}, context={context}")
+    if not (reuse > 0 and math.isfinite(reuse)):
+        raise WorkloadError(f"reuse (nsb/N) must be a positive number, got {reuse}")
+    b, hkv = shape.block, shape.hkv
+    nsb = round(reuse * tokens)
+    if causal:
+        if context < tokens:
+            raise WorkloadError(f"causal: context ({context} tokens) must hold the {tokens} query tokens")
+        prefix = context - tokens
+        available = prefix // b                                  # complete prefix blocks: visible to all
+        n_local = (context - 1) // b - prefix // b + 1
+        picks = shape.topk - 1
+        fixed = hkv * n_local
+        what = f"{n_local} local blocks + a history pool per KV head from the {available} complete prefix blocks"
+    else:
+        available = math.ceil(context / b)
+        n_local, picks, fixed = 0, shape.topk, 0
+        what = f"a pool per KV head from the {available} context blocks"
+    pool_total = nsb - fixed
+    lo_pool, hi_pool = picks, min(available, tokens * picks)
+    lo_r, hi_r = (fixed + hkv * lo_pool) / tokens, (fixed + hkv * hi_pool) / tokens
+    if picks == 0 or hi_pool < lo_pool:
+        raise WorkloadError(f"no reuse is feasible for tokens={tokens}, context={context}, topk={shape.topk}"
+                            f"{', causal' if causal else ''}: {what} cannot fill top-{shape.topk}")
+    pools = [pool_total // hkv + (h < pool_total % hkv) for h in range(hkv)] if pool_total > 0 else [0] * hkv
+    if min(pools) < lo_pool or max(pools) > hi_pool:
+        raise WorkloadError(f"reuse {reuse:g} is infeasible for tokens={tokens}, context={context}, "
+                            f"Hkv={hkv}, top-{shape.topk}{', causal' if causal else ''} ({what}); "
+                            f"feasible reuse is {lo_r:.4g} to {hi_r:.4g}")
+    return {"nsb": nsb, "pools": pools, "available": available, "n_local": n_local, "picks": picks}
+
+
+def check_synthetic(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool = False) -> None:
+    """Raise WorkloadError if the synthetic target cannot be generated (cheap: no sampling)."""
+    _plan_synthetic(shape, tokens, context, reuse, causal)
+
+
+def _zipf_weights(n: int, skew: float) -> torch.Tensor:
+    return torch.arange(1, n + 1, dtype=torch.float64).pow(-skew)
+
+
+def _draw(gen: torch.Generator, count: int, pool: int, weights: torch.Tensor | None) -> torch.Tensor:
+    if weights is None:
+        return torch.randint(pool, (count,), generator=gen)
+    return torch.multinomial(weights, count, replacement=True, generator=gen)
+
+
+def _duplicates(vals: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+    """Entries repeating an earlier value of their row; among equal values fixed entries count first."""
+    order = (vals * 2 + (~fixed).long()).argsort(dim=1)
+    srt = vals.gather(1, order)
+    dup_sorted = torch.zeros_like(fixed)
+    dup_sorted[:, 1:] = srt[:, 1:] == srt[:, :-1]
+    return torch.zeros_like(fixed).scatter(1, order, dup_sorted)
+
+
+def distinct_picks(gen: torch.Generator, rows: int, picks: int, pool: int, skew: float = 0.0) -> torch.Tensor:
+    """[rows, picks] indices into a pool of `pool` items, distinct per row, every item used at least once.
+
+    Needs picks <= pool <= rows * picks. Item i has popularity (i + 1) ** -skew (0: uniform).
+    """
+    weights = None if skew == 0 else _zipf_weights(pool, skew)
+    vals = _draw(gen, rows * picks, pool, weights)
+    fixed = torch.zeros(rows * picks, dtype=torch.bool)
+    vals[:pool] = torch.randperm(pool, generator=gen)        # coverage: consecutive picks of a permutation
+    fixed[:pool] = True
+    vals, fixed = vals.view(rows, picks), fixed.view(rows, picks)
+    # redraw repeats a few times on the shrinking set of rows that have them, then finish those exactly
+    bad = torch.arange(rows)
+    for _ in range(_REJECTION_ROUNDS):
+        sub, sub_fixed = vals[bad], fixed[bad]
+        dup = _duplicates(sub, sub_fixed)
+        has = dup.any(1)
+        bad, sub, dup = bad[has], sub[has], dup[has]
+        if bad.numel() == 0:
+            return vals
+        sub[dup] = _draw(gen, int(dup.sum()), pool, weights)
+        vals[bad] = sub
+    bad = bad[_duplicates(vals[bad], fixed[bad]).any(1)]
+    logw = torch.zeros(pool, dtype=torch.float64) if weights is None else weights.log()
+    step = max(1, _FALLBACK_ELEMS // pool)
+    for start in range(0, bad.numel(), step):
+        rows_idx = bad[start:start + step]
+        u = torch.rand((rows_idx.numel(), pool), generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+        keys = torch.cat([logw - torch.log(-torch.log(u)),                # Gumbel-top-k: sampling without
+                          torch.zeros((rows_idx.numel(), 1), dtype=torch.float64)], 1)  # replacement
+        pinned = torch.where(fixed[rows_idx], vals[rows_idx], pool)        # column `pool` is a dummy
+        keys = keys.scatter(1, pinned, float("inf"))[:, :pool]              # coverage picks stay
+        vals[rows_idx] = keys.topk(picks, dim=1).indices
+    return vals
+
+
+def synthetic_selection(shape: AttnShape, tokens: int, context: int, reuse: float, skew: float = 0.0,
+                        causal: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(selection [Hkv, N, topk] int32, q_limit [N] int32) for one request of `context` tokens."""
+    if skew < 0 or not math.isfinite(skew):
+        raise WorkloadError(f"skew (Zipf exponent) must be >= 0, got {skew}")
+    plan = _plan_synthetic(shape, tokens, context, reuse, causal)
+    gen = torch.Generator().manual_seed(seed)
+    sel = torch.empty((shape.hkv, tokens, shape.topk), dtype=torch.int32)
+    for h, pool in enumerate(plan["pools"]):
+        blocks = torch.randperm(plan["available"], generator=gen)[:pool]   # the pool, in popularity order
+        picks = distinct_picks(gen, tokens, plan["picks"], pool, skew)
+        rows = torch.randperm(tokens, generator=gen)                        # scatter the coverage queries
+        sel[h, :, :plan["picks"]] = blocks[picks[rows]].to(torch.int32)
+    if causal:
+        q_limit = torch.arange(context - tokens, context, dtype=torch.int32)
+        sel[:, :, -1] = local_blocks(q_limit, shape.block).to(torch.int32).view(1, -1)
+    else:
+        q_limit = torch.full((tokens,), context - 1, dtype=torch.int32)
+    return sel, q_limit
+
+
+def synthetic_workload(shape: AttnShape, dtype: str, tokens: int, context: int, reuse: float, skew: float = 0.0,
+                       causal: bool = False, seed: int = 0, device="cpu", with_tensors: bool = True) -> Workload:
+    """A single-request workload whose selection hits nsb/N = reuse (see the module docstring)."""
+    sel, q_limit = synthetic_selection(shape, tokens, context, reuse, skew, causal, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    table, num_pages = scattered_page_table([context], shape.block, gen)
+    meta = {"generator": "synthetic", "target_reuse": reuse, "skew": skew, "seed": seed, "kv_lens": [context]}
+    return assemble(shape, dtype, sel, table, torch.zeros(tokens, dtype=torch.int32), q_limit, num_pages,
+                    causal, seed, device, with_tensors, meta=meta)

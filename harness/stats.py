@@ -1,0 +1,101 @@
+"""Workload statistics: reuse, fan-in, selected tokens, useful FLOPs, and the roofline's predicted times.
+
+Everything is computed from the selection, page tables and q_limit only, so a selection-only
+workload (with_tensors=False) gives the same numbers as the full one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .workload import Workload
+
+SCHEDULES = ("q-outer", "kv-outer", "msa-scatter")
+
+
+def visible_tokens(w: Workload) -> torch.Tensor:
+    """[Hkv, N, topk] number of keys of each selected block the query may see (0 for padding)."""
+    sel = w.selection.long()
+    start = sel * w.shape.block
+    n_vis = (w.q_limit.long().view(1, -1, 1) - start + 1).clamp(min=0, max=w.shape.block)
+    return torch.where(sel >= 0, n_vis, torch.zeros_like(n_vis))
+
+
+def useful_flops(w: Workload) -> float:
+    """4 x G x D per visible selected key token, summed over queries and KV heads (QK^T and PV,
+    2 flop per multiply-add). Equals 4 x Hq x D x selected tokens per query when all heads alike;
+    a causal local block counts only its visible tokens."""
+    s = w.shape
+    return 4.0 * s.group * s.head_dim * float(visible_tokens(w).sum())
+
+
+def selected_pairs(w: Workload) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct selected (KV head, physical page) pairs and how many queries select each (fan-in)."""
+    pages = w.pages.long()
+    head = torch.arange(w.shape.hkv, device=pages.device).view(-1, 1, 1).expand_as(pages)
+    key = (head * w.num_pages + pages)[pages >= 0]
+    return torch.unique(key, return_counts=True)
+
+
+def _quantiles(counts: torch.Tensor) -> dict:
+    if counts.numel() == 0:
+        return {f"fanin_{k}": 0.0 for k in ("mean", "p50", "p90", "p99", "max")}
+    srt = counts.sort().values.double()
+    at = lambda q: float(srt[min(srt.numel() - 1, math.ceil(q * srt.numel()) - 1)])   # nearest rank
+    return {"fanin_mean": float(srt.mean()), "fanin_p50": at(0.5), "fanin_p90": at(0.9),
+            "fanin_p99": at(0.99), "fanin_max": float(srt[-1])}
+
+
+def kv_lens(w: Workload) -> list[int]:
+    if "kv_lens" in w.meta:
+        return list(w.meta["kv_lens"])
+    return [int((row >= 0).sum()) * w.shape.block for row in w.page_table.cpu()]
+
+
+def workload_stats(w: Workload, device_profile=None) -> dict:
+    """Flat dict of statistics; with a device profile (roofline.devices.DeviceProfile or preset name)
+    also the roofline's predicted time and binding resource per schedule."""
+    s = w.shape
+    n = w.n_tokens
+    _, fanin = selected_pairs(w)
+    nsb = int(fanin.numel())
+    valid_entries = int((w.selection >= 0).sum())
+    vis = float(visible_tokens(w).sum())
+    lens = kv_lens(w)
+    out = {
+        "generator": w.meta.get("generator", ""), "dtype": w.dtype, "causal": w.causal,
+        "hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk,
+        "n_tokens": n, "requests": int(w.page_table.shape[0]),
+        "context_tokens": max(lens), "context_blocks": int((w.page_table >= 0).sum(1).max()),
+        "nsb": nsb, "nsb_per_n": nsb / n if n else 0.0,
+        "target_reuse": w.meta.get("target_reuse"),
+        "selected_blocks_per_query": valid_entries / (n * s.hkv) if n else 0.0,
+        **_quantiles(fanin),
+        "selected_tokens": vis,
+        "selected_tokens_per_query": vis / (n * s.hkv) if n else 0.0,
+        "useful_flops": useful_flops(w),
+    }
+    if "case_id" in w.meta:
+        out["case_id"] = w.meta["case_id"]
+        out["weight"] = w.meta.get("weight", 0.0)
+    if device_profile is not None:
+        out.update(predicted_times(w, nsb, valid_entries, out["useful_flops"], device_profile))
+    return out
+
+
+def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, device_profile) -> dict:
+    from ..roofline.devices import load_device
+    from ..roofline.model import ModelShape, crossover, predict
+    dev = load_device(device_profile) if isinstance(device_profile, str) else device_profile
+    s, n = w.shape, w.n_tokens
+    shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+    out = {"device": dev.name}
+    per_query = valid_entries / (n * s.hkv) if n else 0.0
+    for sched in SCHEDULES:
+        p = predict(sched, shape, n, nsb, dev, selected_per_query=per_query, flops=flops)
+        out[f"pred_{sched}_s"] = p.time_s
+        out[f"pred_{sched}_binding"] = p.binding
+    cross = crossover(shape, dev)
+    out["crossover_nsb_per_n"] = cross if math.isfinite(cross) else None
+    return out
