@@ -116,8 +116,8 @@ def default_request(backend: str, dtype: str, tokens, context, reuse, causal, se
 
 def random_workload(shape: AttnShape, dtype: str, tokens: int, context: int, reuse: float, causal: bool,
                     seed: int, device) -> Workload:
-    """Synthetic selection at the requested reuse (harness.selection) when available, else a plain
-    random one: each query picks topk distinct blocks it can see, uniformly."""
+    """Synthetic selection at the requested reuse (harness.selection) when available, else
+    edge_case_workload's plain random one (one request)."""
     try:
         from .selection import synthetic_workload
     except ImportError:
@@ -126,20 +126,49 @@ def random_workload(shape: AttnShape, dtype: str, tokens: int, context: int, reu
         return synthetic_workload(shape, dtype, tokens, context, reuse, causal=causal, seed=seed, device=device)
     if tokens <= 0 or context <= 0 or (causal and context < tokens):
         raise WorkloadError(f"need 0 < tokens <= context (causal), got tokens={tokens}, context={context}")
+    return edge_case_workload(shape, dtype, [context], [tokens], causal, seed=seed, device=device)
+
+
+def edge_case_workload(shape: AttnShape, dtype: str, kv_lens: list[int], tokens: list[int], causal: bool,
+                       hot: float = 0.0, pad: float = 0.0, empty: int = 0, seed: int = 0, device="cpu") -> Workload:
+    """A small workload with the cases a schedule can get wrong: several requests on a scattered page
+    table, -1 padding (each query keeps fewer than topk blocks with probability `pad`), a hot block
+    (block 0 of each request, chosen by a fraction `hot` of the queries), `empty` queries with no
+    block at all, and under `causal` the local block last (partially visible). The queries of
+    request r sit at its last tokens[r] positions. Python loops: for small shapes only."""
     gen = torch.Generator().manual_seed(seed)
-    n_blocks = -(-context // shape.block)
-    q_limit = (torch.arange(context - tokens, context) if causal else torch.full((tokens,), context - 1)).int()
-    sel = torch.full((shape.hkv, tokens, shape.topk), -1, dtype=torch.int32)
-    for i in range(tokens):
-        own = int(q_limit[i]) // shape.block
+    b, topk = shape.block, shape.topk
+    n_blocks = [-(-kv // b) for kv in kv_lens]
+    num_pages = sum(n_blocks) + 3                              # a few pages that hold no request's block
+    phys = torch.randperm(num_pages, generator=gen).int()
+    table = torch.full((len(kv_lens), max(n_blocks)), -1, dtype=torch.int32)
+    start = 0
+    for r, nb in enumerate(n_blocks):
+        table[r, :nb] = phys[start:start + nb]
+        start += nb
+    q_request = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, n in enumerate(tokens)])
+    q_limit = torch.cat([torch.arange(kv - n, kv) if causal else torch.full((n,), kv - 1)
+                         for kv, n in zip(kv_lens, tokens)]).int()
+    n_total = int(q_request.numel())
+    sel = torch.full((shape.hkv, n_total, topk), -1, dtype=torch.int32)
+    no_blocks = set(torch.randperm(n_total, generator=gen)[:empty].tolist())
+    for i in range(n_total):
+        if i in no_blocks:
+            continue
+        own = int(q_limit[i]) // b
         for h in range(shape.hkv):
-            pick = torch.randperm(own + 1, generator=gen)[:shape.topk]
-            if causal:      # the local block last
-                pick = torch.cat([pick[pick != own][:shape.topk - 1], torch.tensor([own])])
+            keep = topk
+            if torch.rand(1, generator=gen).item() < pad:
+                keep = int(torch.randint(1, topk, (1,), generator=gen)) if topk > 1 else 1
+            history = torch.randperm(own, generator=gen) if causal else torch.randperm(own + 1, generator=gen)
+            if torch.rand(1, generator=gen).item() < hot and own > (0 if causal else -1):
+                history = torch.cat([torch.tensor([0]), history[history != 0]])
+            pick = history[:keep - 1] if causal else history[:keep]
+            if causal:
+                pick = torch.cat([pick, torch.tensor([own])])
             sel[h, i, :len(pick)] = pick.int()
-    table = torch.randperm(n_blocks, generator=gen).int().view(1, -1)
-    return build_workload(shape, dtype, sel, table, torch.zeros(tokens, dtype=torch.int32), q_limit, n_blocks,
-                          causal, seed, device, meta={"generator": "check-random"})
+    return build_workload(shape, dtype, sel, table, q_request, q_limit, num_pages, causal, seed, device,
+                          meta={"generator": "edge-cases", "hot": hot, "pad": pad, "empty": empty})
 
 
 def run_check(req: CheckRequest):
