@@ -1,0 +1,309 @@
+"""CuTe DSL attention stage on the GPU: check it against the Triton stage and the float64 oracle, then time it.
+
+    source scripts/gpu-setup.sh && python3 benchmarks/cute_gpu.py [--out DIR] [--build-dir DIR] [--quick]
+
+Needs the prebuilt libraries (`msa-bench build-kernels` on the CPU machine writes build/cute; carry it
+in the checkout) and no CuTe DSL. Writes DIR/cute_gpu.json and DIR/cute_gpu.log; DIR is --out, else
+$OUT, else results/cute-gpu. Checks (small, masked/padded and study shapes, bf16 and fp8): the CuTe
+partials (o_part, m_part, l_part on live rows) vs the Triton stage's, the partials vs the float64
+reference through combine_index, the combined output vs the reference, and that the stage replays
+identically from a CUDA graph. Timing: the attention stage at N 16384, 1024 blocks per KV head, top-16
+uniform picks (useful FLOPs 4 x Hq x D x 16 x 128 per query), CuTe and Triton, median of >= 20 CUDA-event
+samples, both with the harness protocol (CUDA graphs, L2 flushed) and back to back (L2 warm).
+The summary table is printed last. Budget: under 5 minutes on the H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE_KW = dict(hq=64, hkv=4, head_dim=128, block=128, topk=16)
+TOL = {"bf16": 1e-2, "fp8": 5e-2}
+TARGET_TFLOPS = {"bf16": 600, "fp8": 900}
+PERF = dict(tokens=16384, blocks_per_head=1024)
+
+
+class Log:
+    def __init__(self, path: Path):
+        self.f = path.open("w")
+
+    def __call__(self, msg: str = ""):
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        self.f.write(line + "\n")
+        self.f.flush()
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+def masked_padded_workload(dtype: str, seed: int, device):
+    """64 queries over a 1000-token request (8 blocks, the last partial): each (head, query) keeps 3..8
+    distinct random blocks (-1 padded to top-16), and each query sees keys up to a random limit, so
+    blocks are partly or wholly masked (wholly masked partials must come out m = -inf, l = 0)."""
+    from msa_bench.harness.workload import AttnShape, build_workload
+    shape = AttnShape(**SHAPE_KW)
+    n, kv_len = 64, 1000
+    nb = math.ceil(kv_len / shape.block)
+    gen = torch.Generator().manual_seed(seed)
+    sel = torch.full((shape.hkv, n, shape.topk), -1, dtype=torch.int32)
+    for h in range(shape.hkv):
+        for q in range(n):
+            k = int(torch.randint(3, nb + 1, (1,), generator=gen))
+            sel[h, q, :k] = torch.randperm(nb, generator=gen)[:k].to(torch.int32)
+    q_limit = torch.randint(0, kv_len, (n,), generator=gen, dtype=torch.int32)
+    page_table = torch.randperm(nb, generator=gen).view(1, nb).to(torch.int32)
+    return build_workload(shape, dtype, sel, page_table, torch.zeros(n, dtype=torch.int32), q_limit, nb,
+                          causal=False, seed=seed, device=device, meta={"kind": "masked+padded"})
+
+
+def workloads(dtype: str, device, quick: bool):
+    """(label, workload factory) pairs for the checks, smallest first."""
+    from msa_bench.harness.selection import synthetic_workload
+    from msa_bench.harness.workload import AttnShape
+    shape = AttnShape(**SHAPE_KW)
+    cases = [
+        ("small pool N64 ctx2048", lambda: synthetic_workload(shape, dtype, 64, 2048, 1.0, seed=1, device=device)),
+        ("small causal N64 ctx4096", lambda: synthetic_workload(shape, dtype, 64, 4096, 1.0, causal=True,
+                                                                seed=2, device=device)),
+        ("masked+padded N64 ctx1000", lambda: masked_padded_workload(dtype, 3, device)),
+        ("study causal N2048 ctx32768", lambda: synthetic_workload(shape, dtype, 2048, 32768, 0.25, causal=True,
+                                                                   seed=4, device=device)),
+    ]
+    if not quick:
+        cases.append(("study zipf N4096 ctx65536", lambda: synthetic_workload(
+            shape, dtype, 4096, 65536, 0.5, skew=1.0, seed=5, device=device)))
+    return cases
+
+
+def perf_workload(dtype: str, device):
+    from msa_bench.harness.selection import synthetic_workload
+    from msa_bench.harness.workload import AttnShape
+    n, nb = PERF["tokens"], PERF["blocks_per_head"]
+    shape = AttnShape(**SHAPE_KW)
+    # reuse nsb/N = Hkv * pool / N gives a pool of nb blocks per KV head, picks uniform and distinct
+    return synthetic_workload(shape, dtype, n, nb * shape.block, shape.hkv * nb / n, seed=11, device=device)
+
+
+def useful_flops(w) -> float:
+    s = w.shape
+    return 4.0 * s.hq * s.head_dim * s.topk * s.block * w.n_tokens
+
+
+# ---- checks ------------------------------------------------------------------------------------
+
+def live_rows(plan, w) -> torch.Tensor:
+    """Partial rows that hold a real (query, head): row = tile * TILE_Q * G + slot * G + g, slot < count."""
+    b, g = plan.buffers, w.shape.group
+    tile_q = plan.info["config"]["tile_q"]
+    rows = b["o_part"].shape[0]
+    r = torch.arange(rows, device=w.device)
+    tile, slot = r // (tile_q * g), (r % (tile_q * g)) // g
+    return r[(b["tile_key"].long()[tile] >= 0) & (slot < b["tile_count"].long()[tile])]
+
+
+def compare_with_triton(pc, pt, w) -> dict:
+    from msa_bench.harness.reference import relative_error
+    rows = live_rows(pt, w)
+    bc, bt = pc.buffers, pt.buffers
+    out = {"live_rows": int(rows.numel())}
+    mc, mt = bc["m_part"][rows], bt["m_part"][rows]
+    out["m_inf_mismatch"] = int(((mc == -math.inf) != (mt == -math.inf)).sum())
+    fin = mt > -math.inf
+    out["o"] = relative_error(bc["o_part"][rows], bt["o_part"][rows])
+    out["m"] = relative_error(mc[fin], mt[fin])
+    out["l"] = relative_error(bc["l_part"][rows], bt["l_part"][rows])
+    return out
+
+
+def graph_replay_identical(plan) -> bool:
+    """Capture the CuTe stage in a CUDA graph, clear its outputs, replay: same bits as the eager run."""
+    b = plan.buffers
+    eager = [b[k].clone() for k in ("o_part", "m_part", "l_part")]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.stages["attention"]()
+    for k in ("o_part", "m_part", "l_part"):
+        b[k].fill_(7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    return all(torch.equal(e, b[k]) for e, k in zip(eager, ("o_part", "m_part", "l_part")))
+
+
+def check_case(label, make, dtype, log) -> dict:
+    from msa_bench.harness.reference import reference_attention, relative_error
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+    from msa_bench.kernels.kv_outer.backend import KVOuterBackend
+    from msa_bench.kernels.kv_outer.stage_checks import check_partials
+    rec = {"case": label, "dtype": dtype, "tol": TOL[dtype]}
+    try:
+        w = make()
+        rec["tokens"] = w.n_tokens
+        pt = KVOuterBackend().plan(w)
+        pc = KVOuterCuteBackend().plan(w)
+        pt.run()
+        pc.run()
+        torch.cuda.synchronize()
+        rec["info"] = {k: v for k, v in pc.info.items() if k != "config"}
+        rec["vs_triton"] = compare_with_triton(pc, pt, w)
+        idx = torch.randperm(w.n_tokens, generator=torch.Generator().manual_seed(7))[:48].sort().values.to(w.device)
+        ok_p, msg_p = check_partials(pc, w, idx, TOL[dtype])
+        rec["partials_vs_reference"] = {"ok": ok_p, "message": msg_p}
+        ref, _ = reference_attention(w, idx)
+        rec["output_rel_error"] = relative_error(pc.output[idx], ref)
+        rec["triton_output_rel_error"] = relative_error(pt.output[idx], ref)
+        rec["graph_replay_identical"] = graph_replay_identical(pc)
+        vt = rec["vs_triton"]
+        rec["ok"] = bool(ok_p and rec["output_rel_error"] <= TOL[dtype] and rec["graph_replay_identical"]
+                         and vt["m_inf_mismatch"] == 0 and max(vt["o"], vt["m"], vt["l"]) <= TOL[dtype])
+        log(f"check {dtype:4s} {label:30s} out {rec['output_rel_error']:.2e} (triton {rec['triton_output_rel_error']:.2e}) "
+            f"vs triton o {vt['o']:.1e} m {vt['m']:.1e} l {vt['l']:.1e} inf-mismatch {vt['m_inf_mismatch']}; "
+            f"partials: {msg_p}; graph {'same' if rec['graph_replay_identical'] else 'DIFFERS'} "
+            f"-> {'ok' if rec['ok'] else 'FAIL'}")
+        del pt, pc, w
+    except Exception as exc:
+        rec.update(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+        log(f"check {dtype:4s} {label:30s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+    torch.cuda.empty_cache()
+    return rec
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def events_median(fn, warmup: int, reps: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return {"median_s": ms[len(ms) // 2] / 1e3, "min_s": ms[0] / 1e3, "max_s": ms[-1] / 1e3, "n_reps": reps}
+
+
+def time_dtype(dtype, reps, log) -> dict:
+    from msa_bench.harness.timing import TimingConfig, summarize, time_plan
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+    from msa_bench.kernels.kv_outer.backend import KVOuterBackend
+    rec = {"dtype": dtype, **PERF, "target_tflops": TARGET_TFLOPS[dtype]}
+    try:
+        w = perf_workload(dtype, "cuda")
+        flops = useful_flops(w)
+        rec["useful_flops"] = flops
+        for impl, backend in (("cute", KVOuterCuteBackend()), ("triton", KVOuterBackend())):
+            r = rec[impl] = {}
+            try:
+                plan = backend.plan(w)
+                plan.run()
+                torch.cuda.synchronize()
+                warm = events_median(plan.stages["attention"], 5, max(reps, 20))
+                r["warm_l2_events"] = warm
+                r["warm_tflops"] = flops / warm["median_s"] / 1e12
+                samples = time_plan(plan, TimingConfig(warmup=5, reps=max(reps, 20), max_reps=3 * max(reps, 20)), w.device)
+                cold = summarize(samples["attention"].seconds)
+                r["graph_cold_l2"] = cold
+                r["tflops"] = flops / cold["median_s"] / 1e12
+                r["module_s"] = summarize(samples["module"].seconds)["median_s"]
+                r["stages_s"] = {k: summarize(v.seconds)["median_s"] for k, v in samples.items() if k != "plan"}
+                log(f"time  {dtype:4s} {impl:6s} attention {cold['median_s'] * 1e3:8.3f} ms cold-L2 graph "
+                    f"({r['tflops']:6.1f} TFLOP/s, cv {cold['cv']:.3f}, n {int(cold['n_reps'])}); "
+                    f"{warm['median_s'] * 1e3:8.3f} ms warm events ({r['warm_tflops']:6.1f} TFLOP/s); "
+                    f"module {r['module_s'] * 1e3:.3f} ms")
+                del plan
+            except Exception as exc:
+                r.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+                log(f"time  {dtype:4s} {impl:6s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+            torch.cuda.empty_cache()
+        del w
+    except Exception as exc:
+        rec.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+        log(f"time  {dtype:4s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+    torch.cuda.empty_cache()
+    return rec
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def environment(build_dir: Path) -> dict:
+    props = torch.cuda.get_device_properties(0)
+    env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "build_dir": str(build_dir)}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        env["manifest"] = json.loads((build_dir / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        env["manifest"] = f"unreadable: {exc}"
+    return env
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results/cute-gpu")
+    ap.add_argument("--build-dir", default=os.environ.get("MSA_BENCH_CUTE_DIR") or str(REPO / "build" / "cute"))
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="fewer check shapes")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out / "cute_gpu.log")
+    if not torch.cuda.is_available():
+        log("error: no CUDA GPU visible")
+        return 2
+    build_dir = Path(args.build_dir).resolve()
+    os.environ["MSA_BENCH_CUTE_DIR"] = str(build_dir)       # read by kernels/cute/loader.build_dir()
+    from msa_bench.kernels.cute.manifest import CuteConfig, device_arch, find_library, source_hash
+    env = environment(build_dir)
+    log(f"{env['gpu']} ({env['sms']} SMs), torch {env['torch']} (CUDA {env['cuda']}), triton {env.get('triton')}; "
+        f"CuTe build {build_dir}; checkout source hash {source_hash()}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    result = {"environment": env, "checks": [], "timing": []}
+    for dtype in dtypes:
+        path, reason = find_library(CuteConfig(dtype), build_dir, device_arch(0))
+        log(f"library {dtype}: {path if path else 'UNAVAILABLE: ' + reason}")
+    t0 = time.perf_counter()
+    for dtype in dtypes:
+        for label, make in workloads(dtype, "cuda", args.quick):
+            result["checks"].append(check_case(label, make, dtype, log))
+    for dtype in dtypes:
+        result["timing"].append(time_dtype(dtype, args.reps, log))
+    result["seconds"] = time.perf_counter() - t0
+    (out / "cute_gpu.json").write_text(json.dumps(result, indent=2, default=str))
+
+    log("")
+    log("summary (CuTe DSL attention stage, sm_90a, kernel "
+        f"{env['manifest'].get('kernel_version') if isinstance(env['manifest'], dict) else '?'})")
+    for c in result["checks"]:
+        err = c.get("output_rel_error")
+        log(f"  check {c['dtype']:4s} {c['case']:30s} {'ok  ' if c.get('ok') else 'FAIL'} "
+            + (f"rel.err {err:.2e} (tol {c['tol']:g})" if err is not None else c.get("error", "")[:120]))
+    for t in result["timing"]:
+        for impl in ("cute", "triton"):
+            r = t.get(impl, {})
+            if "tflops" in r:
+                log(f"  time  {t['dtype']:4s} {impl:6s} N {t['tokens']} pool {t['blocks_per_head']}: "
+                    f"{r['graph_cold_l2']['median_s'] * 1e3:.3f} ms = {r['tflops']:.0f} TFLOP/s cold L2, "
+                    f"{r['warm_tflops']:.0f} warm (target {t['target_tflops']})")
+            else:
+                log(f"  time  {t['dtype']:4s} {impl:6s} ERROR {r.get('error', t.get('error', '?'))[:120]}")
+    log(f"wrote {out / 'cute_gpu.json'} ({result['seconds']:.0f} s)")
+    return 0 if all(c.get("ok") for c in result["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
