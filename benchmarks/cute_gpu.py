@@ -30,6 +30,7 @@ SHAPE_KW = dict(hq=64, hkv=4, head_dim=128, block=128, topk=16)
 TOL = {"bf16": 1e-2, "fp8": 5e-2}
 TARGET_TFLOPS = {"bf16": 600, "fp8": 900}
 PERF = dict(tokens=16384, blocks_per_head=1024)
+CTAS = (2, 1)              # CuTe variants: P in Q's smem with 2 CTAs/SM, separate P with 1 CTA/SM
 
 
 class Log:
@@ -138,17 +139,18 @@ def graph_replay_identical(plan) -> bool:
     return all(torch.equal(e, b[k]) for e, k in zip(eager, ("o_part", "m_part", "l_part")))
 
 
-def check_case(label, make, dtype, log) -> dict:
+def check_case(label, make, dtype, ctas, log) -> dict:
     from msa_bench.harness.reference import reference_attention, relative_error
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import KVOuterBackend
     from msa_bench.kernels.kv_outer.stage_checks import check_partials
-    rec = {"case": label, "dtype": dtype, "tol": TOL[dtype]}
+    rec = {"case": label, "dtype": dtype, "ctas_per_sm": ctas, "tol": TOL[dtype]}
     try:
         w = make()
         rec["tokens"] = w.n_tokens
-        pt = KVOuterBackend().plan(w)
-        pc = KVOuterCuteBackend().plan(w)
+        # same ctas_per_sm for both, so index_map/schedule (and the tile order) are identical
+        pt = KVOuterBackend(config=KVOuterCuteBackend(ctas_per_sm=ctas).resolved_config(w)).plan(w)
+        pc = KVOuterCuteBackend(ctas_per_sm=ctas).plan(w)
         pt.run()
         pc.run()
         torch.cuda.synchronize()
@@ -164,14 +166,14 @@ def check_case(label, make, dtype, log) -> dict:
         vt = rec["vs_triton"]
         rec["ok"] = bool(ok_p and rec["output_rel_error"] <= TOL[dtype] and rec["graph_replay_identical"]
                          and vt["m_inf_mismatch"] == 0 and max(vt["o"], vt["m"], vt["l"]) <= TOL[dtype])
-        log(f"check {dtype:4s} {label:30s} out {rec['output_rel_error']:.2e} (triton {rec['triton_output_rel_error']:.2e}) "
+        log(f"check {dtype:4s} c{ctas} {label:30s} out {rec['output_rel_error']:.2e} (triton {rec['triton_output_rel_error']:.2e}) "
             f"vs triton o {vt['o']:.1e} m {vt['m']:.1e} l {vt['l']:.1e} inf-mismatch {vt['m_inf_mismatch']}; "
             f"partials: {msg_p}; graph {'same' if rec['graph_replay_identical'] else 'DIFFERS'} "
             f"-> {'ok' if rec['ok'] else 'FAIL'}")
         del pt, pc, w
     except Exception as exc:
         rec.update(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
-        log(f"check {dtype:4s} {label:30s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+        log(f"check {dtype:4s} c{ctas} {label:30s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
     torch.cuda.empty_cache()
     return rec
 
@@ -201,7 +203,9 @@ def time_dtype(dtype, reps, log) -> dict:
         w = perf_workload(dtype, "cuda")
         flops = useful_flops(w)
         rec["useful_flops"] = flops
-        for impl, backend in (("cute", KVOuterCuteBackend()), ("triton", KVOuterBackend())):
+        impls = [(f"cute-c{c}", KVOuterCuteBackend(ctas_per_sm=c)) for c in CTAS] + [("triton", KVOuterBackend())]
+        rec["impls"] = [name for name, _ in impls]
+        for impl, backend in impls:
             r = rec[impl] = {}
             try:
                 plan = backend.plan(w)
@@ -216,14 +220,14 @@ def time_dtype(dtype, reps, log) -> dict:
                 r["tflops"] = flops / cold["median_s"] / 1e12
                 r["module_s"] = summarize(samples["module"].seconds)["median_s"]
                 r["stages_s"] = {k: summarize(v.seconds)["median_s"] for k, v in samples.items() if k != "plan"}
-                log(f"time  {dtype:4s} {impl:6s} attention {cold['median_s'] * 1e3:8.3f} ms cold-L2 graph "
+                log(f"time  {dtype:4s} {impl:8s} attention {cold['median_s'] * 1e3:8.3f} ms cold-L2 graph "
                     f"({r['tflops']:6.1f} TFLOP/s, cv {cold['cv']:.3f}, n {int(cold['n_reps'])}); "
                     f"{warm['median_s'] * 1e3:8.3f} ms warm events ({r['warm_tflops']:6.1f} TFLOP/s); "
                     f"module {r['module_s'] * 1e3:.3f} ms")
                 del plan
             except Exception as exc:
                 r.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
-                log(f"time  {dtype:4s} {impl:6s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+                log(f"time  {dtype:4s} {impl:8s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
             torch.cuda.empty_cache()
         del w
     except Exception as exc:
@@ -274,12 +278,14 @@ def main(argv=None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     result = {"environment": env, "checks": [], "timing": []}
     for dtype in dtypes:
-        path, reason = find_library(CuteConfig(dtype), build_dir, device_arch(0))
-        log(f"library {dtype}: {path if path else 'UNAVAILABLE: ' + reason}")
+        for ctas in CTAS:
+            path, reason = find_library(CuteConfig(dtype, ctas_per_sm=ctas), build_dir, device_arch(0))
+            log(f"library {dtype} c{ctas}: {path if path else 'UNAVAILABLE: ' + reason}")
     t0 = time.perf_counter()
     for dtype in dtypes:
         for label, make in workloads(dtype, "cuda", args.quick):
-            result["checks"].append(check_case(label, make, dtype, log))
+            for ctas in CTAS:
+                result["checks"].append(check_case(label, make, dtype, ctas, log))
     for dtype in dtypes:
         result["timing"].append(time_dtype(dtype, args.reps, log))
     result["seconds"] = time.perf_counter() - t0
@@ -290,17 +296,17 @@ def main(argv=None) -> int:
         f"{env['manifest'].get('kernel_version') if isinstance(env['manifest'], dict) else '?'})")
     for c in result["checks"]:
         err = c.get("output_rel_error")
-        log(f"  check {c['dtype']:4s} {c['case']:30s} {'ok  ' if c.get('ok') else 'FAIL'} "
+        log(f"  check {c['dtype']:4s} c{c['ctas_per_sm']} {c['case']:30s} {'ok  ' if c.get('ok') else 'FAIL'} "
             + (f"rel.err {err:.2e} (tol {c['tol']:g})" if err is not None else c.get("error", "")[:120]))
     for t in result["timing"]:
-        for impl in ("cute", "triton"):
+        for impl in t.get("impls", []):
             r = t.get(impl, {})
             if "tflops" in r:
-                log(f"  time  {t['dtype']:4s} {impl:6s} N {t['tokens']} pool {t['blocks_per_head']}: "
+                log(f"  time  {t['dtype']:4s} {impl:8s} N {t['tokens']} pool {t['blocks_per_head']}: "
                     f"{r['graph_cold_l2']['median_s'] * 1e3:.3f} ms = {r['tflops']:.0f} TFLOP/s cold L2, "
                     f"{r['warm_tflops']:.0f} warm (target {t['target_tflops']})")
             else:
-                log(f"  time  {t['dtype']:4s} {impl:6s} ERROR {r.get('error', t.get('error', '?'))[:120]}")
+                log(f"  time  {t['dtype']:4s} {impl:8s} ERROR {r.get('error', t.get('error', '?'))[:120]}")
     log(f"wrote {out / 'cute_gpu.json'} ({result['seconds']:.0f} s)")
     return 0 if all(c.get("ok") for c in result["checks"]) else 1
 

@@ -12,9 +12,10 @@ Row r of a tile is (slot, g) = divmod(r, G). Rows of empty slots (slot >= tile_c
 query may not see (position page_block[page] * block + t > q_limit[query]) are masked: such rows
 end with m = -inf, l = 0, o = 0.
 
-Version 1: synchronous cp.async loads by all threads, P passed through shared memory (SS wgmma
-for both products, which also serves fp8 where the register-A layout differs), no warp
-specialization. fp8 wants K-major operands, so for fp8 V is read d-major ([pages, Hkv, D, block]).
+Synchronous cp.async loads by all threads, P passed through shared memory (SS wgmma for both
+products, which also serves fp8 where the register-A layout differs), no warp specialization.
+With ctas_per_sm = 2, P overwrites the warpgroup's own Q rows (96 KiB bf16 / 48 KiB fp8 of shared
+memory, <= 128 registers), so two CTAs share an SM and one's loads overlap the other's MMAs. fp8 wants K-major operands, so for fp8 V is read d-major ([pages, Hkv, D, block]).
 As in the Triton stage, fp8 P is scaled by 2^P_SHIFT before the cast (keeps it out of e4m3's
 subnormals); l is divided back here and the host folds 2^-P_SHIFT into out_scale.
 Tile offsets are 64-bit (o_part exceeds 2^31 elements at the study size).
@@ -38,7 +39,7 @@ from .manifest import P_SHIFT
 
 LOG2E = math.log2(math.e)
 DSL_DTYPES = {"bf16": cutlass.BFloat16, "fp8": cutlass.Float8E4M3FN}
-KERNEL_VERSION = "v1-sync-ss"
+KERNEL_VERSION = "v2-sync-ss-ctas"
 
 
 def _row_major_smem_layout(dtype, rows: int, cols: int):
@@ -79,7 +80,8 @@ class KvOuterAttentionSm90:
 
     num_threads = 256          # two consumer warpgroups, 64 rows each
 
-    def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128):
+    def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
+                 ctas_per_sm: int = 1):
         if dtype not in DSL_DTYPES:
             raise ValueError(f"CuTe attention supports {', '.join(DSL_DTYPES)}, not {dtype}")
         if tile_q * group != 128:
@@ -91,6 +93,14 @@ class KvOuterAttentionSm90:
         self.v_d_major = dtype == "fp8"
         self.tile_q, self.group, self.head_dim, self.block = tile_q, group, head_dim, block
         self.rows = tile_q * group
+        if ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
+        # Two CTAs per SM (one loads while the other computes) fit when P reuses Q's shared memory:
+        # a warpgroup's P rows are its own Q rows, dead once its S = Q K^T has completed.
+        self.ctas_per_sm = ctas_per_sm
+        self.p_in_q = ctas_per_sm > 1 and head_dim == block
+        if ctas_per_sm > 1 and not self.p_in_q:
+            raise ValueError("ctas_per_sm 2 needs head_dim == block (P aliases Q in shared memory)")
         self.p_shift = P_SHIFT[dtype]
 
     # ---- host side (traced once at compile time) --------------------------------------------
@@ -119,14 +129,15 @@ class KvOuterAttentionSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, 0 if self.p_in_q else cute.cosize(sP_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(qk_mma, pv_mma, mQ, mK, mV, mCsrQuery, mTileKey, mTileEdge, mTileCount, mCtaRange,
                     mPageBlock, mQLimit, mO, mM, mL, hkv, num_pages, scale * LOG2E, scale, out_scale,
                     sQ_layout, sK_layout, sV_layout, sP_layout).launch(
             grid=(mCtaRange.shape[0], 1, 1), block=(self.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(), stream=stream)
+            smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100 if const_expr(self.ctas_per_sm > 1) else None, stream=stream)
 
     # ---- device side ------------------------------------------------------------------------
     @cute.kernel
@@ -147,7 +158,10 @@ class KvOuterAttentionSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        if const_expr(self.p_in_q):
+            sP = storage.sQ.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        else:
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sVt = sV if const_expr(self.v_d_major) else _transposed(sV)     # (D, keys) B operand
 
         # wgmma operand fragments (descriptors over shared memory)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import torch
 
 from ..base import BackendUnavailable, register
-from ..kv_outer.backend import KVOuterBackend, register_attention_impl
-from .manifest import DTYPES, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, device_arch, find_library
+from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
+from ..kv_outer.config import default_config, resolve_num_ctas
+from .manifest import CTAS_PER_SM, DTYPES, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, device_arch, find_library
+
+DEFAULT_CTAS_PER_SM = 2
 
 
-def cute_config_for(workload, tile_q: int) -> CuteConfig:
+def cute_config_for(workload, tile_q: int, ctas_per_sm: int = DEFAULT_CTAS_PER_SM) -> CuteConfig:
     """The library configuration a workload needs, or BackendUnavailable if the kernel has none."""
     s = workload.shape
     if workload.dtype not in DTYPES:
@@ -23,7 +26,9 @@ def cute_config_for(workload, tile_q: int) -> CuteConfig:
         raise BackendUnavailable(
             f"the CuTe attention stage is built for TILE_Q * G = 128, D = 128, block = 128 "
             f"(got TILE_Q {tile_q}, G {s.group}, D {s.head_dim}, block {s.block})")
-    return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block)
+    if ctas_per_sm not in CTAS_PER_SM:
+        raise BackendUnavailable(f"the CuTe attention stage is built for {CTAS_PER_SM} CTAs per SM, not {ctas_per_sm}")
+    return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, ctas_per_sm)
 
 
 class CuteAttentionStage:
@@ -33,7 +38,7 @@ class CuteAttentionStage:
     def __init__(self, workload, buffers: dict, config):
         from .loader import resolve_library
         w = workload
-        self.cfg = cute_config_for(w, config.tile_q)
+        self.cfg = cute_config_for(w, config.tile_q, config.ctas_per_sm)
         self.library = resolve_library(self.cfg, w.device)
         self.library.load_module()
         # fp8 wgmma wants K-major operands: V d-major ([pages, Hkv, D, block]), made once here.
@@ -70,8 +75,15 @@ class KVOuterCuteBackend(KVOuterBackend):
     description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
     dtypes = DTYPES
 
-    def __init__(self, config=None):
+    def __init__(self, config=None, ctas_per_sm: int = DEFAULT_CTAS_PER_SM):
         super().__init__(attention_impl="cute", config=config)
+        self.ctas_per_sm = ctas_per_sm
+
+    def resolved_config(self, w):
+        """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size)."""
+        cfg = self.config or default_config(w.dtype).with_(ctas_per_sm=self.ctas_per_sm)
+        check_shape(w, cfg.tile_q, self.name)
+        return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 
     def unavailable_reason(self, dtype, device):
         if dtype not in self.dtypes:
@@ -86,7 +98,7 @@ class KVOuterCuteBackend(KVOuterBackend):
             return reason
         from .build import dsl_unavailable_reason
         from .loader import build_dir
-        _, why = find_library(CuteConfig(dtype), build_dir(), arch)
+        _, why = find_library(CuteConfig(dtype, ctas_per_sm=self.ctas_per_sm), build_dir(), arch)
         if why and dsl_unavailable_reason() is not None:
             return why
         return None

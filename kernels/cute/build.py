@@ -138,7 +138,8 @@ def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{cfg.name}_") as tmp:
         tmp = Path(tmp)
-        kernel = KvOuterAttentionSm90(cfg.dtype, cfg.tile_q, cfg.group, cfg.head_dim, cfg.block)
+        kernel = KvOuterAttentionSm90(cfg.dtype, cfg.tile_q, cfg.group, cfg.head_dim, cfg.block,
+                                      cfg.ctas_per_sm)
         try:
             compiled = cute.compile(kernel, *_fake_args(cfg))
             compiled.export_to_c(file_path=str(tmp), file_name=cfg.name, function_prefix=cfg.name)

@@ -32,9 +32,15 @@ def build_dir() -> Path:
 
 def _load_cudart() -> None:
     """The libraries link libcudart.so.13 dynamically; make it visible process-wide first."""
+    import sys
     names = ["libcudart.so.13"]
     home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
     names += [str(Path(home) / sub / "libcudart.so.13") for sub in ("lib64", "lib")]
+    for site in sys.path:                     # pip's CUDA runtime wheels (nvidia/cu13, nvidia/cuda_runtime)
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib"):
+            cand = Path(site or ".") / sub / "libcudart.so.13"
+            if cand.is_file():
+                names.append(str(cand))
     errors = []
     for name in names:
         try:

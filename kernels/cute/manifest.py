@@ -32,20 +32,26 @@ class CuteConfig:
     group: int = 16
     head_dim: int = 128
     block: int = 128
+    ctas_per_sm: int = 2            # 2: P aliases Q in shared memory so two CTAs share an SM
 
     @property
     def name(self) -> str:
-        return f"kvo_attn_{self.dtype}_q{self.tile_q}g{self.group}d{self.head_dim}b{self.block}"
+        return (f"kvo_attn_{self.dtype}_q{self.tile_q}g{self.group}d{self.head_dim}b{self.block}"
+                f"_c{self.ctas_per_sm}")
 
     @property
     def library(self) -> str:
         return f"lib{self.name}.so"
 
 
+CTAS_PER_SM = (1, 2)
+
+
 def sweep_configs(dtypes=DTYPES) -> list[CuteConfig]:
     """Every configuration the sweep can ask the CuTe stage for: the study geometry (G = 16, so a
-    TILE_Q = 8 tile is 128 rows, D = 128, block = 128) in each data dtype."""
-    return [CuteConfig(d) for d in dtypes]
+    TILE_Q = 8 tile is 128 rows, D = 128, block = 128) in each data dtype, with one CTA per SM
+    (separate P buffer) and two (P in Q's shared memory)."""
+    return [CuteConfig(d, ctas_per_sm=c) for d in dtypes for c in CTAS_PER_SM]
 
 
 def source_hash() -> str:
