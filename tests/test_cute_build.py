@@ -32,6 +32,10 @@ def built(tmp_path_factory):
     """Every sweep configuration compiled for sm_90a through the CLI, PTX kept for inspection."""
     if dsl_unavailable_reason():
         pytest.skip(f"CuTe DSL not installed: {dsl_unavailable_reason()}")
+    import shutil
+    from msa_bench.kernels.cute.build import cuda_home
+    if not (cuda_home() / "include" / "cuda_runtime_api.h").is_file() or not shutil.which("g++"):
+        pytest.skip(f"linking the CuTe libraries needs g++ and CUDA 13 headers at {cuda_home()} (or $CUDA_HOME)")
     out = tmp_path_factory.mktemp("cute")
     dump = tmp_path_factory.mktemp("ptx")
     proc = _cli("build-kernels", "--arch", "sm_90a", "--out", str(out),
