@@ -26,6 +26,101 @@ def _fail(message: str, code: int = 2) -> None:
 # ---- commands are added below, one section per area -------------------------------------------
 
 
+# ---- workloads and scenarios (selection generators, statistics, shipped scenario files) -------
+@app.command()
+def workload(
+    generator: str = typer.Option("synthetic", help="synthetic (hits a target reuse), real-prefill (an MSA production "
+                                                   "prefill case, see --case) or indexer (top-k by query . mean-pooled "
+                                                   "keys of structured Q/K; draws the tensors, so it is slower)."),
+    reuse: float = typer.Option(0.25, help="Target reuse nsb/N for synthetic: distinct selected (KV head, block) pairs "
+                                           "per query token. At most Hkv x context blocks / N and Hkv x topk."),
+    tokens: int = typer.Option(16384, help="N query tokens (synthetic, indexer)."),
+    context: int = typer.Option(131072, help="Context length in tokens, i.e. context / --block blocks (synthetic, indexer)."),
+    skew: float = typer.Option(0.0, help="Zipf exponent of block popularity for synthetic (0: uniform)."),
+    causal: bool = typer.Option(False, "--causal", help="Chunked causal prefill: the N queries are the context's last N "
+                                                        "tokens and each query's own block is its last selected block."),
+    case: str = typer.Option(None, "--case", help="MSA prefill case id for real-prefill, e.g. prefill_c17ccf7fbbb5d1ee5648 "
+                                                  "(the real-prefill scenario lists the representative ones)."),
+    dtype: str = typer.Option("bf16", help="Data type: bf16, fp8 (e4m3), fp16 or fp32."),
+    seed: int = typer.Option(0, help="Seed of the selection (synthetic, indexer) and the tensors."),
+    device: str = typer.Option("h200", "--device", help="Roofline device profile for predicted times: b200, h100, h200 "
+                                                        "or a PROFILE.json from `msa-bench calibrate`."),
+    hq: int = typer.Option(64, help="Query heads."),
+    hkv: int = typer.Option(4, help="KV heads (must divide --hq)."),
+    head_dim: int = typer.Option(128, help="Head dimension D (elements)."),
+    block: int = typer.Option(128, help="KV block size in tokens."),
+    topk: int = typer.Option(16, help="Blocks each query keeps per KV head."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (achieved reuse under nsb_per_n)."),
+):
+    """Generate one workload's selection and print its statistics: reuse nsb/N, fan-in of queries per selected
+    (KV head, block), visible selected tokens, useful FLOPs and the roofline's predicted time per schedule."""
+    import json
+    from .harness.errors import UserError
+    from .harness.scenarios import GENERATORS, Point, make_workload
+    from .harness.stats import prediction_rows, stat_rows, workload_stats
+    from .harness.workload import DATA_DTYPES, AttnShape
+
+    if generator not in GENERATORS:
+        raise UserError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
+    if dtype not in DATA_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
+    shape = AttnShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk)
+    if generator == "real-prefill":
+        from .harness.prefill_cases import get_case
+        if not case:
+            raise UserError("--generator real-prefill needs --case CASE_ID (e.g. prefill_c17ccf7fbbb5d1ee5648; "
+                            "`msa-bench scenarios` -> real-prefill lists the representative cases)")
+        c = get_case(case)
+        point = Point("real-prefill", c.total_q, c.max_final_kv, None, 0.0, True, dtype, seed, c.case_id, c.weight, shape)
+    else:
+        if case:
+            raise UserError("--case applies only to --generator real-prefill")
+        point = Point(generator, tokens, context, reuse if generator == "synthetic" else None, skew, causal, dtype,
+                      seed, None, 1.0, shape)
+    from .roofline.devices import load_device
+    profile = load_device(device)
+    stats = workload_stats(make_workload(point, with_tensors=False), profile)
+    if as_json:
+        typer.echo(json.dumps(stats))
+        return
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=f"workload {point.key()}", show_header=True)
+    table.add_column("statistic (unit)")
+    table.add_column("value", justify="right")
+    for label, value in stat_rows(stats):
+        table.add_row(label, value)
+    pred = Table(title=f"roofline prediction on {stats['device']}")
+    for col in ("schedule", "predicted time (us)", "binding resource"):
+        pred.add_column(col, justify="right" if col.startswith("pred") else "left")
+    for row in prediction_rows(stats):
+        pred.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print(pred)
+
+
+@app.command()
+def scenarios():
+    """List the shipped scenarios (grids of workloads: tokens, context in tokens, reuse = nsb/N, dtypes) with
+    their one-line descriptions. Run one with `msa-bench sweep --scenario NAME`."""
+    from rich.console import Console
+    from rich.table import Table
+    from .harness.scenarios import list_scenarios, load_scenario
+    from .harness.errors import UserError
+
+    table = Table(title="shipped scenarios")
+    for col in ("name", "points (workload x dtype)", "description"):
+        table.add_column(col, justify="right" if col.startswith("points") else "left")
+    for name, desc in list_scenarios():
+        try:
+            count = str(len(load_scenario(name).points))
+        except UserError as exc:
+            count, desc = "invalid", str(exc)
+        table.add_row(name, count, desc)
+    Console().print(table)
+
+
 # ---- check (kv-outer / msa-scatter correctness against the float64 reference) ------------------
 @app.command()
 def check(

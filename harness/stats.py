@@ -99,3 +99,36 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
     cross = crossover(shape, dev)
     out["crossover_nsb_per_n"] = cross if math.isfinite(cross) else None
     return out
+
+
+def stat_rows(st: dict) -> list[tuple[str, str]]:
+    """(label with unit, formatted value) rows of workload_stats for a table."""
+    def num(x, fmt=",.0f"):
+        return "-" if x is None else format(x, fmt)
+    rows = [
+        ("generator", st["generator"] + (f" ({st['case_id']}, weight {st['weight']:g})" if "case_id" in st else "")),
+        ("shape (Hq / Hkv / D / block tokens / top-k)",
+         f"{st['hq']} / {st['hkv']} / {st['head_dim']} / {st['block']} / {st['topk']}"),
+        ("dtype, causal", f"{st['dtype']}, {'causal' if st['causal'] else 'non-causal'}"),
+        ("N (query tokens)", num(st["n_tokens"])),
+        ("requests", num(st["requests"])),
+        ("context (tokens, longest request)", num(st["context_tokens"])),
+        (f"context (blocks of {st['block']} tokens)", num(st["context_blocks"])),
+        ("nsb (distinct selected (KV head, block) pairs)", num(st["nsb"])),
+        ("reuse nsb/N (achieved)", num(st["nsb_per_n"], ".4g")),
+        ("reuse nsb/N (target)", num(st["target_reuse"], ".4g")),
+        ("selected blocks per (query, KV head)", num(st["selected_blocks_per_query"], ".3g")),
+        ("fan-in (queries per selected pair): mean / p50 / p90 / p99 / max",
+         " / ".join(num(st[f"fanin_{k}"], ".4g") for k in ("mean", "p50", "p90", "p99", "max"))),
+        ("visible selected key tokens per (query, KV head)", num(st["selected_tokens_per_query"], ".5g")),
+        ("useful work (GFLOP)", num(st["useful_flops"] / 1e9, ",.2f")),
+    ]
+    if "crossover_nsb_per_n" in st:
+        rows.append((f"predicted crossover nsb/N on {st['device']} (KV-outer faster below)",
+                     num(st["crossover_nsb_per_n"], ".4g") if st["crossover_nsb_per_n"] is not None else "none"))
+    return rows
+
+
+def prediction_rows(st: dict) -> list[tuple[str, str, str]]:
+    """(schedule, predicted time in microseconds, binding resource) rows, when predictions are present."""
+    return [(s, f"{st[f'pred_{s}_s'] * 1e6:,.1f}", st[f"pred_{s}_binding"]) for s in SCHEDULES if f"pred_{s}_s" in st]
