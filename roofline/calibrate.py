@@ -4,11 +4,22 @@ Microbenchmarks (GPU, CUDA events, warm-up, medians):
   HBM read   a Triton kernel that sums a >= 4 GiB fp32 buffer (the sum is stored, so no load is
              optimized away); a few (tile, grid) configurations, the best is kept.
   HBM copy   torch copy_ of a large bf16 tensor; bytes read + written.
-  L2 sweep   the same read kernel over working sets from 1 MiB to 2 GiB, the buffer read repeatedly
-             within one launch (>= 1 GiB of loads per launch, chunk order rotating so no load is
-             loop-invariant): the L2 plateau at small sizes, the HBM plateau at large ones.
+  L2 sweep   the same read kernel, but with L1-bypassing loads (`cache_modifier=".cg"`), over working
+             sets from 1 MiB to 2 GiB, the buffer read repeatedly within one launch (>= 1 GiB of loads
+             per launch, chunk order rotating so no load is loop-invariant): the L2 plateau at small
+             sizes, the HBM plateau at large ones.
   MMA        8192^3 torch.matmul (bf16) and torch._scaled_mm (fp8 e4m3, bf16 out).
 Pure parts (plateau detection, profile assembly, JSON and PNG writing) run anywhere.
+
+L2 plateau rule (`l2_and_hbm_plateaus`): the plateau is searched only among working sets in the window
+[L2/8, L2/2] (about 7.5 .. 30 MiB on a 60 MiB L2). Below L2/8 the SMs' L1 caches (132 SMs x up to
+256 KiB, ~33 MiB in all) serve part of the repeated reads, even with .cg loads nothing guarantees the
+smallest sets are pure L2, and launch overheads weigh more; a first H200 run without .cg showed 16.9 TB/s
+at 1 MiB and 12.7 TB/s at 2-4 MiB, which is L1, not L2. Above L2/2 the working set starts to spill
+(set conflicts, the two L2 partitions). Inside the window the widest run of points within 10% of its
+median is the plateau (ties: the higher one). HBM: the plateau holding the largest working set, beyond
+4x the L2. The profile's hbm_bytes_per_s is max(HBM read, HBM copy_); both, and the sweep's HBM plateau,
+are recorded under measured["hbm"].
 """
 from __future__ import annotations
 
@@ -53,10 +64,18 @@ def find_plateaus(values, rel_tol: float = 0.1, min_points: int = 2) -> list[Pla
     return runs
 
 
-def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) -> tuple[Plateau, Plateau]:
-    """(L2 plateau, HBM plateau) of a bandwidth-versus-working-set sweep.
+def l2_window(l2_bytes: int) -> tuple[int, int]:
+    """The working-set window [L2/8, L2/2] in which the L2 plateau is looked for (see the module docstring)."""
+    return l2_bytes // 8, l2_bytes // 2
 
-    L2: the highest plateau whose points all fit in half the L2 (working sets that stay resident).
+
+def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) -> tuple[Plateau, Plateau]:
+    """(L2 plateau, HBM plateau) of a bandwidth-versus-working-set sweep; indices refer to the points sorted
+    by size.
+
+    L2: among the points with L2/8 <= working set <= L2/2 only (large enough that L1 does not serve the
+    repeated reads, small enough to stay resident in L2), the widest run within rel_tol of its median; ties
+    go to the higher level. Points below L2/8 are ignored however fast they are (L1 hits).
     HBM: the plateau that holds the largest working set, which must lie beyond 4x the L2.
     Raises UserError when the sweep does not show both."""
     if len(sizes) != len(bandwidths) or len(sizes) < 4:
@@ -64,13 +83,21 @@ def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) 
     order = sorted(range(len(sizes)), key=lambda k: sizes[k])
     sizes = [sizes[k] for k in order]
     bandwidths = [bandwidths[k] for k in order]
-    runs = find_plateaus(bandwidths, rel_tol)
-    small = [p for p in runs if sizes[p.last] <= l2_bytes // 2]
+    lo, hi = l2_window(l2_bytes)
+    inside = [k for k in range(len(sizes)) if lo <= sizes[k] <= hi]
+    small = []
+    if inside:
+        first = inside[0]                                    # the window is contiguous in the sorted order
+        small = [Plateau(p.first + first, p.last + first, p.level)
+                 for p in find_plateaus(bandwidths[first:inside[-1] + 1], rel_tol)]
     if not small:
-        raise UserError(f"L2 sweep shows no plateau below half the L2 ({l2_bytes // MIB} MiB); add smaller sizes")
-    l2 = max(small, key=lambda p: p.level)
+        raise UserError(f"L2 sweep shows no plateau below half the L2 in the window L2/8 .. L2/2 "
+                        f"({lo / MIB:.1f} .. {hi / MIB:.1f} MiB, {len(inside)} points there); "
+                        "add sizes in that window")
+    l2 = max(small, key=lambda p: (p.last - p.first, p.level))
+    runs = find_plateaus(bandwidths, rel_tol)
     hbm = runs[-1] if runs and runs[-1].last == len(sizes) - 1 else None
-    if hbm is None or sizes[hbm.last] < 4 * l2_bytes or hbm is l2 or hbm.level >= l2.level:
+    if hbm is None or sizes[hbm.last] < 4 * l2_bytes or hbm.first <= l2.last or hbm.level >= l2.level:
         raise UserError("L2 sweep shows no HBM plateau beyond 4x the L2; extend the sweep to larger sizes")
     return l2, hbm
 
@@ -79,7 +106,14 @@ def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) 
 
 def build_profile(name: str, m: dict) -> DeviceProfile:
     """A DeviceProfile from the measurement dict `run_calibration` returns (validated by devices.py)."""
-    hbm = max(m["hbm_read_bytes_per_s"], m["hbm_copy_bytes_per_s"])
+    read, copy = float(m["hbm_read_bytes_per_s"]), float(m["hbm_copy_bytes_per_s"])
+    hbm = max(read, copy)
+    m = dict(m)
+    m["hbm"] = {"rule": "hbm_bytes_per_s = max(read, copy)", "chosen": "copy" if copy >= read else "read",
+                "bytes_per_s": hbm,
+                "read_bytes_per_s": read,       # Triton sum kernel over a >= 4 GiB buffer, bytes read
+                "copy_bytes_per_s": copy,       # torch copy_, (bytes read + bytes written) / time
+                "sweep_plateau_bytes_per_s": float(m["hbm_plateau"]["bytes_per_s"]) if "hbm_plateau" in m else None}
     data = {"name": name, "hbm_bytes_per_s": float(hbm), "l2_bytes_per_s": float(m["l2_plateau"]["bytes_per_s"]),
             "mma_flops": {"bf16": float(m["matmul"]["bf16_flops"]), "fp8": float(m["matmul"]["fp8_flops"])},
             "l2_bytes": int(m["l2_bytes"]), "sms": int(m["sms"]),
@@ -96,7 +130,8 @@ def write_profile(profile: DeviceProfile, path: Path) -> DeviceProfile:
 
 
 def plot_sweep(m: dict, path: Path) -> None:
-    """Bandwidth versus working set (log x) with the L2 size and both plateaus marked."""
+    """Bandwidth versus working set (log x) with the L2 size, the L2/8..L2/2 window the L2 plateau is taken
+    from (shaded) and both plateaus marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -104,7 +139,10 @@ def plot_sweep(m: dict, path: Path) -> None:
     x = [p["bytes"] / MIB for p in sweep]
     y = [p["bytes_per_s"] / 1e12 for p in sweep]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(x, y, "o-", color="tab:blue", label="Triton read kernel")
+    ax.plot(x, y, "o-", color="tab:blue", label="Triton read kernel (.cg loads, L1 bypassed)")
+    lo, hi = m["l2_plateau"].get("window_bytes") or l2_window(m["l2_bytes"])
+    ax.axvspan(lo / MIB, hi / MIB, color="tab:green", alpha=0.12,
+               label=f"L2 window L2/8..L2/2 ({lo / MIB:.1f}-{hi / MIB:.0f} MiB)")
     for key, color, label in (("l2_plateau", "tab:green", "L2"), ("hbm_plateau", "tab:red", "HBM")):
         p = m[key]
         ax.hlines(p["bytes_per_s"] / 1e12, p["from_bytes"] / MIB, p["to_bytes"] / MIB, colors=color, lw=3,
@@ -132,15 +170,19 @@ def _read_kernel():
     import triton.language as tl
 
     @triton.jit
-    def read_sum(x_ptr, out_ptr, n_chunks, total, BLOCK: tl.constexpr):
-        # program p loads chunks t = p, p + P, ... of the repeated sequence; chunk index t mod n_chunks
+    def read_sum(x_ptr, out_ptr, n_chunks, total, BLOCK: tl.constexpr, BYPASS_L1: tl.constexpr):
+        # program p loads chunks t = p, p + P, ... of the repeated sequence; chunk index t mod n_chunks.
+        # BYPASS_L1: ld.global.cg (cache in L2 only), so repeated reads of a small working set are not L1 hits
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         lanes = tl.arange(0, BLOCK)
         for t in range(pid, total, nprog):
             c = (t % n_chunks).to(tl.int64)
-            acc += tl.load(x_ptr + c * BLOCK + lanes)
+            if BYPASS_L1:
+                acc += tl.load(x_ptr + c * BLOCK + lanes, cache_modifier=".cg")
+            else:
+                acc += tl.load(x_ptr + c * BLOCK + lanes)
         tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
     return read_sum
@@ -170,13 +212,14 @@ class _Reader:
         self.sms = sms
         self.out = torch.empty(64 * sms, dtype=torch.float32, device="cuda")
 
-    def launcher(self, buf, block: int, grid_mult: int, repeats: int, warps: int):
+    def launcher(self, buf, block: int, grid_mult: int, repeats: int, warps: int, bypass_l1: bool = False):
         n_chunks = buf.numel() // block
         grid = (min(grid_mult * self.sms, n_chunks * repeats),)
         out = self.out
 
         def launch():
-            self.kernel[grid](buf, out, n_chunks, n_chunks * repeats, BLOCK=block, num_warps=warps)
+            self.kernel[grid](buf, out, n_chunks, n_chunks * repeats, BLOCK=block, BYPASS_L1=bypass_l1,
+                              num_warps=warps)
         return launch
 
 
@@ -236,16 +279,21 @@ def run_calibration(quick: bool = False, log=print) -> dict:
     del src, dst
 
     # L2 sweep: working sets 1 MiB .. 2 GiB (plus points around the L2 size), read repeatedly in one launch
-    sizes = sorted({1 << k for k in range(20, 32 if not quick else 31)}
-                   | {l2_bytes // 4, l2_bytes // 2, 3 * l2_bytes // 4, l2_bytes, 3 * l2_bytes // 2, 2 * l2_bytes})
+    # (the L2 plateau is taken from [L2/8, L2/2] only: five points there, the lowest rounded up into it)
     block, grid_mult, warps = best["block"], best["grid_per_sm"], best["num_warps"]
-    sizes = [s // (block * 4) * (block * 4) for s in sizes]
+    unit = block * 4
+    lo, hi = l2_window(l2_bytes)
+    sizes = sorted({s // unit * unit for s in
+                    {1 << k for k in range(20, 32 if not quick else 31)}
+                    | {3 * l2_bytes // 16, l2_bytes // 4, 3 * l2_bytes // 8, hi,
+                       3 * l2_bytes // 4, l2_bytes, 3 * l2_bytes // 2, 2 * l2_bytes}}
+                   | {-(-lo // unit) * unit})
     big = torch.ones(max(sizes) // 4, dtype=torch.float32, device=dev)
     sweep = []
     for s in sizes:
         view = big[: s // 4]
         repeats = max(1, GIB // s)
-        launch = reader.launcher(view, block, grid_mult, repeats, warps)
+        launch = reader.launcher(view, block, grid_mult, repeats, warps, bypass_l1=True)
         sec = _median_event_seconds(launch, max(5, reps // 2))
         sweep.append({"bytes": s, "repeats": repeats, "bytes_per_s": s * repeats / sec})
         log(f"  working set {s / MIB:8.1f} MiB x{repeats:5d}: {s * repeats / sec / 1e12:6.2f} TB/s")
@@ -254,7 +302,9 @@ def run_calibration(quick: bool = False, log=print) -> dict:
     l2p, hbmp = l2_and_hbm_plateaus([p["bytes"] for p in sweep], [p["bytes_per_s"] for p in sweep], l2_bytes)
     for key, p in (("l2_plateau", l2p), ("hbm_plateau", hbmp)):
         m[key] = {"bytes_per_s": p.level, "from_bytes": sweep[p.first]["bytes"], "to_bytes": sweep[p.last]["bytes"]}
-    log(f"L2 plateau {l2p.level / 1e12:.2f} TB/s, HBM plateau {hbmp.level / 1e12:.2f} TB/s")
+    m["l2_plateau"]["window_bytes"] = list(l2_window(l2_bytes))
+    log(f"L2 plateau {l2p.level / 1e12:.2f} TB/s ({m['l2_plateau']['from_bytes'] / MIB:.1f}-"
+        f"{m['l2_plateau']['to_bytes'] / MIB:.1f} MiB, window L2/8..L2/2), HBM plateau {hbmp.level / 1e12:.2f} TB/s")
 
     # dense MMA peaks
     n = 4096 if quick else 8192
@@ -274,10 +324,12 @@ def run_calibration(quick: bool = False, log=print) -> dict:
         "hbm_read": "Triton kernel summing a fp32 buffer (sums stored and checked), best of the listed configs, "
                     f"median of {reps} CUDA-event timings",
         "hbm_copy": "torch copy_ of a bf16 tensor, bytes read + written",
-        "l2_sweep": "same read kernel with the best config; each launch reads the working set repeatedly "
-                    "(>= 1 GiB of loads, chunk order rotating), no flush; plateaus by run detection (10%)",
+        "l2_sweep": "same read kernel with the best config but .cg loads (L1 bypassed); each launch reads the "
+                    "working set repeatedly (>= 1 GiB of loads, chunk order rotating), no flush; plateaus by "
+                    "run detection (10%); L2 plateau = widest run among working sets in [L2/8, L2/2]",
         "matmul": f"{n}^3 torch.matmul bf16 and torch._scaled_mm fp8 e4m3 (bf16 out), median",
-        "profile": "hbm_bytes_per_s = max(read, copy); l2_bytes_per_s = L2 plateau; mma_flops = matmul peaks"}
+        "profile": "hbm_bytes_per_s = max(read, copy) (both under measured['hbm']); l2_bytes_per_s = L2 "
+                   "plateau; mma_flops = matmul peaks"}
     m["seconds"] = time.perf_counter() - t0
     return m
 
@@ -292,5 +344,5 @@ def calibrate(out_dir: Path, quick: bool = False, name: str | None = None, log=p
     return {"profile_path": out_dir / "profile.json", "png_path": png, "profile": profile, "seconds": m["seconds"]}
 
 
-__all__ = ["Plateau", "find_plateaus", "l2_and_hbm_plateaus", "build_profile", "write_profile", "plot_sweep",
+__all__ = ["Plateau", "find_plateaus", "l2_window", "l2_and_hbm_plateaus", "build_profile", "write_profile", "plot_sweep",
            "run_calibration", "calibrate"]

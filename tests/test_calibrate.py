@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from msa_bench.harness.errors import UserError
-from msa_bench.roofline.calibrate import (MIB, build_profile, find_plateaus, l2_and_hbm_plateaus, plot_sweep,
-                                          write_profile)
+from msa_bench.roofline.calibrate import (MIB, build_profile, find_plateaus, l2_and_hbm_plateaus, l2_window,
+                                          plot_sweep, write_profile)
 from msa_bench.roofline.devices import load_device
 
 L2 = 60 * MIB
@@ -58,6 +59,31 @@ def test_l2_and_hbm_plateaus_on_an_h200_like_sweep():
     assert (l2r.level, hbmr.level) == (l2.level, hbm.level)
 
 
+def h200_first_run_curve():
+    """Synthetic unit-test input for the plateau picker (not a measurement): the shape of the first H200 run's
+    sweep (plain loads, L1 not bypassed), MiB -> TB/s. 1-4 MiB are L1 hits, 15-30 MiB is L2, >= 120 MiB HBM."""
+    points = {1: 16.9, 2: 12.6, 4: 12.8, 8: 9.7, 15: 7.45, 16: 7.5, 24: 7.55, 32: 7.5, 45: 7.7, 48: 7.9,
+              60: 5.6, 64: 5.2, 90: 4.3, 120: 4.18, 128: 4.18, 256: 4.17, 512: 4.18, 1024: 4.19, 2048: 4.18}
+    return [int(k * MIB) for k in points], [v * 1e12 for v in points.values()]
+
+
+def test_l2_plateau_is_taken_from_the_l2_window_not_the_l1_hits():
+    sizes, bw = h200_first_run_curve()
+    l2, hbm = l2_and_hbm_plateaus(sizes, bw, L2)
+    # the L1-served 2-4 MiB run (12.7 TB/s) is the highest plateau overall but lies below L2/8 = 7.5 MiB
+    assert any(p.level > 12e12 for p in find_plateaus(bw))
+    assert l2_window(L2) == (L2 // 8, L2 // 2)
+    assert l2.level / 1e12 == pytest.approx(7.5, abs=0.01)
+    assert (sizes[l2.first], sizes[l2.last]) == (15 * MIB, 24 * MIB)    # 8 MiB (9.7) is alone, not a run
+    assert all(L2 // 8 <= sizes[k] <= L2 // 2 for k in range(l2.first, l2.last + 1))
+    assert hbm.level / 1e12 == pytest.approx(4.18, abs=0.01)
+    assert sizes[hbm.first] == 90 * MIB and sizes[hbm.last] == 2048 * MIB
+    # only one point in the window: refused with the window named
+    keep = [k for k in range(len(sizes)) if not (15 * MIB <= sizes[k] <= 24 * MIB)]
+    with pytest.raises(UserError, match="L2/8 .. L2/2"):
+        l2_and_hbm_plateaus([sizes[k] for k in keep], [bw[k] for k in keep], L2)
+
+
 def test_sweep_without_hbm_plateau_is_refused():
     sizes, bw = h200_like_curve()
     with pytest.raises(UserError, match="HBM plateau"):
@@ -70,6 +96,10 @@ def test_profile_json_round_trips_through_devices_loader(tmp_path):
     m = measurements()
     prof = build_profile("h200-calibrated", m)
     assert prof.hbm_bytes_per_s == 4.19e12                             # max(read, copy)
+    hbm = prof.measured["hbm"]
+    assert (hbm["read_bytes_per_s"], hbm["copy_bytes_per_s"], hbm["chosen"]) == (3.7e12, 4.19e12, "copy")
+    assert hbm["sweep_plateau_bytes_per_s"] == pytest.approx(m["hbm_plateau"]["bytes_per_s"])
+    assert "hbm" not in m                                              # the caller's dict is not modified
     assert prof.l2_bytes_per_s == pytest.approx(m["l2_plateau"]["bytes_per_s"])
     loaded = write_profile(prof, tmp_path / "cal" / "profile.json")
     assert loaded == load_device(str(tmp_path / "cal" / "profile.json"))
@@ -78,6 +108,7 @@ def test_profile_json_round_trips_through_devices_loader(tmp_path):
     for key in ("name", "hbm_bytes_per_s", "l2_bytes_per_s", "mma_flops", "l2_bytes", "sms", "measured"):
         assert key in data
     assert data["measured"]["gpu"] == "NVIDIA H200" and data["measured"]["date"]
+    assert data["measured"]["hbm"]["rule"] == "hbm_bytes_per_s = max(read, copy)"
 
 
 def test_build_profile_rejects_bad_measurements():
@@ -91,6 +122,34 @@ def test_plot_is_written(tmp_path):
     png = tmp_path / "bw.png"
     plot_sweep(measurements(), png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    m = measurements()
+    m["l2_plateau"]["window_bytes"] = list(l2_window(L2))             # as run_calibration records it
+    plot_sweep(m, tmp_path / "bw2.png")
+    assert (tmp_path / "bw2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+INTERPRET_SCRIPT = """
+import torch, triton.language
+import msa_bench.roofline.calibrate as cal
+cal.tl = triton.language        # the interpreter patches the triton.language it finds in the kernel's globals
+kernel = cal._read_kernel()
+x = torch.arange(8 * 64, dtype=torch.float32)
+for bypass in (False, True):
+    out = torch.zeros(4, dtype=torch.float32)
+    kernel[(4,)](x, out, 8, 8 * 3, BLOCK=64, BYPASS_L1=bypass)     # 8 chunks read 3 times by 4 programs
+    assert float(out.sum()) == 3 * float(x.sum()), (bypass, float(out.sum()))
+print("ok")
+"""
+
+
+def test_read_kernel_bypass_l1_sums_every_element_in_the_interpreter():
+    """The Triton read kernel, plain and .cg loads, in Triton's CPU interpreter (TRITON_INTERPRET must be set
+    before triton is imported, hence a subprocess): both flavours sum every element. Bandwidth needs a GPU."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
