@@ -1,6 +1,6 @@
 """GPU check and tuning of the kv-outer and msa-scatter Triton stacks (run unattended on the H200).
 
-    python benchmarks/kernels_gpu.py --out DIR [--quick] [--budget-s 330]
+    python benchmarks/kernels_gpu.py --out DIR [--quick] [--sweep-s 60]
 
 (a) correctness, bf16 and fp8, both backends: small edge-case shapes (padding, hot block, empty
     queries, several requests, causal, N % 8 != 0) and the study shape (sampled rows); each stage's
@@ -253,6 +253,38 @@ def sweep_attention(log: Log, w, flops: float, flush: Flusher, variants, reps: i
     return out
 
 
+def sweep_combine(log: Log, w, config: KVOuterConfig, flush: Flusher, variants, reps: int, deadline: float) -> list[dict]:
+    """Time the kv-outer combine alone for each (pairs per program, num_warps) on one plan's partials."""
+    from msa_bench.kernels.kv_outer.combine import Combine
+    out = []
+    try:
+        plan = get_backend("kv-outer").__class__(config=config).plan(w)
+        plan.run()
+        torch.cuda.synchronize()
+    except Exception as exc:
+        log.error("plan for the combine sweep", exc)
+        return out
+    cbytes = combine_bytes("kv-outer", w)
+    for pairs, warps in variants:
+        rec = dict(dtype=w.dtype, combine_pairs=pairs, combine_num_warps=warps)
+        if time.time() > deadline:
+            rec["status"] = "skipped"
+            out.append(rec)
+            continue
+        try:
+            comb = Combine(w, plan.buffers, plan.output, plan.lse, pairs, warps)
+            med = statistics.median(time_graph(comb, flush, reps))
+            rec.update(status="ok", median_s=med, gbps=cbytes / med / 1e9)
+            log(f"  combine {w.dtype} pairs={pairs} warps={warps}: {med * 1e3:.3f} ms = {cbytes / med / 1e9:.0f} GB/s")
+        except Exception as exc:
+            log.error(f"combine variant {rec}", exc)
+            rec.update(status="error", error=repr(exc)[:300])
+        out.append(rec)
+    del plan
+    torch.cuda.empty_cache()
+    return out
+
+
 def time_module(log: Log, backend: str, w, config: KVOuterConfig | None, flops: float, reps: int) -> dict:
     from msa_bench.harness.timing import MODULE, TimingConfig, time_plan
     cls = get_backend(backend).__class__
@@ -287,7 +319,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default $OUT)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and configs")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new sweep variants after this")
+    ap.add_argument("--sweep-s", type=float, default=60.0,
+                    help="per dtype: stop starting new attention/combine sweep variants after this many seconds")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--skip-correctness", action="store_true")
     args = ap.parse_args()
@@ -302,8 +335,7 @@ def main() -> int:
     env = dict(gpu=props.name, sms=props.multi_processor_count, l2_bytes=props.L2_cache_size,
                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, quick=args.quick)
     log(f"device {env}")
-    result = dict(env=env, correctness=[], sweep=[], module=[], best={})
-    deadline = log.t0 + args.budget_s
+    result = dict(env=env, correctness=[], sweep=[], combine_sweep=[], module=[], best={})
 
     def save():
         (out / "kernels_gpu.json").write_text(json.dumps(result, indent=1, default=str))
@@ -315,8 +347,12 @@ def main() -> int:
 
     log("== (b) timing at the study shape: N 16384, 1024 blocks per KV head, nsb/N 0.25")
     flush = Flusher()
-    variants = ([(8, 2, 1), (8, 3, 1), (4, 2, 1), (8, 2, 2)] if args.quick else
-                [(w_, s_, c_) for c_ in (1, 2) for w_ in (8, 4) for s_ in (2, 3, 4)])
+    # (num_warps, num_stages, ctas_per_sm), most promising first: at 8 warps the kernel takes ~255
+    # registers per thread (ptxas, sm_90a), so only one 8-warp CTA fits per SM; 4-warp CTAs fit two.
+    variants = ([(8, 2, 1), (8, 3, 1), (4, 2, 2)] if args.quick else
+                [(8, 2, 1), (8, 3, 1), (4, 2, 2), (4, 3, 2), (8, 4, 1), (4, 2, 1), (4, 3, 1), (8, 2, 2)])
+    combine_variants = ([(4, 4), (1, 4), (8, 8)] if args.quick else
+                        [(p_, w_) for p_ in (1, 2, 4, 8) for w_ in (4, 8)] + [(2, 2)])
     for dtype in DTYPES:
         try:
             w = study_workload(dtype)
@@ -325,6 +361,7 @@ def main() -> int:
         except Exception as exc:
             log.error(f"study workload {dtype}", exc)
             continue
+        deadline = time.time() + args.sweep_s
         sweep = sweep_attention(log, w, flops, flush, variants, args.reps, deadline)
         result["sweep"] += sweep
         save()
@@ -339,6 +376,16 @@ def main() -> int:
             log(f"best attention config {dtype}: num_warps={b['num_warps']} num_stages={b['num_stages']} "
                 f"ctas_per_sm={b['ctas_per_sm']} -> {b['tflops']:.0f} TFLOP/s "
                 f"(write into kernels/kv_outer/config.py TUNED['{dtype}'])")
+        csweep = sweep_combine(log, w, best_cfg, flush, combine_variants, args.reps, time.time() + args.sweep_s / 3)
+        result["combine_sweep"] += csweep
+        cgood = [r for r in csweep if r.get("status") == "ok"]
+        if cgood:
+            c = min(cgood, key=lambda r: r["median_s"])
+            best_cfg = best_cfg.with_(combine_pairs=c["combine_pairs"], combine_num_warps=c["combine_num_warps"])
+            result["best"].setdefault(dtype, {}).update(combine_pairs=c["combine_pairs"],
+                                                        combine_num_warps=c["combine_num_warps"], combine_gbps=c["gbps"])
+            log(f"best combine config {dtype}: pairs={c['combine_pairs']} num_warps={c['combine_num_warps']} "
+                f"-> {c['gbps']:.0f} GB/s")
         for backend in BACKENDS:
             try:
                 result["module"].append(time_module(log, backend, w, best_cfg, flops, args.reps))
