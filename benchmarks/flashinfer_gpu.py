@@ -1,11 +1,17 @@
 """FlashInfer Q-outer on the GPU: check every variant against the float64 oracle, then time it.
 
     source scripts/gpu-setup.sh && python3 benchmarks/flashinfer_gpu.py [--out DIR] [--quick]
+    python3 benchmarks/flashinfer_gpu.py --dry-run [--quick]      # CPU: build and validate every workload
 
 Writes DIR/flashinfer_gpu.json (environment, checks, timings) and DIR/flashinfer_gpu.log; DIR is
 --out, else $OUT, else results/flashinfer-gpu. Each variant/dtype/shape that fails is logged and
 skipped; the summary table comes last. Budget on the H200: under 6 minutes including JIT builds
-(FA2 about 30 s per dtype, FA3 about 100 s; the script builds the modules in parallel first).
+(first run on a fresh host: FA2 about 70 s, FA3 about 165 s, built in parallel first; with the JIT cache
+restored by scripts/gpu-setup.sh from .fi-cache/ they load in seconds).
+
+--dry-run needs neither a GPU nor FlashInfer: it builds every check and timing workload on the CPU
+(selections are drawn on the CPU in both modes, so they are the ones the GPU run uses), validates
+the selection contract, folds each for both FlashInfer layouts, and writes DIR/flashinfer_gpu_dry_run.json.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -50,39 +57,105 @@ class Log:
 
 def pool_workload(n: int, kv_len: int, dtype: str, seed: int, device) -> "Workload":
     """One request of kv_len keys, non-causal; each (KV head, query) keeps min(topk, blocks) distinct
-    uniformly random blocks of the whole pool (-1 padded when the pool is smaller than topk)."""
+    uniformly random blocks of the whole pool (-1 padded when the pool is smaller than topk).
+    The selection is drawn on the CPU whatever the device, so a CPU dry run builds the same one."""
     nb = math.ceil(kv_len / SHAPE.block)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     k = min(SHAPE.topk, nb)
     sel = torch.full((SHAPE.hkv, n, SHAPE.topk), -1, dtype=torch.int32)
-    picks = torch.rand((SHAPE.hkv, n, nb), generator=gen, device=device).topk(k, dim=-1).indices
-    sel[..., :k] = picks.to(torch.int32).cpu()
+    picks = torch.rand((SHAPE.hkv, n, nb), generator=gen).topk(k, dim=-1).indices
+    sel[..., :k] = picks.to(torch.int32)
     page_table = torch.randperm(nb, generator=torch.Generator().manual_seed(seed + 1)).view(1, nb).to(torch.int32)
     return build_workload(SHAPE, dtype, sel, page_table, torch.zeros(n, dtype=torch.int32),
                           torch.full((n,), kv_len - 1, dtype=torch.int32), nb, causal=False, seed=seed,
                           device=device, meta={"kind": "pool", "kv_len": kv_len})
 
 
-def causal_workload(n: int, context: int, dtype: str, seed: int, device) -> "Workload":
-    """A causal chunk: queries at positions context-n .. context-1; each keeps its local block (last,
-    partially visible) plus up to topk-1 distinct random earlier blocks (-1 padded when fewer exist)."""
-    nb = math.ceil(context / SHAPE.block)
-    gen = torch.Generator().manual_seed(seed)
-    q_limit = torch.arange(context - n, context, dtype=torch.int32)
+def causal_selection(q_limit: torch.Tensor, nb: int, gen: torch.Generator) -> torch.Tensor:
+    """[Hkv, n, topk] int32: per (KV head, query) up to topk-1 distinct random blocks before the query's local
+    block, then the local block (the last valid entry), then -1 padding up to topk (there are fewer than
+    topk-1 earlier blocks near the start of the context)."""
+    n, topk = q_limit.numel(), SHAPE.topk
     local = (q_limit // SHAPE.block).long()
     score = torch.rand((SHAPE.hkv, n, nb), generator=gen)
     later = torch.arange(nb).view(1, 1, -1) >= local.view(1, -1, 1)
     score = score.masked_fill(later, 2.0)                                   # only earlier blocks
-    hist = score.argsort(-1)[..., :SHAPE.topk - 1]
+    hist = score.argsort(-1)[..., :topk - 1]                                # min(topk - 1, nb) columns
     hist_ok = hist < local.view(1, -1, 1)                                   # a prefix, by the sort
-    sel = torch.where(hist_ok, hist, torch.full_like(hist, -1))
-    sel = torch.cat([sel, torch.full_like(sel[..., :1], -1)], -1)
-    count = hist_ok.sum(-1, keepdim=True)
+    sel = torch.full((SHAPE.hkv, n, topk), -1, dtype=torch.long)
+    sel[..., :hist.shape[-1]] = torch.where(hist_ok, hist, torch.full_like(hist, -1))
+    count = hist_ok.sum(-1, keepdim=True)                                   # <= topk - 1: the local slot exists
     sel.scatter_(-1, count, local.view(1, -1, 1).expand(SHAPE.hkv, n, 1))
+    return sel.to(torch.int32)
+
+
+def causal_workload(n: int, context: int, dtype: str, seed: int, device) -> "Workload":
+    """A causal chunk: queries at positions context-n .. context-1; each keeps its local block (last,
+    partially visible) plus up to topk-1 distinct random earlier blocks (-1 padded when fewer exist)."""
+    if not 0 < n <= context:
+        raise ValueError(f"causal chunk of {n} queries does not fit a context of {context}")
+    nb = math.ceil(context / SHAPE.block)
+    gen = torch.Generator().manual_seed(seed)
+    q_limit = torch.arange(context - n, context, dtype=torch.int32)
+    sel = causal_selection(q_limit, nb, gen)
     page_table = torch.randperm(nb, generator=gen).view(1, nb).to(torch.int32)
-    return build_workload(SHAPE, dtype, sel.to(torch.int32), page_table, torch.zeros(n, dtype=torch.int32),
+    return build_workload(SHAPE, dtype, sel, page_table, torch.zeros(n, dtype=torch.int32),
                           q_limit, nb, causal=True, seed=seed, device=device,
                           meta={"kind": "causal", "context": context})
+
+
+def check_shapes(device) -> list[tuple[str, "Callable[[str], Workload]"]]:
+    """(label, dtype -> workload) for the correctness checks."""
+    return [("pool N512 64blk", lambda d: pool_workload(512, 64 * 128, d, 1, device)),
+            ("causal N700 ctx3000", lambda d: causal_workload(700, 3000, d, 2, device)),
+            ("causal N700 ctx1000 (pad)", lambda d: causal_workload(700, 1000, d, 4, device)),
+            ("pool N300 kv1317 (11blk, pad)", lambda d: pool_workload(300, 10 * 128 + 37, d, 3, device))]
+
+
+def timed_shapes(device, quick: bool) -> list[tuple[int, int, "Callable[[str], Workload]"]]:
+    """(tokens N, blocks per KV head, dtype -> workload) for the timings."""
+    return [(n, nb, (lambda d, n=n, nb=nb: pool_workload(n, nb * SHAPE.block, d, 11, device)))
+            for n, nb in (TIMED[:1] if quick else TIMED)]
+
+
+def validate_workload(w) -> dict:
+    """The selection contract and FlashInfer's fold for one workload, on whatever device it lives (CPU in a dry
+    run): valid entries first and distinct, -1 padding after, causal: local block the last valid entry; both folds
+    build, every (token, KV head) request sees a key. Raises ValueError with a one-line reason."""
+    from msa_bench.kernels.flashinfer_q_outer import fold_requests
+    sel = w.selection.long().cpu()
+    hkv, n, topk = sel.shape
+    if (hkv, topk) != (SHAPE.hkv, SHAPE.topk):
+        raise ValueError(f"selection shape {tuple(sel.shape)}")
+    valid = sel >= 0
+    if bool((valid[..., 1:] & ~valid[..., :-1]).any()):
+        raise ValueError("a -1 pad precedes a valid entry")
+    if bool((sel < -1).any()) or int(sel.max()) >= w.page_table.shape[1]:
+        raise ValueError("selection entry out of range")
+    srt = torch.where(valid, sel, -2 - torch.arange(topk).view(1, 1, -1)).sort(-1).values    # pads all distinct
+    if bool((srt[..., 1:] == srt[..., :-1]).any()):
+        raise ValueError("a block is selected twice by one (KV head, query)")
+    count = valid.sum(-1)
+    if bool((count == 0).any()):
+        raise ValueError("a (KV head, query) selects nothing")
+    if w.causal:
+        last = sel.gather(-1, (count - 1).unsqueeze(-1)).squeeze(-1)
+        local = (w.q_limit.long().cpu() // SHAPE.block).view(1, -1).expand(hkv, n)
+        if not torch.equal(last, local):
+            raise ValueError("causal: the local block is not the last valid entry")
+        if bool((torch.where(valid, sel, torch.zeros_like(sel)) > local.unsqueeze(-1)).any()):
+            raise ValueError("causal: a block after the local one is selected")
+    folds = {}
+    for fold in ("heads", "rows"):
+        f = fold_requests(w.pages.cpu(), w.q_limit.cpu(), w.page_block.cpu(), SHAPE.block, SHAPE.group, fold)
+        empty = int((f.kv_indptr[1:] == f.kv_indptr[:-1]).sum())
+        if empty:
+            raise ValueError(f"fold {fold}: {empty} requests see no key")
+        folds[fold] = {"requests": f.num_requests, "pages": int(f.kv_indices.numel()),
+                       "dropped_blocks": f.dropped_blocks, "kv_tokens": int(f.kv_lens(SHAPE.block).sum())}
+    return {"tokens": n, "num_pages": w.num_pages, "valid_per_row_min": int(count.min()),
+            "valid_per_row_max": int(count.max()), "padded_rows": int((count < topk).sum()), "folds": folds,
+            "useful_flops": useful_flops(w)}
 
 
 def useful_flops(w) -> float:
@@ -171,6 +244,52 @@ def timed(variant, w, n, nb, log, reps) -> dict:
     return rec
 
 
+def build_or_log(make, dtype, label, log, records, variants, **extra):
+    """make(dtype), or None after logging the failure and adding one failed record per variant."""
+    try:
+        return make(dtype)
+    except Exception as exc:
+        log(f"workload {label} {dtype}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+        for variant in variants:
+            records.append({"variant": variant, "dtype": dtype, "shape": label, **extra, "ok": False,
+                            "error": f"workload: {type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+        return None
+
+
+def dry_run(out: Path, dtypes, quick: bool) -> int:
+    """Build every check and timing workload on the CPU and validate it (no GPU, no FlashInfer)."""
+    log = Log(out / "flashinfer_gpu_dry_run.log")
+    cpu = torch.device("cpu")
+    t0 = time.perf_counter()
+    items = [(label, make) for label, make in check_shapes(cpu)]
+    items += [(f"timed N{n} pool{nb}", make) for n, nb, make in timed_shapes(cpu, quick)]
+    records = []
+    for label, make in items:
+        for dtype in dtypes:
+            t = time.perf_counter()
+            rec = {"shape": label, "dtype": dtype}
+            try:
+                w = make(dtype)
+                rec.update(validate_workload(w), ok=True)
+                rows = torch.arange(0, w.n_tokens, max(1, w.n_tokens // 4))[:4]
+                ref, _ = reference_attention(w, rows)
+                rec["reference_finite"] = bool(torch.isfinite(ref).all())
+                rec["ok"] = rec["reference_finite"]
+                del w
+                log(f"workload {label:30s} {dtype:5s} ok: {rec['tokens']} tokens, {rec['num_pages']} pages, "
+                    f"{rec['valid_per_row_min']}-{rec['valid_per_row_max']} valid blocks per row "
+                    f"({rec['padded_rows']} rows padded), {rec['folds']['heads']['pages']} folded pages, "
+                    f"{time.perf_counter() - t:.1f} s")
+            except Exception as exc:
+                rec.update(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+                log(f"workload {label:30s} {dtype:5s} ERROR {type(exc).__name__}: {str(exc)[:300]}")
+            records.append(rec)
+    (out / "flashinfer_gpu_dry_run.json").write_text(json.dumps({"workloads": records}, indent=2) + "\n")
+    fails = [r for r in records if not r["ok"]]
+    log(f"dry run: {len(records) - len(fails)}/{len(records)} workloads ok in {time.perf_counter() - t0:.0f} s")
+    return 0 if not fails else 1
+
+
 def environment(fi) -> dict:
     props = torch.cuda.get_device_properties(0)
     env = {"gpu": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
@@ -193,9 +312,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--quick", action="store_true", help="only the N 2048 timing point")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU only, no FlashInfer: build and validate every workload, then stop")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        dtypes = [d for d in args.dtypes.split(",") if d]
+        if any(d not in TOL for d in dtypes):
+            print(f"error: unknown dtype in {args.dtypes!r}; use {', '.join(TOL)}", file=sys.stderr)
+            return 2
+        return dry_run(out, dtypes, args.quick)
     log = Log(out / "flashinfer_gpu.log")
     if not torch.cuda.is_available():
         log("error: this script needs a CUDA GPU")
@@ -219,19 +346,23 @@ def main(argv=None) -> int:
     prebuild(variants, dtypes, log)
     save()
     dev = torch.device("cuda")
-    shapes = [("pool N512 64blk", lambda d: pool_workload(512, 64 * 128, d, 1, dev)),
-              ("causal N700 ctx3000", lambda d: causal_workload(700, 3000, d, 2, dev)),
-              ("causal N700 ctx1000 (pad)", lambda d: causal_workload(700, 1000, d, 4, dev)),
-              ("pool N300 kv1317 (11blk, pad)", lambda d: pool_workload(300, 10 * 128 + 37, d, 3, dev))]
-    for label, make in shapes:
+    for label, make in check_shapes(dev):
         for dtype in dtypes:
-            w = make(dtype)
+            w = build_or_log(make, dtype, label, log, result["checks"], variants)
+            if w is None:
+                save()
+                continue
             for variant in variants:
                 result["checks"].append(check(variant, w, label, log))
             save()
-    for n, nb in TIMED[:1] if args.quick else TIMED:
+            del w
+    for n, nb, make in timed_shapes(dev, args.quick):
         for dtype in dtypes:
-            w = pool_workload(n, nb * SHAPE.block, dtype, 11, dev)
+            w = build_or_log(make, dtype, f"timed N{n} pool{nb}", log, result["timings"], variants,
+                             tokens=n, blocks_per_head=nb)
+            if w is None:
+                save()
+                continue
             for variant in variants:
                 result["timings"].append(timed(variant, w, n, nb, log, args.reps))
                 save()
