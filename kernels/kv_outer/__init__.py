@@ -19,14 +19,25 @@ schedule   (tile counts -> a contiguous, nearly equal slice of the tile sequence
   cta_range [num_ctas, 2] int32    [begin, end) tile range of each CTA
 
 attention  (persistent; K/V of a key loaded once per CTA visit, Q gathered per tile)
-  o_part [num_tiles_max, TILE_Q * G, D] bf16  raw, unnormalized P V; row = slot * G + g
-  m_part [num_tiles_max, TILE_Q * G] fp32     row max of the scaled scores (natural-log units)
-  l_part [num_tiles_max, TILE_Q * G] fp32     row sum of exp(score - m)
+  o_part [num_tiles_max * TILE_Q * G, D] bf16 (fp32 for fp32 inputs)
+                                   raw, unnormalized P V (v_scale applied); row = tile * TILE_Q * G + slot * G + g,
+                                   so a (query, head, rank) partial is G contiguous rows
+  m_part [num_tiles_max * TILE_Q * G] fp32    row max of the scaled scores (natural-log units)
+  l_part [num_tiles_max * TILE_Q * G] fp32    row sum of exp(score - m)
+  Rows of a tile past tile_count hold garbage and are never read. Cache layout: fp8 reads V
+  d-major ([num_pages, Hkv, D, block], a transposed copy made once in plan(), outside the timed
+  stages) so P V's second operand is K-major; other dtypes read the cache as is.
 
 combine    (gather each (query, head)'s partials through combine_index, log-sum-exp merge, normalize)
   out [N, Hq, D] bf16 (fp32 for fp32 inputs), lse [N, Hq] fp32 (natural log)
 
-TILE_Q = 8 query tokens, so a tile is TILE_Q * G = 128 rows with the study's G = 16.
+TILE_Q = 8 query tokens, so a tile is TILE_Q * G = 128 rows with the study's G = 16 (config.tile_q
+can change it; G, D, block and tile_q must be powers of two, D, block and tile_q * G >= 16).
+
+Code: index_map.py (IndexMap; CSRBuilder is shared with msa_scatter), scheduler.py (Schedule),
+attention.py (the Triton kernel, also msa-scatter's with STORE_MODE 1), combine.py, config.py
+(launch knobs, TUNED defaults), backend.py (plan; ATTENTION_IMPLS hook for other attention stages),
+stage_checks.py (each stage's output checked independently), triton_mode.py (interpreter on CPU).
 """
 
 TILE_Q = 8
