@@ -25,7 +25,7 @@ def combine_slots_kernel(o_slot_ptr, lse_slot_ptr, pages_ptr, out_ptr, lse_ptr, 
             n_valid = tl.sum((chosen >= 0).to(tl.int32), 0)
             # slot s of (query, head) holds rows (s * N + query) * HQ + head * G + g
             row0 = query.to(tl.int64) * HQ + head * G
-            slot_stride = n_tokens.to(tl.int64) * HQ
+            slot_stride = row0 * 0 + n_tokens * HQ          # int64 (n_tokens may be a constexpr 1)
             lse_s = tl.load(lse_slot_ptr + row0 + r[:, None] * slot_stride + g[None, :],
                             mask=(r < n_valid)[:, None], other=float("-inf"))         # [TOPK_P2, G]
             big_m = tl.max(lse_s, 0)
