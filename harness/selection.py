@@ -26,8 +26,8 @@ import torch
 
 from .workload import AttnShape, Workload, WorkloadError, build_workload, physical_pages, torch_dtype
 
-_REJECTION_ROUNDS = 24
-_FALLBACK_ELEMS = 1 << 24   # row chunk size (rows x pool) for the exact Gumbel fallback
+_REDRAW_ROUNDS = 4
+
 
 
 # ---- contract rules ----------------------------------------------------------------------------
@@ -184,10 +184,24 @@ def _zipf_weights(n: int, skew: float) -> torch.Tensor:
     return torch.arange(1, n + 1, dtype=torch.float64).pow(-skew)
 
 
-def _draw(gen: torch.Generator, count: int, pool: int, weights: torch.Tensor | None) -> torch.Tensor:
-    if weights is None:
-        return torch.randint(pool, (count,), generator=gen)
-    return torch.multinomial(weights, count, replacement=True, generator=gen)
+def _sample_excluding(gen: torch.Generator, weights: torch.Tensor, cum: torch.Tensor,
+                      taken: torch.Tensor) -> torch.Tensor:
+    """One item per row, drawn with probability proportional to `weights` among the items not in that
+    row of `taken` [rows, j] (distinct items): inverse CDF with the taken items cut out.
+
+    Draw u below the untaken mass, then step over the taken items at or below it. With the taken
+    items sorted, u passes item i iff u >= start_i - (weight of taken items before i); those
+    thresholds never decrease, so u passes a prefix of them and one comparison finds it."""
+    rows, j = taken.shape
+    u = torch.rand(rows, generator=gen, dtype=torch.float64)
+    if j == 0:
+        return torch.searchsorted(cum, u * cum[-1], right=True).clamp_(max=cum.numel() - 1)
+    taken = taken.sort(dim=1).values
+    w_cum = torch.take(weights, taken).cumsum(1)
+    u = u * (cum[-1] - w_cum[:, -1])
+    passed = (u.unsqueeze(1) >= torch.take(cum, taken) - w_cum).sum(1, keepdim=True)   # start_i - W_<i
+    u = u + torch.where(passed > 0, w_cum.gather(1, (passed - 1).clamp(min=0)), 0.0).squeeze(1)
+    return torch.searchsorted(cum, u, right=True).clamp_(max=cum.numel() - 1)
 
 
 def _duplicates(vals: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
@@ -202,36 +216,37 @@ def _duplicates(vals: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
 def distinct_picks(gen: torch.Generator, rows: int, picks: int, pool: int, skew: float = 0.0) -> torch.Tensor:
     """[rows, picks] indices into a pool of `pool` items, distinct per row, every item used at least once.
 
-    Needs picks <= pool <= rows * picks. Item i has popularity (i + 1) ** -skew (0: uniform).
+    Needs picks <= pool <= rows * picks. Item i has popularity (i + 1) ** -skew (0: uniform). The
+    first `pool` picks (row-major) walk a random permutation (coverage); the others are drawn with
+    replacement, repeats are redrawn a few rounds on the shrinking set of rows that have them, and
+    rows still holding a repeat are redrawn exactly, pick by pick without replacement.
     """
-    weights = None if skew == 0 else _zipf_weights(pool, skew)
-    vals = _draw(gen, rows * picks, pool, weights)
-    fixed = torch.zeros(rows * picks, dtype=torch.bool)
-    vals[:pool] = torch.randperm(pool, generator=gen)        # coverage: consecutive picks of a permutation
-    fixed[:pool] = True
-    vals, fixed = vals.view(rows, picks), fixed.view(rows, picks)
-    # redraw repeats a few times on the shrinking set of rows that have them, then finish those exactly
+    weights = _zipf_weights(pool, skew)
+    cum = weights.cumsum(0)
+    draw = lambda count: torch.searchsorted(cum, torch.rand(count, generator=gen, dtype=torch.float64) * cum[-1],
+                                            right=True).clamp_(max=pool - 1)
+    vals = draw(rows * picks)
+    vals[:pool] = torch.randperm(pool, generator=gen)
+    fixed = (torch.arange(rows * picks) < pool).view(rows, picks)       # a prefix of each row
+    vals = vals.view(rows, picks)
     bad = torch.arange(rows)
-    for _ in range(_REJECTION_ROUNDS):
-        sub, sub_fixed = vals[bad], fixed[bad]
-        dup = _duplicates(sub, sub_fixed)
+    for _ in range(_REDRAW_ROUNDS):
+        sub = vals[bad]
+        dup = _duplicates(sub, fixed[bad])
         has = dup.any(1)
         bad, sub, dup = bad[has], sub[has], dup[has]
         if bad.numel() == 0:
             return vals
-        sub[dup] = _draw(gen, int(dup.sum()), pool, weights)
+        sub[dup] = draw(int(dup.sum()))
         vals[bad] = sub
     bad = bad[_duplicates(vals[bad], fixed[bad]).any(1)]
-    logw = torch.zeros(pool, dtype=torch.float64) if weights is None else weights.log()
-    step = max(1, _FALLBACK_ELEMS // pool)
-    for start in range(0, bad.numel(), step):
-        rows_idx = bad[start:start + step]
-        u = torch.rand((rows_idx.numel(), pool), generator=gen, dtype=torch.float64).clamp_(min=1e-300)
-        keys = torch.cat([logw - torch.log(-torch.log(u)),                # Gumbel-top-k: sampling without
-                          torch.zeros((rows_idx.numel(), 1), dtype=torch.float64)], 1)  # replacement
-        pinned = torch.where(fixed[rows_idx], vals[rows_idx], pool)        # column `pool` is a dummy
-        keys = keys.scatter(1, pinned, float("inf"))[:, :pool]              # coverage picks stay
-        vals[rows_idx] = keys.topk(picks, dim=1).indices
+    while bad.numel():                       # one pass, unless float rounding hit a taken item's edge
+        sub, sub_fixed = vals[bad], fixed[bad]
+        for j in range(picks):
+            drawn = _sample_excluding(gen, weights, cum, sub[:, :j])
+            sub[:, j] = torch.where(sub_fixed[:, j], sub[:, j], drawn)
+        vals[bad] = sub
+        bad = bad[_duplicates(sub, sub_fixed).any(1)]
     return vals
 
 

@@ -123,6 +123,18 @@ def test_distinct_picks_covers_pool_and_never_repeats():
         assert torch.unique(v).numel() == pool
 
 
+def test_distinct_picks_follow_popularity_without_replacement():
+    # inclusion frequencies of the non-coverage rows match torch's own sampling without replacement
+    gen = torch.Generator().manual_seed(1)
+    rows, picks, pool = 60000, 3, 10
+    ours = distinct_picks(gen, rows, picks, pool, skew=1.0)[pool:]
+    weights = torch.arange(1, pool + 1, dtype=torch.float64).pow(-1.0)
+    ref = torch.multinomial(weights.expand(rows, pool), picks, replacement=False, generator=gen)
+    freq = lambda v: torch.bincount(v.flatten(), minlength=pool).double() / v.numel()
+    assert torch.allclose(freq(ours), freq(ref), atol=0.006)
+    assert freq(ours)[0] > 2 * freq(ours)[-1]
+
+
 def test_large_synthetic_is_fast_and_exact():
     shape = AttnShape()
     start = time.perf_counter()
