@@ -5,7 +5,7 @@ A scenario file (scenarios/*.toml) holds:
     description = "one line"                     # required
     backends = ["kv-outer", "flashinfer"]        # required, non-empty
     [shape]                                      # optional: hq, hkv, head_dim, block, topk (AttnShape defaults)
-    [timing]                                     # optional: reps, warmup, cold_l2
+    [timing]                                     # optional: reps, warmup, cold_l2, cv_target
     [[grid]]                                     # one or more grids (a single [grid] table works too)
     generator = "synthetic"                      # "synthetic" | "indexer" | "real-prefill", or a list
     tokens = 16384                               # N query tokens          (synthetic, indexer)
@@ -34,7 +34,7 @@ from .workload import DATA_DTYPES, AttnShape, Workload, WorkloadError
 
 GENERATORS = ("synthetic", "real-prefill", "indexer")
 TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
-TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool}
+TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool, "cv_target": float}   # see timing.TimingConfig
 SHAPE_KEYS = ("hq", "hkv", "head_dim", "block", "topk")
 # axis -> (element type, generators it applies to, default)
 AXES = {
@@ -250,8 +250,10 @@ def parse_scenario(data: dict, src: str, name: str) -> Scenario:
     for key, value in timing.items():
         if key not in TIMING_KEYS:
             raise UserError(f"{src}: timing: unknown key {key!r} (known: {', '.join(TIMING_KEYS)})")
-        if not _type_ok(value, TIMING_KEYS[key]) or (TIMING_KEYS[key] is int and value < 0):
-            raise UserError(f"{src}: timing.{key} must be {_type_name(TIMING_KEYS[key])} >= 0, got {value!r}")
+        kind = TIMING_KEYS[key]
+        if not _type_ok(value, kind) or (kind is not bool and value < (1 if key == "reps" else 0)):
+            raise UserError(f"{src}: timing.{key} must be {_type_name(kind)} >= {1 if key == 'reps' else 0}, "
+                            f"got {value!r}")
     raw = data.get("grid", [])
     raw = [raw] if isinstance(raw, dict) else raw
     if not isinstance(raw, list):
