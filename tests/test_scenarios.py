@@ -100,7 +100,7 @@ def test_file_scenario_grid(tmp_path):
     (("tokens = 24", "tokens = 400\ncausal = true"), "context", "must hold"),
     (('backends = ["kv-outer"]', "backends = []"), "backends", "non-empty"),
     (('description = "a test grid"', ""), "description", "one-line"),
-    (("[grid]", "[timing]\nreps = -1\n[grid]"), "reps", ">= 0"),
+    (("[grid]", "[timing]\nreps = 0\n[grid]"), "reps", ">= 1"),
     (("[grid]", "[timing]\nflush = 1\n[grid]"), "flush", "unknown key"),
     (('generator = "synthetic"', 'generator = "real-prefill"\ncases = ["prefill_x"]'), "tokens", "does not apply"),
     (("reuse = [0.25, 0.5]", "reuse = [0.25, 0.5"), "TOML", "invalid TOML"),
