@@ -1,13 +1,18 @@
 """CuTe DSL attention stage on the GPU: check it against the Triton stage and the float64 oracle, then time it.
 
     source scripts/gpu-setup.sh && python3 benchmarks/cute_gpu.py [--out DIR] [--build-dir DIR] [--quick]
+                                                                 [--variants v2,v3]
 
 Needs the prebuilt libraries (`msa-bench build-kernels` on the CPU machine writes build/cute; carry it
 in the checkout) and no CuTe DSL. Writes DIR/cute_gpu.json and DIR/cute_gpu.log; DIR is --out, else
 $OUT, else results/cute-gpu. Checks (small, masked/padded and study shapes, bf16 and fp8): the CuTe
 partials (o_part, m_part, l_part on live rows) vs the Triton stage's, the partials vs the float64
 reference through combine_index, the combined output vs the reference, and that the stage replays
-identically from a CUDA graph. Timing: the attention stage at N 16384, 1024 blocks per KV head, top-16
+identically from a CUDA graph (outputs NaN-poisoned before the replay; compared on the rows of real
+tiles, the only rows either stage writes; the Triton stage gets the same check as a control). Every
+built CuTe configuration (manifest.VARIANT_CTAS: kernel generation x CTAs per SM) is checked; only
+those whose every check passed are timed. Generations run one after another (checks, then timing),
+the JSON rewritten after each phase. Timing: the attention stage at N 16384, 1024 blocks per KV head, top-16
 uniform picks (useful FLOPs 4 x Hq x D x 16 x 128 per query), CuTe and Triton, median of >= 20 CUDA-event
 samples, both with the harness protocol (CUDA graphs, L2 flushed) and back to back (L2 warm).
 The summary table is printed last. Budget: under 5 minutes on the H200.
@@ -30,7 +35,17 @@ SHAPE_KW = dict(hq=64, hkv=4, head_dim=128, block=128, topk=16)
 TOL = {"bf16": 1e-2, "fp8": 5e-2}
 TARGET_TFLOPS = {"bf16": 600, "fp8": 900}
 PERF = dict(tokens=16384, blocks_per_head=1024)
-CTAS = (2, 1)              # CuTe variants: P in Q's smem with 2 CTAs/SM, separate P with 1 CTA/SM
+
+
+def cute_configs(dtype: str) -> list[tuple[str, int]]:
+    """(kernel variant, CTAs per SM) of every CuTe configuration built for `dtype` (manifest.VARIANT_CTAS):
+    v2 c2 (P in Q's smem, 2 CTAs/SM; the default), v2 c1, then the v3 pipelined kernel's."""
+    from msa_bench.kernels.cute.manifest import VARIANT_CTAS, VARIANTS
+    return [(v, c) for v in VARIANTS for c in sorted(VARIANT_CTAS[(v, dtype)], reverse=True)]
+
+
+def config_label(variant: str, ctas: int) -> str:
+    return f"{variant}-c{ctas}"
 
 
 class Log:
@@ -125,57 +140,111 @@ def compare_with_triton(pc, pt, w) -> dict:
     return out
 
 
-def graph_replay_identical(plan) -> bool:
-    """Capture the CuTe stage in a CUDA graph, clear its outputs, replay: same bits as the eager run."""
+def graph_replay_check(plan) -> dict:
+    """Capture the attention stage in a CUDA graph, poison its outputs with NaN, replay once and
+    compare with the eager result on the rows the stage owns (all TILE_Q * G rows of every real tile,
+    tile_key >= 0; rows of the unused tail of o_part/m_part/l_part are never written by either stage,
+    they hold whatever torch.empty gave). Reports whether the replay wrote anything at all."""
     b = plan.buffers
-    eager = [b[k].clone() for k in ("o_part", "m_part", "l_part")]
+    names = ("o_part", "m_part", "l_part")
+    real_tiles = b["tile_key"] >= 0
+    rows_per_tile = b["m_part"].numel() // b["tile_key"].numel()
+    real = real_tiles.repeat_interleave(rows_per_tile)
+    eager = {k: b[k][real].clone() for k in names}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         plan.stages["attention"]()
-    for k in ("o_part", "m_part", "l_part"):
-        b[k].fill_(7.0)
+    for k in names:
+        b[k].fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    return all(torch.equal(e, b[k]) for e, k in zip(eager, ("o_part", "m_part", "l_part")))
+
+    def rowwise(t):
+        return t if t.dim() == 1 else t.all(dim=1)
+
+    rec = {"real_rows": int(real.sum()), "rows_per_tile": rows_per_tile}
+    rec["replay_wrote_rows"] = int(rowwise(~torch.isnan(b["m_part"][real])).sum())
+    rec["replay_wrote_outside_rows"] = int(rowwise(~torch.isnan(b["m_part"][~real])).sum())
+    for k in names:
+        same = rowwise(b[k][real] == eager[k]) | rowwise(torch.isnan(b[k][real]) & torch.isnan(eager[k]))
+        rec[f"{k}_differing_rows"] = int((~same).sum())
+    rec["identical"] = all(rec[f"{k}_differing_rows"] == 0 for k in names)
+    del graph
+    return rec
 
 
-def check_case(label, make, dtype, ctas, log) -> dict:
+def graph_summary(g: dict) -> str:
+    if g["identical"]:
+        return f"graph same ({g['replay_wrote_rows']}/{g['real_rows']} rows rewritten by the replay)"
+    return (f"graph DIFFERS: replay wrote {g['replay_wrote_rows']}/{g['real_rows']} real rows "
+            f"({g['replay_wrote_outside_rows']} outside), differing rows o {g['o_part_differing_rows']} "
+            f"m {g['m_part_differing_rows']} l {g['l_part_differing_rows']}")
+
+
+def check_case(label, make, dtype, log, configs: list[tuple[str, int]]) -> list[dict]:
+    """Every CuTe configuration of `dtype` on one workload: vs the Triton stage, vs the float64
+    reference, and CUDA-graph replay (also run on the Triton stage, as a control of the check)."""
     from msa_bench.harness.reference import reference_attention, relative_error
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import KVOuterBackend
     from msa_bench.kernels.kv_outer.stage_checks import check_partials
-    rec = {"case": label, "dtype": dtype, "ctas_per_sm": ctas, "tol": TOL[dtype]}
+    recs = []
     try:
         w = make()
-        rec["tokens"] = w.n_tokens
-        # same ctas_per_sm for both, so index_map/schedule (and the tile order) are identical
-        pt = KVOuterBackend(config=KVOuterCuteBackend(ctas_per_sm=ctas).resolved_config(w)).plan(w)
-        pc = KVOuterCuteBackend(ctas_per_sm=ctas).plan(w)
+        # the tile sequence (tile_key/edge/count) does not depend on the CTA count, so one Triton
+        # plan serves as the partial-by-partial reference of every CuTe configuration
+        pt = KVOuterBackend().plan(w)
         pt.run()
-        pc.run()
         torch.cuda.synchronize()
-        rec["info"] = {k: v for k, v in pc.info.items() if k != "config"}
-        rec["vs_triton"] = compare_with_triton(pc, pt, w)
         idx = torch.randperm(w.n_tokens, generator=torch.Generator().manual_seed(7))[:48].sort().values.to(w.device)
-        ok_p, msg_p = check_partials(pc, w, idx, TOL[dtype])
-        rec["partials_vs_reference"] = {"ok": ok_p, "message": msg_p}
         ref, _ = reference_attention(w, idx)
-        rec["output_rel_error"] = relative_error(pc.output[idx], ref)
-        rec["triton_output_rel_error"] = relative_error(pt.output[idx], ref)
-        rec["graph_replay_identical"] = graph_replay_identical(pc)
-        vt = rec["vs_triton"]
-        rec["ok"] = bool(ok_p and rec["output_rel_error"] <= TOL[dtype] and rec["graph_replay_identical"]
-                         and vt["m_inf_mismatch"] == 0 and max(vt["o"], vt["m"], vt["l"]) <= TOL[dtype])
-        log(f"check {dtype:4s} c{ctas} {label:30s} out {rec['output_rel_error']:.2e} (triton {rec['triton_output_rel_error']:.2e}) "
-            f"vs triton o {vt['o']:.1e} m {vt['m']:.1e} l {vt['l']:.1e} inf-mismatch {vt['m_inf_mismatch']}; "
-            f"partials: {msg_p}; graph {'same' if rec['graph_replay_identical'] else 'DIFFERS'} "
-            f"-> {'ok' if rec['ok'] else 'FAIL'}")
-        del pt, pc, w
+        triton_err = relative_error(pt.output[idx], ref)
     except Exception as exc:
-        rec.update(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
-        log(f"check {dtype:4s} c{ctas} {label:30s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+        log(f"check {dtype:4s} {label:30s} ERROR (workload / Triton) {type(exc).__name__}: {str(exc)[:400]}")
+        return [{"case": label, "dtype": dtype, "variant": v, "ctas_per_sm": c, "tol": TOL[dtype], "ok": False,
+                 "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+                for v, c in configs]
+    for variant, ctas in configs:
+        name = config_label(variant, ctas)
+        rec = {"case": label, "dtype": dtype, "variant": variant, "ctas_per_sm": ctas, "tol": TOL[dtype],
+               "tokens": w.n_tokens, "triton_output_rel_error": triton_err}
+        try:
+            pc = KVOuterCuteBackend(ctas_per_sm=ctas, variant=variant).plan(w)
+            for k in ("o_part", "m_part", "l_part"):      # stale Triton-like values must not pass
+                pc.buffers[k].fill_(float("nan"))
+            pc.run()
+            torch.cuda.synchronize()
+            rec["info"] = {k: v for k, v in pc.info.items() if k != "config"}
+            rec["vs_triton"] = compare_with_triton(pc, pt, w)
+            ok_p, msg_p = check_partials(pc, w, idx, TOL[dtype])
+            rec["partials_vs_reference"] = {"ok": ok_p, "message": msg_p}
+            rec["output_rel_error"] = relative_error(pc.output[idx], ref)
+            g = rec["graph_replay"] = graph_replay_check(pc)
+            rec["graph_replay_identical"] = g["identical"]
+            vt = rec["vs_triton"]
+            finite = math.isfinite(rec["output_rel_error"]) and all(math.isfinite(vt[k]) for k in ("o", "m", "l"))
+            rec["ok"] = bool(finite and ok_p and rec["output_rel_error"] <= TOL[dtype] and g["identical"]
+                             and vt["m_inf_mismatch"] == 0 and max(vt["o"], vt["m"], vt["l"]) <= TOL[dtype])
+            log(f"check {dtype:4s} {name:6s} {label:30s} out {rec['output_rel_error']:.2e} (triton {triton_err:.2e}) "
+                f"vs triton o {vt['o']:.1e} m {vt['m']:.1e} l {vt['l']:.1e} inf-mismatch {vt['m_inf_mismatch']}; "
+                f"partials: {msg_p}; {graph_summary(g)} -> {'ok' if rec['ok'] else 'FAIL'}")
+            del pc
+        except Exception as exc:
+            rec.update(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+            log(f"check {dtype:4s} {name:6s} {label:30s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+        recs.append(rec)
+        torch.cuda.synchronize()
+    try:        # control: the same graph check on the Triton stage (last: it rewrites pt's partials)
+        triton_graph = graph_replay_check(pt)
+        log(f"check {dtype:4s} triton {label:30s} out {triton_err:.2e}; control: {graph_summary(triton_graph)}")
+    except Exception as exc:
+        triton_graph = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"check {dtype:4s} triton {label:30s} control graph check ERROR {type(exc).__name__}: {str(exc)[:200]}")
+    for rec in recs:
+        rec["triton_graph_replay"] = triton_graph
+    del pt, w
     torch.cuda.empty_cache()
-    return rec
+    return recs
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -194,7 +263,10 @@ def events_median(fn, warmup: int, reps: int) -> dict:
     return {"median_s": ms[len(ms) // 2] / 1e3, "min_s": ms[0] / 1e3, "max_s": ms[-1] / 1e3, "n_reps": reps}
 
 
-def time_dtype(dtype, reps, log) -> dict:
+def time_dtype(dtype, reps, log, configs: list[tuple[str, int]], passed: list[tuple[str, int]],
+               with_triton: bool) -> dict:
+    """Time the CuTe configurations in `passed` (those of `configs` whose every check was ok) and,
+    with_triton, the Triton stage."""
     from msa_bench.harness.timing import TimingConfig, summarize, time_plan
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import KVOuterBackend
@@ -203,7 +275,12 @@ def time_dtype(dtype, reps, log) -> dict:
         w = perf_workload(dtype, "cuda")
         flops = useful_flops(w)
         rec["useful_flops"] = flops
-        impls = [(f"cute-c{c}", KVOuterCuteBackend(ctas_per_sm=c)) for c in CTAS] + [("triton", KVOuterBackend())]
+        impls = [(f"cute-{config_label(v, c)}", KVOuterCuteBackend(ctas_per_sm=c, variant=v)) for v, c in passed]
+        if with_triton:
+            impls.append(("triton", KVOuterBackend()))
+        rec["not_timed"] = [f"cute-{config_label(v, c)}" for v, c in configs if (v, c) not in passed]
+        for name in rec["not_timed"]:
+            log(f"time  {dtype:4s} {name:11s} not timed: a check failed")
         rec["impls"] = [name for name, _ in impls]
         for impl, backend in impls:
             r = rec[impl] = {}
@@ -220,14 +297,14 @@ def time_dtype(dtype, reps, log) -> dict:
                 r["tflops"] = flops / cold["median_s"] / 1e12
                 r["module_s"] = summarize(samples["module"].seconds)["median_s"]
                 r["stages_s"] = {k: summarize(v.seconds)["median_s"] for k, v in samples.items() if k != "plan"}
-                log(f"time  {dtype:4s} {impl:8s} attention {cold['median_s'] * 1e3:8.3f} ms cold-L2 graph "
+                log(f"time  {dtype:4s} {impl:11s} attention {cold['median_s'] * 1e3:8.3f} ms cold-L2 graph "
                     f"({r['tflops']:6.1f} TFLOP/s, cv {cold['cv']:.3f}, n {int(cold['n_reps'])}); "
                     f"{warm['median_s'] * 1e3:8.3f} ms warm events ({r['warm_tflops']:6.1f} TFLOP/s); "
                     f"module {r['module_s'] * 1e3:.3f} ms")
                 del plan
             except Exception as exc:
                 r.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
-                log(f"time  {dtype:4s} {impl:8s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+                log(f"time  {dtype:4s} {impl:11s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
             torch.cuda.empty_cache()
         del w
     except Exception as exc:
@@ -262,6 +339,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer check shapes")
+    ap.add_argument("--variants", default="v2,v3", help="CuTe kernel generations to check and time, in order")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,16 +356,26 @@ def main(argv=None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     result = {"environment": env, "checks": [], "timing": []}
     for dtype in dtypes:
-        for ctas in CTAS:
-            path, reason = find_library(CuteConfig(dtype, ctas_per_sm=ctas), build_dir, device_arch(0))
-            log(f"library {dtype} c{ctas}: {path if path else 'UNAVAILABLE: ' + reason}")
+        for v, c in cute_configs(dtype):
+            path, reason = find_library(CuteConfig(dtype, ctas_per_sm=c, variant=v), build_dir, device_arch(0))
+            log(f"library {dtype} {config_label(v, c)}: {path if path else 'UNAVAILABLE: ' + reason}")
     t0 = time.perf_counter()
-    for dtype in dtypes:
-        for label, make in workloads(dtype, "cuda", args.quick):
-            for ctas in CTAS:
-                result["checks"].append(check_case(label, make, dtype, ctas, log))
-    for dtype in dtypes:
-        result["timing"].append(time_dtype(dtype, args.reps, log))
+    # one kernel generation at a time, checks then timing, the JSON rewritten after each: a new
+    # kernel that faults (and poisons the CUDA context) cannot take the older one's results with it
+    variants = [v for v in args.variants.split(",") if v]
+    for i, variant in enumerate(variants):
+        for dtype in dtypes:
+            configs = [(v, c) for v, c in cute_configs(dtype) if v == variant]
+            for label, make in workloads(dtype, "cuda", args.quick):
+                result["checks"].extend(check_case(label, make, dtype, log, configs))
+            (out / "cute_gpu.json").write_text(json.dumps(result, indent=2, default=str))
+        for dtype in dtypes:
+            configs = [(v, c) for v, c in cute_configs(dtype) if v == variant]
+            passed = [(v, c) for v, c in configs
+                      if all(r.get("ok") for r in result["checks"]
+                             if r["dtype"] == dtype and r["variant"] == v and r["ctas_per_sm"] == c)]
+            result["timing"].append(time_dtype(dtype, args.reps, log, configs, passed, with_triton=i == 0))
+            (out / "cute_gpu.json").write_text(json.dumps(result, indent=2, default=str))
     result["seconds"] = time.perf_counter() - t0
     (out / "cute_gpu.json").write_text(json.dumps(result, indent=2, default=str))
 
@@ -296,17 +384,17 @@ def main(argv=None) -> int:
         f"{env['manifest'].get('kernel_version') if isinstance(env['manifest'], dict) else '?'})")
     for c in result["checks"]:
         err = c.get("output_rel_error")
-        log(f"  check {c['dtype']:4s} c{c['ctas_per_sm']} {c['case']:30s} {'ok  ' if c.get('ok') else 'FAIL'} "
+        log(f"  check {c['dtype']:4s} {config_label(c['variant'], c['ctas_per_sm']):6s} {c['case']:30s} {'ok  ' if c.get('ok') else 'FAIL'} "
             + (f"rel.err {err:.2e} (tol {c['tol']:g})" if err is not None else c.get("error", "")[:120]))
     for t in result["timing"]:
         for impl in t.get("impls", []):
             r = t.get(impl, {})
             if "tflops" in r:
-                log(f"  time  {t['dtype']:4s} {impl:8s} N {t['tokens']} pool {t['blocks_per_head']}: "
+                log(f"  time  {t['dtype']:4s} {impl:11s} N {t['tokens']} pool {t['blocks_per_head']}: "
                     f"{r['graph_cold_l2']['median_s'] * 1e3:.3f} ms = {r['tflops']:.0f} TFLOP/s cold L2, "
                     f"{r['warm_tflops']:.0f} warm (target {t['target_tflops']})")
             else:
-                log(f"  time  {t['dtype']:4s} {impl:8s} ERROR {r.get('error', t.get('error', '?'))[:120]}")
+                log(f"  time  {t['dtype']:4s} {impl:11s} ERROR {r.get('error', t.get('error', '?'))[:120]}")
     log(f"wrote {out / 'cute_gpu.json'} ({result['seconds']:.0f} s)")
     return 0 if all(c.get("ok") for c in result["checks"]) else 1
 

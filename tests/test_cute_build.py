@@ -58,6 +58,28 @@ def test_build_writes_every_config_and_manifest(built):
 
 
 @needs_dsl
+def test_manifest_entries_name_their_kernel_generation(built):
+    out, _ = built
+    data = json.loads((out / mf.MANIFEST_NAME).read_text())
+    versions = {e["variant"]: e["kernel_version"] for e in data["configs"]}
+    assert set(versions) == set(mf.VARIANTS)
+    assert versions["v2"].startswith("v2-") and versions["v3"].startswith("v3-")
+    assert all(v in data["kernel_version"] for v in versions.values())
+
+
+@needs_dsl
+def test_v3_kernel_is_pipelined_with_named_barriers(built):
+    """The v3 PTX: its own kernel (attention_sm90_pipe), 128-thread named barriers for the decoupled
+    warpgroups, cp.async groups kept in flight (a wait for all of them, no per-copy waits), wgmma."""
+    _, dump = built
+    pipe = [Path(p).read_text() for p in glob.glob(str(dump / "*.ptx")) if "sm90_pipe" in p]
+    assert pipe, "no PTX of the v3 (attention_sm90_pipe) kernel"
+    for text in pipe:
+        assert "wgmma.mma_async" in text and "cp.async.commit_group" in text
+        assert "bar.sync" in text and ", 128;" in text
+
+
+@needs_dsl
 def test_built_kernels_are_sm90a_wgmma(built):
     _, dump = built
     ptx = [Path(p).read_text() for p in glob.glob(str(dump / "*.ptx"))]
@@ -141,6 +163,17 @@ def test_unbuilt_config_and_manifest_merge(tmp_path):
         assert mf.find_library(mf.CuteConfig(dtype), tmp_path, "sm_90a")[1] is None
 
 
+def test_sweep_configs_name_each_generation():
+    cfgs = mf.sweep_configs()
+    names = [c.name for c in cfgs]
+    assert len(set(names)) == len(names)
+    assert mf.CuteConfig("bf16").name == "kvo_attn_bf16_q8g16d128b128_c2"          # v2 names unchanged
+    assert mf.CuteConfig("bf16", ctas_per_sm=1, variant="v3").name.endswith("_c1_v3")
+    for c in cfgs:
+        assert c.ctas_per_sm in mf.VARIANT_CTAS[(c.variant, c.dtype)]
+    assert {(c.variant, c.dtype) for c in cfgs} == set(mf.VARIANT_CTAS)
+
+
 def test_source_hash_tracks_kernel_sources():
     here = Path(mf.__file__).parent
     assert all((here / f).is_file() for f in mf.SOURCE_FILES)
@@ -167,6 +200,20 @@ def test_config_for_other_geometry_is_unavailable():
         cute_config_for(W(), 8)
     W.shape = AttnShape()
     assert cute_config_for(W(), 8) == mf.CuteConfig("bf16")
+    assert cute_config_for(W(), 8, variant="v3") == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v3")
+    with pytest.raises(BackendUnavailable, match="CTAs per SM"):
+        cute_config_for(W(), 8, 2, "v3")                 # bf16 v3 needs 192 KiB: one CTA per SM
+    with pytest.raises(BackendUnavailable, match="unknown CuTe kernel variant"):
+        cute_config_for(W(), 8, variant="v9")
+
+
+def test_each_generation_registers_an_attention_impl():
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+    from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS
+    assert {"cute", "cute-v3"} <= set(ATTENTION_IMPLS)
+    b = KVOuterCuteBackend(variant="v3")
+    assert b.attention_impl == "cute-v3" and b.ctas_per_sm == 1
+    assert KVOuterCuteBackend().attention_impl == "cute" and KVOuterCuteBackend().ctas_per_sm == 2
 
 
 def test_pack_rejects_bad_extents():

@@ -12,12 +12,18 @@ import torch
 from ..base import BackendUnavailable, register
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
 from ..kv_outer.config import default_config, resolve_num_ctas
-from .manifest import CTAS_PER_SM, DTYPES, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, device_arch, find_library
+from .manifest import (DTYPES, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS, CuteConfig, device_arch,
+                       find_library)
 
-DEFAULT_CTAS_PER_SM = 2
+DEFAULT_VARIANT = "v2"          # the generation checked on the GPU; v3 until its first check passes
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1}
 
 
-def cute_config_for(workload, tile_q: int, ctas_per_sm: int = DEFAULT_CTAS_PER_SM) -> CuteConfig:
+def attention_impl_name(variant: str) -> str:
+    return "cute" if variant == "v2" else f"cute-{variant}"
+
+
+def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, variant: str = DEFAULT_VARIANT) -> CuteConfig:
     """The library configuration a workload needs, or BackendUnavailable if the kernel has none."""
     s = workload.shape
     if workload.dtype not in DTYPES:
@@ -26,20 +32,28 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int = DEFAULT_CTAS_PER_S
         raise BackendUnavailable(
             f"the CuTe attention stage is built for TILE_Q * G = 128, D = 128, block = 128 "
             f"(got TILE_Q {tile_q}, G {s.group}, D {s.head_dim}, block {s.block})")
-    if ctas_per_sm not in CTAS_PER_SM:
-        raise BackendUnavailable(f"the CuTe attention stage is built for {CTAS_PER_SM} CTAs per SM, not {ctas_per_sm}")
-    return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, ctas_per_sm)
+    if variant not in VARIANTS:
+        raise BackendUnavailable(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")
+    if ctas_per_sm is None:
+        ctas_per_sm = DEFAULT_CTAS_PER_SM[variant]
+    allowed = VARIANT_CTAS[(variant, workload.dtype)]
+    if ctas_per_sm not in allowed:
+        raise BackendUnavailable(f"the CuTe attention stage {variant} {workload.dtype} is built for {allowed} "
+                                 f"CTAs per SM, not {ctas_per_sm}")
+    return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, ctas_per_sm, variant)
 
 
 class CuteAttentionStage:
     """Binds a loaded library to a plan's buffers; calling it launches one persistent grid on the
     current CUDA stream (CUDA-graph capturable: no host sync, no allocation)."""
 
-    def __init__(self, workload, buffers: dict, config):
+    def __init__(self, workload, buffers: dict, config, variant: str = DEFAULT_VARIANT):
         from .loader import resolve_library
         w = workload
-        self.cfg = cute_config_for(w, config.tile_q, config.ctas_per_sm)
+        self.cfg = cute_config_for(w, config.tile_q, config.ctas_per_sm, variant)
         self.library = resolve_library(self.cfg, w.device)
+        # one-time setup before any capture: module load + the >48 KiB dynamic smem attribute (the
+        # exported module sets it at load); a launch is then only cudaLaunchKernelEx on the given stream
         self.library.load_module()
         # fp8 wgmma wants K-major operands: V d-major ([pages, Hkv, D, block]), made once here.
         self.v = w.v_cache.transpose(-1, -2).contiguous() if w.dtype == "fp8" else w.v_cache
@@ -60,13 +74,19 @@ class CuteAttentionStage:
         self.device = w.device
 
     def __call__(self) -> None:
+        # the stream is read at every call: under torch.cuda.graph() it is the capturing side stream
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self.library.launch(self.packed, self.hkv, self.num_pages, self.scale, self.out_scale, stream)
 
 
-@register_attention_impl("cute")
-def cute_attention(workload, buffers: dict, config):
-    return CuteAttentionStage(workload, buffers, config)
+def _register_variant(variant: str) -> None:
+    @register_attention_impl(attention_impl_name(variant))
+    def cute_attention(workload, buffers: dict, config):
+        return CuteAttentionStage(workload, buffers, config, variant)
+
+
+for _variant in VARIANTS:
+    _register_variant(_variant)
 
 
 @register("kv-outer-cute")
@@ -75,9 +95,12 @@ class KVOuterCuteBackend(KVOuterBackend):
     description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
     dtypes = DTYPES
 
-    def __init__(self, config=None, ctas_per_sm: int = DEFAULT_CTAS_PER_SM):
-        super().__init__(attention_impl="cute", config=config)
-        self.ctas_per_sm = ctas_per_sm
+    def __init__(self, config=None, ctas_per_sm: int | None = None, variant: str = DEFAULT_VARIANT):
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")
+        super().__init__(attention_impl=attention_impl_name(variant), config=config)
+        self.variant = variant
+        self.ctas_per_sm = DEFAULT_CTAS_PER_SM[variant] if ctas_per_sm is None else ctas_per_sm
 
     def resolved_config(self, w):
         """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size)."""
@@ -98,7 +121,7 @@ class KVOuterCuteBackend(KVOuterBackend):
             return reason
         from .build import dsl_unavailable_reason
         from .loader import build_dir
-        _, why = find_library(CuteConfig(dtype, ctas_per_sm=self.ctas_per_sm), build_dir(), arch)
+        _, why = find_library(CuteConfig(dtype, ctas_per_sm=self.ctas_per_sm, variant=self.variant), build_dir(), arch)
         if why and dsl_unavailable_reason() is not None:
             return why
         return None

@@ -128,19 +128,34 @@ def _link(cfg: CuteConfig, obj_dir: Path, out: Path) -> None:
         raise BuildError(f"linking {out.name} failed: {first}")
 
 
+def kernel_class(variant: str):
+    """The DSL kernel class of a kernel generation (manifest.VARIANTS)."""
+    if variant == "v2":
+        from .attention_sm90 import KvOuterAttentionSm90
+        return KvOuterAttentionSm90
+    if variant == "v3":
+        from .attention_sm90_pipe import KvOuterAttentionSm90Pipelined
+        return KvOuterAttentionSm90Pipelined
+    raise BuildError(f"unknown CuTe kernel variant {variant!r}")
+
+
+def kernel_version(variant: str) -> str:
+    import importlib
+    return importlib.import_module(kernel_class(variant).__module__).KERNEL_VERSION
+
+
 def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Path:
     """Compile one configuration for `arch` into out_dir/lib<name>.so; returns the library path."""
     _import_dsl(arch)
     import cutlass.cute as cute
 
-    from .attention_sm90 import KvOuterAttentionSm90
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{cfg.name}_") as tmp:
         tmp = Path(tmp)
-        kernel = KvOuterAttentionSm90(cfg.dtype, cfg.tile_q, cfg.group, cfg.head_dim, cfg.block,
-                                      cfg.ctas_per_sm)
         try:
+            kernel = kernel_class(cfg.variant)(cfg.dtype, cfg.tile_q, cfg.group, cfg.head_dim, cfg.block,
+                                               cfg.ctas_per_sm)
             compiled = cute.compile(kernel, *_fake_args(cfg))
             compiled.export_to_c(file_path=str(tmp), file_name=cfg.name, function_prefix=cfg.name)
         except Exception as exc:  # a DSL compile error: report its first line
@@ -155,14 +170,14 @@ def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Pa
 def build_all(configs: list[CuteConfig], out_dir: Path, arch: str = DEFAULT_ARCH, log=print) -> dict:
     """Build every configuration and write the manifest; returns a summary dict."""
     _import_dsl(arch)
-    from .attention_sm90 import KERNEL_VERSION
     out_dir = Path(out_dir)
     entries, start = [], time.perf_counter()
     for cfg in configs:
         t0 = time.perf_counter()
         lib = build_config(cfg, out_dir, arch)
-        entries.append(config_entry(cfg, lib))
+        entries.append(config_entry(cfg, lib, kernel_version(cfg.variant)))
         log(f"built {lib} ({lib.stat().st_size // 1024} KiB, {time.perf_counter() - t0:.1f} s)")
-    manifest = write_manifest(out_dir, arch, dsl_version(), cuda_version(), KERNEL_VERSION, entries)
+    versions = " + ".join(dict.fromkeys(kernel_version(c.variant) for c in configs))
+    manifest = write_manifest(out_dir, arch, dsl_version(), cuda_version(), versions, entries)
     return dict(manifest=str(manifest), libraries=[e["library"] for e in entries],
                 seconds=round(time.perf_counter() - start, 1))

@@ -16,6 +16,19 @@ from .manifest import DEFAULT_BUILD_DIR, MANIFEST_NAME, SUPPORTED_ARCHS, CuteCon
 BUILD_DIR_ENV = "MSA_BENCH_CUTE_DIR"
 N_TENSORS = 13
 _LOADED: dict[str, "CuteAttentionLibrary"] = {}
+_CUDART = None
+
+
+def cuda_error_text(code: int) -> str:
+    """'cudaErrorXxx (code): message' through the loaded libcudart, or the bare code."""
+    try:
+        _CUDART.cudaGetErrorName.restype = ctypes.c_char_p
+        _CUDART.cudaGetErrorString.restype = ctypes.c_char_p
+        name = _CUDART.cudaGetErrorName(ctypes.c_int(code)).decode()
+        text = _CUDART.cudaGetErrorString(ctypes.c_int(code)).decode()
+        return f"{name} ({code}): {text}"
+    except Exception:  # noqa: BLE001  (no libcudart loaded: the code is all there is)
+        return f"cudaError {code}"
 
 
 def build_dir() -> Path:
@@ -44,7 +57,8 @@ def _load_cudart() -> None:
     errors = []
     for name in names:
         try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            global _CUDART
+            _CUDART = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
             return
         except OSError as exc:
             errors.append(str(exc))
@@ -76,7 +90,7 @@ class CuteAttentionLibrary:
         if not self.module_loaded:
             err = self._load()
             if err:
-                raise RuntimeError(f"{self.cfg.name}: loading the CUDA module failed (cudaError {err})")
+                raise RuntimeError(f"{self.cfg.name}: loading the CUDA module failed: {cuda_error_text(err)}")
             self.module_loaded = True
 
     @staticmethod
@@ -90,9 +104,13 @@ class CuteAttentionLibrary:
         return (ctypes.c_void_p * N_TENSORS)(*ptrs), (ctypes.c_int32 * N_TENSORS)(*rows)
 
     def launch(self, packed, hkv: int, num_pages: int, scale: float, out_scale: float, stream: int) -> None:
+        """Launch on `stream` (a cudaStream_t as an int: pass torch.cuda.current_stream().cuda_stream
+        at each call, so that a CUDA-graph capture records the launch); raises on a launch error."""
+        if not self.module_loaded:
+            raise RuntimeError(f"{self.cfg.name}: load_module() must run (outside any graph capture) before launch")
         err = self._launch(packed[0], packed[1], hkv, num_pages, scale, out_scale, ctypes.c_void_p(stream))
         if err:
-            raise RuntimeError(f"{self.cfg.name}: launch failed (cudaError {err})")
+            raise RuntimeError(f"{self.cfg.name}: launch failed: {cuda_error_text(err)}")
 
 
 def resolve_library(cfg: CuteConfig, device) -> CuteAttentionLibrary:

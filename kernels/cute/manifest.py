@@ -2,7 +2,8 @@
 
 A build directory holds one shared library per configuration plus manifest.json:
   {"format", "arch", "dsl_version", "cuda_version", "source_hash", "kernel_version", "built_at",
-   "configs": [{"name", "dtype", "tile_q", "group", "head_dim", "block", "library", "sha256"}]}
+   "configs": [{"name", "dtype", "tile_q", "group", "head_dim", "block", "ctas_per_sm", "variant",
+                "kernel_version", "library", "sha256"}]}
 A library runs only if the manifest's arch is the device's, its source_hash is the hash of the
 kernel sources in this checkout (SOURCE_FILES), and the file's sha256 matches the manifest.
 """
@@ -22,7 +23,7 @@ P_SHIFT = {"bf16": 0, "fp8": 8}   # fp8 P is cast as P * 2^P_SHIFT (as in the Tr
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]          # the repository root is the package
 DEFAULT_BUILD_DIR = PACKAGE_ROOT / "build" / "cute"
 # Files whose content decides the compiled code and the library's C ABI.
-SOURCE_FILES = ("attention_sm90.py", "build.py", "shim_template.py", "manifest.py")
+SOURCE_FILES = ("attention_sm90.py", "attention_sm90_pipe.py", "build.py", "shim_template.py", "manifest.py")
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,14 @@ class CuteConfig:
     group: int = 16
     head_dim: int = 128
     block: int = 128
-    ctas_per_sm: int = 2            # 2: P aliases Q in shared memory so two CTAs share an SM
+    ctas_per_sm: int = 2            # v2: 2 = P aliases Q in shared memory so two CTAs share an SM
+    variant: str = "v2"             # kernel generation (VARIANTS); v2 names carry no suffix
 
     @property
     def name(self) -> str:
+        suffix = "" if self.variant == "v2" else f"_{self.variant}"
         return (f"kvo_attn_{self.dtype}_q{self.tile_q}g{self.group}d{self.head_dim}b{self.block}"
-                f"_c{self.ctas_per_sm}")
+                f"_c{self.ctas_per_sm}{suffix}")
 
     @property
     def library(self) -> str:
@@ -45,13 +48,19 @@ class CuteConfig:
 
 
 CTAS_PER_SM = (1, 2)
+# Kernel generations: v2 = attention_sm90.py (synchronous cp.async, SS wgmma, lock-step warpgroups);
+# v3 = attention_sm90_pipe.py (double-buffered cp.async prefetch of the next tile, decoupled
+# warpgroups, limits read a tile ahead, bf16 P in registers). CTAs per SM each generation builds:
+VARIANTS = ("v2", "v3")
+VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2)}
 
 
-def sweep_configs(dtypes=DTYPES) -> list[CuteConfig]:
+def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:
     """Every configuration the sweep can ask the CuTe stage for: the study geometry (G = 16, so a
-    TILE_Q = 8 tile is 128 rows, D = 128, block = 128) in each data dtype, with one CTA per SM
-    (separate P buffer) and two (P in Q's shared memory)."""
-    return [CuteConfig(d, ctas_per_sm=c) for d in dtypes for c in CTAS_PER_SM]
+    TILE_Q = 8 tile is 128 rows, D = 128, block = 128) in each data dtype and kernel generation, with
+    the CTAs per SM that generation supports (VARIANT_CTAS)."""
+    return [CuteConfig(d, ctas_per_sm=c, variant=v) for v in variants for d in dtypes
+            for c in VARIANT_CTAS[(v, d)]]
 
 
 def source_hash() -> str:
@@ -95,8 +104,11 @@ def write_manifest(out_dir: Path, arch: str, dsl_version: str, cuda_version: str
     return path
 
 
-def config_entry(cfg: CuteConfig, library_path: Path) -> dict:
-    return dict(asdict(cfg), name=cfg.name, library=cfg.library, sha256=file_sha256(library_path))
+def config_entry(cfg: CuteConfig, library_path: Path, kernel_version: str | None = None) -> dict:
+    entry = dict(asdict(cfg), name=cfg.name, library=cfg.library, sha256=file_sha256(library_path))
+    if kernel_version:
+        entry["kernel_version"] = kernel_version
+    return entry
 
 
 def build_command(cfg: CuteConfig, build_dir: Path, arch: str) -> str:

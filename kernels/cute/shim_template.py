@@ -5,7 +5,10 @@ configuration name in kernels/cute/build.py."""
 SHIM_CPP = r"""// C entry points of one compiled CuTe DSL attention configuration (KVO_NAME is replaced by
 // kernels/cute/build.py with the configuration name). Python calls them through ctypes:
 //   KVO_NAME_load()                 loads the embedded module once; returns a cudaError_t
-//   KVO_NAME_launch(ptrs, rows, ...) launches on `stream`; returns a cudaError_t
+//   KVO_NAME_launch(ptrs, rows, ...) launches on `stream` (the caller's current stream, read at each
+//                                   call so that CUDA-graph capture records it); returns a cudaError_t
+// The launch does no allocation, sync or attribute setting (the module load did those), so it is
+// legal inside stream capture.
 // ptrs[i] / rows[i] are the data pointer and the dynamic leading extent of tensor argument i, in
 // the order of KvOuterAttentionSm90.__call__ (q, k, v, csr_query, tile_key, tile_edge, tile_count,
 // cta_range, page_block, q_limit, o_part, m_part, l_part).
@@ -16,8 +19,10 @@ static int kvo_loaded = 0;
 
 extern "C" int KVO_NAME_load(void) {
   if (!kvo_loaded) {
+    cudaError_t err = cudaGetLastError();   // do not blame the load for an earlier error
+    (void)err;
     KVO_NAME_Kernel_Module_Load(&kvo_module);
-    cudaError_t err = cudaGetLastError();
+    err = cudaGetLastError();
     if (err != cudaSuccess) return (int)err;
     kvo_loaded = 1;
   }
@@ -39,7 +44,8 @@ extern "C" int KVO_NAME_launch(void *const *ptrs, const int32_t *rows, int32_t h
   int32_t ret = cute_dsl_KVO_NAME_wrapper(&kvo_module, &mQ, &mK, &mV, &mCsrQuery, &mTileKey, &mTileEdge,
                                           &mTileCount, &mCtaRange, &mPageBlock, &mQLimit, &mO, &mM, &mL,
                                           hkv, num_pages, scale, out_scale, (cudaStream_t)stream);
+  cudaError_t err = cudaGetLastError();   // the launch's own error (consumed: it is reported here)
   if (ret != 0) return (int)ret;
-  return (int)cudaPeekAtLastError();
+  return (int)err;
 }
 """
