@@ -190,13 +190,21 @@ def test_scenarios_cli_lists_shipped():
     assert all(name in res.output for name in SHIPPED)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--reuse", "3", "--tokens", "1024", "--context", "65536"], "feasible reuse is"),
-    (["--generator", "real-prefill"], "needs --case"),
-    (["--dtype", "int8"], "--dtype"),
-])
-def test_workload_cli_bad_input_is_one_line(args, message):
+def test_workload_cli_bad_input_is_one_line():
+    # through the real console entry point: one line on stderr, exit 2, no traceback
+    args = ["--reuse", "3", "--tokens", "1024", "--context", "65536"]
     proc = subprocess.run([sys.executable, "-m", "msa_bench.cli", "workload", *args], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "feasible reuse is" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--generator", "real-prefill"], "needs --case"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--generator", "oracle"], "--generator"),
+    (["--case", "prefill_092e27340df8621a02f0"], "only to --generator real-prefill"),
+])
+def test_workload_cli_bad_input_raises_user_error(args, message):
+    res = runner.invoke(app, ["workload", *args])
+    assert isinstance(res.exception, UserError) and message in str(res.exception)

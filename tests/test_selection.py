@@ -106,10 +106,10 @@ def test_infeasible_targets_are_refused_in_one_line(tokens, context, reuse, caus
 
 def test_skew_concentrates_fan_in_but_keeps_nsb():
     shape = AttnShape()
-    flat = synthetic_workload(shape, "bf16", 4096, 131072, 0.5, skew=0.0, with_tensors=False)
-    zipf = synthetic_workload(shape, "bf16", 4096, 131072, 0.5, skew=1.5, with_tensors=False)
+    flat = synthetic_workload(shape, "bf16", 2048, 65536, 0.5, skew=0.0, with_tensors=False)
+    zipf = synthetic_workload(shape, "bf16", 2048, 65536, 0.5, skew=1.5, with_tensors=False)
     s0, s1 = workload_stats(flat), workload_stats(zipf)
-    assert s0["nsb"] == s1["nsb"] == 2048
+    assert s0["nsb"] == s1["nsb"] == 1024
     assert s1["fanin_max"] > 4 * s0["fanin_max"]
     assert s1["fanin_p50"] < s0["fanin_p50"]
 
@@ -138,9 +138,9 @@ def test_distinct_picks_follow_popularity_without_replacement():
 def test_large_synthetic_is_fast_and_exact():
     shape = AttnShape()
     start = time.perf_counter()
-    w = synthetic_workload(shape, "bf16", 65536, 1048576, 0.25, skew=1.0, causal=True, with_tensors=False)
+    w = synthetic_workload(shape, "bf16", 32768, 1048576, 0.25, skew=1.0, causal=True, with_tensors=False)
     elapsed = time.perf_counter() - start
-    assert selected_pairs(w)[0].numel() == 16384
+    assert selected_pairs(w)[0].numel() == 8192
     assert elapsed < 30, f"generation took {elapsed:.1f} s"
 
 
