@@ -334,7 +334,7 @@ def compare(
     threshold = parse_threshold(max_regression)
     tol = parse_threshold(counter_tolerance, "--counter-tolerance")
     result = compare_runs(load_run(baseline), load_run(new), threshold, tol)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 220)   # logs and CI: do not truncate rows
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {w}")
     shown = result.findings if show_all else result.of(REGRESSION) + result.of(IMPROVEMENT)

@@ -142,16 +142,29 @@ def collect(ncu: str, point_json: str, backend: str, stages: list[str], timeout_
     return result
 
 
+def point_from_dict(d: dict):
+    """Rebuild a scenarios.Point from its as_dict() columns (what the sweep passes to the child)."""
+    from dataclasses import fields
+
+    from .scenarios import SHAPE_KEYS, Point
+    from .workload import AttnShape
+    names = [f.name for f in fields(Point) if f.name != "shape"]
+    missing = [n for n in names + list(SHAPE_KEYS) if n not in d]
+    if missing:
+        raise UserError(f"--point lacks {', '.join(missing)}")
+    return Point(**{n: d[n] for n in names}, shape=AttnShape(**{k: int(d[k]) for k in SHAPE_KEYS}))
+
+
 def _child(point_json: str, backend_name: str) -> None:
     """The profiled process: everything outside the stage ranges is filtered out by ncu."""
     import torch
 
     from ..kernels.base import get_backend
-    from .scenarios import Point, make_workload
+    from .scenarios import make_workload
 
     if not torch.cuda.is_available():
         raise UserError("counters need a CUDA GPU")
-    point = Point.from_dict(json.loads(point_json))
+    point = point_from_dict(json.loads(point_json))
     workload = make_workload(point, torch.device("cuda"))
     plan = get_backend(backend_name).plan(workload)
     plan.run()
@@ -165,7 +178,7 @@ def _child(point_json: str, backend_name: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--point", required=True, help="the point as JSON (Point.as_json())")
+    parser.add_argument("--point", required=True, help="the point as JSON (Point.as_dict())")
     parser.add_argument("--backend", required=True)
     args = parser.parse_args(argv)
     try:

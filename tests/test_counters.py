@@ -55,3 +55,12 @@ def test_throttle_flags():
                           {"clock_event_reasons": 0x8, "sm_clock_mhz": 1500.0})
     assert row["throttled"] and row["sm_clock_mhz_after"] == 1500.0
     assert point_telemetry({}, {}) == {"telemetry": "unavailable"}
+
+
+def test_point_round_trips_through_the_child_json():
+    import json
+
+    from msa_bench.harness.counters import point_from_dict
+    from msa_bench.harness.scenarios import load_scenario
+    for p in load_scenario("smoke").points[:3] + load_scenario("real-prefill").points[:1]:
+        assert point_from_dict(json.loads(json.dumps(p.as_dict()))) == p

@@ -39,7 +39,9 @@ def test_summarize_order_statistics():
 
 
 def test_timing_config_from_scenario_and_reps():
-    cfg = TimingConfig.from_dict({"reps": 30, "cv_target": 0.02, "other": "x"}, reps=None)
-    assert cfg.reps == 30 and cfg.cv_target == 0.02
-    cfg = TimingConfig.from_dict({}, reps=7)
-    assert cfg.reps == 7 and cfg.cpu_reps == 7 and cfg.cpu_max_reps >= 7
+    cfg = TimingConfig.from_dict({"reps": 30, "warmup": 2, "cold_l2": False}, reps=None)
+    assert (cfg.reps, cfg.cpu_reps, cfg.warmup, cfg.cpu_warmup, cfg.cold_l2) == (30, 30, 2, 2, False)
+    assert cfg.max_reps >= 30
+    cfg = TimingConfig.from_dict({"reps": 30}, reps=7)     # the CLI wins over the scenario
+    assert cfg.reps == 7 and cfg.cpu_reps == 7 and cfg.cpu_max_reps == 7
+    assert TimingConfig.from_dict(None) == TimingConfig()

@@ -1,0 +1,43 @@
+"""The roofline's prediction for a measured point: glue between result rows and roofline.model.
+
+Used by the sweep (model bytes stored next to measured counters) and by the report (curves, the
+predicted crossover, which schedule the roofline picks per case). No byte or FLOP terms live here.
+"""
+from __future__ import annotations
+
+import math
+
+from ..roofline.devices import DeviceProfile, profile_for_gpu
+from ..roofline.model import SCHEDULE_OF_BACKEND, ModelShape, Prediction, predict
+
+
+def schedule_of(backend: str) -> str | None:
+    return SCHEDULE_OF_BACKEND.get(backend)
+
+
+def model_shape(hq: int, hkv: int, head_dim: int, block: int, topk: int, dtype: str) -> ModelShape:
+    return ModelShape(hq=int(hq), hkv=int(hkv), head_dim=int(head_dim), block=int(block), topk=int(topk),
+                      dtype=dtype)
+
+
+def device_for_run(meta: dict, override: DeviceProfile | None = None) -> DeviceProfile | None:
+    """The device profile matching the run's GPU (None for CPU runs), unless one is given."""
+    if override is not None:
+        return override
+    gpu = (meta.get("provenance") or {}).get("gpu_name")
+    return profile_for_gpu(gpu) if gpu else None
+
+
+def _usable(v) -> bool:
+    return v is not None and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
+                  flops: float | None = None, selected_per_query: float | None = None) -> Prediction | None:
+    """predict() for one measured point; `flops` and `selected_per_query` from the workload's stats
+    (harness.stats) when known, so causal masking and padding count as the workload has them."""
+    if schedule is None or not _usable(n_tokens) or nsb is None or not math.isfinite(nsb):
+        return None
+    return predict(schedule, shape, n_tokens, nsb, device,
+                   selected_per_query=selected_per_query if _usable(selected_per_query) else None,
+                   flops=flops if _usable(flops) else None)

@@ -1,0 +1,202 @@
+"""The run folder: metadata, one folder per finished unit (point x backend), and the loader.
+
+    RUN/run.json                         metadata + provenance + the units this run plans
+    RUN/units/<unit>/status.json         status ok|failed|unavailable, reason, check error, telemetry
+    RUN/units/<unit>/stats.parquet       tidy: one row per (stage, statistic) with point columns
+    RUN/units/<unit>/samples.parquet     raw timing samples: (stage, rep, seconds)
+
+A unit folder is written under a temporary name and renamed into place, so a unit either exists
+complete or not at all: an interrupted sweep keeps every finished unit and `--resume` skips them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from .errors import UserError
+
+SCHEMA_VERSION = 1
+RUN_FILE = "run.json"
+UNITS_DIR = "units"
+STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE = "ok", "failed", "unavailable"
+STAT_COLUMNS = ["point_key", "backend", "schedule", "dtype", "stage", "statistic", "value", "timer"]
+SAMPLE_COLUMNS = ["point_key", "backend", "dtype", "stage", "rep", "seconds", "timer"]
+
+
+def unit_id(point_key: str, backend: str) -> str:
+    digest = hashlib.sha1(f"{point_key}|{backend}".encode()).hexdigest()[:16]
+    return f"{backend}-{digest}"
+
+
+def grid_digest(unit_ids) -> str:
+    return hashlib.sha256("\n".join(sorted(unit_ids)).encode()).hexdigest()
+
+
+def read_meta(run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise UserError(f"no run folder at {run_dir}")
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a run folder (no {RUN_FILE})")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"corrupt results file {path}: {exc}") from None
+    if not isinstance(meta, dict) or "scenario" not in meta:
+        raise UserError(f"corrupt results file {path}: not a run description")
+    return meta
+
+
+def write_meta(run_dir: str | Path, meta: dict) -> None:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, run_dir / RUN_FILE)
+
+
+def finished_units(run_dir: str | Path) -> set[str]:
+    units = Path(run_dir) / UNITS_DIR
+    if not units.is_dir():
+        return set()
+    return {p.name for p in units.iterdir() if p.is_dir() and not p.name.startswith(".")}
+
+
+def clear_partial_units(run_dir: str | Path) -> None:
+    """Remove half-written unit folders an interrupted run may have left."""
+    units = Path(run_dir) / UNITS_DIR
+    if units.is_dir():
+        for p in units.iterdir():
+            if p.name.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def write_unit(run_dir: str | Path, uid: str, status: dict, stats: list[dict], samples: list[dict]) -> None:
+    units = Path(run_dir) / UNITS_DIR
+    units.mkdir(parents=True, exist_ok=True)
+    tmp = units / f".tmp-{uid}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    (tmp / "status.json").write_text(json.dumps(status, indent=1, sort_keys=True, default=_json_default) + "\n")
+    if stats:
+        pd.DataFrame(stats).to_parquet(tmp / "stats.parquet", index=False)
+    if samples:
+        pd.DataFrame(samples).to_parquet(tmp / "samples.parquet", index=False)
+    final = units / uid
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+
+
+def _json_default(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+@dataclass
+class Run:
+    path: Path
+    meta: dict
+    status: pd.DataFrame      # one row per unit
+    stats: pd.DataFrame       # tidy: unit x stage x statistic
+    samples: pd.DataFrame     # raw timing samples
+
+    @property
+    def timer(self) -> str:
+        return self.meta.get("timer", "unknown")
+
+    @property
+    def device_name(self) -> str:
+        return (self.meta.get("provenance") or {}).get("device_name") or "unknown"
+
+    def value(self, statistic: str, stage: str = "module") -> pd.DataFrame:
+        """Rows of one statistic at one stage (ok units only), point columns included."""
+        s = self.stats
+        return s[(s["statistic"] == statistic) & (s["stage"] == stage)]
+
+
+def _read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for truncated or foreign files
+        raise UserError(f"corrupt results file {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """The whole run as three tables. Raises UserError (one line) on a missing or corrupt folder."""
+    run_dir = Path(run_dir)
+    meta = read_meta(run_dir)
+    status_rows, stats, samples = [], [], []
+    for uid in sorted(finished_units(run_dir)):
+        folder = run_dir / UNITS_DIR / uid
+        status_path = folder / "status.json"
+        if not status_path.is_file():
+            raise UserError(f"corrupt results file {status_path}: missing")
+        try:
+            status = json.loads(status_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"corrupt results file {status_path}: {exc}") from None
+        if not isinstance(status, dict) or "status" not in status:
+            raise UserError(f"corrupt results file {status_path}: no status field")
+        status_rows.append({"unit": uid, **status})
+        for name, sink in (("stats.parquet", stats), ("samples.parquet", samples)):
+            if (folder / name).is_file():
+                sink.append(_read_parquet(folder / name))
+    status_df = pd.DataFrame(status_rows)
+    stats_df = pd.concat(stats, ignore_index=True) if stats else pd.DataFrame(columns=STAT_COLUMNS)
+    samples_df = pd.concat(samples, ignore_index=True) if samples else pd.DataFrame(columns=SAMPLE_COLUMNS)
+    return Run(run_dir, meta, status_df, stats_df, samples_df)
+
+
+def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = False) -> dict:
+    """Join shard run folders into `out_dir`. Refuses shards of different scenarios/grids or devices
+    unless `force`. Returns a summary dict (units copied, duplicates, missing)."""
+    if not shard_dirs:
+        raise UserError("merge needs at least one shard folder")
+    out_dir = Path(out_dir)
+    metas = [read_meta(d) for d in shard_dirs]
+    first = metas[0]
+    for d, m in zip(shard_dirs[1:], metas[1:]):
+        for key, what in (("grid_sha256", "scenario grid"), ("scenario", "scenario")):
+            if m.get(key) != first.get(key) and not force:
+                raise UserError(f"{d} is from a different {what} than {shard_dirs[0]} "
+                                f"({m.get(key)} vs {first.get(key)}); pass --force to merge anyway")
+        dev_a = (m.get("provenance") or {}).get("device_name")
+        dev_b = (first.get("provenance") or {}).get("device_name")
+        if dev_a != dev_b and not force:
+            raise UserError(f"{d} was measured on {dev_a!r}, {shard_dirs[0]} on {dev_b!r}; "
+                            "pass --force to merge anyway")
+        if m.get("timer") != first.get("timer") and not force:
+            raise UserError(f"{d} used timer {m.get('timer')!r}, {shard_dirs[0]} {first.get('timer')!r}; "
+                            "pass --force to merge anyway")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"merge output {out_dir} exists and is not empty")
+    copied, duplicates = set(), 0
+    for d in shard_dirs:
+        load_run(d)  # validates every unit file before anything is copied
+        for uid in sorted(finished_units(d)):
+            if uid in copied:
+                duplicates += 1
+                continue
+            dest = out_dir / UNITS_DIR / uid
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(Path(d) / UNITS_DIR / uid, dest)
+            copied.add(uid)
+    planned = set()
+    for m in metas:
+        planned.update(m.get("grid_units") or m.get("units_planned") or [])
+    merged = {k: v for k, v in first.items() if k not in ("shard", "units_planned", "complete")}
+    merged.update(shard=None, units_planned=sorted(planned) if planned else sorted(copied),
+                  merged_from=[str(d) for d in shard_dirs],
+                  complete=bool(planned) and planned <= copied)
+    write_meta(out_dir, merged)
+    return {"units": len(copied), "duplicates": duplicates, "missing": sorted(planned - copied)}

@@ -1,0 +1,382 @@
+"""The run loop: grid of (point, backend) units -> check -> time -> telemetry -> counters -> results.
+
+Each finished unit is written at once (results.write_unit), so an interrupted sweep keeps its work
+and `--resume` skips what is done. `--shard i/n` takes every n-th point starting at i (0-based), so
+shards are disjoint, cover the grid and each builds only its own workloads.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import counters as ncu_counters
+from . import provenance, results
+from .errors import UserError
+from .prediction import model_shape, predict_point, schedule_of
+from .telemetry import open_telemetry, point_telemetry
+from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
+
+CPU_NOTE = ("CPU RUN: timings are host perf_counter timings of the CPU pipeline, NOT GPU timings; "
+            "they only show that the pipeline works")
+INTERRUPT_HOOK = "MSA_BENCH_INTERRUPT_AFTER_UNITS"   # test hook: KeyboardInterrupt after k units
+CHECK_ROWS = 512                                        # rows checked against the reference on big points
+TFLOPS_STAGES = (MODULE, "attention")
+
+
+@dataclass
+class SweepRequest:
+    scenario: str | None = None
+    reuse: list[float] | None = None
+    tokens: list[int] | None = None
+    context: list[int] | None = None
+    skew: list[float] | None = None
+    dtypes: list[str] | None = None
+    backends: list[str] | None = None
+    causal: bool | None = None
+    generator: str | None = None
+    out: str | None = None
+    resume: bool = False
+    shard: str | None = None
+    counters: bool = False
+    reps: int | None = None
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SweepSummary:
+    run_dir: Path
+    counts: dict          # status -> number of units, this run folder as a whole
+    skipped: int          # finished units found by --resume
+    notes: list[str]
+    failures: list[tuple[str, str, str]]   # (point key, backend, reason)
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UserError(f"--shard must look like i/n (e.g. 0/4), got {text!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise UserError(f"--shard i/n needs n >= 1 and 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_scenario(req: SweepRequest, device: torch.device, notes: list[str]):
+    from .scenarios import load_scenario, with_overrides
+    name = req.scenario
+    if name is None:
+        name = "default" if device.type == "cuda" else "smoke"
+        if device.type != "cuda":
+            notes.append("no CUDA GPU here: running the small `smoke` scenario (pass --scenario to choose)")
+    scenario = load_scenario(name)
+    overrides = {k: v for k, v in dict(reuse=req.reuse, tokens=req.tokens, context=req.context, skew=req.skew,
+                                       dtypes=req.dtypes, backends=req.backends, causal=req.causal,
+                                       generator=req.generator).items() if v is not None}
+    if overrides:
+        scenario = with_overrides(scenario, **overrides)
+    return scenario, overrides
+
+
+def validate_backends(names) -> list[str]:
+    from ..kernels.base import backend_names
+    known = backend_names()
+    names = list(dict.fromkeys(names))
+    for name in names:
+        if name not in known:
+            raise UserError(f"unknown backend {name!r}; choose from {', '.join(known)}")
+    if not names:
+        raise UserError("no backends to run: the scenario and --backend leave none")
+    return names
+
+
+def plan_units(points, backends, shard: tuple[int, int] | None):
+    """All units of the grid and the ones this shard runs, in run order (points outer)."""
+    every = [(p, b) for p in points for b in backends]
+    mine_points = points if shard is None else points[shard[0]::shard[1]]
+    mine = [(p, b) for p in mine_points for b in backends]
+    return every, mine
+
+
+def _scalar_stats(stats: dict) -> dict:
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, bool):
+            out[f"wl_{key}"] = value
+        elif isinstance(value, (int, float)) and math.isfinite(float(value)):
+            out[f"wl_{key}"] = float(value)
+    return out
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+class _Runner:
+    """State shared by the units of one sweep (device, telemetry, timing, counters)."""
+
+    def __init__(self, run_dir: Path, device, timing: TimingConfig, want_counters: bool, notes: list[str]):
+        self.run_dir = run_dir
+        self.device = device
+        self.timing = timing
+        self.timer = TIMER_GPU if device.type == "cuda" else TIMER_CPU
+        self.telemetry = open_telemetry(device)
+        if not self.telemetry.available:
+            notes.append(self.telemetry.reason)
+        self.ncu = None
+        if want_counters:
+            if device.type != "cuda":
+                notes.append("--counters needs a CUDA GPU: continuing without hardware counters")
+            else:
+                self.ncu = ncu_counters.find_ncu()
+                if self.ncu is None:
+                    notes.append("--counters: ncu not found (PATH, /opt/nvidia/nsight-compute/*/ncu, "
+                                 "/usr/local/cuda/bin/ncu): continuing without hardware counters")
+        from ..roofline.devices import profile_for_gpu
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.profile = profile_for_gpu(gpu) if gpu else None
+
+    def unit(self, point, backend_name: str, workload, wl_stats: dict, base: dict) -> tuple[dict, list, list]:
+        """Status, tidy stat rows and sample rows of one unit. Never raises for a backend's failure."""
+        from ..kernels.base import BackendUnavailable, get_backend
+        from .check import check_backend
+        status = dict(base)
+        backend = get_backend(backend_name)
+        reason = backend.unavailable_reason(point.dtype, self.device)
+        if reason:
+            return {**status, "status": results.STATUS_UNAVAILABLE, "reason": reason}, [], []
+        rows = None
+        if workload.n_tokens > 4 * CHECK_ROWS:
+            rows = torch.linspace(0, workload.n_tokens - 1, CHECK_ROWS).round().long().unique()
+        try:
+            err, tol, _ = check_backend(backend_name, workload, rows=rows)
+        except BackendUnavailable as exc:
+            return {**status, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}, [], []
+        except Exception as exc:
+            return {**status, "status": results.STATUS_FAILED, "reason": f"check raised {_short(exc)}"}, [], []
+        status.update(max_rel_err=float(err), tol=float(tol))
+        if not err <= tol:
+            return {**status, "status": results.STATUS_FAILED,
+                    "reason": f"output disagrees with the reference (max rel err {err:.3g} > tol {tol:.3g}); not timed"}, [], []
+        try:
+            plan = backend.plan(workload)
+            before = self.telemetry.sample()
+            samples = time_plan(plan, self.timing, self.device)
+            after = self.telemetry.sample()
+        except BackendUnavailable as exc:
+            return {**status, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}, [], []
+        except Exception as exc:
+            return {**status, "status": results.STATUS_FAILED, "reason": f"timing raised {_short(exc)}"}, [], []
+        status.update(point_telemetry(before, after))
+        status.update(plan_info=json.dumps(plan.info, default=str, sort_keys=True))
+        del plan
+        stats, sample_rows = self._timing_rows(point, backend_name, samples, wl_stats)
+        stats += self._model_rows(point, backend_name, wl_stats)
+        if self.ncu is not None:
+            try:
+                measured = ncu_counters.collect(self.ncu, json.dumps(point.as_dict()), backend_name,
+                                                [s for s in samples if s not in ("plan", MODULE)])
+                status["counters"] = "ncu"
+                for stage, values in measured.items():
+                    stats += [self._row(point, backend_name, stage, k, v) for k, v in values.items()]
+            except ncu_counters.CountersError as exc:
+                status["counters"] = f"failed: {exc}"
+        return {**status, "status": results.STATUS_OK, "reason": ""}, stats, sample_rows
+
+    def _row(self, point, backend, stage, statistic, value) -> dict:
+        return {"point_key": point.key(), "backend": backend, "schedule": schedule_of(backend) or "none",
+                "dtype": point.dtype, "stage": stage, "statistic": statistic, "value": float(value),
+                "timer": self.timer}
+
+    def _timing_rows(self, point, backend, samples, wl_stats):
+        stats, raw = [], []
+        flops = wl_stats.get("wl_useful_flops", 0.0)
+        for stage, s in samples.items():
+            summary = summarize(s.seconds)
+            if stage in TFLOPS_STAGES and flops > 0 and summary["median_s"] > 0:
+                summary["tflops"] = flops / summary["median_s"] / 1e12
+            summary["converged"] = float(s.converged)
+            stats += [self._row(point, backend, stage, k, v) for k, v in summary.items()]
+            raw += [{"point_key": point.key(), "backend": backend, "dtype": point.dtype, "stage": stage,
+                     "rep": i, "seconds": float(x), "timer": s.timer} for i, x in enumerate(s.seconds)]
+        return stats, raw
+
+    def _model_rows(self, point, backend, wl_stats):
+        schedule = schedule_of(backend)
+        if self.profile is None or schedule is None or "wl_nsb" not in wl_stats:
+            return []
+        sh = point.shape
+        pred = predict_point(schedule, model_shape(sh.hq, sh.hkv, sh.head_dim, sh.block, sh.topk, point.dtype),
+                             wl_stats.get("wl_n_tokens", 0.0), wl_stats["wl_nsb"], self.profile,
+                             flops=wl_stats.get("wl_useful_flops"),
+                             selected_per_query=wl_stats.get("wl_selected_blocks_per_query"))
+        if pred is None:
+            return []
+        values = {"model_time_s": pred.time_s, "model_hbm_bytes": pred.hbm_bytes,
+                  "model_l2_bytes": pred.l2_bytes, "model_flops": pred.flops}
+        return [self._row(point, backend, MODULE, k, v) for k, v in values.items()]
+
+
+def _label(point) -> str:
+    d = point.as_dict()
+    parts = [f"{k}={d[k]}" for k in ("generator", "tokens", "context", "reuse", "dtype") if d.get(k) is not None]
+    return " ".join(parts) or point.key()
+
+
+def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    from .scenarios import make_workload
+    from .stats import workload_stats
+
+    console = console or Console(stderr=True)
+    notes: list[str] = []
+    device = _device()
+    shard = parse_shard(req.shard)
+    scenario, overrides = resolve_scenario(req, device, notes)
+    backends = validate_backends(scenario.backends)
+    points = list(scenario.points)
+    if not points:
+        raise UserError(f"the grid of scenario {scenario.name!r} is empty after overrides; nothing to run")
+    every, mine = plan_units(points, backends, shard)
+    if not mine:
+        raise UserError(f"shard {req.shard} of scenario {scenario.name!r} holds no points "
+                        f"(the grid has {len(points)})")
+    every_ids = [results.unit_id(p.key(), b) for p, b in every]
+    if len(set(every_ids)) != len(every_ids):
+        raise UserError(f"scenario {scenario.name!r} has duplicate points (same key twice)")
+    timing = TimingConfig.from_dict(getattr(scenario, "timing", None), reps=req.reps)
+    grid_sha = results.grid_digest(every_ids)
+
+    run_dir = Path(req.out) if req.out else Path("results") / "runs" / (
+        f"{scenario.name}-{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}"
+        + (f"-shard{shard[0]}of{shard[1]}" if shard else ""))
+    mine_ids = [results.unit_id(p.key(), b) for p, b in mine]
+    if (run_dir / results.RUN_FILE).exists():
+        if not req.resume:
+            raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
+        old = results.read_meta(run_dir)
+        if old.get("grid_sha256") != grid_sha or sorted(old.get("units_planned", [])) != sorted(mine_ids):
+            raise UserError(f"{run_dir} was started with a different grid (scenario, overrides or shard); "
+                            "resume it with the same options or choose another --out")
+        here = provenance.device_info(device)["device_name"]
+        there = (old.get("provenance") or {}).get("device_name")
+        if here != there:
+            raise UserError(f"{run_dir} was measured on {there!r}; this machine is {here!r}: "
+                            "resume it there or choose another --out")
+        meta = old
+        results.clear_partial_units(run_dir)
+    else:
+        if req.resume:
+            raise UserError(f"nothing to resume at {run_dir} (no {results.RUN_FILE})")
+        meta = {
+            "schema": results.SCHEMA_VERSION,
+            "scenario": scenario.name,
+            "scenario_description": getattr(scenario, "description", ""),
+            "scenario_source": str(getattr(scenario, "source", "") or ""),
+            "overrides": overrides,
+            "backends": backends,
+            "grid_sha256": grid_sha,
+            "grid_units": sorted(every_ids),
+            "units_planned": mine_ids,
+            "shard": {"index": shard[0], "count": shard[1]} if shard else None,
+            "timing": timing.__dict__,
+            "timer": TIMER_GPU if device.type == "cuda" else TIMER_CPU,
+            "provenance": provenance.collect(device, scenario.name, _scenario_file(scenario), req.argv or None),
+            "started_utc": _now(),
+        }
+    if device.type != "cuda":
+        notes.insert(0, CPU_NOTE)
+        meta["note"] = CPU_NOTE
+    meta.update(counters_requested=req.counters, complete=False)
+    results.write_meta(run_dir, meta)
+
+    runner = _Runner(run_dir, device, timing, req.counters, notes)
+    meta["notes"] = notes
+    results.write_meta(run_dir, meta)
+    for note in notes:
+        console.print(f"[bold yellow]note:[/] {note}")
+
+    done = results.finished_units(run_dir)
+    skipped = sum(1 for uid in mine_ids if uid in done)
+    if skipped:
+        console.print(f"resuming {run_dir}: {skipped} of {len(mine_ids)} units already finished")
+    interrupt_after = int(os.environ.get(INTERRUPT_HOOK, "0") or 0)
+    written = 0
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False) as progress:
+            task = progress.add_task("sweep", total=len(mine_ids) - skipped)
+            by_point: dict[str, list[str]] = {}
+            point_of = {}
+            for p, b in mine:
+                by_point.setdefault(p.key(), []).append(b)
+                point_of[p.key()] = p
+            for key, point_backends in by_point.items():
+                point = point_of[key]
+                todo = [b for b in point_backends if results.unit_id(key, b) not in done]
+                if not todo:
+                    continue
+                progress.update(task, description=f"{_label(point)} · building workload")
+                base = {"point_key": key, **point.as_dict(), "timer": runner.timer}
+                why = ""
+                try:
+                    workload = make_workload(point, device)
+                    wl_stats = _scalar_stats(workload_stats(workload))
+                except UserError as exc:
+                    workload, wl_stats, why = None, {}, f"workload could not be built: {exc}"
+                except Exception as exc:  # recorded, and the sweep goes on with the next point
+                    workload, wl_stats, why = None, {}, f"workload could not be built: {_short(exc)}"
+                for b in todo:
+                    progress.update(task, description=f"{_label(point)} · {b}")
+                    head = {**base, **wl_stats, "backend": b, "schedule": schedule_of(b) or "none"}
+                    if workload is None:
+                        status, stats, samples = {**head, "status": results.STATUS_FAILED, "reason": why}, [], []
+                    else:
+                        status, stats, samples = runner.unit(point, b, workload, wl_stats, head)
+                    results.write_unit(run_dir, results.unit_id(key, b), status, stats, samples)
+                    written += 1
+                    progress.advance(task)
+                    if interrupt_after and written >= interrupt_after:
+                        raise KeyboardInterrupt
+                del workload
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        done = results.finished_units(run_dir)
+        meta["complete"] = all(uid in done for uid in mine_ids)
+        meta["finished_utc" if meta["complete"] else "interrupted_utc"] = _now()
+        results.write_meta(run_dir, meta)
+
+    run = results.load_run(run_dir)
+    counts = run.status["status"].value_counts().to_dict() if len(run.status) else {}
+    failures = [(r.point_key, r.backend, r.reason) for r in run.status.itertuples()
+                if r.status != results.STATUS_OK]
+    return SweepSummary(run_dir, counts, skipped, notes, failures)
+
+
+def _scenario_file(scenario) -> str | None:
+    """The TOML the scenario came from: a user's file, or the shipped one inside the package."""
+    src = getattr(scenario, "source", None)
+    if src and Path(str(src)).is_file():
+        return str(src)
+    shipped = Path(__file__).resolve().parents[1] / "scenarios" / f"{scenario.name}.toml"
+    return str(shipped) if shipped.is_file() else None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,153 @@
+"""The sweep end to end on CPU: smoke grid (reference backend, fp32, one reuse), interruption and
+--resume, shard + merge, and bad input giving one clear line and a non-zero exit."""
+import json
+
+import pytest
+
+from msa_bench.harness.results import finished_units, load_run
+from msa_bench.harness.sweep import INTERRUPT_HOOK
+
+GRID = ["--backend", "reference", "--dtype", "fp32", "--reuse", "0.5", "--reps", "3"]
+N_POINTS = 5        # smoke with dtype fp32 and reuse 0.5: 2 causal x 1 + skew 1 + 2 indexer
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, cli):
+    """A smoke sweep interrupted after two units, then resumed to completion. No --scenario: on a
+    CPU the sweep must pick `smoke` and say so."""
+    run = tmp_path_factory.mktemp("sweep") / "run"
+    code, _, err = cli("sweep", *GRID, "--out", run, env={INTERRUPT_HOOK: "2"})
+    assert code == 130, err
+    first = sorted(finished_units(run))
+    assert len(first) == 2
+    assert json.loads((run / "run.json").read_text())["complete"] is False
+    stamps = {u: (run / "units" / u / "status.json").stat().st_mtime_ns for u in first}
+    code, out, err = cli("sweep", *GRID, "--out", run, "--resume")
+    assert code == 0, err
+    return {"run": run, "first": first, "stamps": stamps, "out": out, "err": err}
+
+
+def test_resume_completes_without_redoing_finished_units(smoke_run):
+    run = smoke_run["run"]
+    assert len(finished_units(run)) == N_POINTS
+    for u in smoke_run["first"]:
+        assert (run / "units" / u / "status.json").stat().st_mtime_ns == smoke_run["stamps"][u]
+    assert "2 of 5 units already finished" in smoke_run["err"].replace("\n", " ")
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["complete"] is True and meta["scenario"] == "smoke"
+
+
+def test_cpu_run_is_labelled_and_picks_smoke(smoke_run):
+    text = smoke_run["out"] + smoke_run["err"]
+    assert "NOT GPU timings" in text and "`smoke` scenario" in text
+    r = load_run(smoke_run["run"])
+    assert r.timer == "cpu" and "NOT GPU timings" in r.meta["note"]
+    timed = r.samples[r.samples["stage"] != "plan"]
+    assert set(timed["timer"]) == {"cpu"} and set(r.stats["timer"]) == {"cpu"}
+    assert set(r.samples.loc[r.samples["stage"] == "plan", "timer"]) == {"host"}   # plan() is host work
+
+
+def test_results_tables(smoke_run):
+    r = load_run(smoke_run["run"])
+    assert (r.status["status"] == "ok").all()
+    assert (r.status["max_rel_err"] <= r.status["tol"]).all()
+    assert r.status["telemetry"].eq("unavailable").all()
+    assert {"plan", "attention", "combine", "module"} == set(r.stats["stage"])
+    module = r.value("median_s")
+    assert len(module) == N_POINTS and (module["value"] > 0).all()
+    assert len(r.value("tflops")) == N_POINTS and len(r.value("tflops", "attention")) == N_POINTS
+    # raw samples: reps per timed stage, one for plan
+    per = r.samples.groupby(["point_key", "stage"]).size()
+    assert (per.xs("module", level="stage") == 3).all() and (per.xs("plan", level="stage") == 1).all()
+    prov = r.meta["provenance"]
+    for key in ("device_name", "torch", "triton", "flashinfer", "git_commit", "git_dirty", "command",
+                "scenario_sha256", "time_utc", "hostname"):
+        assert key in prov, key
+    assert prov["scenario_sha256"] and len(prov["scenario_sha256"]) == 64
+
+
+def test_shard_and_merge_equal_unsharded(smoke_run, tmp_path, cli):
+    shards = []
+    for i in range(2):
+        out = tmp_path / f"shard{i}"
+        code, _, err = cli("sweep", "--scenario", "smoke", *GRID, "--shard", f"{i}/2", "--out", out)
+        assert code == 0, err
+        shards.append(out)
+    assert not finished_units(shards[0]) & finished_units(shards[1])
+    merged = tmp_path / "merged"
+    code, out, err = cli("merge", merged, *shards)
+    assert code == 0, err
+    assert finished_units(merged) == finished_units(smoke_run["run"])
+    assert json.loads((merged / "run.json").read_text())["complete"] is True
+    assert len(load_run(merged).status) == N_POINTS
+
+
+def test_merge_refuses_other_scenario_grid_unless_forced(smoke_run, tmp_path, cli, one_error_line):
+    other = tmp_path / "other"
+    code, _, err = cli("sweep", "--scenario", "smoke", "--backend", "reference", "--dtype", "fp32",
+                       "--reuse", "0.25", "--generator", "synthetic", "--causal", "--reps", "1", "--out", other)
+    assert code == 0, err
+    code, _, err = cli("merge", tmp_path / "m1", smoke_run["run"], other)
+    assert code == 2 and "different scenario grid" in one_error_line(err)
+    code, _, err = cli("merge", tmp_path / "m2", smoke_run["run"], other, "--force")
+    assert code == 0, err
+
+
+def test_existing_run_needs_resume_and_same_grid(smoke_run, cli, one_error_line):
+    code, _, err = cli("sweep", *GRID, "--out", smoke_run["run"])
+    assert code == 2 and "--resume" in one_error_line(err)
+    code, _, err = cli("sweep", *GRID[:-2], "--reps", "3", "--reuse", "0.25", "--out", smoke_run["run"], "--resume")
+    assert code == 2 and "different grid" in one_error_line(err)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--backend", "no-such-backend"], "unknown backend 'no-such-backend'"),
+    (["--scenario", "no-such-scenario"], "unknown scenario 'no-such-scenario'"),
+    (["--reuse", ","], "--reuse is empty"),
+    (["--reuse", "a,b"], "--reuse must be a comma-separated list"),
+    (["--shard", "3/2"], "--shard"),
+    (["--dtype", "fp64"], "unknown dtype 'fp64'"),
+])
+def test_bad_sweep_input_is_one_line(tmp_path, args, needle, cli, one_error_line):
+    code, _, err = cli("sweep", "--scenario", "smoke", *args, "--out", tmp_path / "r")
+    assert code == 2
+    assert needle in one_error_line(err)
+
+
+def test_bad_scenario_files_are_one_line(tmp_path, cli, one_error_line):
+    bad_key = tmp_path / "bad_key.toml"
+    bad_key.write_text('description = "x"\nbackends = ["reference"]\nbogus = 1\n'
+                       '[grid]\ngenerator = "synthetic"\ntokens = 64\ncontext = 512\nreuse = 0.5\n')
+    code, _, err = cli("sweep", "--scenario", bad_key, "--out", tmp_path / "r1")
+    assert code == 2 and "unknown key 'bogus'" in one_error_line(err)
+    empty = tmp_path / "empty.toml"
+    empty.write_text('description = "x"\nbackends = ["reference"]\n'
+                     '[grid]\ngenerator = "synthetic"\ntokens = 64\ncontext = 512\nreuse = []\n')
+    code, _, err = cli("sweep", "--scenario", empty, "--out", tmp_path / "r2")
+    assert code == 2 and "empty" in one_error_line(err)
+
+
+def test_corrupt_results_file_is_one_line(smoke_run, tmp_path, cli, one_error_line):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(smoke_run["run"], broken)
+    victim = next((broken / "units").iterdir()) / "stats.parquet"
+    victim.write_bytes(b"not a parquet file")
+    for args in (["report", broken], ["compare", smoke_run["run"], broken]):
+        code, _, err = cli(*args)
+        assert code == 2 and "corrupt results file" in one_error_line(err), args
+    code, _, err = cli("report", tmp_path / "missing")
+    assert code == 2 and "no run folder" in one_error_line(err)
+
+
+def test_unavailable_backend_is_recorded_and_the_sweep_goes_on(tmp_path, cli):
+    out = tmp_path / "r"
+    code, text, err = cli("sweep", "--scenario", "smoke", "--backend", "reference,flashinfer", "--dtype", "fp32",
+                          "--reuse", "0.5", "--generator", "synthetic", "--no-causal", "--reps", "1", "--out", out)
+    assert code == 0, err
+    st = load_run(out).status
+    ref, fi = st[st["backend"] == "reference"], st[st["backend"] == "flashinfer"]
+    assert len(ref) == len(fi) > 0
+    assert (ref["status"] == "ok").all()
+    assert (fi["status"] == "unavailable").all() and fi["reason"].str.len().gt(0).all()
+    assert "not timed: flashinfer" in text
