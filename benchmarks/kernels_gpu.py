@@ -1,14 +1,16 @@
 """GPU check and tuning of the kv-outer and msa-scatter Triton stacks (run unattended on the H200).
 
-    python benchmarks/kernels_gpu.py --out DIR [--quick] [--sweep-s 60]
+    python benchmarks/kernels_gpu.py --out DIR [--quick] [--sweep-s 90] [--variants NAME ...]
 
 (a) correctness, bf16 and fp8, both backends: small edge-case shapes (padding, hot block, empty
     queries, several requests, causal, N % 8 != 0) and the study shape (sampled rows); each stage's
     own check (kernels/kv_outer/stage_checks.py); CUDA-graph capture + replay equals eager.
 (b) timing at the study shape (Hq 64, Hkv 4, D 128, block 128, top-16, N 16384, 1024 blocks per KV
-    head, nsb/N = 0.25): a sweep of attention configs (num_warps x num_stages x CTAs per SM), each
-    timed alone by CUDA-graph replay after an L2 flush (median of >= 20); then every stage and the
-    whole module with the best config through harness.timing (the sweep's protocol).
+    head, nsb/N = 0.25): the attention variants of ATTN_VARIANTS (tile rows, warps, stages, grid
+    mode, register cap), each checked against the float64 reference on sampled rows (a failing one
+    is not timed) and timed alone by CUDA-graph replay after an L2 flush (median of >= 20); then
+    every stage and the whole module with the best variant through harness.timing. The summary
+    ends with a TFLOP/s table per variant and dtype and the winner's TUNED line for config.py.
 Writes DIR/kernels_gpu.json and DIR/kernels_gpu.log; one failing variant is logged and skipped.
 """
 from __future__ import annotations
@@ -207,49 +209,127 @@ def time_graph(fn, flush: Flusher, reps: int, warmup: int = 3) -> list[float]:
     return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
 
 
-def sweep_attention(log: Log, w, flops: float, flush: Flusher, variants, reps: int, deadline: float) -> list[dict]:
-    """Time the kv-outer attention stage alone for each (warps, stages, ctas_per_sm), reusing one plan's
-    buffers per grid size (only the schedule depends on it)."""
+# Attention variants compared in one run (kernels/kv_outer/attention.py; docs/perf-log.md, Triton
+# section, has each one's prediction). Fields: tile_q (query tokens per tile: 8 -> 128 rows, 4 -> 64
+# rows), warps, stages, chunk (0 = persistent over the scheduler's cta_range; k = work items of k
+# tiles in tile order), chunk_grid (0 = one program per chunk, 1 = SMs x ctas_per_sm programs
+# striding over chunks), ctas_per_sm (persistent grids only), maxnreg (0 = compiler's choice).
+# Resources from ptxas (triton 3.6, sm_90a, compiled offline) noted per line.
+ATTN_VARIANTS = {
+    "bf16": [
+        # v1 as measured (235 TFLOP/s): 255 regs, 166 KB smem -> 1 CTA/SM
+        dict(name="v1-persist-128r-w8s3", tile_q=8, warps=8, stages=3, chunk=0, ctas_per_sm=1),
+        # 64-row tiles, 1 warpgroup: 255 regs, 107 KB smem -> 2 CTAs/SM; head-coherent chunks
+        dict(name="v2-chunk64-64r-w4s2", tile_q=4, warps=4, stages=2, chunk=64),
+        dict(name="v2-chunk32-64r-w4s2", tile_q=4, warps=4, stages=2, chunk=32),
+        # v1's tile with head-coherent chunks (isolates the L2 ordering effect)
+        dict(name="v3-chunk32-128r-w8s3", tile_q=8, warps=8, stages=3, chunk=32),
+        # 64-row tiles, persistent, 2 CTAs/SM (isolates the occupancy effect)
+        dict(name="v4-persist-64r-w4s2-2cta", tile_q=4, warps=4, stages=2, chunk=0, ctas_per_sm=2),
+        dict(name="v2-chunk64-64r-w4s3", tile_q=4, warps=4, stages=3, chunk=64),
+        dict(name="v5-strided-chunk64-64r-w4s2", tile_q=4, warps=4, stages=2, chunk=64, chunk_grid=1,
+             ctas_per_sm=2),
+        dict(name="v3-chunk16-128r-w8s4", tile_q=8, warps=8, stages=4, chunk=16),
+    ],
+    "fp8": [
+        # v1 best as measured (443): 255 regs + 40 B stack, 75 KB smem -> 2 CTAs/SM
+        dict(name="v1-persist-128r-w4s4-2cta", tile_q=8, warps=4, stages=4, chunk=0, ctas_per_sm=2),
+        # 64-row tiles capped at 168 regs (no spills, 59 KB smem) -> 3 CTAs/SM, head-coherent chunks
+        dict(name="v2-chunk64-64r-w4s3-r168", tile_q=4, warps=4, stages=3, chunk=64, maxnreg=168),
+        # same uncapped: 187 regs -> 2 CTAs/SM
+        dict(name="v2-chunk64-64r-w4s3", tile_q=4, warps=4, stages=3, chunk=64),
+        # v1's tile with head-coherent chunks (Q fp8 of one KV head = 32 MB fits in L2)
+        dict(name="v3-chunk32-128r-w4s4", tile_q=8, warps=4, stages=4, chunk=32),
+        dict(name="v2-chunk32-64r-w4s3-r168", tile_q=4, warps=4, stages=3, chunk=32, maxnreg=168),
+        dict(name="v4-persist-64r-w4s3-r168-3cta", tile_q=4, warps=4, stages=3, chunk=0, ctas_per_sm=3,
+             maxnreg=168),
+        dict(name="v5-strided-chunk64-64r-w4s3-r168", tile_q=4, warps=4, stages=3, chunk=64, chunk_grid=1,
+             ctas_per_sm=3, maxnreg=168),
+        dict(name="v2-chunk128-64r-w4s4-r168", tile_q=4, warps=4, stages=4, chunk=128, maxnreg=168),
+    ],
+}
+
+
+def variant_config(dtype: str, v: dict) -> KVOuterConfig:
+    """The KVOuterConfig equal to a variant (what TUNED[dtype] should hold if it wins)."""
+    return default_config(dtype).with_(tile_q=v["tile_q"], attn_num_warps=v["warps"], attn_num_stages=v["stages"],
+                                       ctas_per_sm=v.get("ctas_per_sm", 1), num_ctas=None,
+                                       attn_chunk=v.get("chunk", 0), attn_chunk_grid=v.get("chunk_grid", 0),
+                                       attn_maxnreg=v.get("maxnreg", 0))
+
+
+def tuned_line(dtype: str, cfg: KVOuterConfig) -> str:
+    base = KVOuterConfig()
+    fields = ("tile_q", "ctas_per_sm", "attn_num_warps", "attn_num_stages", "attn_chunk", "attn_chunk_grid",
+              "attn_maxnreg", "combine_pairs", "combine_num_warps")
+    args = ", ".join(f"{f}={getattr(cfg, f)}" for f in fields if getattr(cfg, f) != getattr(base, f))
+    return f'    "{dtype}": KVOuterConfig({args}),'
+
+
+def make_attention(w, plan, v: dict):
     from msa_bench.kernels.kv_outer.attention import STORE_TILES, Attention
+    return Attention(w, plan.buffers, v["tile_q"], plan.info["config"]["num_ctas"], v["warps"], v["stages"],
+                     STORE_TILES, chunk=v.get("chunk", 0), chunk_grid=v.get("chunk_grid", 0),
+                     maxnreg=v.get("maxnreg", 0))
+
+
+def sweep_attention(log: Log, w, flops: float, flush: Flusher, variants, reps: int, deadline: float,
+                    check_rows: int = 96) -> list[dict]:
+    """Each attention variant alone: checked against the float64 reference on sampled rows (o, m, l
+    of every partial of those rows; NaN-poisoned first), then timed. A variant failing its check is
+    not timed. One plan per (tile_q, ctas_per_sm), its index_map and schedule run once."""
+    from msa_bench.harness.check import tolerance
+    from msa_bench.kernels.kv_outer import stage_checks
     out = []
-    by_grid: dict[int, list] = {}
+    plans: dict = {}
+    picked = sample_rows(w.n_tokens, check_rows)
+    rows = torch.arange(w.n_tokens) if picked is None else picked
+    rows = rows.to(w.device)
+    tol = tolerance(w.dtype)
     for v in variants:
-        by_grid.setdefault(v[2], []).append(v)
-    for ctas_per_sm, group in by_grid.items():
-        try:
-            plan = get_backend("kv-outer").__class__(config=default_config(w.dtype).with_(ctas_per_sm=ctas_per_sm,
-                                                                                          num_ctas=None)).plan(w)
-            plan.stages["index_map"]()
-            plan.stages["schedule"]()
-            torch.cuda.synchronize()
-        except Exception as exc:
-            log.error(f"plan for ctas_per_sm={ctas_per_sm}", exc)
+        rec = dict(dtype=w.dtype, **v)
+        if time.time() > deadline:
+            log(f"skip attention variant {v['name']}: time budget spent")
+            rec["status"] = "skipped"
+            out.append(rec)
             continue
-        num_ctas = plan.info["config"]["num_ctas"]
-        for warps, stages, _ in group:
-            rec = dict(dtype=w.dtype, num_warps=warps, num_stages=stages, ctas_per_sm=ctas_per_sm, num_ctas=num_ctas)
-            if time.time() > deadline:
-                log(f"skip attention variant {rec}: time budget spent")
-                rec["status"] = "skipped"
+        try:
+            key = (v["tile_q"], v.get("ctas_per_sm", 1))
+            if key not in plans:
+                plans.clear()
+                torch.cuda.empty_cache()
+                plan = get_backend("kv-outer").__class__(config=variant_config(w.dtype, v)).plan(w)
+                plan.stages["index_map"]()
+                plan.stages["schedule"]()
+                torch.cuda.synchronize()
+                plans[key] = plan
+            plan = plans[key]
+            t0 = time.time()
+            att = make_attention(w, plan, v)
+            rec.update(grid=att.grid, num_ctas=plan.info["config"]["num_ctas"])
+            for name in ("o_part", "m_part", "l_part"):
+                plan.buffers[name].fill_(float("nan"))
+            att()
+            torch.cuda.synchronize()
+            compile_s = time.time() - t0
+            ok, msg = stage_checks.check_partials(plan, w, rows, tol)
+            rec.update(check_ok=ok, check=msg, compile_s=compile_s)
+            if not ok:
+                rec["status"] = "check-failed"
+                log(f"  FAIL attention {w.dtype} {v['name']}: {msg} (not timed)")
                 out.append(rec)
                 continue
-            try:
-                t0 = time.time()
-                att = Attention(w, plan.buffers, plan.info["config"]["tile_q"], num_ctas, warps, stages, STORE_TILES)
-                att()
-                torch.cuda.synchronize()
-                compile_s = time.time() - t0
-                secs = time_graph(att, flush, reps)
-                med = statistics.median(secs)
-                rec.update(status="ok", median_s=med, tflops=flops / med / 1e12, compile_s=compile_s)
-                log(f"  attention {w.dtype} warps={warps} stages={stages} ctas={num_ctas}: {med * 1e3:.3f} ms "
-                    f"= {flops / med / 1e12:.0f} TFLOP/s (compile+first {compile_s:.1f}s)")
-            except Exception as exc:
-                log.error(f"attention variant {rec}", exc)
-                rec.update(status="error", error=repr(exc)[:300])
-            out.append(rec)
-        del plan
-        torch.cuda.empty_cache()
+            secs = time_graph(att, flush, reps)
+            med = statistics.median(secs)
+            rec.update(status="ok", median_s=med, min_s=min(secs), tflops=flops / med / 1e12)
+            log(f"  attention {w.dtype} {v['name']:<34} grid {att.grid:>6}: {med * 1e3:.3f} ms = "
+                f"{flops / med / 1e12:.0f} TFLOP/s (check {msg.split(' on ')[0]}; compile+first {compile_s:.1f}s)")
+        except Exception as exc:
+            log.error(f"attention variant {v['name']}", exc)
+            rec.update(status="error", error=repr(exc)[:300])
+        out.append(rec)
+    plans.clear()
+    torch.cuda.empty_cache()
     return out
 
 
@@ -285,16 +365,20 @@ def sweep_combine(log: Log, w, config: KVOuterConfig, flush: Flusher, variants, 
     return out
 
 
-def time_module(log: Log, backend: str, w, config: KVOuterConfig | None, flops: float, reps: int) -> dict:
+def time_module(log: Log, backend: str, w, config: KVOuterConfig | None, flops: float, reps: int,
+                variant: dict | None = None) -> dict:
     from msa_bench.harness.timing import MODULE, TimingConfig, time_plan
     cls = get_backend(backend).__class__
     plan = cls(config=config).plan(w)
+    if variant is not None and backend == "kv-outer":
+        plan.stages["attention"] = make_attention(w, plan, variant)
     samples = time_plan(plan, TimingConfig(warmup=3, reps=reps, max_reps=2 * reps, cv_target=0.03), "cuda")
     med = {name: statistics.median(s.seconds) for name, s in samples.items()}
     stage_sum = sum(med[n] for n in plan.stages)
     overhead = sum(med[n] for n in ("index_map", "schedule", "combine"))
     cbytes = combine_bytes(backend, w)
     rec = dict(backend=backend, dtype=w.dtype, config=plan.info["config"], median_s=med,
+               variant=(variant or {}).get("name") if backend == "kv-outer" else None,
                converged={n: s.converged for n, s in samples.items()},
                attention_tflops=flops / med["attention"] / 1e12, module_tflops=flops / med[MODULE] / 1e12,
                combine_gbps=cbytes / med["combine"] / 1e9, combine_bytes=cbytes,
@@ -319,10 +403,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default $OUT)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and configs")
-    ap.add_argument("--sweep-s", type=float, default=60.0,
+    ap.add_argument("--sweep-s", type=float, default=90.0,
                     help="per dtype: stop starting new attention/combine sweep variants after this many seconds")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=None, help="only these attention variant names")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -347,12 +432,8 @@ def main() -> int:
 
     log("== (b) timing at the study shape: N 16384, 1024 blocks per KV head, nsb/N 0.25")
     flush = Flusher()
-    # (num_warps, num_stages, ctas_per_sm), most promising first: at 8 warps the kernel takes ~255
-    # registers per thread (ptxas, sm_90a), so only one 8-warp CTA fits per SM; 4-warp CTAs fit two.
-    variants = ([(8, 2, 1), (8, 3, 1), (4, 2, 2)] if args.quick else
-                [(8, 2, 1), (8, 3, 1), (4, 2, 2), (4, 3, 2), (8, 4, 1), (4, 2, 1), (4, 3, 1), (8, 2, 2)])
-    combine_variants = ([(4, 4), (1, 4), (8, 8)] if args.quick else
-                        [(p_, w_) for p_ in (1, 2, 4, 8) for w_ in (4, 8)] + [(2, 2)])
+    combine_variants = ([(4, 4)] if args.quick else [(p_, w_) for p_ in (1, 2, 4, 8) for w_ in (4, 8)] + [(2, 2)])
+    winners = {}
     for dtype in DTYPES:
         try:
             w = study_workload(dtype)
@@ -361,34 +442,32 @@ def main() -> int:
         except Exception as exc:
             log.error(f"study workload {dtype}", exc)
             continue
-        deadline = time.time() + args.sweep_s
-        sweep = sweep_attention(log, w, flops, flush, variants, args.reps, deadline)
+        variants = [v for v in ATTN_VARIANTS[dtype] if not args.variants or v["name"] in args.variants]
+        sweep = sweep_attention(log, w, flops, flush, variants, args.reps, time.time() + args.sweep_s)
         result["sweep"] += sweep
         save()
         good = [r for r in sweep if r.get("status") == "ok"]
-        best_cfg = default_config(dtype)
+        best_cfg, best_v = default_config(dtype), None
         if good:
             b = min(good, key=lambda r: r["median_s"])
-            best_cfg = best_cfg.with_(attn_num_warps=b["num_warps"], attn_num_stages=b["num_stages"],
-                                      ctas_per_sm=b["ctas_per_sm"], num_ctas=None)
-            result["best"][dtype] = dict(attn_num_warps=b["num_warps"], attn_num_stages=b["num_stages"],
-                                         ctas_per_sm=b["ctas_per_sm"], tflops=b["tflops"])
-            log(f"best attention config {dtype}: num_warps={b['num_warps']} num_stages={b['num_stages']} "
-                f"ctas_per_sm={b['ctas_per_sm']} -> {b['tflops']:.0f} TFLOP/s "
-                f"(write into kernels/kv_outer/config.py TUNED['{dtype}'])")
+            best_v = next(v for v in variants if v["name"] == b["name"])
+            best_cfg = variant_config(dtype, best_v)
+            winners[dtype] = (b["name"], b["tflops"])
+            result["best"][dtype] = dict(variant=b["name"], tflops=b["tflops"], median_s=b["median_s"],
+                                         config=dict(best_cfg.__dict__))
+            log(f"best attention variant {dtype}: {b['name']} -> {b['tflops']:.0f} TFLOP/s")
         csweep = sweep_combine(log, w, best_cfg, flush, combine_variants, args.reps, time.time() + args.sweep_s / 3)
         result["combine_sweep"] += csweep
         cgood = [r for r in csweep if r.get("status") == "ok"]
-        if cgood:
+        if cgood and not args.quick:
             c = min(cgood, key=lambda r: r["median_s"])
             best_cfg = best_cfg.with_(combine_pairs=c["combine_pairs"], combine_num_warps=c["combine_num_warps"])
             result["best"].setdefault(dtype, {}).update(combine_pairs=c["combine_pairs"],
                                                         combine_num_warps=c["combine_num_warps"], combine_gbps=c["gbps"])
-            log(f"best combine config {dtype}: pairs={c['combine_pairs']} num_warps={c['combine_num_warps']} "
-                f"-> {c['gbps']:.0f} GB/s")
+        result["best"].setdefault(dtype, {})["tuned_line"] = tuned_line(dtype, best_cfg)
         for backend in BACKENDS:
             try:
-                result["module"].append(time_module(log, backend, w, best_cfg, flops, args.reps))
+                result["module"].append(time_module(log, backend, w, best_cfg, flops, args.reps, best_v))
             except Exception as exc:
                 log.error(f"module timing {backend} {dtype}", exc)
             save()
@@ -411,6 +490,15 @@ def main() -> int:
               f"{100 * r['overhead_share']:>7.1f}{(pred * 1e3 if pred else math.nan):>9.3f}")
     log("(times in ms, medians of CUDA-graph replays after an L2 flush; TFLOP/s of useful FLOPs; FlashInfer FA2 "
         "reference 83 TFLOP/s)")
+    log("attention variants (checked vs the float64 reference on sampled rows, then timed alone):")
+    log(f"{'dtype':<6}{'variant':<36}{'grid':>7}{'ms':>9}{'TFLOP/s':>9}  status")
+    for r in result["sweep"]:
+        ms = f"{r['median_s'] * 1e3:9.3f}" if "median_s" in r else f"{'-':>9}"
+        tf = f"{r['tflops']:9.0f}" if "tflops" in r else f"{'-':>9}"
+        log(f"{r['dtype']:<6}{r['name']:<36}{r.get('grid', '-')!s:>7}{ms}{tf}  {r.get('status')}")
+    for dtype, (name, tf) in winners.items():
+        log(f"winner {dtype}: {name} ({tf:.0f} TFLOP/s); kernels/kv_outer/config.py TUNED line:")
+        log(result["best"][dtype]["tuned_line"])
     save()
     return 0 if not bad else 1
 

@@ -100,3 +100,18 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(plan.output, first)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp8"])
+def test_chunked_grid_and_64_row_tiles(dtype):
+    """msa-scatter with the attention launch variants of kv-outer (chunked grid, 64-row tiles)."""
+    from msa_bench.kernels.kv_outer.config import KVOuterConfig
+    w = workload("causal-skewed", dtype)
+    plan = get_backend("msa-scatter").__class__(config=KVOuterConfig(tile_q=4, attn_chunk=3)).plan(w)
+    assert plan.stages["attention"].chunk == 3
+    poisoned_run(plan)
+    ref_out, ref_lse = reference_attention(w)
+    tol = tolerance(dtype)
+    assert relative_error(plan.output, ref_out) <= tol
+    empty = torch.isinf(ref_lse)
+    assert relative_error(plan.lse[~empty], ref_lse[~empty]) <= tol

@@ -42,31 +42,29 @@ def round_to_e4m3(x):
 
 
 @triton.jit
-def kv_stationary_attention_kernel(
-        q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
-        tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr, cta_range_ptr,
-        page_block_ptr, q_limit_ptr,
-            o_ptr, m_ptr, l_ptr,
-        qk_scale_log2, out_scale, num_pages, n_tokens,
-        HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-        TILE_Q: tl.constexpr, V_DMAJOR: tl.constexpr, IEEE: tl.constexpr, STORE_MODE: tl.constexpr,
-        NUM_STAGES: tl.constexpr, P_SHIFT: tl.constexpr, SOFT_ROUND_P: tl.constexpr):
+def attend_tiles(t_begin, t_end,
+                 q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
+                 tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr,
+                 page_block_ptr, q_limit_ptr, o_ptr, m_ptr, l_ptr,
+                 qk_scale_log2, out_scale, num_pages, n_tokens,
+                 HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                 BLOCK: tl.constexpr, TILE_Q: tl.constexpr, V_DMAJOR: tl.constexpr, IEEE: tl.constexpr,
+                 STORE_MODE: tl.constexpr, NUM_STAGES: tl.constexpr, P_SHIFT: tl.constexpr,
+                 SOFT_ROUND_P: tl.constexpr):
+    """Tiles [t_begin, t_end) of the tile sequence, segment by segment (one K/V load per key run)."""
     ROWS: tl.constexpr = TILE_Q * G
-    pid = tl.program_id(0)
-    begin = tl.load(cta_range_ptr + 2 * pid)
-    end = tl.load(cta_range_ptr + 2 * pid + 1)
     rows = tl.arange(0, ROWS)
     slot = rows // G
     g = rows % G
     d = tl.arange(0, D)
     kt = tl.arange(0, BLOCK)
 
-    t = begin
-    while t < end:
+    t = t_begin
+    while t < t_end:
         key = tl.load(tile_key_ptr + t)
         head = key // num_pages
         page = key % num_pages
-        seg_end = tl.minimum(end, tl.load(tile_ptr_ptr + key + 1))
+        seg_end = tl.minimum(t_end, tl.load(tile_ptr_ptr + key + 1))
         kv_base = (page.to(tl.int64) * HKV + head) * (BLOCK * D)
         k_blk = tl.load(k_ptr + kv_base + kt[:, None] * D + d[None, :])                 # [BLOCK, D]
         if V_DMAJOR:
@@ -120,14 +118,68 @@ def kv_stationary_attention_kernel(
         t = seg_end
 
 
+@triton.jit
+def kv_stationary_attention_kernel(
+        q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
+        tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr, cta_range_ptr,
+        page_block_ptr, q_limit_ptr,
+        o_ptr, m_ptr, l_ptr,
+        qk_scale_log2, out_scale, num_pages, n_tokens,
+        HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+        TILE_Q: tl.constexpr, V_DMAJOR: tl.constexpr, IEEE: tl.constexpr, STORE_MODE: tl.constexpr,
+        NUM_STAGES: tl.constexpr, P_SHIFT: tl.constexpr, SOFT_ROUND_P: tl.constexpr,
+        CHUNK: tl.constexpr = 0):
+    """CHUNK 0: program pid walks the scheduler's slice cta_range[pid] (persistent, v1).
+    CHUNK > 0: the tile sequence is cut into chunks of CHUNK tiles; program pid takes chunks pid,
+    pid + num_programs, ... (one each when the grid covers every chunk). Chunks run roughly in tile
+    order, so the CTAs resident at any moment work on neighbouring keys of one KV head: the Q rows
+    they gather (one head's slice of Q) are shared through L2 instead of streaming all heads."""
+    pid = tl.program_id(0)
+    if CHUNK == 0:
+        begin = tl.load(cta_range_ptr + 2 * pid)
+        end = tl.load(cta_range_ptr + 2 * pid + 1)
+        attend_tiles(begin, end, q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
+                     tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr,
+                     page_block_ptr, q_limit_ptr, o_ptr, m_ptr, l_ptr,
+                     qk_scale_log2, out_scale, num_pages, n_tokens,
+                     HQ, HKV, G, D, BLOCK, TILE_Q, V_DMAJOR, IEEE, STORE_MODE, NUM_STAGES, P_SHIFT,
+                     SOFT_ROUND_P)
+    else:
+        total = tl.load(tile_ptr_ptr + HKV * num_pages)
+        n_chunks = tl.cdiv(total, CHUNK)
+        for c in range(pid, n_chunks, tl.num_programs(0)):
+            begin = c * CHUNK
+            end = tl.minimum(begin + CHUNK, total)
+            attend_tiles(begin, end, q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
+                         tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr,
+                         page_block_ptr, q_limit_ptr, o_ptr, m_ptr, l_ptr,
+                         qk_scale_log2, out_scale, num_pages, n_tokens,
+                         HQ, HKV, G, D, BLOCK, TILE_Q, V_DMAJOR, IEEE, STORE_MODE, NUM_STAGES, P_SHIFT,
+                         SOFT_ROUND_P)
+
+
 class Attention:
-    """Binds the kernel to a plan's buffers; calling it launches one persistent grid."""
+    """Binds the kernel to a plan's buffers; calling it launches one grid.
+
+    chunk 0: persistent grid of num_ctas programs over the scheduler's cta_range (v1).
+    chunk > 0: work items of `chunk` tiles in tile order; chunk_grid 0 launches one program per
+    possible chunk (programs past the real tile count exit at once), chunk_grid k > 0 launches
+    num_ctas = SMs x ctas_per_sm programs striding over the chunks.
+    chunk, chunk_grid and maxnreg default to config.default_config(dtype) when left None (the
+    backend's factory passes only tile_q, num_ctas, warps and stages).
+    """
 
     def __init__(self, workload, buffers: dict, tile_q: int, num_ctas: int, num_warps: int = 8,
-                 num_stages: int = 2, store_mode: int = STORE_TILES):
+                 num_stages: int = 2, store_mode: int = STORE_TILES, chunk: int | None = None,
+                 chunk_grid: int | None = None, maxnreg: int | None = None):
+        from .config import default_config
         w = workload
         s = w.shape
         self.w, self.b = w, buffers
+        tuned = default_config(w.dtype)
+        self.chunk = tuned.attn_chunk if chunk is None else chunk
+        self.chunk_grid = tuned.attn_chunk_grid if chunk_grid is None else chunk_grid
+        self.maxnreg = tuned.attn_maxnreg if maxnreg is None else maxnreg
         self.v_dmajor = w.dtype == "fp8"
         # fp8: V d-major ([pages, Hkv, D, block]) is the cache layout this path expects; made once here.
         self.v = w.v_cache.transpose(-1, -2).contiguous() if self.v_dmajor else w.v_cache
@@ -136,10 +188,22 @@ class Attention:
         self.out_scale = w.v_scale / 2.0 ** self.p_shift
         self.tile_q, self.num_ctas = tile_q, num_ctas
         self.num_warps, self.num_stages, self.store_mode = num_warps, num_stages, store_mode
+        if self.chunk > 0:
+            chunks = -(-buffers["tile_key"].numel() // self.chunk)
+            self.grid = chunks if self.chunk_grid == 0 else max(1, min(chunks, num_ctas))
+        else:
+            self.grid = num_ctas
         self.consts = dict(HQ=s.hq, HKV=s.hkv, G=s.group, D=s.head_dim, BLOCK=s.block, TILE_Q=tile_q,
                            V_DMAJOR=self.v_dmajor, IEEE=w.dtype == "fp32", STORE_MODE=store_mode,
                            NUM_STAGES=num_stages, P_SHIFT=self.p_shift,
-                           SOFT_ROUND_P=self.v_dmajor and triton_mode.interpreting())
+                           SOFT_ROUND_P=self.v_dmajor and triton_mode.interpreting(), CHUNK=self.chunk)
+        self.launch_opts = dict(num_warps=num_warps, num_stages=num_stages)
+        if self.maxnreg and not triton_mode.interpreting():
+            self.launch_opts["maxnreg"] = self.maxnreg
+
+    def describe(self) -> dict:
+        return dict(tile_q=self.tile_q, num_warps=self.num_warps, num_stages=self.num_stages,
+                    chunk=self.chunk, chunk_grid=self.chunk_grid, maxnreg=self.maxnreg, grid=self.grid)
 
     def __call__(self) -> None:
         b, w = self.b, self.w
@@ -148,9 +212,9 @@ class Attention:
         else:
             outs = (b["o_slot"], b["lse_slot"], b["lse_slot"])
         edge_slot = b.get("edge_slot", b["csr_query"])
-        kv_stationary_attention_kernel[(self.num_ctas,)](
+        kv_stationary_attention_kernel[(self.grid,)](
             w.q, w.k_cache, self.v, b["csr_query"], edge_slot,
             b["tile_key"], b["tile_edge"], b["tile_count"], b["tile_ptr"], b["cta_range"],
             w.page_block, w.q_limit, *outs,
             self.qk_scale_log2, self.out_scale, w.num_pages, w.n_tokens,
-            num_warps=self.num_warps, num_stages=self.num_stages, **self.consts)
+            **self.launch_opts, **self.consts)

@@ -17,6 +17,11 @@ class KVOuterConfig:
     ctas_per_sm: int = 1
     attn_num_warps: int = 8
     attn_num_stages: int = 2
+    attn_chunk: int = 0             # 0: persistent CTAs over the scheduler's cta_range; k > 0: work
+                                    # items of k tiles in tile order (KV-head-coherent L2 use of Q)
+    attn_chunk_grid: int = 0        # with attn_chunk: 0 = one program per chunk, 1 = num_ctas
+                                    # persistent programs striding over the chunks
+    attn_maxnreg: int = 0           # 0: compiler's choice; else a register cap (occupancy)
     combine_pairs: int = 4          # (query, KV head) pairs per combine program
     combine_num_warps: int = 4
 
