@@ -129,15 +129,19 @@ def draw_tensors(shape: AttnShape, dtype: str, n_tokens: int, num_pages: int, se
     """Seeded standard-normal Q, K, V (never zeros), quantized to the data dtype."""
     if dtype not in DATA_DTYPES:
         raise WorkloadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DATA_DTYPES)}")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the target device: host-side drawing of a 1M-token cache takes minutes. The values are
+    # seeded per device type (a CPU and a GPU workload with the same seed differ).
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
     dims_q = (n_tokens, shape.hq, shape.head_dim)
     dims_kv = (num_pages, shape.hkv, shape.block, shape.head_dim)
     out, scales = [], []
     for dims in (dims_q, dims_kv, dims_kv):
-        x = torch.randn(dims, generator=gen, dtype=torch.float32)
+        x = torch.randn(dims, generator=gen, dtype=torch.float32, device=device)
         t, s = _quantize(x, dtype)
-        out.append(t.to(device))
+        out.append(t)
         scales.append(s)
+        del x
     return out[0], out[1], out[2], tuple(scales)
 
 
