@@ -104,7 +104,9 @@ class KVOuterCuteBackend(KVOuterBackend):
 
     def resolved_config(self, w):
         """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size)."""
-        cfg = self.config or default_config(w.dtype).with_(ctas_per_sm=self.ctas_per_sm)
+        # The CuTe kernel is built for 8-token tiles; the Triton stage's tuned tile shape does not apply.
+        cfg = self.config or default_config(w.dtype).with_(ctas_per_sm=self.ctas_per_sm, tile_q=8, attn_chunk=0,
+                                                           attn_chunk_grid=0, attn_maxnreg=0)
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 
