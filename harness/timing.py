@@ -3,8 +3,8 @@
 GPU: each stage is captured into its own CUDA graph and the whole module into one more. One timed
 sample is: replay the preceding stages' graphs (so the stage's inputs are real), write a buffer of
 twice the L2 size (evicts the L2), record an event, replay the graph, record an event. Warm-up
-replays first, then at least `reps` samples; while the coefficient of variation exceeds `cv_target`
-more samples are taken, up to `max_reps`.
+replays first, then at least `reps` samples (never fewer than 20); while the coefficient of
+variation exceeds `cv_target` more samples are taken, up to `max_reps`.
 
 CPU: the same loop with the plain stage callables and host perf_counter (no L2 flush, fewer reps,
 no CV re-measurement, preceding stages run once per batch rather than per sample because the Triton
@@ -27,6 +27,7 @@ TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"
 MODULE = "module"
 PLAN = "plan"
+MIN_GPU_REPS = 20          # the protocol's floor on the GPU, whatever a scenario asks
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,13 @@ class _GraphClock:
     def __init__(self, plan, device: torch.device, cold_l2: bool = True):
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device) if cold_l2 else None
-        plan.run()                      # compiles kernels and fills every intermediate buffer once
+        # Warm-up on a side stream, as PyTorch's CUDA-graph docs advise: compiles kernels, creates
+        # library handles/workspaces and fills every intermediate buffer once before capture.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            plan.run()
+        torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         self.targets: dict[str, Callable[[], None]] = {}
         self._graphs = []               # keep graphs alive
@@ -171,8 +178,11 @@ def time_plan(plan, config: TimingConfig, device: torch.device | str) -> dict[st
     device = torch.device(device)
     on_gpu = device.type == "cuda"
     clock = _GraphClock(plan, device, config.cold_l2) if on_gpu else _HostClock(plan)
-    warmup, reps, max_reps = ((config.warmup, config.reps, config.max_reps) if on_gpu else
-                              (config.cpu_warmup, config.cpu_reps, config.cpu_max_reps))
+    if on_gpu:
+        reps = max(config.reps, MIN_GPU_REPS)
+        warmup, max_reps = config.warmup, max(config.max_reps, reps)
+    else:
+        warmup, reps, max_reps = config.cpu_warmup, config.cpu_reps, config.cpu_max_reps
     results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], "host", True)}
     names = list(plan.stages)
     for i, name in enumerate(names):

@@ -151,3 +151,19 @@ def test_unavailable_backend_is_recorded_and_the_sweep_goes_on(tmp_path, cli):
     assert (ref["status"] == "ok").all()
     assert (fi["status"] == "unavailable").all() and fi["reason"].str.len().gt(0).all()
     assert "not timed: flashinfer" in text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sweep_times_with_graphs_and_telemetry(tmp_path, cli):
+    out = tmp_path / "gpu"
+    code, _, err = cli("sweep", "--scenario", "smoke", "--backend", "reference,kv-outer,msa-scatter,flashinfer",
+                       "--dtype", "fp16", "--reuse", "0.5", "--generator", "synthetic", "--no-causal", "--out", out)
+    assert code == 0, err
+    r = load_run(out)
+    assert r.timer == "cuda-graph" and r.meta["provenance"]["gpu_name"]
+    assert (r.status.loc[r.status["backend"] == "reference", "status"] == "ok").all()
+    assert (r.status.loc[r.status["status"] != "ok", "reason"].str.len() > 0).all()
+    ok = r.status[r.status["status"] == "ok"]
+    assert ok["telemetry"].eq("nvml").all() and ok["sm_clock_mhz_before"].gt(0).all()
+    assert (r.value("n_reps")["value"] >= 20).all()     # the GPU floor, though smoke asks for 2

@@ -1,4 +1,5 @@
-"""The CPU path of the timing protocol, on the real reference backend."""
+"""The timing protocol on the real reference backend: CPU path here, CUDA graphs on a GPU."""
+import pytest
 import torch
 
 from msa_bench.harness.timing import MODULE, PLAN, TIMER_CPU, TimingConfig, summarize, time_plan
@@ -45,3 +46,19 @@ def test_timing_config_from_scenario_and_reps():
     cfg = TimingConfig.from_dict({"reps": 30}, reps=7)     # the CLI wins over the scenario
     assert cfg.reps == 7 and cfg.cpu_reps == 7 and cfg.cpu_max_reps == 7
     assert TimingConfig.from_dict(None) == TimingConfig()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_time_plan_gpu_graph_replays():
+    from msa_bench.harness.reference import reference_attention, relative_error
+    from msa_bench.harness.timing import TIMER_GPU
+    w = small_workload(n=64, blocks=8).to("cuda")
+    plan = get_backend("reference").plan(w)
+    out = time_plan(plan, TimingConfig(warmup=2, reps=20, max_reps=40), "cuda")
+    for name in ("attention", "combine", MODULE):
+        assert out[name].timer == TIMER_GPU and 20 <= len(out[name].seconds) <= 40
+        assert all(0 < s < 1 for s in out[name].seconds)
+    torch.cuda.synchronize()
+    ref, _ = reference_attention(w)          # the last module-graph replay left a correct output
+    assert relative_error(plan.output, ref) < 1e-2

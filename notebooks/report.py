@@ -1,0 +1,114 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # msa-bench: one run against the roofline
+#
+# This notebook reads a run folder written by `msa-bench sweep` (or `msa-bench merge`) and shows the
+# same tables and plots as `msa-bench report`, through the same functions (`msa_bench.harness.report`).
+# Run it as a script: `python notebooks/report.py RUN_DIR`, or set `MSA_BENCH_RUN`; without either it
+# opens the small committed CPU fixture `results/fixtures/smoke-run`.
+
+# %%
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+if "ipykernel" not in sys.modules:
+    matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from msa_bench.harness import report
+from msa_bench.harness.prediction import device_for_run
+from msa_bench.harness.results import load_run
+
+REPO = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd()
+args = [a for a in sys.argv[1:] if not a.startswith("-")] if "ipykernel" not in sys.modules else []
+RUN_DIR = Path(args[0] if args else os.environ.get("MSA_BENCH_RUN", REPO / "results" / "fixtures" / "smoke-run"))
+# figures go outside the run folder (it may be the committed fixture): MSA_BENCH_FIGURES or a temp dir
+FIG_DIR = Path(os.environ.get("MSA_BENCH_FIGURES", Path(tempfile.gettempdir()) / "msa-bench-notebook" / RUN_DIR.name))
+
+run = load_run(RUN_DIR)
+device = device_for_run(run.meta)
+print(f"run {RUN_DIR}: scenario {run.meta.get('scenario')}, measured on {run.device_name}, timer {run.timer}")
+print(f"roofline device: {device.name if device else 'none (no profile matches; model curves omitted)'}")
+if run.timer == "cpu":
+    print("!! CPU RUN: host timings of the CPU pipeline, NOT GPU timings; read no performance from them.")
+
+
+def show(figures):
+    """Save each figure next to the run and show it when a notebook front end is attached."""
+    FIG_DIR.mkdir(parents=True, exist_ok=True)
+    for name, fig in figures:
+        fig.savefig(FIG_DIR / name, dpi=100)
+        print(f"figure: {FIG_DIR / name}")
+        if "ipykernel" in sys.modules:
+            plt.show()
+        plt.close(fig)
+
+
+# %% [markdown]
+# ## Which units ran
+# Every (point, backend) is one unit. A backend that disagrees with the float64 reference is recorded
+# as `failed` and never timed; one that cannot run here (no GPU, package missing, dtype) as `unavailable`.
+
+# %%
+print(report.markdown_table(report.status_table(run)))
+
+# %% [markdown]
+# ## Throughput against reuse
+# Useful TFLOP/s of the whole module (all stages in one CUDA graph) against the measured reuse nsb/N,
+# with the roofline of each schedule (dashed) for the run's GPU. The predicted crossover is where the
+# KV-outer and Q-outer roofline curves meet; the measured one interpolates the two backends' latencies
+# on the log reuse axis.
+
+# %%
+print(report.markdown_table(report.throughput_table(run)))
+for c in report.crossovers(run, device):
+    print(f"{c.group} {c.dtype}: {c.kv_backend} vs {c.q_backend}: measured {c.measured} ({c.measured_note}), "
+          f"predicted {c.predicted}")
+show(report.throughput_figures(run, device))
+
+# %% [markdown]
+# ## Where the time goes
+# Each stage timed alone (its inputs prepared by the preceding stages, L2 flushed), stacked, with the
+# whole-module graph as a black tick: the gap between the stack and the tick is launch overlap.
+
+# %%
+print(report.markdown_table(report.stage_table(run)))
+show(report.stage_figures(run))
+
+# %% [markdown]
+# ## Bytes moved: Nsight Compute against the model
+# Only for runs with `--counters`: DRAM and L2 bytes per module next to the roofline's HBM and L2 terms.
+
+# %%
+bytes_table = report.bytes_table(run, device)
+print(report.markdown_table(bytes_table) if not bytes_table.empty else "no counters in this run")
+show(report.bytes_figure(run, device))
+
+# %% [markdown]
+# ## Real prefill cases
+# For a `real-prefill` run: the call-weighted mean latency and aggregate useful TFLOP/s per backend, and
+# per case whether the roofline picked the schedule that was measured faster.
+
+# %%
+if report.is_prefill_run(run):
+    print(report.markdown_table(report.prefill_aggregate(run)))
+    picks, summary = report.roofline_picks(run, device)
+    print(summary or "roofline picks need a device profile and two schedules per case")
+else:
+    print("not a real-prefill run")

@@ -1,0 +1,146 @@
+"""The regression gate on the committed CPU fixture run and on copies of it with planted changes."""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from msa_bench.harness.compare import IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, judge_samples, parse_threshold
+from msa_bench.harness.errors import UserError
+
+FIXTURE = Path(__file__).resolve().parents[1] / "results" / "fixtures" / "smoke-run"
+
+
+def copy_run(tmp_path, name="new") -> Path:
+    dest = tmp_path / name
+    shutil.copytree(FIXTURE, dest)
+    return dest
+
+
+def timed_units(run: Path) -> list[Path]:
+    return sorted(p for p in (run / "units").iterdir() if (p / "samples.parquet").is_file())
+
+
+def tightest_unit(run: Path) -> Path:
+    """The unit whose module samples spread least: a planted 20% slowdown must show there."""
+    def spread(unit):
+        s = pd.read_parquet(unit / "samples.parquet")
+        m = s.loc[s["stage"] == "module", "seconds"]
+        return (m.quantile(0.75) - m.quantile(0.25)) / m.median()
+    return min(timed_units(run), key=spread)
+
+
+def scale_samples(unit: Path, factor, stages=("module", "attention")):
+    s = pd.read_parquet(unit / "samples.parquet")
+    mask = s["stage"].isin(stages)
+    s.loc[mask, "seconds"] = s.loc[mask, "seconds"] * (factor(mask.sum()) if callable(factor) else factor)
+    s.to_parquet(unit / "samples.parquet", index=False)
+
+
+def test_fixture_is_a_labelled_cpu_run():
+    meta = json.loads((FIXTURE / "run.json").read_text())
+    assert meta["timer"] == "cpu" and "NOT GPU timings" in meta["note"]
+    assert meta["complete"] is True
+
+
+def test_identical_runs_pass(cli):
+    code, out, err = cli("compare", FIXTURE, FIXTURE)
+    assert code == 0, err
+    assert "0 regression(s), 0 improvement(s)" in out.replace("\n", " ")
+
+
+def test_planted_regression_fails(tmp_path, cli):
+    new = copy_run(tmp_path)
+    victim = tightest_unit(new)
+    scale_samples(victim, 1.2)
+    code, out, err = cli("compare", FIXTURE, new)
+    assert code == 1, out + err
+    assert "regression" in out and victim.name.split("-")[0] in out
+    # the same slowdown below the threshold is not a regression
+    code, out, _ = cli("compare", FIXTURE, new, "--max-regression", "25%")
+    assert code == 0, out
+
+
+def test_noise_only_differences_pass(tmp_path, cli):
+    new = copy_run(tmp_path)
+    rng = np.random.default_rng(0)
+    for unit in timed_units(new):
+        scale_samples(unit, lambda n: rng.uniform(0.98, 1.02, n))
+    code, out, err = cli("compare", FIXTURE, new)
+    assert code == 0, out + err
+
+
+def test_improvement_is_reported_and_passes(tmp_path, cli):
+    new = copy_run(tmp_path)
+    scale_samples(tightest_unit(new), 0.8)
+    code, out, err = cli("compare", FIXTURE, new)
+    assert code == 0, err
+    assert "improvement" in out and "0 regression(s)" in out.replace("\n", " ")
+
+
+def test_newly_failing_unit_is_a_regression(tmp_path, cli):
+    new = copy_run(tmp_path)
+    unit = timed_units(new)[0]
+    status = json.loads((unit / "status.json").read_text())
+    status.update(status="failed", reason="output disagrees with the reference (planted by the test)")
+    (unit / "status.json").write_text(json.dumps(status))
+    (unit / "samples.parquet").unlink()
+    (unit / "stats.parquet").unlink()
+    code, out, _ = cli("compare", FIXTURE, new)
+    assert code == 1 and "now failed" in out
+
+
+def test_more_bytes_moved_is_a_regression(tmp_path, cli):
+    """Counter rows are added to both copies (CPU runs have none); 3% more HBM bytes > 2% tolerance."""
+    base, new = copy_run(tmp_path, "base"), copy_run(tmp_path, "new")
+    for run, hbm in ((base, 1.0e6), (new, 1.03e6)):
+        unit = timed_units(run)[0]
+        stats = pd.read_parquet(unit / "stats.parquet")
+        row = stats[stats["stage"] == "module"].iloc[[0]].copy()
+        row["statistic"], row["value"] = "hbm_bytes", hbm
+        pd.concat([stats, row]).to_parquet(unit / "stats.parquet", index=False)
+    code, out, _ = cli("compare", base, new)
+    assert code == 1 and "hbm_bytes" in out
+    code, out, _ = cli("compare", base, new, "--counter-tolerance", "5%")
+    assert code == 0
+
+
+def test_different_scenario_is_only_a_warning(tmp_path, cli):
+    new = copy_run(tmp_path)
+    meta = json.loads((new / "run.json").read_text())
+    meta["scenario"] = "renamed"
+    (new / "run.json").write_text(json.dumps(meta))
+    code, out, _ = cli("compare", FIXTURE, new)
+    assert code == 0 and "different scenario" in out
+
+
+def test_unusable_input_exits_2(tmp_path, cli, one_error_line):
+    code, _, err = cli("compare", FIXTURE, tmp_path / "nope")
+    assert code == 2 and "no run folder" in one_error_line(err)
+    code, _, err = cli("compare", FIXTURE, FIXTURE, "--max-regression", "5")
+    assert code == 2 and "ambiguous" in one_error_line(err)
+    broken = copy_run(tmp_path)
+    (broken / "run.json").write_text("{not json")
+    code, _, err = cli("compare", FIXTURE, broken)
+    assert code == 2 and "corrupt results file" in one_error_line(err)
+
+
+def test_judge_samples_needs_size_and_significance():
+    rng = np.random.default_rng(1)
+    base = 1.0 + 0.01 * rng.standard_normal(20)
+    assert judge_samples(base, base * 1.2, 0.05)[0] == REGRESSION
+    assert judge_samples(base, base * 0.8, 0.05)[0] == IMPROVEMENT
+    assert judge_samples(base, base * 1.03, 0.05)[0] == UNCHANGED        # real but below the threshold
+    wide = rng.uniform(0.5, 1.5, 8)
+    noisy = np.concatenate([wide[:4] * 1.25, wide[4:]])                    # median up, not distinguishable
+    verdict, ratio, p = judge_samples(wide, noisy, 0.05)
+    assert ratio > 1.05 and verdict == NOISE and p > 0.05
+
+
+def test_parse_threshold():
+    assert parse_threshold("5%") == pytest.approx(0.05) and parse_threshold("0.05") == pytest.approx(0.05)
+    for bad in ("5", "x", "-1%"):
+        with pytest.raises(UserError):
+            parse_threshold(bad)

@@ -1,0 +1,138 @@
+"""Report and notebook on the committed CPU fixture run; crossover interpolation; call-weighted aggregate
+on a real-prefill run measured here (reference backend, the two smallest representative cases)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from msa_bench.harness import report
+from msa_bench.harness.results import load_run
+from msa_bench.roofline.devices import load_device
+from msa_bench.roofline.model import ModelShape, predict
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "results" / "fixtures" / "smoke-run"
+
+
+def test_report_writes_plots_and_summary(tmp_path, cli):
+    code, out, err = cli("report", FIXTURE, "--out", tmp_path)
+    assert code == 0, err
+    summary = (tmp_path / "summary.md").read_text()
+    assert "NOT GPU timings" in summary and "## Throughput" in summary and "## Per-stage" in summary
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert any(n.startswith("throughput_") for n in pngs) and any(n.startswith("stages_") for n in pngs)
+    for name in pngs:
+        assert f"![{name}]({name})" in summary
+        assert (tmp_path / name).stat().st_size > 5000
+    run = load_run(FIXTURE)
+    ok = run.status[run.status["status"] == "ok"]
+    for backend in ok["backend"].unique():
+        assert f"| {backend} |" in summary
+
+
+def test_report_with_a_gpu_model_over_cpu_measurements(tmp_path, cli):
+    code, _, err = cli("report", FIXTURE, "--out", tmp_path, "--device", "h200")
+    assert code == 0, err
+    assert "roofline device: h200" in (tmp_path / "summary.md").read_text()
+    code, _, err = cli("report", FIXTURE, "--out", tmp_path, "--device", "no-such-gpu")
+    assert code == 2 and "unknown device" in err
+
+
+def test_measured_crossover_interpolates_on_log_reuse():
+    x = np.array([1.0, 4.0, 16.0])
+    kv = np.array([1.0, 3.0, 9.0])        # KV-outer latency
+    q = np.array([2.0, 1.5, 2.0])         # Q-outer latency
+    value, how = report.measured_crossover(x, kv, q)
+    # d = log(kv/q): log(0.5) at 1, log(2) at 4 -> halfway on the log axis between 1 and 4
+    assert how == "interpolated" and value == pytest.approx(2.0)
+    assert report.measured_crossover(x, q / 4, q)[0] is None
+    assert "KV-outer faster" in report.measured_crossover(x, q / 4, q)[1]
+    assert "Q-outer faster" in report.measured_crossover(x, q * 4, q)[1]
+
+
+def test_roofline_picks_on_the_fixture_match_the_model():
+    run = load_run(FIXTURE)
+    dev = load_device("h200")
+    table, summary = report.roofline_picks(run, dev)
+    ok = run.status[(run.status["status"] == "ok") & (run.status["schedule"] != "none")]
+    both = ok.groupby("point_key")["schedule"].nunique()
+    assert summary["cases"] == int((both >= 2).sum()) > 0
+    assert summary["agree_weight_share"] == pytest.approx(summary["agree_cases"] / summary["cases"])  # weights 1
+    row = report.ok_units(run).query("schedule == 'kv-outer'").iloc[0]
+    shape = ModelShape(hq=int(row["hq"]), hkv=int(row["hkv"]), head_dim=int(row["head_dim"]), block=int(row["block"]),
+                       topk=int(row["topk"]), dtype=row["dtype"])
+    want = predict("kv-outer", shape, row["wl_n_tokens"], row["wl_nsb"], dev,
+                   selected_per_query=row["wl_selected_blocks_per_query"], flops=row["wl_useful_flops"]).time_s
+    assert report.model_time(row, "kv-outer", dev) == pytest.approx(want)
+
+
+@pytest.fixture(scope="module")
+def prefill_run(tmp_path_factory, cli):
+    toml = tmp_path_factory.mktemp("scn") / "tiny-prefill.toml"
+    # the cases' real lengths and weights, with few small heads so the CPU reference stays quick
+    toml.write_text('description = "two small representative prefill cases"\nbackends = ["reference"]\n'
+                    '[shape]\nhq = 4\nhkv = 2\nhead_dim = 32\n[timing]\nreps = 2\nwarmup = 0\n'
+                    '[grid]\ngenerator = "real-prefill"\ndtypes = "bf16"\n'
+                    'cases = ["prefill_4469427d069d9467c4ec", "prefill_092e27340df8621a02f0"]\n')
+    out = tmp_path_factory.mktemp("prefill") / "run"
+    code, _, err = cli("sweep", "--scenario", toml, "--out", out)
+    assert code == 0, err
+    return out
+
+
+def test_call_weighted_aggregate_follows_the_source_formulas(prefill_run, cli, tmp_path):
+    run = load_run(prefill_run)
+    assert report.is_prefill_run(run)
+    agg = report.prefill_aggregate(run).set_index("backend").loc["reference"]
+    t = report.ok_units(run)
+    w, lat, fl = t["weight"].to_numpy(float), t["module.median_s"].to_numpy(float), t["wl_useful_flops"].to_numpy(float)
+    assert sorted(w) == [611.0, 1325.0]               # representative_weight of the two cases
+    assert agg["weighted mean latency_s"] == pytest.approx((w * lat).sum() / w.sum())
+    assert agg["aggregate TFLOP/s"] == pytest.approx((w * fl).sum() / (w * lat).sum() / 1e12)
+    assert agg["cases"] == 2 and agg["call weight"] == pytest.approx(1936.0)
+    code, _, err = cli("report", prefill_run, "--out", tmp_path)
+    assert code == 0, err
+    assert "call-weighted aggregate" in (tmp_path / "summary.md").read_text()
+
+
+def test_notebook_runs_as_a_script(tmp_path):
+    env = {**os.environ, "MPLBACKEND": "Agg", "MSA_BENCH_FIGURES": str(tmp_path)}
+    env.pop("MSA_BENCH_RUN", None)
+    proc = subprocess.run([sys.executable, str(REPO / "notebooks" / "report.py")], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU RUN" in proc.stdout and "smoke" in proc.stdout
+    figures = list(tmp_path.glob("*.png"))
+    assert any(f.name.startswith("throughput_") for f in figures)
+    assert any(f.name.startswith("stages_") for f in figures)
+
+
+def test_bytes_table_puts_the_model_next_to_counters(tmp_path, cli):
+    """CPU runs have no counters: plant counter rows (made-up values, labelled so) on a copy of the
+    fixture and check the model's bytes for the same schedule land beside them."""
+    import shutil
+
+    import pandas as pd
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE, run_dir)
+    unit = next(u for u in sorted((run_dir / "units").iterdir()) if u.name.startswith("kv-outer-"))
+    stats = pd.read_parquet(unit / "stats.parquet")
+    planted = stats[stats["stage"] == "module"].iloc[[0, 0]].copy()
+    planted["statistic"] = ["hbm_bytes", "l2_bytes"]
+    planted["value"] = [1.0e6, 3.0e6]
+    pd.concat([stats, planted]).to_parquet(unit / "stats.parquet", index=False)
+    dev = load_device("h200")
+    table = report.bytes_table(load_run(run_dir), dev)
+    assert len(table) == 1
+    row = table.iloc[0]
+    units = report.ok_units(load_run(run_dir))
+    pred = report._predict_row(units[units["unit"] == unit.name].iloc[0], "kv-outer", dev)
+    assert row["hbm model"] == pytest.approx(pred.hbm_bytes) and row["l2 model"] == pytest.approx(pred.l2_bytes)
+    assert row["hbm measured/model"] == pytest.approx(1.0e6 / pred.hbm_bytes)
+    code, _, err = cli("report", run_dir, "--out", tmp_path / "rep", "--device", "h200")
+    assert code == 0, err
+    assert (tmp_path / "rep" / "bytes.png").is_file()
+    assert "## Bytes moved" in (tmp_path / "rep" / "summary.md").read_text()
