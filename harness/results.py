@@ -197,6 +197,7 @@ def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = 
     merged = {k: v for k, v in first.items() if k not in ("shard", "units_planned", "complete")}
     merged.update(shard=None, units_planned=sorted(planned) if planned else sorted(copied),
                   merged_from=[str(d) for d in shard_dirs],
+                  shard_provenance=[m.get("provenance") for m in metas],
                   complete=bool(planned) and planned <= copied)
     write_meta(out_dir, merged)
     return {"units": len(copied), "duplicates": duplicates, "missing": sorted(planned - copied)}

@@ -136,6 +136,8 @@ class _Runner:
         if not self.telemetry.available:
             notes.append(self.telemetry.reason)
         self.ncu = None
+        self.notes = notes
+        self.counter_failures = 0
         if want_counters:
             if device.type != "cuda":
                 notes.append("--counters needs a CUDA GPU: continuing without hardware counters")
@@ -193,6 +195,12 @@ class _Runner:
                     stats += [self._row(point, backend_name, stage, k, v) for k, v in values.items()]
             except ncu_counters.CountersError as exc:
                 status["counters"] = f"failed: {exc}"
+                self.counter_failures += 1
+                if self.counter_failures >= 2:   # e.g. no permission to read counters: stop asking
+                    self.ncu = None
+                    self.notes.append(f"hardware counters disabled after two failures; last: {exc}")
+            else:
+                self.counter_failures = 0
         return {**status, "status": results.STATUS_OK, "reason": ""}, stats, sample_rows
 
     def _row(self, point, backend, stage, statistic, value) -> dict:
@@ -357,6 +365,7 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     finally:
+        meta["notes"] = notes
         done = results.finished_units(run_dir)
         meta["complete"] = all(uid in done for uid in mine_ids)
         meta["finished_utc" if meta["complete"] else "interrupted_utc"] = _now()
