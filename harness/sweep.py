@@ -203,10 +203,10 @@ class _Runner:
                 self.counter_failures = 0
         return {**status, "status": results.STATUS_OK, "reason": ""}, stats, sample_rows
 
-    def _row(self, point, backend, stage, statistic, value) -> dict:
+    def _row(self, point, backend, stage, statistic, value, timer: str | None = None) -> dict:
         return {"point_key": point.key(), "backend": backend, "schedule": schedule_of(backend) or "none",
                 "dtype": point.dtype, "stage": stage, "statistic": statistic, "value": float(value),
-                "timer": self.timer}
+                "timer": timer or self.timer}
 
     def _timing_rows(self, point, backend, samples, wl_stats):
         stats, raw = [], []
@@ -216,7 +216,7 @@ class _Runner:
             if stage in TFLOPS_STAGES and flops > 0 and summary["median_s"] > 0:
                 summary["tflops"] = flops / summary["median_s"] / 1e12
             summary["converged"] = float(s.converged)
-            stats += [self._row(point, backend, stage, k, v) for k, v in summary.items()]
+            stats += [self._row(point, backend, stage, k, v, s.timer) for k, v in summary.items()]
             raw += [{"point_key": point.key(), "backend": backend, "dtype": point.dtype, "stage": stage,
                      "rep": i, "seconds": float(x), "timer": s.timer} for i, x in enumerate(s.seconds)]
         return stats, raw
