@@ -5,7 +5,8 @@ Predicted time = max(HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, FLOPs /
 
 Beyond the pure bandwidth roofline (the design study's), `l2_capacity=True` adds the caveat the
 study states in words: a gathered operand whose working set exceeds the L2 misses with probability
-1 - L2/working_set (uniform random reuse under LRU), and those misses are HBM traffic too.
+1 - effective L2 / working set (uniform random reuse under LRU, see `_miss_rate`), and those misses
+are HBM traffic too.
 The crossover the study publishes is the capacity-free one (`crossover`); `crossover_at` gives the
 capacity-aware one for a given N.
 """
@@ -70,10 +71,17 @@ def useful_flops(shape: ModelShape, n_tokens: float, selected_per_query: float |
     return 4.0 * shape.hq * shape.head_dim * sel * shape.block * n_tokens
 
 
-def _miss_rate(working_set: float, device: DeviceProfile | None) -> float:
+def _miss_rate(working_set: float, device: DeviceProfile | None, share: float = 1.0) -> float:
+    """Miss probability of a uniformly re-read operand under LRU: 1 - effective capacity / working set.
+
+    Effective capacity is half the L2 (Hopper's L2 is two partitions and a line read by SMs of both
+    halves is held in both) times the operand's share of the bytes flowing into L2 (streamed
+    partial-O writes evict it too). Both factors were fitted to nothing: they come from the L2's
+    organisation and the schedule's byte mix, and `ncu` checks them (results/h200/README.md).
+    """
     if device is None or working_set <= 0:
         return 0.0
-    return max(0.0, 1.0 - device.l2_bytes / working_set)
+    return max(0.0, 1.0 - 0.5 * device.l2_bytes * share / working_set)
 
 
 def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selected_per_query: float | None = None,
@@ -115,7 +123,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     q_gather = edges * s.group * s.head_dim * d                             # each query re-read per block
     l2["q_read"] = q_gather
     # the work list is head-major, so one KV head's queries form the live gather working set
-    miss = _miss_rate(q_bytes / s.hkv, device)
+    miss = _miss_rate(q_bytes / s.hkv, device, share=q_gather / (q_gather + partials))
     if miss:
         hbm["q_l2_miss_reread"] = max(0.0, q_gather - q_bytes) * miss
     return hbm, l2

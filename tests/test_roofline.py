@@ -90,3 +90,19 @@ def test_profile_roundtrip_and_errors(tmp_path):
     bad.write_text(json.dumps(data))
     with pytest.raises(UserError, match="positive"):
         load_device(str(bad))
+
+
+def test_l2_capacity_rule_hand_computed():
+    dev, shape = PRESETS["h200"], ModelShape()
+    # Q-outer: working set = 4096 selected blocks x 64 KiB = 256 MiB; effective capacity = half of 60 MiB
+    p = predict("q-outer", shape, 16384, 4096, dev)
+    rereads = 16384 * 4 * 16 * 65536 - 4096 * 65536
+    assert p.hbm_terms["kv_l2_miss_reread"] == pytest.approx(rereads * (1 - 30 / 256))
+    # KV-outer: one KV head's Q (64 MiB) competes with the partial-O writes for the same half L2
+    k = predict("kv-outer", shape, 16384, 4096, dev)
+    q_gather = 16384 * 4 * 16 * 16 * 128 * 2
+    partials = q_gather                       # bf16 partials and bf16 Q rows have the same size
+    share = q_gather / (q_gather + partials)
+    q_bytes = 16384 * 64 * 128 * 2
+    miss = 1 - 30 * 2**20 * share / (q_bytes / 4)
+    assert k.hbm_terms["q_l2_miss_reread"] == pytest.approx((q_gather - q_bytes) * miss)
