@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .workload import AttnShape, Workload, WorkloadError, build_workload, physical_pages, torch_dtype
+from .workload import AttnShape, Workload, WorkloadError, build_workload, torch_dtype
 
 _REDRAW_ROUNDS = 4
 
@@ -110,32 +110,14 @@ def assemble(shape: AttnShape, dtype: str, selection: torch.Tensor, page_table: 
     (no memory) and meta["with_tensors"] is False; `with_fresh_data` turns it into a full one.
     """
     meta = dict(meta or {})
-    if with_tensors and tensors is None:
-        meta["with_tensors"] = True
-        return build_workload(shape, dtype, selection, page_table, q_request, q_limit, num_pages, causal,
-                              seed=seed, device=device, meta=meta)
-    hkv, n, topk = selection.shape
-    if hkv != shape.hkv or topk != shape.topk:
-        raise WorkloadError(f"selection shape {tuple(selection.shape)} does not match hkv={shape.hkv}, topk={shape.topk}")
-    pages = physical_pages(selection, page_table, q_request)
-    page_block = torch.full((num_pages,), -1, dtype=torch.int32)
-    used = page_table >= 0
-    blocks = torch.arange(page_table.shape[1], dtype=torch.int32).expand_as(page_table)
-    page_block[page_table[used].long()] = blocks[used]
-    if tensors is not None:
-        q, k, v, (qs, ks, vs) = tensors
-        meta["with_tensors"] = True
-    else:
+    meta["with_tensors"] = with_tensors or tensors is not None
+    if not meta["with_tensors"]:
         zero = torch.zeros((), dtype=torch_dtype(dtype), device=device)
-        q = zero.expand(n, shape.hq, shape.head_dim)
-        k = v = zero.expand(num_pages, shape.hkv, shape.block, shape.head_dim)
-        qs = ks = vs = 1.0
-        meta["with_tensors"] = False
-    return Workload(shape=shape, dtype=dtype, q=q.to(device), k_cache=k.to(device), v_cache=v.to(device),
-                    selection=selection.to(torch.int32).to(device), page_table=page_table.to(torch.int32).to(device),
-                    q_request=q_request.to(torch.int32).to(device), q_limit=q_limit.to(torch.int32).to(device),
-                    pages=pages.to(device), page_block=page_block.to(device), causal=causal,
-                    q_scale=qs, k_scale=ks, v_scale=vs, meta=meta)
+        tensors = (zero.expand(selection.shape[1], shape.hq, shape.head_dim),
+                   zero.expand(num_pages, shape.hkv, shape.block, shape.head_dim),
+                   zero.expand(num_pages, shape.hkv, shape.block, shape.head_dim), (1.0, 1.0, 1.0))
+    return build_workload(shape, dtype, selection, page_table, q_request, q_limit, num_pages, causal,
+                          seed=seed, device=device, meta=meta, tensors=tensors)
 
 
 # ---- synthetic generator -----------------------------------------------------------------------

@@ -155,8 +155,9 @@ def physical_pages(selection: torch.Tensor, page_table: torch.Tensor, q_request:
 
 def build_workload(shape: AttnShape, dtype: str, selection: torch.Tensor, page_table: torch.Tensor,
                    q_request: torch.Tensor, q_limit: torch.Tensor, num_pages: int, causal: bool,
-                   seed: int = 0, device="cpu", meta: dict | None = None) -> Workload:
-    """Assemble a workload from a selection and its page tables, drawing seeded random tensors."""
+                   seed: int = 0, device="cpu", meta: dict | None = None, tensors=None) -> Workload:
+    """Assemble a workload from a selection and its page tables, drawing seeded random tensors
+    unless `tensors` = (q, k, v, (q_scale, k_scale, v_scale)) supplies them."""
     hkv, n, topk = selection.shape
     if hkv != shape.hkv or topk != shape.topk:
         raise WorkloadError(f"selection shape {tuple(selection.shape)} does not match hkv={shape.hkv}, topk={shape.topk}")
@@ -165,8 +166,10 @@ def build_workload(shape: AttnShape, dtype: str, selection: torch.Tensor, page_t
     used = page_table >= 0
     blocks = torch.arange(page_table.shape[1], dtype=torch.int32).expand_as(page_table)
     page_block[page_table[used].long()] = blocks[used]
-    q, k, v, (qs, ks, vs) = draw_tensors(shape, dtype, n, num_pages, seed, device)
-    return Workload(shape=shape, dtype=dtype, q=q, k_cache=k, v_cache=v,
+    if tensors is None:
+        tensors = draw_tensors(shape, dtype, n, num_pages, seed, device)
+    q, k, v, (qs, ks, vs) = tensors
+    return Workload(shape=shape, dtype=dtype, q=q.to(device), k_cache=k.to(device), v_cache=v.to(device),
                     selection=selection.to(torch.int32).to(device), page_table=page_table.to(torch.int32).to(device),
                     q_request=q_request.to(torch.int32).to(device), q_limit=q_limit.to(torch.int32).to(device),
                     pages=pages.to(device), page_block=page_block.to(device), causal=causal,
