@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from msa_bench.harness.tee_log import TeeLog as Log
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPE_KW = dict(hq=64, hkv=4, head_dim=128, block=128, topk=16)
 TOL = {"bf16": 1e-2, "fp8": 5e-2}
@@ -48,15 +50,6 @@ def config_label(variant: str, ctas: int) -> str:
     return f"{variant}-c{ctas}"
 
 
-class Log:
-    def __init__(self, path: Path):
-        self.f = path.open("w")
-
-    def __call__(self, msg: str = ""):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        self.f.write(line + "\n")
-        self.f.flush()
 
 
 # ---- workloads ---------------------------------------------------------------------------------

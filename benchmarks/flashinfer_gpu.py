@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from msa_bench.harness.tee_log import TeeLog as Log
+
 from msa_bench.harness.reference import reference_attention, relative_error
 from msa_bench.harness.timing import TimingConfig, summarize, time_plan
 from msa_bench.harness.workload import AttnShape, build_workload
@@ -42,15 +44,6 @@ KNOWN_TFLOPS = {("prefill-fa2", "bf16", 2048): 112, ("prefill-fa2", "bf16", 1638
 TIMED = [(2048, 256), (16384, 1024)]     # (tokens N, blocks per KV head in the pool)
 
 
-class Log:
-    def __init__(self, path: Path):
-        self.f = path.open("w")
-
-    def __call__(self, msg: str = ""):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        self.f.write(line + "\n")
-        self.f.flush()
 
 
 # ---- workloads ---------------------------------------------------------------------------------
