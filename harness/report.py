@@ -256,7 +256,8 @@ def roofline_picks(run: Run, device: DeviceProfile | None) -> tuple[pd.DataFrame
         predicted = {s: model_time(g[g["schedule"] == s].iloc[0], s, device) for s in g["schedule"].unique()}
         fastest = g.loc[g["module.median_s"].idxmin()]
         pick = min(predicted, key=predicted.get)
-        rows.append({"case": g["case_id"].iloc[0] if "case_id" in g else key, "dtype": dtype,
+        case_id = g["case_id"].iloc[0] if "case_id" in g else None
+        rows.append({"case": case_id if isinstance(case_id, str) and case_id else key, "dtype": dtype,
                      "weight": float(g["weight"].iloc[0]) if "weight" in g and pd.notna(g["weight"].iloc[0]) else 1.0,
                      "nsb/N": g["x"].iloc[0], "predicted": pick, "measured fastest": fastest["backend"],
                      "agree": pick == fastest["schedule"]})
