@@ -47,6 +47,24 @@ def source_tree() -> dict:
     return {"git_commit": commit, "git_dirty": "unknown" if status is None else bool(status)}
 
 
+SOURCE_PARTS = ("cli.py", "__init__.py", "harness", "kernels", "roofline", "scenarios")
+SOURCE_SUFFIXES = {".py", ".toml", ".cpp", ".cu", ".h", ".json"}
+
+
+def source_sha256() -> str:
+    """Hash of the code that measures (relative paths and contents), so a run copied to a host
+    without git still names the exact source it ran."""
+    h = hashlib.sha256()
+    files = []
+    for part in SOURCE_PARTS:
+        p = SOURCE_ROOT / part
+        files += [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file() and f.suffix in SOURCE_SUFFIXES
+                                          and "__pycache__" not in f.parts]
+    for f in sorted(files):
+        h.update(str(f.relative_to(SOURCE_ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def device_info(device) -> dict:
     """Name, SM count, L2 size and driver of the CUDA device; a CPU description otherwise."""
     import torch
@@ -86,6 +104,7 @@ def collect(device, scenario_name: str, scenario_file: str | Path | None, argv: 
         "flashinfer": _version("flashinfer-python", "flashinfer"),
         "python": platform.python_version(),
         **source_tree(),
+        "source_sha256": source_sha256(),
         "command": " ".join(argv if argv is not None else sys.argv),
         "scenario": scenario_name,
         "scenario_file": str(scenario_file) if scenario_file else None,

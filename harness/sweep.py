@@ -19,7 +19,7 @@ from . import counters as ncu_counters
 from . import provenance, results
 from .errors import UserError
 from .prediction import model_shape, predict_point, schedule_of
-from .telemetry import open_telemetry, point_telemetry
+from .telemetry import Poller, open_telemetry, point_telemetry
 from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
 
 CPU_NOTE = ("CPU RUN: timings are host perf_counter timings of the CPU pipeline, NOT GPU timings; "
@@ -175,13 +175,17 @@ class _Runner:
         try:
             plan = backend.plan(workload)
             before = self.telemetry.sample()
-            samples = time_plan(plan, self.timing, self.device)
+            poller = Poller(self.telemetry.sample).start() if self.telemetry.available else None
+            try:
+                samples = time_plan(plan, self.timing, self.device)
+            finally:
+                during = poller.stop() if poller else []
             after = self.telemetry.sample()
         except BackendUnavailable as exc:
             return {**status, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}, [], []
         except Exception as exc:
             return {**status, "status": results.STATUS_FAILED, "reason": f"timing raised {_short(exc)}"}, [], []
-        status.update(point_telemetry(before, after))
+        status.update(point_telemetry(before, after, during))
         status.update(plan_info=json.dumps(plan.info, default=str, sort_keys=True))
         del plan
         stats, sample_rows = self._timing_rows(point, backend_name, samples, wl_stats)

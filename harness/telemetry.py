@@ -1,12 +1,15 @@
 """GPU telemetry through NVML: clocks, power, temperature and clock-event (throttle) reasons.
 
-Sampled before and after each timed point; a point during which a thermal, power or hardware
-slowdown bit was set is flagged, since its timings do not reflect the GPU at its normal clocks.
+Sampled before and after each timed point, and polled in a background thread while it is timed; a
+point during which a thermal, power or hardware slowdown bit was seen is flagged (with the share of
+polls that saw one and the lowest SM clock), since its timings may not reflect the GPU at its
+normal clocks.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 # NVML clock-event reason bits (nvml.h, nvmlClocksEventReason*): the ones that mean "slowed down".
 SLOWDOWN_BITS = {
@@ -75,15 +78,59 @@ def open_telemetry(device) -> Telemetry:
     return Telemetry(True, "", handle)
 
 
-def point_telemetry(before: dict, after: dict) -> dict:
-    """Flat columns for one timed point: both samples, the union of reasons and the throttle flag."""
-    if not before and not after:
+@dataclass
+class Poller:
+    """Calls `sample` every `interval_s` in a daemon thread between start() and stop(); keeps the samples."""
+    sample: object
+    interval_s: float = 0.1
+    samples: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                s = self.sample()
+            except Exception:   # a failed NVML read must not kill the timing; the poll is just lost
+                s = None
+            if s:
+                self.samples.append(s)
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> "Poller":
+        self._thread = threading.Thread(target=self._loop, name="msa-bench-telemetry", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> list:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        return self.samples
+
+
+def point_telemetry(before: dict, after: dict, during: list | None = None) -> dict:
+    """Flat columns for one timed point: both samples, a summary of the polls taken while it was
+    timed, the union of reasons and the throttle flag."""
+    during = during or []
+    if not before and not after and not during:
         return {"telemetry": "unavailable"}
     row = {"telemetry": "nvml"}
     for tag, sample in (("before", before), ("after", after)):
         for key, value in sample.items():
             row[f"{key}_{tag}"] = value
     mask = int(before.get("clock_event_reasons", 0)) | int(after.get("clock_event_reasons", 0))
+    if during:
+        masks = [int(s.get("clock_event_reasons", 0)) for s in during]
+        for m in masks:
+            mask |= m
+        row.update(polls=len(during),
+                   slowdown_poll_share=sum(is_throttled(m) for m in masks) / len(masks),
+                   sm_clock_min_mhz=min(s["sm_clock_mhz"] for s in during),
+                   power_max_w=max(s["power_w"] for s in during),
+                   temperature_max_c=max(s["temperature_c"] for s in during))
     row["clock_event_names"] = ",".join(reason_names(mask))
     row["throttled"] = is_throttled(mask)
     return row

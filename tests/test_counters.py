@@ -64,3 +64,23 @@ def test_point_round_trips_through_the_child_json():
     from msa_bench.harness.scenarios import load_scenario
     for p in load_scenario("smoke").points[:3] + load_scenario("real-prefill").points[:1]:
         assert point_from_dict(json.loads(json.dumps(p.as_dict()))) == p
+
+
+def test_poller_and_point_summary_of_polls():
+    import itertools
+    import time
+
+    from msa_bench.harness.telemetry import Poller
+    clock = itertools.cycle([1980.0, 1980.0, 1755.0])
+    mask = itertools.cycle([0x0, 0x4, 0x0])
+
+    def read():
+        return {"sm_clock_mhz": next(clock), "mem_clock_mhz": 3201.0, "power_w": 500.0, "temperature_c": 55.0,
+                "clock_event_reasons": next(mask)}
+    poller = Poller(read, interval_s=0.001).start()
+    time.sleep(0.05)
+    polls = poller.stop()
+    assert len(polls) >= 3
+    row = point_telemetry(read(), read(), polls)
+    assert row["polls"] == len(polls) and row["sm_clock_min_mhz"] == 1755.0
+    assert 0 < row["slowdown_poll_share"] < 1 and row["throttled"] and "sw_power_cap" in row["clock_event_names"]
