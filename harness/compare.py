@@ -66,7 +66,8 @@ class Comparison:
         return bool(self.of(REGRESSION))
 
 
-def judge_samples(base: np.ndarray, new: np.ndarray, threshold: float, alpha: float = 0.05) -> tuple[str, float, float | None]:
+def judge_samples(base: np.ndarray, new: np.ndarray, threshold: float,
+                  alpha: float = 0.05) -> tuple[str, float, float | None]:
     """(verdict, median ratio new/base, p-value of the one-sided test in the direction of the change)."""
     mb, mn = float(np.median(base)), float(np.median(new))
     ratio = mn / mb if mb > 0 else float("inf")
@@ -139,7 +140,8 @@ def compare_runs(base: Run, new: Run, threshold: float = 0.05, counter_tolerance
                 findings.append(Finding(idx[0], idx[1], dtype, "module", "status", float("nan"), float("nan"),
                                         float("nan"), None, IMPROVEMENT, "failed in the baseline, ok now"))
             elif sb["status"] == STATUS_OK and sn["status"] != STATUS_OK:
-                warnings.append(f"{idx[1]} at {idx[0]}: ok in the baseline, {sn['status']} now ({sn.get('reason', '')})")
+                warnings.append(f"{idx[1]} at {idx[0]}: ok in the baseline, {sn['status']} now "
+                                f"({sn.get('reason', '')})")
         only_b = len(st_b.index.difference(st_n.index))
         only_n = len(st_n.index.difference(st_b.index))
         if only_b or only_n:

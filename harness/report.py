@@ -235,7 +235,8 @@ def prefill_aggregate(run: Run) -> pd.DataFrame:
             flops = g.get("wl_useful_flops", pd.Series(0.0, index=g.index)).astype(float)
             rows.append({"dtype": dtype, "backend": b, "cases": len(g), "call weight": w.sum(),
                          "weighted mean latency_s": (w * lat).sum() / w.sum() if w.sum() else float("nan"),
-                         "aggregate TFLOP/s": (w * flops).sum() / (w * lat).sum() / 1e12 if (w * lat).sum() else float("nan")})
+                         "aggregate TFLOP/s": ((w * flops).sum() / (w * lat).sum() / 1e12 if (w * lat).sum()
+                                               else float("nan"))})
     return pd.DataFrame(rows)
 
 
@@ -266,7 +267,8 @@ def roofline_picks(run: Run, device: DeviceProfile | None) -> tuple[pd.DataFrame
         return table, {}
     total_w = table["weight"].sum()
     summary = {"cases": len(table), "agree_cases": int(table["agree"].sum()),
-               "agree_weight_share": float(table.loc[table["agree"], "weight"].sum() / total_w) if total_w else float("nan")}
+               "agree_weight_share": (float(table.loc[table["agree"], "weight"].sum() / total_w) if total_w
+                                      else float("nan"))}
     return table, summary
 
 

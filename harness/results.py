@@ -128,7 +128,8 @@ def _read_parquet(path: Path) -> pd.DataFrame:
     try:
         return pd.read_parquet(path)
     except Exception as exc:  # pyarrow raises several types for truncated or foreign files
-        raise UserError(f"corrupt results file {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"corrupt results file {path}: {why}") from None
 
 
 def load_run(run_dir: str | Path) -> Run:

@@ -171,7 +171,8 @@ class _Runner:
         status.update(max_rel_err=float(err), tol=float(tol))
         if not err <= tol:
             return {**status, "status": results.STATUS_FAILED,
-                    "reason": f"output disagrees with the reference (max rel err {err:.3g} > tol {tol:.3g}); not timed"}, [], []
+                    "reason": f"output disagrees with the reference (max rel err {err:.3g} > tol {tol:.3g}); "
+                              "not timed"}, [], []
         try:
             plan = backend.plan(workload)
             before = self.telemetry.sample()

@@ -60,8 +60,8 @@ def test_results_tables(smoke_run):
     per = r.samples.groupby(["point_key", "stage"]).size()
     assert (per.xs("module", level="stage") == 3).all() and (per.xs("plan", level="stage") == 1).all()
     prov = r.meta["provenance"]
-    for key in ("device_name", "torch", "triton", "flashinfer", "git_commit", "git_dirty", "source_sha256", "command",
-                "scenario_sha256", "time_utc", "hostname"):
+    for key in ("device_name", "torch", "triton", "flashinfer", "git_commit", "git_dirty", "source_sha256",
+                "command", "scenario_sha256", "time_utc", "hostname"):
         assert key in prov, key
     assert prov["scenario_sha256"] and len(prov["scenario_sha256"]) == 64
 
