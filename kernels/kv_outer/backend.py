@@ -75,7 +75,7 @@ class KVStationaryBackend(Backend):
 
     def resolved_config(self, w: Workload) -> KVOuterConfig:
         """The configuration to plan with, num_ctas resolved for the workload's device."""
-        cfg = self.config or default_config(w.dtype)
+        cfg = self.config or default_config(w.dtype, w.shape.group)
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 
