@@ -50,6 +50,11 @@ def check_shape(w: Workload, tile_q: int, name: str) -> None:
     if s.head_dim < 16 or s.block < 16 or tile_q * s.group < 16:
         raise BackendUnavailable(f"{name} needs head_dim, block and tile_q * group >= 16 "
                                  f"(got {s.head_dim}, {s.block}, {tile_q * s.group})")
+    # fp8 MMAs on the GPU reduce over at least 32 elements (head_dim for Q K^T, block for P V); the
+    # interpreter has no such limit. Seen on the H200: Triton refuses to compile K < 32.
+    if w.dtype == "fp8" and w.device.type == "cuda" and (s.head_dim < 32 or s.block < 32):
+        raise BackendUnavailable(f"{name} in fp8 on the GPU needs head_dim and block >= 32 "
+                                 f"(got {s.head_dim}, {s.block})")
 
 
 class KVStationaryBackend(Backend):
