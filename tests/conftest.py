@@ -41,3 +41,27 @@ def cli():
 @pytest.fixture(scope="session")
 def one_error_line():
     return _one_error_line
+
+
+def _graph_replay_equals_eager(plan):
+    """Capture the whole module in one CUDA graph, replay it into a NaN-filled output, and check the
+    replay reproduces the eager result bit for bit."""
+    import torch
+    first = plan.output.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        plan.run()
+        with torch.cuda.graph(graph, stream=stream):
+            plan.run()
+    torch.cuda.current_stream().wait_stream(stream)
+    plan.output.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(plan.output, first)
+
+
+@pytest.fixture(scope="session")
+def graph_replay_equals_eager():
+    return _graph_replay_equals_eager
