@@ -45,13 +45,18 @@ def read_meta(run_dir: str | Path) -> dict:
     path = run_dir / RUN_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run folder (no {RUN_FILE})")
+    return _read_json_object(path, "scenario", "not a run description")
+
+
+def _read_json_object(path: Path, required_key: str, missing: str) -> dict:
+    """A JSON object holding `required_key`; anything else is a one-line corrupt-file error."""
     try:
-        meta = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"corrupt results file {path}: {exc}") from None
-    if not isinstance(meta, dict) or "scenario" not in meta:
-        raise UserError(f"corrupt results file {path}: not a run description")
-    return meta
+    if not isinstance(data, dict) or required_key not in data:
+        raise UserError(f"corrupt results file {path}: {missing}")
+    return data
 
 
 def write_meta(run_dir: str | Path, meta: dict) -> None:
@@ -142,12 +147,7 @@ def load_run(run_dir: str | Path) -> Run:
         status_path = folder / "status.json"
         if not status_path.is_file():
             raise UserError(f"corrupt results file {status_path}: missing")
-        try:
-            status = json.loads(status_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"corrupt results file {status_path}: {exc}") from None
-        if not isinstance(status, dict) or "status" not in status:
-            raise UserError(f"corrupt results file {status_path}: no status field")
+        status = _read_json_object(status_path, "status", "no status field")
         status_rows.append({"unit": uid, **status})
         for name, sink in (("stats.parquet", stats), ("samples.parquet", samples)):
             if (folder / name).is_file():

@@ -65,3 +65,19 @@ def _graph_replay_equals_eager(plan):
 @pytest.fixture(scope="session")
 def graph_replay_equals_eager():
     return _graph_replay_equals_eager
+
+
+def _poisoned_run(plan):
+    """NaN-fill every float output and intermediate, then run: anything not written stays NaN."""
+    import torch
+    for t in [plan.output, plan.lse] + [v for v in plan.buffers.values() if isinstance(v, torch.Tensor)]:
+        if t is not None and t.is_floating_point():
+            t.fill_(float("nan"))
+    plan.run()
+    if plan.output.is_cuda:
+        torch.cuda.synchronize()
+
+
+@pytest.fixture(scope="session")
+def poisoned_run():
+    return _poisoned_run

@@ -32,16 +32,6 @@ def workload(case: str, dtype: str, shape=SHAPE, seed=0):
     return edge_case_workload(shape, dtype, kv_lens, tokens, causal, hot, pad, empty, seed=seed, device=DEVICE)
 
 
-def poisoned_run(plan):
-    """NaN-fill every float output and intermediate, then run: anything not written stays NaN."""
-    for t in [plan.output, plan.lse] + [v for v in plan.buffers.values() if isinstance(v, torch.Tensor)]:
-        if t is not None and t.is_floating_point():
-            t.fill_(float("nan"))
-    plan.run()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def assert_matches(plan, w, tol):
     ref_out, ref_lse = reference_attention(w)
     assert relative_error(plan.output, ref_out) <= tol
@@ -54,7 +44,7 @@ def assert_matches(plan, w, tol):
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_stages_and_output_match_reference(case, dtype):
+def test_stages_and_output_match_reference(case, dtype, poisoned_run):
     w = workload(case, dtype)
     plan = get_backend("kv-outer").plan(w)
     poisoned_run(plan)
@@ -66,7 +56,7 @@ def test_stages_and_output_match_reference(case, dtype):
 
 
 @pytest.mark.parametrize("num_ctas", [1, 3, 200])
-def test_schedule_covers_every_tile_once_for_any_grid(num_ctas):
+def test_schedule_covers_every_tile_once_for_any_grid(num_ctas, poisoned_run):
     w = workload("skewed-hot-block", "fp32")
     plan = KVOuterBackend(config=KVOuterConfig(num_ctas=num_ctas)).plan(w)
     poisoned_run(plan)
@@ -78,7 +68,7 @@ def test_schedule_covers_every_tile_once_for_any_grid(num_ctas):
     assert_matches(plan, w, tolerance("fp32"))
 
 
-def test_csr_is_a_stable_sort_and_tiles_split_hot_block():
+def test_csr_is_a_stable_sort_and_tiles_split_hot_block(poisoned_run):
     w = workload("skewed-hot-block", "fp32")
     plan = KVOuterBackend(config=KVOuterConfig(num_ctas=16)).plan(w)
     poisoned_run(plan)
@@ -93,7 +83,7 @@ def test_csr_is_a_stable_sort_and_tiles_split_hot_block():
     assert len(owners) >= 2
 
 
-def test_stage_checks_catch_corruption():
+def test_stage_checks_catch_corruption(poisoned_run):
     w = workload("random-padded-2req", "fp32")
     plan = get_backend("kv-outer").plan(w)
     poisoned_run(plan)
@@ -115,7 +105,7 @@ def test_check_backend_reports_error_and_sampled_rows():
     assert details["rows"] == 3 and all(ok for ok, _ in details["stage_checks"].values())
 
 
-def test_pluggable_attention_impl():
+def test_pluggable_attention_impl(poisoned_run):
     calls = []
 
     @register_attention_impl("test-wrapped-triton")
@@ -150,7 +140,7 @@ def test_unavailable_reasons(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager):
+def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poisoned_run):
     # block 32: fp8 MMAs on the GPU need a reduction of at least 32 (the P V dot reduces over the block)
     w = workload("causal-local", dtype, shape=AttnShape(hq=8, hkv=2, head_dim=32, block=32, topk=4))
     plan = get_backend("kv-outer").plan(w)
@@ -170,7 +160,7 @@ ATTENTION_VARIANTS = {   # name: (tile_q, Attention keyword arguments)
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS))
-def test_attention_variants_match_reference(variant, dtype):
+def test_attention_variants_match_reference(variant, dtype, poisoned_run):
     """Every launch variant benchmarks/kernels_gpu.py compares (chunked grids, 64-row tiles) writes
     the same partials as the reference, checked stage by stage and end to end."""
     from msa_bench.kernels.kv_outer.attention import STORE_TILES, Attention

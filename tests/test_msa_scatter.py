@@ -22,18 +22,9 @@ def workload(case, dtype, shape=SHAPE):
     return edge_case_workload(shape, dtype, kv_lens, tokens, causal, hot, pad, empty, seed=3, device=DEVICE)
 
 
-def poisoned_run(plan):
-    for t in [plan.output, plan.lse] + [v for v in plan.buffers.values() if isinstance(v, torch.Tensor)]:
-        if t is not None and t.is_floating_point():
-            t.fill_(float("nan"))
-    plan.run()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "fp8"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_slots_and_output_match_reference(case, dtype):
+def test_slots_and_output_match_reference(case, dtype, poisoned_run):
     w = workload(case, dtype)
     plan = get_backend("msa-scatter").plan(w)
     poisoned_run(plan)
@@ -70,7 +61,7 @@ def test_slot_is_rank_among_valid_blocks():
     assert int(rank[0, 0, 2]) == 1
 
 
-def test_unwritten_slots_are_never_read():
+def test_unwritten_slots_are_never_read(poisoned_run):
     w = workload("random-padded-2req", "fp16")
     plan = get_backend("msa-scatter").plan(w)
     poisoned_run(plan)
@@ -81,7 +72,7 @@ def test_unwritten_slots_are_never_read():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager):
+def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poisoned_run):
     # block 32: fp8 MMAs on the GPU need a reduction of at least 32 (the P V dot reduces over the block)
     w = workload("causal-skewed", dtype, shape=AttnShape(hq=8, hkv=2, head_dim=32, block=32, topk=4))
     plan = get_backend("msa-scatter").plan(w)
@@ -92,7 +83,7 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp8"])
-def test_chunked_grid_and_64_row_tiles(dtype):
+def test_chunked_grid_and_64_row_tiles(dtype, poisoned_run):
     """msa-scatter with the attention launch variants of kv-outer (chunked grid, 64-row tiles)."""
     from msa_bench.kernels.kv_outer.config import KVOuterConfig
     w = workload("causal-skewed", dtype)
