@@ -28,6 +28,10 @@ def _version(dist: str, module: str | None = None) -> str:
     return "not installed"
 
 
+STATED_COMMIT_ENV = "MSA_BENCH_GIT_COMMIT"
+STATED_DIRTY_ENV = "MSA_BENCH_GIT_DIRTY"
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(SOURCE_ROOT), *args], capture_output=True, text=True,
@@ -41,6 +45,12 @@ def source_tree() -> dict:
     """Commit and dirty flag of the msa-bench checkout, or 'unknown' when it is not a git checkout."""
     top = _git("rev-parse", "--show-toplevel")
     if top is None or Path(top).resolve() != SOURCE_ROOT:
+        # a copy without git (the offline GPU host): the sender may state the commit it copied
+        stated = os.environ.get(STATED_COMMIT_ENV, "").strip()
+        if stated:
+            dirty = os.environ.get(STATED_DIRTY_ENV, "unknown").strip().lower()
+            return {"git_commit": stated, "git_dirty": {"true": True, "false": False}.get(dirty, "unknown"),
+                    "git_commit_source": f"stated by the sender (${STATED_COMMIT_ENV}); source_sha256 is the check"}
         return {"git_commit": "unknown", "git_dirty": "unknown"}
     commit = _git("rev-parse", "HEAD") or "unknown"
     status = _git("status", "--porcelain", "--untracked-files=no")

@@ -101,6 +101,38 @@ def write_unit(run_dir: str | Path, uid: str, status: dict, stats: list[dict], s
     os.rename(tmp, final)
 
 
+def read_unit_status(run_dir: str | Path, uid: str) -> dict:
+    path = Path(run_dir) / UNITS_DIR / uid / "status.json"
+    return _read_json_object(path, "status", "no unit status") if path.is_file() else {}
+
+
+def update_unit(run_dir: str | Path, uid: str, status_updates: dict, new_stats: list[dict],
+                replace_statistics=()) -> None:
+    """Add stat rows (and status fields) to a finished unit, e.g. counters collected after its timing.
+
+    Rows whose statistic is in `replace_statistics` are dropped first, so a repeated update never
+    duplicates them. The stats file is replaced before the status, so a status that names the new
+    rows is never seen without them.
+    """
+    folder = Path(run_dir) / UNITS_DIR / uid
+    status = read_unit_status(run_dir, uid)
+    if not status:
+        raise UserError(f"no finished unit {uid} in {run_dir}")
+    if new_stats:
+        path = folder / "stats.parquet"
+        old = _read_parquet(path) if path.is_file() else pd.DataFrame(columns=STAT_COLUMNS)
+        if replace_statistics and len(old):
+            old = old[~old["statistic"].isin(list(replace_statistics))]
+        frames = [f for f in (old, pd.DataFrame(new_stats)) if len(f)]
+        tmp = folder / ".stats.parquet.tmp"
+        pd.concat(frames, ignore_index=True).to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    status.update(status_updates)
+    tmp = folder / ".status.json.tmp"
+    tmp.write_text(json.dumps(status, indent=1, sort_keys=True, default=_json_default) + "\n")
+    os.replace(tmp, folder / "status.json")
+
+
 def _json_default(value):
     if hasattr(value, "item"):
         return value.item()

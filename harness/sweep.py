@@ -27,6 +27,8 @@ CPU_NOTE = ("CPU RUN: timings are host perf_counter timings of the CPU pipeline,
 INTERRUPT_HOOK = "MSA_BENCH_INTERRUPT_AFTER_UNITS"   # test hook: KeyboardInterrupt after k units
 CHECK_ROWS = 512                                        # rows checked against the reference on big points
 TFLOPS_STAGES = (MODULE, "attention")
+COUNTERS_PENDING = "pending"
+COUNTER_CHUNK = 8                                       # points per profiled ncu process
 
 
 @dataclass
@@ -192,21 +194,37 @@ class _Runner:
         stats, sample_rows = self._timing_rows(point, backend_name, samples, wl_stats)
         stats += self._model_rows(point, backend_name, wl_stats)
         if self.ncu is not None:
-            try:
-                measured = ncu_counters.collect(self.ncu, json.dumps(point.as_dict()), backend_name,
-                                                [s for s in samples if s not in ("plan", MODULE)])
-                status["counters"] = "ncu"
-                for stage, values in measured.items():
-                    stats += [self._row(point, backend_name, stage, k, v) for k, v in values.items()]
-            except ncu_counters.CountersError as exc:
-                status["counters"] = f"failed: {exc}"
-                self.counter_failures += 1
-                if self.counter_failures >= 2:   # e.g. no permission to read counters: stop asking
-                    self.ncu = None
-                    self.notes.append(f"hardware counters disabled after two failures; last: {exc}")
-            else:
-                self.counter_failures = 0
+            status["counters"] = COUNTERS_PENDING
         return {**status, "status": results.STATUS_OK, "reason": ""}, stats, sample_rows
+
+    def collect_counters(self, items: list[tuple]) -> None:
+        """ncu counters for timed units, [(point, backends)], from one profiled process for all of them.
+
+        Each unit's folder gets the counter rows and `counters: ncu`, or `counters: failed: <why>`.
+        """
+        try:
+            measured = ncu_counters.collect(self.ncu, [(p.as_dict(), bs) for p, bs in items])
+        except ncu_counters.CountersError as exc:
+            for p, bs in items:
+                for b in bs:
+                    results.update_unit(self.run_dir, results.unit_id(p.key(), b), {"counters": f"failed: {exc}"}, [])
+            self.counter_failures += 1
+            if self.counter_failures >= 2:   # e.g. no permission to read counters: stop asking
+                self.ncu = None
+                self.notes.append(f"hardware counters disabled after two failed ncu runs; last: {exc}")
+            return
+        self.counter_failures = 0
+        for p, bs in items:
+            for b in bs:
+                uid = results.unit_id(p.key(), b)
+                got = measured.get((p.key(), b))
+                if not got or "error" in got:
+                    why = got["error"] if got else "the unit is missing from the ncu output"
+                    results.update_unit(self.run_dir, uid, {"counters": f"failed: {why}"}, [])
+                    continue
+                rows = [self._row(p, b, stage, k, v) for stage, values in got.items() for k, v in values.items()]
+                results.update_unit(self.run_dir, uid, {"counters": "ncu"}, rows,
+                                    replace_statistics=ncu_counters.COUNTER_STATISTICS)
 
     def _row(self, point, backend, stage, statistic, value, timer: str | None = None) -> dict:
         return {"point_key": point.key(), "backend": backend, "schedule": schedule_of(backend) or "none",
@@ -339,36 +357,57 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
             for p, b in mine:
                 by_point.setdefault(p.key(), []).append(b)
                 point_of[p.key()] = p
+            counter_queue: list[tuple] = []
             for key, point_backends in by_point.items():
                 point = point_of[key]
                 todo = [b for b in point_backends if results.unit_id(key, b) not in done]
-                if not todo:
+                # finished units still waiting for counters (an interrupted or counter-less earlier run)
+                need_counters = [] if runner.ncu is None else [
+                    b for b in point_backends if results.unit_id(key, b) in done and _wants_counters(
+                        results.read_unit_status(run_dir, results.unit_id(key, b)))]
+                if not todo and not need_counters:
                     continue
-                progress.update(task, description=f"{_label(point)} · building workload")
-                base = {"point_key": key, **point.as_dict(), "timer": runner.timer}
-                why = ""
-                try:
-                    workload = make_workload(point, device)
-                    wl_stats = _scalar_stats(workload_stats(workload))
-                except UserError as exc:
-                    workload, wl_stats, why = None, {}, f"workload could not be built: {exc}"
-                except Exception as exc:  # recorded, and the sweep goes on with the next point
-                    workload, wl_stats, why = None, {}, f"workload could not be built: {_short(exc)}"
-                for b in todo:
-                    progress.update(task, description=f"{_label(point)} · {b}")
-                    head = {**base, **wl_stats, "backend": b, "schedule": schedule_of(b) or "none"}
-                    if workload is None:
-                        status, stats, samples = {**head, "status": results.STATUS_FAILED, "reason": why}, [], []
-                    else:
-                        status, stats, samples = runner.unit(point, b, workload, wl_stats, head)
-                    results.write_unit(run_dir, results.unit_id(key, b), status, stats, samples)
-                    written += 1
-                    progress.advance(task)
-                    if interrupt_after and written >= interrupt_after:
-                        raise KeyboardInterrupt
-                del workload
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                if todo:
+                    progress.update(task, description=f"{_label(point)} · building workload")
+                    base = {"point_key": key, **point.as_dict(), "timer": runner.timer}
+                    why = ""
+                    try:
+                        workload = make_workload(point, device)
+                        wl_stats = _scalar_stats(workload_stats(workload))
+                    except UserError as exc:
+                        workload, wl_stats, why = None, {}, f"workload could not be built: {exc}"
+                    except Exception as exc:  # recorded, and the sweep goes on with the next point
+                        workload, wl_stats, why = None, {}, f"workload could not be built: {_short(exc)}"
+                    for b in todo:
+                        progress.update(task, description=f"{_label(point)} · {b}")
+                        head = {**base, **wl_stats, "backend": b, "schedule": schedule_of(b) or "none"}
+                        if workload is None:
+                            status, stats, samples = {**head, "status": results.STATUS_FAILED, "reason": why}, [], []
+                        else:
+                            status, stats, samples = runner.unit(point, b, workload, wl_stats, head)
+                        results.write_unit(run_dir, results.unit_id(key, b), status, stats, samples)
+                        if _wants_counters(status) and runner.ncu is not None:
+                            need_counters.append(b)
+                        written += 1
+                        progress.advance(task)
+                        if interrupt_after and written >= interrupt_after:
+                            raise KeyboardInterrupt
+                    del workload
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                if need_counters:
+                    counter_queue.append((point, need_counters))
+            # counters after all timing: a time limit that stops the sweep here has lost no timing,
+            # and the units still `pending` get their counters from `--resume --counters`
+            if counter_queue and runner.ncu is not None:
+                ctask = progress.add_task("ncu counters", total=sum(len(bs) for _, bs in counter_queue))
+                for i in range(0, len(counter_queue), COUNTER_CHUNK):
+                    if runner.ncu is None:
+                        break
+                    chunk = counter_queue[i:i + COUNTER_CHUNK]
+                    progress.update(ctask, description=f"ncu counters · {_label(chunk[0][0])} (+{len(chunk) - 1} points)")
+                    runner.collect_counters(chunk)
+                    progress.advance(ctask, sum(len(bs) for _, bs in chunk))
     finally:
         meta["notes"] = notes
         done = results.finished_units(run_dir)
@@ -381,6 +420,11 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     failures = [(r.point_key, r.backend, r.reason) for r in run.status.itertuples()
                 if r.status != results.STATUS_OK]
     return SweepSummary(run_dir, counts, skipped, notes, failures)
+
+
+def _wants_counters(status: dict) -> bool:
+    """A timed unit whose counters are not in yet (pending, or failed on an earlier try)."""
+    return status.get("status") == results.STATUS_OK and status.get("counters") != "ncu"
 
 
 def _scenario_file(scenario) -> str | None:

@@ -35,6 +35,8 @@
 #   After restoring, `ninja -n` is asked for each cached module and the count that is up to date is printed.
 # - The tarball reaches the host only when the device run carries it: run(..., carry=[".fi-cache"])
 #   (.fi-cache/ is ignored by git via .git/info/exclude).
+# - The run folders' provenance names the sender's commit when the call carries .gpu-commit/ (written
+#   by scripts/stamp-commit.sh just before the call; ignored by git too).
 
 _msa_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _msa_wheels=${MSA_WHEEL_SITE:-/tmp/site}
@@ -114,6 +116,12 @@ _msa_setup() {
     case ":$PYTHONPATH:" in *":$_msa_pkg:"*) ;; *) export PYTHONPATH="$_msa_pkg:$PYTHONPATH";; esac
     case ":$PATH:" in *":$_msa_pkg/bin:"*) ;; *) export PATH="$_msa_pkg/bin:$_msa_wheels/bin:$PATH";; esac
     export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+    # the host has no git: scripts/stamp-commit.sh wrote the sender's commit into .gpu-commit/ (carried)
+    if [ -f "$_msa_repo/.gpu-commit/commit" ]; then
+        read -r MSA_BENCH_GIT_COMMIT MSA_BENCH_GIT_DIRTY < "$_msa_repo/.gpu-commit/commit"
+        export MSA_BENCH_GIT_COMMIT MSA_BENCH_GIT_DIRTY
+        echo "gpu-setup: sender's commit $MSA_BENCH_GIT_COMMIT (dirty: $MSA_BENCH_GIT_DIRTY)"
+    fi
     (cd /tmp && python3 -c "import msa_bench.cli") \
         || { echo "gpu-setup: error: msa_bench does not import" >&2; return 1; }
     echo "gpu-setup: ready (msa-bench at $(command -v msa-bench))"

@@ -167,3 +167,70 @@ def test_gpu_sweep_times_with_graphs_and_telemetry(tmp_path, cli):
     ok = r.status[r.status["status"] == "ok"]
     assert ok["telemetry"].eq("nvml").all() and ok["sm_clock_mhz_before"].gt(0).all()
     assert (r.value("n_reps")["value"] >= 20).all()     # the GPU floor, though smoke asks for 2
+
+
+def test_counters_are_added_to_finished_units_once(smoke_run, tmp_path, monkeypatch):
+    """The per-point counter step on the units a sweep wrote. collect is replaced by canned
+    totals (made-up numbers, not a measurement: ncu needs a GPU): what is checked is how they land."""
+    import shutil
+
+    import torch
+
+    from msa_bench.harness import counters, results, sweep
+    from msa_bench.harness.timing import TimingConfig
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run["run"], run)
+    r = load_run(run)
+    key = r.status["point_key"].iloc[0]
+    point = counters.point_from_dict(results.read_unit_status(run, results.unit_id(key, "reference")))
+    uid = results.unit_id(key, "reference")
+    calls = []
+
+    def fake(ncu, items, timeout_s=None):
+        calls.append(items)
+        return {(key, "reference"): {"attention": {"hbm_bytes": 10.0, "l2_bytes": 20.0},
+                                     "module": {"hbm_bytes": 10.0, "l2_bytes": 20.0}}}
+    monkeypatch.setattr(counters, "collect", fake)
+    runner = sweep._Runner(run, torch.device("cpu"), TimingConfig.from_dict(None), False, [])
+    runner.ncu = "ncu"
+    assert sweep._wants_counters(results.read_unit_status(run, uid))
+    for _ in range(2):                          # a repeated collection replaces, never duplicates
+        runner.collect_counters([(point, ["reference"])])
+    st = results.read_unit_status(run, uid)
+    assert st["counters"] == "ncu" and not sweep._wants_counters(st)
+    stats = load_run(run).stats
+    mine = stats[(stats["point_key"] == key) & (stats["statistic"] == "hbm_bytes")]
+    assert sorted(mine["stage"]) == ["attention", "module"] and (mine["value"] == 10.0).all()
+    assert len(stats[stats["statistic"] == "median_s"]) == len(load_run(smoke_run["run"]).stats.query(
+        "statistic == 'median_s'"))                                   # timing rows kept
+
+    def failing(*a, **k):
+        raise counters.CountersError("ncu failed (exit 1): ==ERROR== no permission")
+    monkeypatch.setattr(counters, "collect", failing)
+    other = results.unit_id(r.status["point_key"].iloc[1], "reference")
+    p2 = counters.point_from_dict(results.read_unit_status(run, other))
+    runner.collect_counters([(p2, ["reference"])])
+    assert results.read_unit_status(run, other)["counters"].startswith("failed: ncu failed")
+    assert sweep._wants_counters(results.read_unit_status(run, other))      # --resume --counters retries it
+    runner.collect_counters([(p2, ["reference"])])
+    assert runner.ncu is None and "disabled after two failed ncu runs" in runner.notes[-1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_counters_attribute_every_stage(tmp_path, cli):
+    from msa_bench.harness.counters import find_ncu
+    if find_ncu() is None:
+        pytest.skip("ncu not installed")
+    out = tmp_path / "ncu"
+    code, _, err = cli("sweep", "--scenario", "smoke", "--backend", "kv-outer,flashinfer", "--dtype", "fp16",
+                       "--reuse", "0.5", "--generator", "synthetic", "--no-causal", "--reps", "1", "--counters",
+                       "--out", out)
+    assert code == 0, err
+    r = load_run(out)
+    ok = r.status[r.status["status"] == "ok"]
+    assert len(ok) and (ok["counters"] == "ncu").all(), ok[["backend", "counters"]]
+    hbm = r.stats[r.stats["statistic"] == "hbm_bytes"]
+    kv = hbm[hbm["backend"] == "kv-outer"].set_index("stage")["value"]
+    assert {"index_map", "attention", "combine", "module"} <= set(kv.index)
+    assert kv["attention"] > 0 and kv["module"] == pytest.approx(kv.drop("module").sum())
