@@ -1,7 +1,7 @@
 """CuTe DSL attention stage on the GPU: check it against the Triton stage and the float64 oracle, then time it.
 
     source scripts/gpu-setup.sh && python3 benchmarks/cute_gpu.py [--out DIR] [--build-dir DIR] [--quick]
-                                                                 [--variants v2,v3]
+                                                                 [--variants v2,v3[,v4]]
 
 Needs the prebuilt libraries (`msa-bench build-kernels` on the CPU machine writes build/cute; carry it
 in the checkout) and no CuTe DSL. Writes DIR/cute_gpu.json and DIR/cute_gpu.log; DIR is --out, else
@@ -41,7 +41,8 @@ PERF = dict(tokens=16384, blocks_per_head=1024)
 
 def cute_configs(dtype: str) -> list[tuple[str, int]]:
     """(kernel variant, CTAs per SM) of every CuTe configuration built for `dtype` (manifest.VARIANT_CTAS):
-    v2 c2 (P in Q's smem, 2 CTAs/SM; the default), v2 c1, then the v3 pipelined kernel's."""
+    v2 c2 (P in Q's smem, 2 CTAs/SM; the default), v2 c1, then the v3 pipelined kernel's, then the v4
+    warp-specialized (TMA K/V, mbarrier rings) kernel's (c1 only)."""
     from msa_bench.kernels.cute.manifest import VARIANT_CTAS, VARIANTS
     return [(v, c) for v in VARIANTS for c in sorted(VARIANT_CTAS[(v, dtype)], reverse=True)]
 
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer check shapes")
-    ap.add_argument("--variants", default="v2,v3", help="CuTe kernel generations to check and time, in order")
+    ap.add_argument("--variants", default="v2,v3", help="CuTe kernel generations to check and time, in order (v2, v3, v4)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -356,6 +357,11 @@ def main(argv=None) -> int:
     # one kernel generation at a time, checks then timing, the JSON rewritten after each: a new
     # kernel that faults (and poisons the CUDA context) cannot take the older one's results with it
     variants = [v for v in args.variants.split(",") if v]
+    from msa_bench.kernels.cute.manifest import VARIANTS
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        log(f"error: unknown CuTe kernel variant(s) {', '.join(unknown)} (have {', '.join(VARIANTS)})")
+        return 2
     for i, variant in enumerate(variants):
         for dtype in dtypes:
             configs = [(v, c) for v, c in cute_configs(dtype) if v == variant]

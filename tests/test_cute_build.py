@@ -64,6 +64,7 @@ def test_manifest_entries_name_their_kernel_generation(built):
     versions = {e["variant"]: e["kernel_version"] for e in data["configs"]}
     assert set(versions) == set(mf.VARIANTS)
     assert versions["v2"].startswith("v2-") and versions["v3"].startswith("v3-")
+    assert versions["v4"].startswith("v4-")
     assert all(v in data["kernel_version"] for v in versions.values())
 
 
@@ -77,6 +78,24 @@ def test_v3_kernel_is_pipelined_with_named_barriers(built):
     for text in pipe:
         assert "wgmma.mma_async" in text and "cp.async.commit_group" in text
         assert "bar.sync" in text and ", 128;" in text
+
+
+@needs_dsl
+def test_v4_kernel_is_warp_specialized_with_tma(built):
+    """The v4 PTX: its own kernel (attention_sm90_ws), 384 threads with setmaxnreg moving registers from
+    the producer warpgroup to the consumers, K/V by TMA (2-D tensor copies completing on an mbarrier
+    with expect_tx), Q by cp.async with an mbarrier arrive, parity waits (with the watchdog trap), wgmma."""
+    _, dump = built
+    ws = [Path(p).read_text() for p in glob.glob(str(dump / "*.ptx")) if "sm90_ws" in p]
+    assert len(ws) >= 2, "no PTX of the v4 (attention_sm90_ws) kernel for both dtypes"
+    for text in ws:
+        assert ".reqntid 384" in text
+        assert "setmaxnreg.dec.sync.aligned.u32" in text and "setmaxnreg.inc.sync.aligned.u32" in text
+        assert "cp.async.bulk.tensor.2d" in text and "mbarrier::complete_tx::bytes" in text
+        assert "mbarrier.arrive.expect_tx" in text and "cp.async.mbarrier.arrive.noinc" in text
+        assert "mbarrier.try_wait.parity" in text and "trap;" in text
+        assert "wgmma.mma_async" in text and "fence.proxy.async" in text
+        assert "cp.async.wait_group" in text                       # the producer drains before exit
 
 
 @needs_dsl
@@ -169,6 +188,8 @@ def test_sweep_configs_name_each_generation():
     assert len(set(names)) == len(names)
     assert mf.CuteConfig("bf16").name == "kvo_attn_bf16_q8g16d128b128_c2"          # v2 names unchanged
     assert mf.CuteConfig("bf16", ctas_per_sm=1, variant="v3").name.endswith("_c1_v3")
+    assert mf.CuteConfig("fp8", ctas_per_sm=1, variant="v4").name.endswith("_c1_v4")
+    assert {(c.variant, c.dtype) for c in cfgs if c.variant == "v4"} == {("v4", "bf16"), ("v4", "fp8")}
     for c in cfgs:
         assert c.ctas_per_sm in mf.VARIANT_CTAS[(c.variant, c.dtype)]
     assert {(c.variant, c.dtype) for c in cfgs} == set(mf.VARIANT_CTAS)
@@ -203,6 +224,9 @@ def test_config_for_other_geometry_is_unavailable():
     assert cute_config_for(W(), 8, variant="v3") == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v3")
     with pytest.raises(BackendUnavailable, match="CTAs per SM"):
         cute_config_for(W(), 8, 2, "v3")                 # bf16 v3 needs 192 KiB: one CTA per SM
+    assert cute_config_for(W(), 8, variant="v4") == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v4")
+    with pytest.raises(BackendUnavailable, match="CTAs per SM"):
+        cute_config_for(W(), 8, 2, "v4")                 # v4: 384 threads, one CTA per SM
     with pytest.raises(BackendUnavailable, match="unknown CuTe kernel variant"):
         cute_config_for(W(), 8, variant="v9")
 
@@ -210,10 +234,12 @@ def test_config_for_other_geometry_is_unavailable():
 def test_each_generation_registers_an_attention_impl():
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS
-    assert {"cute", "cute-v3"} <= set(ATTENTION_IMPLS)
+    assert {"cute", "cute-v3", "cute-v4"} <= set(ATTENTION_IMPLS)
     b = KVOuterCuteBackend(variant="v3")
     assert b.attention_impl == "cute-v3" and b.ctas_per_sm == 1
     assert KVOuterCuteBackend().attention_impl == "cute" and KVOuterCuteBackend().ctas_per_sm == 2
+    b4 = KVOuterCuteBackend(variant="v4")
+    assert b4.attention_impl == "cute-v4" and b4.ctas_per_sm == 1
 
 
 def test_pack_rejects_bad_extents():
@@ -234,12 +260,14 @@ def test_build_kernels_bad_input_is_one_line(args, msg):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cute_stage_matches_reference_on_gpu():
-    """Small end-to-end check where a GPU and a build (or the DSL) are present."""
+@pytest.mark.parametrize("variant", mf.VARIANTS)
+def test_cute_stage_matches_reference_on_gpu(variant):
+    """Small end-to-end check of each kernel generation where a GPU and a build (or the DSL) are present."""
     from msa_bench.harness.reference import reference_attention, relative_error
     from msa_bench.harness.selection import synthetic_workload
     from msa_bench.harness.workload import AttnShape
-    b = get_backend("kv-outer-cute")
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+    b = KVOuterCuteBackend(variant=variant)
     for dtype, tol in (("bf16", 1e-2), ("fp8", 5e-2)):
         reason = b.unavailable_reason(dtype, "cuda")
         if reason:

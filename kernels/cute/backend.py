@@ -16,7 +16,7 @@ from .manifest import (DTYPES, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS,
                        find_library)
 
 DEFAULT_VARIANT = "v2"          # the generation checked on the GPU; v3 until its first check passes
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1}
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1}
 
 
 def attention_impl_name(variant: str) -> str:

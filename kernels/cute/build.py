@@ -136,6 +136,9 @@ def kernel_class(variant: str):
     if variant == "v3":
         from .attention_sm90_pipe import KvOuterAttentionSm90Pipelined
         return KvOuterAttentionSm90Pipelined
+    if variant == "v4":
+        from .attention_sm90_ws import KvOuterAttentionSm90WarpSpecialized
+        return KvOuterAttentionSm90WarpSpecialized
     raise BuildError(f"unknown CuTe kernel variant {variant!r}")
 
 

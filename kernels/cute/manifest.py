@@ -23,7 +23,8 @@ P_SHIFT = {"bf16": 0, "fp8": 8}   # fp8 P is cast as P * 2^P_SHIFT (as in the Tr
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]          # the repository root is the package
 DEFAULT_BUILD_DIR = PACKAGE_ROOT / "build" / "cute"
 # Files whose content decides the compiled code and the library's C ABI.
-SOURCE_FILES = ("attention_sm90.py", "attention_sm90_pipe.py", "build.py", "shim_template.py", "manifest.py")
+SOURCE_FILES = ("attention_sm90.py", "attention_sm90_pipe.py", "attention_sm90_ws.py", "build.py",
+                "shim_template.py", "manifest.py")
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,12 @@ class CuteConfig:
 CTAS_PER_SM = (1, 2)
 # Kernel generations: v2 = attention_sm90.py (synchronous cp.async, SS wgmma, lock-step warpgroups);
 # v3 = attention_sm90_pipe.py (double-buffered cp.async prefetch of the next tile, decoupled
-# warpgroups, limits read a tile ahead, bf16 P in registers). CTAs per SM each generation builds:
-VARIANTS = ("v2", "v3")
-VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2)}
+# warpgroups, limits read a tile ahead, bf16 P in registers); v4 = attention_sm90_ws.py (warp-specialized:
+# a producer warpgroup loads K/V by TMA and gathers Q by cp.async into mbarrier-guarded rings, two
+# consumer warpgroups compute). CTAs per SM each generation builds:
+VARIANTS = ("v2", "v3", "v4")
+VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
+                ("v4", "bf16"): (1,), ("v4", "fp8"): (1,)}
 
 
 def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:

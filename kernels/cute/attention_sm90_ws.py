@@ -1,0 +1,433 @@
+"""KV-outer attention stage for Hopper (sm_90a), v4: warp-specialized, TMA K/V, mbarrier pipelines.
+
+Same contract as attention_sm90.py (v2; see its docstring and kernels/kv_outer/__init__.py): the
+same arguments, the raw tile-ordered partial o (bf16), m and l (fp32), causal masking through the
+per-row limits, -1 padded tiles skipped, fp8 with V d-major and P scaled by 2^P_SHIFT. What changes
+from v3 (attention_sm90_pipe.py):
+
+* Three warpgroups (384 threads). Warpgroup 0 is the producer (setmaxnreg down to PRODUCER_REGS),
+  warpgroups 1 and 2 the consumers (up to CONSUMER_REGS), 64 rows of every tile each.
+* K and V: one TMA descriptor per tensor, made in the launcher over the (rows, D) view of the cache
+  (bf16 V: rows of D values; fp8 V d-major: rows of `block` keys), box = one block x D slab (fp8 V:
+  D x block). Slab s = page * Hkv + head, the same offset v2/v3 compute. Warp 0 of the producer
+  loads a key's K and V once per key run (consecutive tiles of one key reuse the stage) into a
+  2-stage ring: kv_full[s] (1 arrive + expect_tx of both boxes' bytes, completed by the TMA),
+  kv_empty[s] (one arrive per consumer warp when the consumers leave that key run).
+* Q: the producer warpgroup gathers each tile's 128 rows (csr_query picks the query, row (slot, g)
+  = q[query, head * G + g]; empty slots repeat the last query) with cp.async into a ring of q_stages (2 bf16, 4 fp8);
+  each producer thread ends its copies with cp.async.mbarrier.arrive.noinc on q_full[s], and the
+  TILE_Q threads that compute the tile's per-slot visibility limits (q_limit[query] - key base;
+  -1 for an empty slot) store them in shared memory next to the stage and arrive normally, so
+  q_full[s] expects 128 + TILE_Q arrivals. q_empty[s] takes one arrive per consumer warp: after
+  S = Q K^T for bf16 (P stays in registers), after O = P V for fp8 (P goes through the
+  warpgroup's own Q rows of that stage, as in v3).
+* Consumers: wait kv_full at a key change, wait q_full, fence the async proxy (the cp.async writes
+  become wgmma operands), S on wgmma, one masked softmax step, m and l, O = P V on wgmma, the raw
+  tile to o_part. Phases are explicit (index, phase) pairs that flip when the index wraps; the
+  producer starts its empty-barrier waits on phase 1 (they pass at once), the consumers their
+  full-barrier waits on phase 0. Stage releases fence the async proxy first (the stage was read
+  by wgmma and is refilled by cp.async / TMA). Every barrier wait goes through _wait, a watchdog
+  that traps after WATCHDOG_NS, so a protocol bug fails the launch instead of hanging the GPU.
+
+Shared memory: bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each = 192 KiB; fp8 Q 4 x 16 KiB + K, V
+2 x 16 KiB each = 128 KiB. One CTA per SM.
+
+Import this module only with CUTE_DSL_ARCH set (build.py does) when no GPU is present.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as cutlass_utils
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+
+from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _tile
+from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
+from .manifest import P_SHIFT
+
+KERNEL_VERSION = "v4-ws-tma"
+
+PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
+CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation
+# Deadlock watchdog: a barrier wait still incomplete WATCHDOG_NS after its first failed try_wait
+# (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
+# so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
+WATCHDOG_NS = 10_000_000_000
+
+
+@dsl_user_op
+def _trap(*, loc=None, ip=None) -> None:
+    llvm.inline_asm(res=None, operands_=[], asm_string="trap;", constraints="~{memory}", has_side_effects=True,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cute.jit
+def _wait(bar: cute.Pointer, phase: Int32):
+    """mbarrier wait for `phase` with the deadlock watchdog."""
+    done = cute.arch.mbarrier_try_wait(bar, phase)
+    if not done:
+        t0 = cute.arch.globaltimer()
+        while not done:
+            if cute.arch.globaltimer() - t0 > cutlass.Int64(WATCHDOG_NS):
+                _trap()
+            done = cute.arch.mbarrier_try_wait(bar, phase)
+
+
+class KvOuterAttentionSm90WarpSpecialized:
+    """One compiled configuration of the v4 kernel."""
+
+    num_threads = 384          # producer warpgroup + two consumer warpgroups
+    wg_threads = 128
+    num_consumer_warps = 8
+
+    def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
+                 ctas_per_sm: int = 1):
+        if dtype not in DSL_DTYPES:
+            raise ValueError(f"CuTe attention supports {', '.join(DSL_DTYPES)}, not {dtype}")
+        if tile_q * group != 128:
+            raise ValueError(f"TILE_Q * G must be 128 (two 64-row warpgroups), got {tile_q} * {group}")
+        if head_dim != 128 or block != 128:
+            raise ValueError(f"the v4 kernel is written for head_dim = block = 128, got {head_dim}, {block}")
+        if ctas_per_sm != 1:
+            raise ValueError(f"v4 runs one CTA per SM (384 threads, 128-192 KiB smem); got {ctas_per_sm}")
+        self.dtype_name = dtype
+        self.dtype = DSL_DTYPES[dtype]
+        self.v_d_major = dtype == "fp8"
+        self.p_in_regs = dtype == "bf16"
+        self.tile_q, self.group, self.head_dim, self.block = tile_q, group, head_dim, block
+        self.rows = tile_q * group
+        self.ctas_per_sm = ctas_per_sm
+        self.p_shift = P_SHIFT[dtype]
+        self.q_stages = 2 if dtype == "bf16" else 4
+        self.kv_stages = 2
+        self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
+
+    # ---- host side ----------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCsrQuery: cute.Tensor,
+                 mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
+                 mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
+                 mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
+                 hkv: Int32, num_pages: Int32, scale: Float32, out_scale: Float32,
+                 stream: cuda.CUstream):
+        dt = self.dtype
+        D, BLK = self.head_dim, self.block
+        kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, BLK))
+        if const_expr(self.p_in_regs):
+            pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, mnmaj, Float32, (2, 1, 1), (64, D),
+                                                 a_source=warpgroup.OperandSource.RMEM)
+        else:
+            pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj if const_expr(self.v_d_major) else mnmaj,
+                                                 Float32, (2, 1, 1), (64, D))
+        sQ_layout = _staged_smem_layout(dt, self.rows, D, self.q_stages)
+        sK_layout = _staged_smem_layout(dt, BLK, D, self.kv_stages)
+        v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
+        sV_layout = _staged_smem_layout(dt, v_tile[0], v_tile[1], self.kv_stages)
+        sP_layout = _staged_smem_layout(dt, self.rows, BLK, self.q_stages)   # fp8: over sQ (same shape)
+
+        # TMA descriptors: K as (rows, D), V as (rows, D) (bf16) or (rows, block) (fp8 d-major); one box
+        # is one slab, the smem side is one stage of the same swizzled layout the wgmma reads.
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, gK_tma = cpasync.make_tiled_tma_atom(tma_op, mK, cute.slice_(sK_layout, (None, None, 0)), (BLK, D))
+        tma_v, gV_tma = cpasync.make_tiled_tma_atom(tma_op, mV, cute.slice_(sV_layout, (None, None, 0)), v_tile)
+
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[cutlass.Int64, self.q_stages]
+            q_empty: cute.struct.MemRange[cutlass.Int64, self.q_stages]
+            kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
+            kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
+            sLim: cute.struct.MemRange[Int32, self.q_stages * self.tile_q]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, mQ, mCsrQuery, mTileKey, mTileEdge,
+                    mTileCount, mCtaRange, mPageBlock, mQLimit, mO, mM, mL, hkv, num_pages,
+                    scale * LOG2E, scale, out_scale, sQ_layout, sK_layout, sV_layout, sP_layout).launch(
+            grid=(mCtaRange.shape[0], 1, 1), block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1,
+            preferred_smem_carveout=100, stream=stream)
+
+    # ---- device side --------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_k: cute.CopyAtom, gK_tma: cute.Tensor,
+               tma_v: cute.CopyAtom, gV_tma: cute.Tensor, mQ: cute.Tensor, mCsrQuery: cute.Tensor,
+               mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
+               mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
+               mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
+               hkv: Int32, num_pages: Int32, scale_log2: Float32, scale: Float32, out_scale: Float32,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
+        D, BLK = self.head_dim, self.block
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group = cute.arch.make_warp_uniform(tidx // self.wg_threads)
+
+        storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
+        q_full = storage.q_full.data_ptr()
+        q_empty = storage.q_empty.data_ptr()
+        kv_full = storage.kv_full.data_ptr()
+        kv_empty = storage.kv_empty.data_ptr()
+        sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_q, self.q_stages)))
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)       # (ROWS, D, QS)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)       # (BLK, D, KS)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)       # (BLK, D | D, BLK, KS)
+        sP = storage.sQ.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)       # fp8 P over Q (ROWS, BLK, QS)
+
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(self.q_stages):
+                    cute.arch.mbarrier_init(q_full + s, self.wg_threads + self.tile_q)
+                    cute.arch.mbarrier_init(q_empty + s, self.num_consumer_warps)
+                for s in cutlass.range_constexpr(self.kv_stages):
+                    cute.arch.mbarrier_init(kv_full + s, 1)
+                    cute.arch.mbarrier_init(kv_empty + s, self.num_consumer_warps)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        begin = mCtaRange[cta, 0]
+        end = mCtaRange[cta, 1]
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.producer(tma_k, gK_tma, tma_v, gV_tma, mQ, mCsrQuery, mTileKey, mTileEdge, mTileCount,
+                          mPageBlock, mQLimit, sQ, sK, sV, sLim, q_full, q_empty, kv_full, kv_empty,
+                          begin, end, hkv, num_pages, tidx, warp_idx)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consumer(qk_mma, pv_mma, mO, mM, mL, mTileKey, sQ, sK, sV, sLim, q_full, q_empty, kv_full,
+                          kv_empty, begin, end, scale_log2, scale, out_scale, sP,
+                          tidx - self.wg_threads, warp_group - 1)
+
+    # ---- producer warpgroup -----------------------------------------------------------------------
+    @cute.jit
+    def producer(self, tma_k: cute.CopyAtom, gK_tma: cute.Tensor, tma_v: cute.CopyAtom, gV_tma: cute.Tensor,
+                 mQ: cute.Tensor, mCsrQuery: cute.Tensor, mTileKey: cute.Tensor, mTileEdge: cute.Tensor,
+                 mTileCount: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
+                 sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sLim: cute.Tensor,
+                 q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer, kv_empty: cute.Pointer,
+                 begin: Int32, end: Int32, hkv: Int32, num_pages: Int32, tidx: Int32, warp_idx: Int32):
+        dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
+        # TMA partitions: gK_tma tiled by slabs -> (TMA, slab), sK -> (TMA, stage)
+        v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
+        gK = cute.local_tile(gK_tma, (BLK, D), (None, 0))                  # (BLK, D, slabs)
+        gV = cute.local_tile(gV_tma, v_tile, (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+
+        # cp.async Q gather by the 128 producer threads: a row of D elements per threads_per_row threads
+        vec = 128 // dt.width
+        threads_per_row = D // vec
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                   num_bits_per_copy=128)
+        g2s = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((self.wg_threads // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)))
+        thr_q = g2s.get_slice(tidx)
+        tQcQ = thr_q.partition_S(cute.make_identity_tensor((ROWS, D)))    # this thread's (row, col) coords
+        hq = hkv * G
+
+        q_idx = Int32(0)
+        q_phase = Int32(1)           # empty barriers: the first wait on each stage passes at once
+        kv_idx = Int32(0)
+        kv_phase = Int32(1)
+        loaded_key = Int32(-1)
+        for t in cutlass.range(begin, end, unroll=1):
+            key = mTileKey[t]
+            if key >= 0:
+                head = key // num_pages
+                page = key - head * num_pages
+                if key != loaded_key:
+                    # K and V of this key run: one TMA box each into the next K/V stage
+                    if warp_idx == 0:
+                        _wait(kv_empty + kv_idx, kv_phase)
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
+                        slab = page * hkv + head
+                        cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                        cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                    loaded_key = key
+                    kv_idx += 1
+                    if kv_idx == self.kv_stages:
+                        kv_idx = Int32(0)
+                        kv_phase ^= 1
+
+                edge = mTileEdge[t]
+                count = mTileCount[t]
+                _wait(q_empty + q_idx, q_phase)
+                # gather Q: row r = (slot, g) from q[csr_query[edge + slot], head * G + g]; empty slots
+                # repeat the last query (finite data; their rows are masked)
+                tQsQ = thr_q.partition_D(sQ[None, None, q_idx])
+                for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
+                    row = tQcQ[0, m, 0][0]
+                    slot = cutlass.min(row // G, count - 1)
+                    query = mCsrQuery[edge + slot]
+                    q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
+                    for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
+                        col = tQcQ[0, m, k][1]
+                        src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
+                                                             cute.AddressSpace.gmem, assumed_align=16),
+                                               tQsQ[None, m, k].layout)
+                        cute.copy(g2s, src, tQsQ[None, m, k])
+                # arrives on q_full when this thread's copies have landed (counts as one of 128)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)
+                # the tile's per-slot visibility limits: last visible key offset in the block, -1 none
+                if tidx < self.tile_q:
+                    limit = Int32(-1)
+                    if tidx < count:
+                        limit = mQLimit[mCsrQuery[edge + tidx]] - mPageBlock[page] * BLK
+                    sLim[tidx, q_idx] = limit
+                    cute.arch.mbarrier_arrive(q_full + q_idx)
+                q_idx += 1
+                if q_idx == self.q_stages:
+                    q_idx = Int32(0)
+                    q_phase ^= 1
+        # drain (the consumers wait for every copy anyway)
+        cute.arch.cp_async_wait_group(0)
+
+    # ---- consumer warpgroups ----------------------------------------------------------------------
+    @cute.jit
+    def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mO: cute.Tensor, mM: cute.Tensor,
+                 mL: cute.Tensor, mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                 sLim: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer,
+                 kv_empty: cute.Pointer, begin: Int32, end: Int32, scale_log2: Float32, scale: Float32,
+                 out_scale: Float32, sP: cute.Tensor, ctid: Int32, cwg: Int32):
+        dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
+        wg_barrier = 1 + cwg                                  # named barrier of this consumer warpgroup
+        lane = cute.arch.lane_idx()
+        if const_expr(self.v_d_major):
+            sVt = sV                                                             # (D, BLK, KS)
+        else:
+            sVt = cute.composition(sV, cute.make_ordered_layout((D, BLK, self.kv_stages), order=(1, 0, 2)))
+        thr_qk = qk_mma.get_slice(ctid)
+        thr_pv = pv_mma.get_slice(ctid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))          # (MMA, M, K, stage)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        if const_expr(not self.p_in_regs):
+            tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+            tSsP = thr_qk.partition_C(sP)                                # (.., stage)
+        tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
+        n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
+
+        q_idx = Int32(0)
+        q_phase = Int32(0)
+        kv_idx = Int32(0)
+        kv_phase = Int32(0)
+        cur_key = Int32(-1)
+        for t in cutlass.range(begin, end, unroll=1):
+            key = mTileKey[t]
+            if key >= 0:
+                if key != cur_key:
+                    if cur_key >= 0:
+                        # leave the previous key run: its K/V stage may be refilled
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(kv_empty + kv_idx)
+                        kv_idx += 1
+                        if kv_idx == self.kv_stages:
+                            kv_idx = Int32(0)
+                            kv_phase ^= 1
+                    _wait(kv_full + kv_idx, kv_phase)
+                    cur_key = key
+                _wait(q_full + q_idx, q_phase)
+                # the Q rows arrived by cp.async (generic proxy); the wgmma reads them through the async proxy
+                cute.arch.fence_view_async_shared()
+
+                # S = Q K^T
+                acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, BLK)), Float32)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(qk_mma, acc_s, tSrQ[None, None, kb, q_idx], tSrK[None, None, kb, kv_idx], acc_s)
+                warpgroup.commit_group()
+                # this thread's rows' limits (from the stage's shared-memory slots) while S runs
+                lim = cute.make_rmem_tensor((n_rows_acc,), Int32)
+                for r in cutlass.range_constexpr(n_rows_acc):
+                    lim[r] = sLim[tScS[r, 0][0] // G, q_idx]
+                warpgroup.wait_group(0)
+                if const_expr(self.p_in_regs):
+                    # bf16: Q of this stage is no longer read (P stays in registers)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(q_empty + q_idx)
+
+                # mask, one softmax step, write m and l
+                s_rc = _rows_cols_view(acc_s)
+                for r in cutlass.range_constexpr(n_rows_acc):
+                    row = tScS[r, 0][0]
+                    limit = lim[r]
+                    row_max = -Float32.inf
+                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                        if tScS[r, c][1] > limit:
+                            s_rc[r, c] = -Float32.inf
+                        row_max = cutlass.max(row_max, s_rc[r, c])
+                    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+                    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+                    m_shift = Float32(-self.p_shift)             # p = exp(score - m) * 2^P_SHIFT
+                    if row_max != -Float32.inf:
+                        m_shift = row_max * scale_log2 - self.p_shift
+                    row_sum = Float32(0.0)
+                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                        p = cute.arch.exp2(s_rc[r, c] * scale_log2 - m_shift)
+                        s_rc[r, c] = p
+                        row_sum += p
+                    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=1)
+                    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=2)
+                    if ctid % 4 == 0:
+                        mM[t * ROWS + row] = row_max * scale
+                        mL[t * ROWS + row] = row_sum * (1.0 / (1 << self.p_shift))
+
+                # O = P V
+                acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, D)), Float32)
+                if const_expr(self.p_in_regs):
+                    p_acc = _acc_to_frg_a(acc_s)
+                    r_p = cute.make_rmem_tensor_like(p_acc, dt)
+                    r_p.store(p_acc.load().to(dt))
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(cute.size(r_p, mode=[2])):
+                        pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(pv_mma, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv_idx], acc_o)
+                else:
+                    # P over this warpgroup's own Q rows of this stage (dead since S completed)
+                    r_p = cute.make_rmem_tensor_like(acc_s, dt)
+                    r_p.store(acc_s.load().to(dt))
+                    cute.autovec_copy(r_p, tSsP[None, None, None, q_idx])
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                        pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(pv_mma, acc_o, tOrP[None, None, kb, q_idx], tOrV[None, None, kb, kv_idx], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                if const_expr(not self.p_in_regs):
+                    # fp8: P (over Q) of this stage has been read
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(q_empty + q_idx)
+
+                r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
+                r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+                cute.autovec_copy(r_o, thr_pv.partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D))))
+
+                q_idx += 1
+                if q_idx == self.q_stages:
+                    q_idx = Int32(0)
+                    q_phase ^= 1
