@@ -187,7 +187,11 @@ def check_case(label, make, dtype, log, configs: list[tuple[str, int]]) -> list[
         w = make()
         # the tile sequence (tile_key/edge/count) does not depend on the CTA count, so one Triton
         # plan serves as the partial-by-partial reference of every CuTe configuration
-        pt = KVOuterBackend().plan(w)
+        # same 8-token tiles as the CuTe kernel (the Triton stage's tuned bf16 tile is 4 tokens, whose
+        # partial rows would not line up with the CuTe stage's); otherwise the Triton defaults
+        from msa_bench.kernels.kv_outer.config import default_config
+        pt = KVOuterBackend(config=default_config(w.dtype).with_(tile_q=8, attn_chunk=0, attn_chunk_grid=0,
+                                                                 attn_maxnreg=0)).plan(w)
         pt.run()
         torch.cuda.synchronize()
         idx = torch.randperm(w.n_tokens, generator=torch.Generator().manual_seed(7))[:48].sort().values.to(w.device)

@@ -231,6 +231,7 @@ def test_gpu_counters_attribute_every_stage(tmp_path, cli):
     ok = r.status[r.status["status"] == "ok"]
     assert len(ok) and (ok["counters"] == "ncu").all(), ok[["backend", "counters"]]
     hbm = r.stats[r.stats["statistic"] == "hbm_bytes"]
-    kv = hbm[hbm["backend"] == "kv-outer"].set_index("stage")["value"]
+    kv = hbm[(hbm["backend"] == "kv-outer") & (hbm["point_key"] == hbm["point_key"].iloc[0])]
+    kv = kv.set_index("stage")["value"]
     assert {"index_map", "attention", "combine", "module"} <= set(kv.index)
     assert kv["attention"] > 0 and kv["module"] == pytest.approx(kv.drop("module").sum())
