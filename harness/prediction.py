@@ -15,9 +15,36 @@ def schedule_of(backend: str) -> str | None:
     return SCHEDULE_OF_BACKEND.get(backend)
 
 
-def model_shape(hq: int, hkv: int, head_dim: int, block: int, topk: int, dtype: str) -> ModelShape:
+def q_live_heads(hkv: int, dtype: str, config: dict | None = None) -> int:
+    """How many KV heads' queries a KV-stationary attention launch gathers at once (ModelShape).
+
+    From the plan's launch configuration when known (a unit's plan_info), else from the tuned default
+    for the dtype: chunks issued one program each in tile order walk the head-major list together (1);
+    persistent CTAs over contiguous slices have every head live at once (hkv).
+    """
+    if config is None:
+        from ..kernels.kv_outer.config import default_config
+        config = default_config(dtype).__dict__
+    chunked = int(config.get("attn_chunk") or 0) > 0 and int(config.get("attn_chunk_grid") or 0) == 0
+    return 1 if chunked else int(hkv)
+
+
+def model_shape(hq: int, hkv: int, head_dim: int, block: int, topk: int, dtype: str,
+                config: dict | None = None) -> ModelShape:
     return ModelShape(hq=int(hq), hkv=int(hkv), head_dim=int(head_dim), block=int(block), topk=int(topk),
-                      dtype=dtype)
+                      dtype=dtype, q_live_heads=q_live_heads(int(hkv), dtype, config))
+
+
+def plan_config(plan_info) -> dict | None:
+    """The launch configuration recorded in a unit's plan_info (JSON text or dict), if any."""
+    import json
+    if isinstance(plan_info, str):
+        try:
+            plan_info = json.loads(plan_info)
+        except json.JSONDecodeError:
+            return None
+    cfg = plan_info.get("config") if isinstance(plan_info, dict) else None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def device_for_run(meta: dict, override: DeviceProfile | None = None) -> DeviceProfile | None:

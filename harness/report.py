@@ -18,7 +18,7 @@ import pandas as pd  # noqa: E402
 
 from ..roofline.devices import DeviceProfile  # noqa: E402
 from ..roofline.model import crossover, crossover_at  # noqa: E402
-from .prediction import device_for_run, model_shape, predict_point  # noqa: E402
+from .prediction import device_for_run, model_shape, plan_config, predict_point  # noqa: E402
 from .results import STATUS_OK, Run, load_run  # noqa: E402
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
@@ -63,7 +63,8 @@ def _shape(row) -> dict:
 
 
 def _predict_row(row, schedule: str, device: DeviceProfile):
-    return predict_point(schedule, model_shape(**_shape(row), dtype=row["dtype"]), row.get("wl_n_tokens", np.nan),
+    shape = model_shape(**_shape(row), dtype=row["dtype"], config=plan_config(row.get("plan_info")))
+    return predict_point(schedule, shape, row.get("wl_n_tokens", np.nan),
                          row.get("wl_nsb", np.nan), device, flops=row.get("wl_useful_flops"),
                          selected_per_query=row.get("wl_selected_blocks_per_query"))
 
@@ -210,8 +211,8 @@ def crossovers(run: Run, device: DeviceProfile | None) -> list[Crossover]:
                                                      b[common].to_numpy(float))
                     pred = free = None
                     if device is not None:
-                        row = gd.iloc[0]
-                        shape = model_shape(**_shape(row), dtype=dtype)
+                        row = gd[gd["backend"] == kb].iloc[0]
+                        shape = model_shape(**_shape(row), dtype=dtype, config=plan_config(row.get("plan_info")))
                         free = _finite_or_none(crossover(shape, device))
                         pred = _finite_or_none(crossover_at(shape, device, float(gd["wl_n_tokens"].median())))
                     out.append(Crossover(_group_label(group), dtype, kb, qb, value, note, pred, free))
@@ -302,8 +303,9 @@ def throughput_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str
                 gb = gb.groupby("x")["module.tflops"].median()
                 ax.plot(gb.index, gb.values, "o-", label=f"{backend} (measured)")
             if device is not None and gd["x"].notna().any():
-                row = gd.iloc[0]
-                shape = model_shape(**_shape(row), dtype=dtype)
+                kv_rows = gd[gd["schedule"] == KV_OUTER]
+                row = (kv_rows if len(kv_rows) else gd).iloc[0]
+                shape = model_shape(**_shape(row), dtype=dtype, config=plan_config(row.get("plan_info")))
                 n = float(gd["wl_n_tokens"].median())
                 lo, hi = np.nanmin(gd["x"]) / 1.5, np.nanmax(gd["x"]) * 1.5
                 xs = np.geomspace(max(lo, 1e-4), max(hi, lo * 2), 60)

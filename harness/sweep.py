@@ -18,7 +18,7 @@ import torch
 from . import counters as ncu_counters
 from . import provenance, results
 from .errors import UserError
-from .prediction import model_shape, predict_point, schedule_of
+from .prediction import model_shape, plan_config, predict_point, schedule_of
 from .telemetry import Poller, open_telemetry, point_telemetry
 from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
 
@@ -190,9 +190,10 @@ class _Runner:
             return {**status, "status": results.STATUS_FAILED, "reason": f"timing raised {_short(exc)}"}, [], []
         status.update(point_telemetry(before, after, during))
         status.update(plan_info=json.dumps(plan.info, default=str, sort_keys=True))
+        config = plan_config(plan.info)
         del plan
         stats, sample_rows = self._timing_rows(point, backend_name, samples, wl_stats)
-        stats += self._model_rows(point, backend_name, wl_stats)
+        stats += self._model_rows(point, backend_name, wl_stats, config)
         if self.ncu is not None:
             status["counters"] = COUNTERS_PENDING
         return {**status, "status": results.STATUS_OK, "reason": ""}, stats, sample_rows
@@ -244,12 +245,12 @@ class _Runner:
                      "rep": i, "seconds": float(x), "timer": s.timer} for i, x in enumerate(s.seconds)]
         return stats, raw
 
-    def _model_rows(self, point, backend, wl_stats):
+    def _model_rows(self, point, backend, wl_stats, config: dict | None = None):
         schedule = schedule_of(backend)
         if self.profile is None or schedule is None or "wl_nsb" not in wl_stats:
             return []
         sh = point.shape
-        pred = predict_point(schedule, model_shape(sh.hq, sh.hkv, sh.head_dim, sh.block, sh.topk, point.dtype),
+        pred = predict_point(schedule, model_shape(sh.hq, sh.hkv, sh.head_dim, sh.block, sh.topk, point.dtype, config),
                              wl_stats.get("wl_n_tokens", 0.0), wl_stats["wl_nsb"], self.profile,
                              flops=wl_stats.get("wl_useful_flops"),
                              selected_per_query=wl_stats.get("wl_selected_blocks_per_query"))

@@ -35,6 +35,10 @@ class ModelShape:
     dtype: str = "bf16"           # Q/K/V data
     partial_dtype: str = "bf16"   # partial O written by the KV-outer attention stage
     out_dtype: str = "bf16"
+    # KV heads whose queries the KV-stationary attention stage gathers at the same time: 1 when work
+    # is issued in tile order (CTAs move through the head-major work list together), hkv when each
+    # persistent CTA owns a contiguous slice of it (then every head's slice is live at once).
+    q_live_heads: int = 1
 
     @property
     def group(self) -> int:
@@ -122,8 +126,9 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     l2.update(hbm)
     q_gather = edges * s.group * s.head_dim * d                             # each query re-read per block
     l2["q_read"] = q_gather
-    # the work list is head-major, so one KV head's queries form the live gather working set
-    miss = _miss_rate(q_bytes / s.hkv, device, share=q_gather / (q_gather + partials))
+    # the work list is head-major: the queries of the KV heads live at once form the gather working set
+    live = q_bytes * min(max(s.q_live_heads, 1), s.hkv) / s.hkv
+    miss = _miss_rate(live, device, share=q_gather / (q_gather + partials))
     if miss:
         hbm["q_l2_miss_reread"] = max(0.0, q_gather - q_bytes) * miss
     return hbm, l2

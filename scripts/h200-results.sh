@@ -5,7 +5,7 @@
 # an earlier one left; carry it in the repo to reach a fresh host). Each STEP is KIND:SCENARIO:SECONDS:
 #   time:S:T     msa-bench sweep --scenario S (bf16 and fp8, all three schedules), stopped after T s
 #   count:S:T    msa-bench sweep --scenario S --resume --counters: ncu counters for its timed units
-#   cute:S:T     the scenario's run with kv-outer-cute next to kv-outer (issue 8), folder S-cute
+#   cute:S:T     the scenario with kv-outer-cute next to kv-outer (issue 8), with counters, folder S-cute
 # A time cap stops a sweep with SIGINT: every finished unit (and every finished ncu chunk) is already
 # on disk, and the next call's step resumes it. ROOT is packed into $OUT/h200.tgz after each step.
 export PYTHONUNBUFFERED=1
@@ -21,7 +21,7 @@ for step in "$@"; do
     case $kind in
         time)  ;;
         count) args+=(--counters) ;;
-        cute)  dir=$R/$scen-cute; args+=(--backend kv-outer,kv-outer-cute --dtype bf16,fp8) ;;
+        cute)  dir=$R/$scen-cute; args+=(--backend kv-outer,kv-outer-cute --dtype bf16,fp8 --counters) ;;
         *) echo "unknown step $step"; continue ;;
     esac
     [ -f "$dir/run.json" ] && args+=(--resume)

@@ -220,7 +220,7 @@ def test_config_for_other_geometry_is_unavailable():
     with pytest.raises(BackendUnavailable, match="TILE_Q \\* G = 128"):
         cute_config_for(W(), 8)
     W.shape = AttnShape()
-    assert cute_config_for(W(), 8) == mf.CuteConfig("bf16")
+    assert cute_config_for(W(), 8) == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v4")   # the default generation
     assert cute_config_for(W(), 8, variant="v3") == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v3")
     with pytest.raises(BackendUnavailable, match="CTAs per SM"):
         cute_config_for(W(), 8, 2, "v3")                 # bf16 v3 needs 192 KiB: one CTA per SM
@@ -237,7 +237,8 @@ def test_each_generation_registers_an_attention_impl():
     assert {"cute", "cute-v3", "cute-v4"} <= set(ATTENTION_IMPLS)
     b = KVOuterCuteBackend(variant="v3")
     assert b.attention_impl == "cute-v3" and b.ctas_per_sm == 1
-    assert KVOuterCuteBackend().attention_impl == "cute" and KVOuterCuteBackend().ctas_per_sm == 2
+    assert KVOuterCuteBackend(variant="v2").attention_impl == "cute" and KVOuterCuteBackend(variant="v2").ctas_per_sm == 2
+    assert KVOuterCuteBackend().attention_impl == "cute-v4" and KVOuterCuteBackend().ctas_per_sm == 1   # default
     b4 = KVOuterCuteBackend(variant="v4")
     assert b4.attention_impl == "cute-v4" and b4.ctas_per_sm == 1
 
