@@ -71,7 +71,9 @@ def finished_units(run_dir: str | Path) -> set[str]:
     units = Path(run_dir) / UNITS_DIR
     if not units.is_dir():
         return set()
-    return {p.name for p in units.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    # an empty folder is nobody's finished unit (a copy that carries directories but not their
+    # deleted files leaves them); a folder with files but no status.json is corrupt (load_run says so)
+    return {p.name for p in units.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.iterdir())}
 
 
 def clear_partial_units(run_dir: str | Path) -> None:

@@ -235,3 +235,13 @@ def test_gpu_counters_attribute_every_stage(tmp_path, cli):
     kv = kv.set_index("stage")["value"]
     assert {"index_map", "attention", "combine", "module"} <= set(kv.index)
     assert kv["attention"] > 0 and kv["module"] == pytest.approx(kv.drop("module").sum())
+
+
+def test_empty_unit_folders_are_not_finished_units(smoke_run, tmp_path):
+    import shutil
+
+    from msa_bench.harness.results import UNITS_DIR
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run["run"], run)
+    (run / UNITS_DIR / "reference-0000000000000000").mkdir()        # what a partial copy can leave
+    assert len(finished_units(run)) == N_POINTS and len(load_run(run).status) == N_POINTS
