@@ -75,6 +75,32 @@ def _rows_cols_view(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, _acc_rows_cols(t.layout))
 
 
+@cute.jit
+def _softmax_row(s_rc: cute.Tensor, tScS: cute.Tensor, r: cutlass.Constexpr, limit: Int32, scale_log2: Float32,
+                 p_shift: cutlass.Constexpr):
+    """Row r of the S accumulator (rows x cols view): keys past `limit` masked, then one softmax step in
+    place, p = exp(score - max) * 2^p_shift. Returns the row's max score and the sum of its p, both
+    reduced over the four threads that hold the row. Every kernel generation shares this step."""
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+        if tScS[r, c][1] > limit:
+            s_rc[r, c] = -Float32.inf
+        row_max = cutlass.max(row_max, s_rc[r, c])
+    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+    m_shift = Float32(-p_shift)
+    if row_max != -Float32.inf:
+        m_shift = row_max * scale_log2 - p_shift
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+        p = cute.arch.exp2(s_rc[r, c] * scale_log2 - m_shift)
+        s_rc[r, c] = p
+        row_sum += p
+    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=1)
+    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=2)
+    return row_max, row_sum
+
+
 class KvOuterAttentionSm90:
     """One compiled configuration: data dtype, TILE_Q, G (query heads per KV head), D, block."""
 
@@ -242,23 +268,7 @@ class KvOuterAttentionSm90:
                     limit = Int32(-1)
                     if slot < count:
                         limit = mQLimit[mCsrQuery[edge + slot]] - key_base
-                    row_max = -Float32.inf
-                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                        if tScS[r, c][1] > limit:
-                            s_rc[r, c] = -Float32.inf
-                        row_max = cutlass.max(row_max, s_rc[r, c])
-                    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
-                    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
-                    m_shift = Float32(-self.p_shift)             # p = exp(score - m) * 2^P_SHIFT
-                    if row_max != -Float32.inf:
-                        m_shift = row_max * scale_log2 - self.p_shift
-                    row_sum = Float32(0.0)
-                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                        p = cute.arch.exp2(s_rc[r, c] * scale_log2 - m_shift)
-                        s_rc[r, c] = p
-                        row_sum += p
-                    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=1)
-                    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=2)
+                    row_max, row_sum = _softmax_row(s_rc, tScS, r, limit, scale_log2, self.p_shift)
                     if tidx % 4 == 0:
                         mM[t * ROWS + row] = row_max * scale
                         mL[t * ROWS + row] = row_sum * (1.0 / (1 << self.p_shift))

@@ -46,7 +46,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _tile
+from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile
 from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
 from .manifest import P_SHIFT
 
@@ -372,23 +372,7 @@ class KvOuterAttentionSm90WarpSpecialized:
                 for r in cutlass.range_constexpr(n_rows_acc):
                     row = tScS[r, 0][0]
                     limit = lim[r]
-                    row_max = -Float32.inf
-                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                        if tScS[r, c][1] > limit:
-                            s_rc[r, c] = -Float32.inf
-                        row_max = cutlass.max(row_max, s_rc[r, c])
-                    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
-                    row_max = cutlass.max(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
-                    m_shift = Float32(-self.p_shift)             # p = exp(score - m) * 2^P_SHIFT
-                    if row_max != -Float32.inf:
-                        m_shift = row_max * scale_log2 - self.p_shift
-                    row_sum = Float32(0.0)
-                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                        p = cute.arch.exp2(s_rc[r, c] * scale_log2 - m_shift)
-                        s_rc[r, c] = p
-                        row_sum += p
-                    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=1)
-                    row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=2)
+                    row_max, row_sum = _softmax_row(s_rc, tScS, r, limit, scale_log2, self.p_shift)
                     if ctid % 4 == 0:
                         mM[t * ROWS + row] = row_max * scale
                         mL[t * ROWS + row] = row_sum * (1.0 / (1 << self.p_shift))
