@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 
-from .errors import UserError
+from .errors import UserError, one_line
 
 RANGE = "msa-counters"
 MARKER = "msa_counters_marker"
@@ -202,13 +202,12 @@ def _last_line(out) -> str:
 def collect(ncu: str, items: list[tuple[dict, list[str]]], timeout_s: float | None = None) -> dict:
     """Counters for several (point, backends) items from one ncu process.
 
-    Returns {(point_key, backend): {stage: totals, "module": sum over stages}}, or {"error": reason}
+    Returns {(item index, backend): {stage: totals, "module": sum over stages}}, or {"error": reason}
     for a backend the child could not plan (or a point it could not build). Raises CountersError when
     ncu gives nothing usable.
     """
     global _optional_ok
     timeout_s = timeout_s or 300 + 120 * len(items)
-    keys = [point_from_dict(p).key() for p, _ in items]
     with tempfile.TemporaryDirectory(prefix="msa-counters-") as tmp:
         spec, manifest_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "manifest.json")
         with open(spec, "w") as f:
@@ -227,9 +226,9 @@ def collect(ncu: str, items: list[tuple[dict, list[str]]], timeout_s: float | No
     by_stage = split_by_markers(parse_ncu_csv(out.stdout), manifest["entries"])
     result: dict[tuple, dict] = {}
     for i, backend, why in manifest.get("errors", []):
-        result[(keys[i], backend)] = {"error": why}
+        result[(i, backend)] = {"error": why}
     for (i, backend, stage), kernels in by_stage.items():
-        result.setdefault((keys[i], backend), {})[stage] = sum_kernels(kernels)
+        result.setdefault((i, backend), {})[stage] = sum_kernels(kernels)
     for stages in result.values():
         if "error" in stages:
             continue
@@ -264,11 +263,6 @@ def _marker_kernel():
     return msa_counters_marker
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def _child(spec_path: str, manifest_path: str) -> None:
     """The profiled process: everything outside the `msa-counters` ranges is filtered out by ncu.
 
@@ -298,7 +292,7 @@ def _child(spec_path: str, manifest_path: str) -> None:
         try:
             workload = make_workload(point_from_dict(item["point"]), torch.device("cuda"))
         except Exception as exc:
-            errors += [[i, b, f"workload could not be built: {_short(exc)}"] for b in item["backends"]]
+            errors += [[i, b, f"workload could not be built: {one_line(exc)}"] for b in item["backends"]]
             continue
         for name in item["backends"]:
             try:
@@ -306,7 +300,7 @@ def _child(spec_path: str, manifest_path: str) -> None:
                 plan.run()
                 torch.cuda.synchronize()
             except Exception as exc:          # reported per backend; the others still get counters
-                errors.append([i, name, _short(exc)])
+                errors.append([i, name, one_line(exc)])
                 continue
             for stage_name, stage in plan.stages.items():
                 if len(entries) >= flags.numel():

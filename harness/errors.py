@@ -17,3 +17,9 @@ def require_cuda(what: str) -> None:
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot run here (no GPU, package missing, dtype unsupported); message says why."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as "Type: first line of its message", for a results file or a log line."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -62,8 +62,13 @@ def _shape(row) -> dict:
     return out
 
 
+def _row_model_shape(row):
+    """The model's shape for a unit row: its attention shape, dtype and launch configuration."""
+    return model_shape(**_shape(row), dtype=row["dtype"], config=plan_config(row.get("plan_info")))
+
+
 def _predict_row(row, schedule: str, device: DeviceProfile):
-    shape = model_shape(**_shape(row), dtype=row["dtype"], config=plan_config(row.get("plan_info")))
+    shape = _row_model_shape(row)
     return predict_point(schedule, shape, row.get("wl_n_tokens", np.nan),
                          row.get("wl_nsb", np.nan), device, flops=row.get("wl_useful_flops"),
                          selected_per_query=row.get("wl_selected_blocks_per_query"))
@@ -212,7 +217,7 @@ def crossovers(run: Run, device: DeviceProfile | None) -> list[Crossover]:
                     pred = free = None
                     if device is not None:
                         row = gd[gd["backend"] == kb].iloc[0]
-                        shape = model_shape(**_shape(row), dtype=dtype, config=plan_config(row.get("plan_info")))
+                        shape = _row_model_shape(row)
                         free = _finite_or_none(crossover(shape, device))
                         pred = _finite_or_none(crossover_at(shape, device, float(gd["wl_n_tokens"].median())))
                     out.append(Crossover(_group_label(group), dtype, kb, qb, value, note, pred, free))
@@ -305,7 +310,7 @@ def throughput_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str
             if device is not None and gd["x"].notna().any():
                 kv_rows = gd[gd["schedule"] == KV_OUTER]
                 row = (kv_rows if len(kv_rows) else gd).iloc[0]
-                shape = model_shape(**_shape(row), dtype=dtype, config=plan_config(row.get("plan_info")))
+                shape = _row_model_shape(row)
                 n = float(gd["wl_n_tokens"].median())
                 lo, hi = np.nanmin(gd["x"]) / 1.5, np.nanmax(gd["x"]) * 1.5
                 xs = np.geomspace(max(lo, 1e-4), max(hi, lo * 2), 60)

@@ -17,7 +17,7 @@ import torch
 
 from . import counters as ncu_counters
 from . import provenance, results
-from .errors import UserError
+from .errors import UserError, one_line
 from .prediction import model_shape, plan_config, predict_point, schedule_of
 from .telemetry import Poller, open_telemetry, point_telemetry
 from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
@@ -121,11 +121,6 @@ def _scalar_stats(stats: dict) -> dict:
     return out
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 class _Runner:
     """State shared by the units of one sweep (device, telemetry, timing, counters)."""
 
@@ -169,7 +164,7 @@ class _Runner:
         except BackendUnavailable as exc:
             return {**status, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}, [], []
         except Exception as exc:
-            return {**status, "status": results.STATUS_FAILED, "reason": f"check raised {_short(exc)}"}, [], []
+            return {**status, "status": results.STATUS_FAILED, "reason": f"check raised {one_line(exc)}"}, [], []
         status.update(max_rel_err=float(err), tol=float(tol))
         if not err <= tol:
             return {**status, "status": results.STATUS_FAILED,
@@ -187,7 +182,7 @@ class _Runner:
         except BackendUnavailable as exc:
             return {**status, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}, [], []
         except Exception as exc:
-            return {**status, "status": results.STATUS_FAILED, "reason": f"timing raised {_short(exc)}"}, [], []
+            return {**status, "status": results.STATUS_FAILED, "reason": f"timing raised {one_line(exc)}"}, [], []
         status.update(point_telemetry(before, after, during))
         status.update(plan_info=json.dumps(plan.info, default=str, sort_keys=True))
         config = plan_config(plan.info)
@@ -215,10 +210,10 @@ class _Runner:
                 self.notes.append(f"hardware counters disabled after two failed ncu runs; last: {exc}")
             return
         self.counter_failures = 0
-        for p, bs in items:
+        for i, (p, bs) in enumerate(items):
             for b in bs:
                 uid = results.unit_id(p.key(), b)
-                got = measured.get((p.key(), b))
+                got = measured.get((i, b))
                 if not got or "error" in got:
                     why = got["error"] if got else "the unit is missing from the ncu output"
                     results.update_unit(self.run_dir, uid, {"counters": f"failed: {why}"}, [])
@@ -378,7 +373,7 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
                     except UserError as exc:
                         workload, wl_stats, why = None, {}, f"workload could not be built: {exc}"
                     except Exception as exc:  # recorded, and the sweep goes on with the next point
-                        workload, wl_stats, why = None, {}, f"workload could not be built: {_short(exc)}"
+                        workload, wl_stats, why = None, {}, f"workload could not be built: {one_line(exc)}"
                     for b in todo:
                         progress.update(task, description=f"{_label(point)} · {b}")
                         head = {**base, **wl_stats, "backend": b, "schedule": schedule_of(b) or "none"}

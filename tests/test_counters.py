@@ -165,7 +165,7 @@ def test_collect_maps_the_child_manifest_back_to_units(tmp_path):
     p0, p1 = load_scenario("smoke").points[:2]
     got = collect(str(ncu), [(json.loads(json.dumps(p0.as_dict())), ["kv-outer"]),
                              (p1.as_dict(), ["kv-outer", "flashinfer"])])
-    assert got[(p0.key(), "kv-outer")]["attention"]["dram_read_bytes"] == 100
-    assert got[(p1.key(), "kv-outer")]["module"]["dram_read_bytes"] == 400        # 2 stages x 200
-    assert got[(p1.key(), "kv-outer")]["module"]["l2_sm_bytes"] == 2 * 10 * 32
-    assert got[(p1.key(), "flashinfer")] == {"error": "RuntimeError: boom"}
+    assert got[(0, "kv-outer")]["attention"]["dram_read_bytes"] == 100
+    assert got[(1, "kv-outer")]["module"]["dram_read_bytes"] == 400        # 2 stages x 200
+    assert got[(1, "kv-outer")]["module"]["l2_sm_bytes"] == 2 * 10 * 32
+    assert got[(1, "flashinfer")] == {"error": "RuntimeError: boom"}

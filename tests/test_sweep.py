@@ -188,8 +188,8 @@ def test_counters_are_added_to_finished_units_once(smoke_run, tmp_path, monkeypa
 
     def fake(ncu, items, timeout_s=None):
         calls.append(items)
-        return {(key, "reference"): {"attention": {"hbm_bytes": 10.0, "l2_bytes": 20.0},
-                                     "module": {"hbm_bytes": 10.0, "l2_bytes": 20.0}}}
+        return {(0, "reference"): {"attention": {"hbm_bytes": 10.0, "l2_bytes": 20.0},
+                                   "module": {"hbm_bytes": 10.0, "l2_bytes": 20.0}}}
     monkeypatch.setattr(counters, "collect", fake)
     runner = sweep._Runner(run, torch.device("cpu"), TimingConfig.from_dict(None), False, [])
     runner.ncu = "ncu"
