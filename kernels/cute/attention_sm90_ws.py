@@ -50,14 +50,14 @@ from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _t
 from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
 from .manifest import P_SHIFT
 
-KERNEL_VERSION = "v4-ws-tma"
-
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
 CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation
 # Deadlock watchdog: a barrier wait still incomplete WATCHDOG_NS after its first failed try_wait
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
 WATCHDOG_NS = 10_000_000_000
+PINGPONG_BARRIER = 3         # named barriers 3 (warpgroup 0's turn) and 4 (warpgroup 1's); 1, 2 are the
+                             # consumer warpgroups' own (fp8 P), 0 is __syncthreads
 
 
 @dsl_user_op
@@ -84,6 +84,11 @@ class KvOuterAttentionSm90WarpSpecialized:
     num_threads = 384          # producer warpgroup + two consumer warpgroups
     wg_threads = 128
     num_consumer_warps = 8
+    kernel_version = "v4-ws-tma"
+    q_stages_by_dtype = {"bf16": 2, "fp8": 4}
+    chunk = 0                  # 0: walk cta_range[cta]; k > 0: chunks of k tiles, CTA c takes c, c + grid, ...
+    mask_padded = False        # store only the rows of live slots (slot < count)
+    pingpong = False           # the two consumer warpgroups take turns issuing S = Q K^T
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -103,7 +108,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         self.rows = tile_q * group
         self.ctas_per_sm = ctas_per_sm
         self.p_shift = P_SHIFT[dtype]
-        self.q_stages = 2 if dtype == "bf16" else 4
+        self.q_stages = self.q_stages_by_dtype[dtype]
         self.kv_stages = 2
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
 
@@ -143,7 +148,7 @@ class KvOuterAttentionSm90WarpSpecialized:
             q_empty: cute.struct.MemRange[cutlass.Int64, self.q_stages]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            sLim: cute.struct.MemRange[Int32, self.q_stages * self.tile_q]
+            sLim: cute.struct.MemRange[Int32, self.q_stages * (self.tile_q + 1)]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -177,7 +182,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         q_empty = storage.q_empty.data_ptr()
         kv_full = storage.kv_full.data_ptr()
         kv_empty = storage.kv_empty.data_ptr()
-        sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_q, self.q_stages)))
+        sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_q + 1, self.q_stages)))  # limits, count
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)       # (ROWS, D, QS)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)       # (BLK, D, KS)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)       # (BLK, D | D, BLK, KS)
@@ -196,18 +201,38 @@ class KvOuterAttentionSm90WarpSpecialized:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        begin = mCtaRange[cta, 0]
-        end = mCtaRange[cta, 1]
+        # this CTA's work: tiles begin .. begin + n_items (cta_range), or chunks cta, cta + grid, ...
+        grid = mCtaRange.shape[0]
+        total = mTileKey.shape[0]
+        if const_expr(self.chunk > 0):
+            begin = cta
+            n_items = (cute.ceil_div(total, self.chunk) - cta + grid - 1) // grid * self.chunk
+        else:
+            begin = mCtaRange[cta, 0]
+            n_items = mCtaRange[cta, 1] - begin
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.producer(tma_k, gK_tma, tma_v, gV_tma, mQ, mCsrQuery, mTileKey, mTileEdge, mTileCount,
                           mPageBlock, mQLimit, sQ, sK, sV, sLim, q_full, q_empty, kv_full, kv_empty,
-                          begin, end, hkv, num_pages, tidx, warp_idx)
+                          begin, n_items, grid, hkv, num_pages, tidx, warp_idx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consumer(qk_mma, pv_mma, mO, mM, mL, mTileKey, sQ, sK, sV, sLim, q_full, q_empty, kv_full,
-                          kv_empty, begin, end, scale_log2, scale, out_scale, sP,
+                          kv_empty, begin, n_items, grid, scale_log2, scale, out_scale, sP,
                           tidx - self.wg_threads, warp_group - 1)
+
+    @cute.jit
+    def _tile_key(self, mTileKey: cute.Tensor, i: Int32, begin: Int32, grid: Int32):
+        """(tile, key) of the i-th work item of this CTA; key -1 for a padded tile or one past the end."""
+        if const_expr(self.chunk > 0):
+            k = i // self.chunk
+            t = (begin + k * grid) * self.chunk + (i - k * self.chunk)
+        else:
+            t = begin + i
+        key = Int32(-1)
+        if t < mTileKey.shape[0]:
+            key = mTileKey[t]
+        return t, key
 
     # ---- producer warpgroup -----------------------------------------------------------------------
     @cute.jit
@@ -216,7 +241,8 @@ class KvOuterAttentionSm90WarpSpecialized:
                  mTileCount: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
                  sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sLim: cute.Tensor,
                  q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer, kv_empty: cute.Pointer,
-                 begin: Int32, end: Int32, hkv: Int32, num_pages: Int32, tidx: Int32, warp_idx: Int32):
+                 begin: Int32, n_items: Int32, grid: Int32, hkv: Int32, num_pages: Int32, tidx: Int32,
+                 warp_idx: Int32):
         dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
         # TMA partitions: gK_tma tiled by slabs -> (TMA, slab), sK -> (TMA, stage)
         v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
@@ -244,8 +270,8 @@ class KvOuterAttentionSm90WarpSpecialized:
         kv_idx = Int32(0)
         kv_phase = Int32(1)
         loaded_key = Int32(-1)
-        for t in cutlass.range(begin, end, unroll=1):
-            key = mTileKey[t]
+        for i in cutlass.range(n_items, unroll=1):
+            t, key = self._tile_key(mTileKey, i, begin, grid)
             if key >= 0:
                 head = key // num_pages
                 page = key - head * num_pages
@@ -290,6 +316,9 @@ class KvOuterAttentionSm90WarpSpecialized:
                     if tidx < count:
                         limit = mQLimit[mCsrQuery[edge + tidx]] - mPageBlock[page] * BLK
                     sLim[tidx, q_idx] = limit
+                    if const_expr(self.mask_padded):
+                        if tidx == 0:
+                            sLim[self.tile_q, q_idx] = count
                     cute.arch.mbarrier_arrive(q_full + q_idx)
                 q_idx += 1
                 if q_idx == self.q_stages:
@@ -303,7 +332,8 @@ class KvOuterAttentionSm90WarpSpecialized:
     def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mO: cute.Tensor, mM: cute.Tensor,
                  mL: cute.Tensor, mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  sLim: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer,
-                 kv_empty: cute.Pointer, begin: Int32, end: Int32, scale_log2: Float32, scale: Float32,
+                 kv_empty: cute.Pointer, begin: Int32, n_items: Int32, grid: Int32, scale_log2: Float32,
+                 scale: Float32,
                  out_scale: Float32, sP: cute.Tensor, ctid: Int32, cwg: Int32):
         dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
         wg_barrier = 1 + cwg                                  # named barrier of this consumer warpgroup
@@ -322,14 +352,16 @@ class KvOuterAttentionSm90WarpSpecialized:
             tSsP = thr_qk.partition_C(sP)                                # (.., stage)
         tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
         n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
+        tOcO = _rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((ROWS, D))))
 
         q_idx = Int32(0)
         q_phase = Int32(0)
         kv_idx = Int32(0)
         kv_phase = Int32(0)
         cur_key = Int32(-1)
-        for t in cutlass.range(begin, end, unroll=1):
-            key = mTileKey[t]
+        issued = Int32(0)                                     # ping-pong: tiles this warpgroup has issued
+        for i in cutlass.range(n_items, unroll=1):
+            t, key = self._tile_key(mTileKey, i, begin, grid)
             if key >= 0:
                 if key != cur_key:
                     if cur_key >= 0:
@@ -350,15 +382,27 @@ class KvOuterAttentionSm90WarpSpecialized:
 
                 # S = Q K^T
                 acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, BLK)), Float32)
+                if const_expr(self.pingpong):
+                    # S issue alternates: warpgroup 0 waits for warpgroup 1's previous S, 1 for 0's current
+                    # (wgmma runs in issue order, so one warpgroup's softmax overlaps the other's MMAs)
+                    if cwg == 1 or issued > 0:
+                        cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=2 * self.wg_threads)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
                     cute.gemm(qk_mma, acc_s, tSrQ[None, None, kb, q_idx], tSrK[None, None, kb, kv_idx], acc_s)
                 warpgroup.commit_group()
+                if const_expr(self.pingpong):
+                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg,
+                                             number_of_threads=2 * self.wg_threads)
+                    issued += 1
                 # this thread's rows' limits (from the stage's shared-memory slots) while S runs
                 lim = cute.make_rmem_tensor((n_rows_acc,), Int32)
                 for r in cutlass.range_constexpr(n_rows_acc):
                     lim[r] = sLim[tScS[r, 0][0] // G, q_idx]
+                live_rows = Int32(ROWS)
+                if const_expr(self.mask_padded):
+                    live_rows = sLim[self.tile_q, q_idx] * G
                 warpgroup.wait_group(0)
                 if const_expr(self.p_in_regs):
                     # bf16: Q of this stage is no longer read (P stays in registers)
@@ -373,7 +417,7 @@ class KvOuterAttentionSm90WarpSpecialized:
                     row = tScS[r, 0][0]
                     limit = lim[r]
                     row_max, row_sum = _softmax_row(s_rc, tScS, r, limit, scale_log2, self.p_shift)
-                    if ctid % 4 == 0:
+                    if ctid % 4 == 0 and row < live_rows:
                         mM[t * ROWS + row] = row_max * scale
                         mL[t * ROWS + row] = row_sum * (1.0 / (1 << self.p_shift))
 
@@ -409,9 +453,44 @@ class KvOuterAttentionSm90WarpSpecialized:
 
                 r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
                 r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
-                cute.autovec_copy(r_o, thr_pv.partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D))))
+                tOgO = thr_pv.partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D)))
+                if const_expr(self.mask_padded):
+                    # only the rows of live slots: a key run's last tile is partly padding
+                    o_rc, g_rc = _rows_cols_view(r_o), _rows_cols_view(tOgO)
+                    for r in cutlass.range_constexpr(n_rows_acc):
+                        if tOcO[r, 0][0] < live_rows:
+                            cute.autovec_copy(o_rc[r, None], g_rc[r, None])
+                else:
+                    cute.autovec_copy(r_o, tOgO)
 
                 q_idx += 1
                 if q_idx == self.q_stages:
                     q_idx = Int32(0)
                     q_phase ^= 1
+        if const_expr(self.pingpong):
+            # warpgroup 1's last arrive on warpgroup 0's barrier has no S after it to wait for
+            if cwg == 0 and issued > 0:
+                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * self.wg_threads)
+
+
+class KvOuterAttentionSm90HeadCoherent(KvOuterAttentionSm90WarpSpecialized):
+    """v5: v4 with a head-coherent work order, deeper Q rings and stores of live rows only.
+
+    The CTAs take 32-tile chunks of the head-major tile sequence round-robin, so at any moment they
+    all work in a window of about grid x 32 tiles of one KV head and gather from that head's queries
+    only (v4's contiguous slices span all heads at once: four times the Q working set, which misses
+    L2). The Q ring is one tile deeper (bf16 3 x 32 KiB: 224 KiB of shared memory in all; fp8 8 x 16
+    KiB), the bytes in flight that a latency-bound gather needs. A key run's last tile stores only
+    its live slots' rows (o, m, l), as the Triton stage does."""
+    kernel_version = "v5-ws-chunked"
+    q_stages_by_dtype = {"bf16": 3, "fp8": 8}
+    chunk = 32
+    mask_padded = True
+
+
+class KvOuterAttentionSm90PingPong(KvOuterAttentionSm90HeadCoherent):
+    """v6: v5 with the two consumer warpgroups taking turns to issue S = Q K^T (named barriers), so
+    one warpgroup's softmax runs while the other's wgmmas do (they otherwise start each tile together
+    on the same Q stage and leave the tensor cores idle during the common softmax)."""
+    kernel_version = "v6-ws-pingpong"
+    pingpong = True

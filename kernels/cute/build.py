@@ -136,15 +136,17 @@ def kernel_class(variant: str):
     if variant == "v3":
         from .attention_sm90_pipe import KvOuterAttentionSm90Pipelined
         return KvOuterAttentionSm90Pipelined
-    if variant == "v4":
-        from .attention_sm90_ws import KvOuterAttentionSm90WarpSpecialized
-        return KvOuterAttentionSm90WarpSpecialized
+    if variant in ("v4", "v5", "v6"):
+        from . import attention_sm90_ws as ws
+        return {"v4": ws.KvOuterAttentionSm90WarpSpecialized, "v5": ws.KvOuterAttentionSm90HeadCoherent,
+                "v6": ws.KvOuterAttentionSm90PingPong}[variant]
     raise BuildError(f"unknown CuTe kernel variant {variant!r}")
 
 
 def kernel_version(variant: str) -> str:
     import importlib
-    return importlib.import_module(kernel_class(variant).__module__).KERNEL_VERSION
+    cls = kernel_class(variant)
+    return getattr(cls, "kernel_version", None) or importlib.import_module(cls.__module__).KERNEL_VERSION
 
 
 def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Path:

@@ -53,10 +53,13 @@ CTAS_PER_SM = (1, 2)
 # v3 = attention_sm90_pipe.py (double-buffered cp.async prefetch of the next tile, decoupled
 # warpgroups, limits read a tile ahead, bf16 P in registers); v4 = attention_sm90_ws.py (warp-specialized:
 # a producer warpgroup loads K/V by TMA and gathers Q by cp.async into mbarrier-guarded rings, two
-# consumer warpgroups compute). CTAs per SM each generation builds:
-VARIANTS = ("v2", "v3", "v4")
+# consumer warpgroups compute); v5 = v4 with head-coherent chunks of work, deeper Q rings and stores of
+# live rows only; v6 = v5 with the consumer warpgroups taking turns on the tensor cores (ping-pong).
+# CTAs per SM each generation builds:
+VARIANTS = ("v2", "v3", "v4", "v5", "v6")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
-                ("v4", "bf16"): (1,), ("v4", "fp8"): (1,)}
+                ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v5", "bf16"): (1,), ("v5", "fp8"): (1,),
+                ("v6", "bf16"): (1,), ("v6", "fp8"): (1,)}
 
 
 def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:

@@ -1,0 +1,158 @@
+"""What limits the attention stage: one Nsight Compute profile per implementation at the perf point.
+
+    source scripts/gpu-setup.sh && python3 benchmarks/cute_ncu.py [--impls triton,v4,v6] [--dtypes bf16,fp8]
+                                                                  [--out DIR]
+
+For each (implementation, dtype) an `ncu` process profiles a child of this script that builds the
+benchmarks/cute_gpu.py perf workload (N 16384, 1024 blocks per KV head, top-16 uniform picks), plans
+the stage (`triton` = the kv-outer Triton stage on 8-token tiles, vN = kv-outer-cute generation N), runs
+it once unprofiled, then once inside the NVTX range `msa-ncu`, the only launch profiled. Sections
+SpeedOfLight, MemoryWorkloadAnalysis and WarpStateStats plus the tensor-pipe and DRAM byte metrics;
+the raw CSV of each profile is kept under DIR, and a line per profile gives time, DRAM bytes and
+throughput, L2 hit rate, tensor-pipe activity and the largest warp stall reasons.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RANGE = "msa-ncu"
+METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum",
+           "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+           "dram__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct")
+STALL_KEY = "_issue_stalled_"          # smsp__average_warp(s|_latency)_issue_stalled_<reason>_per_issue_active.ratio
+
+
+def plan_stage(impl: str, dtype: str):
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cute_gpu import perf_workload
+    w = perf_workload(dtype, "cuda")
+    if impl == "triton":
+        from msa_bench.kernels.kv_outer.backend import KVOuterBackend
+        from msa_bench.kernels.kv_outer.config import default_config
+        backend = KVOuterBackend(config=default_config(dtype).with_(tile_q=8, attn_chunk=0, attn_chunk_grid=0,
+                                                                    attn_maxnreg=0))
+    else:
+        from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+        backend = KVOuterCuteBackend(variant=impl)
+    plan = backend.plan(w)
+    plan.run()
+    torch.cuda.synchronize()
+    return plan
+
+
+def child(impl: str, dtype: str) -> None:
+    import torch
+    plan = plan_stage(impl, dtype)
+    torch.cuda.nvtx.range_push(RANGE)
+    plan.stages["attention"]()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+
+
+def parse_raw(text: str) -> list[dict]:
+    """Rows of ncu `--page raw --csv` (header, units row, one row per kernel) as {metric: (value, unit)}."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith('"ID"')), None)
+    if start is None:
+        return []
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    header, units = rows[0], rows[1]
+    out = []
+    for row in rows[2:]:
+        if len(row) == len(header):
+            out.append({h: (v, u) for h, v, u in zip(header, row, units)})
+    return out
+
+
+def number(cell) -> float | None:
+    try:
+        return float(cell[0].replace(",", ""))
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def scaled(cell, kind: str) -> float | None:
+    """Value in base units: bytes or seconds (ncu's SI-prefixed unit strings)."""
+    v = number(cell)
+    if v is None:
+        return None
+    unit = cell[1].strip()
+    factors = ({"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12} if kind == "bytes" else
+               {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0})
+    return v * factors.get(unit, 1.0)
+
+
+def summarize(kernel: dict) -> dict:
+    rec = {"kernel": kernel.get("Kernel Name", ("?",))[0][:80]}
+    rec["time_s"] = scaled(kernel.get("gpu__time_duration.sum"), "time")
+    rec["dram_read_bytes"] = scaled(kernel.get("dram__bytes_read.sum"), "bytes")
+    rec["dram_write_bytes"] = scaled(kernel.get("dram__bytes_write.sum"), "bytes")
+    rec["dram_pct_peak"] = number(kernel.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"))
+    rec["l2_hit_pct"] = number(kernel.get("lts__t_sector_hit_rate.pct"))
+    rec["tensor_active_pct"] = number(kernel.get("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"))
+    stalls = {k.split(STALL_KEY)[1].split("_per_issue_active")[0]: number(v) for k, v in kernel.items()
+              if STALL_KEY in k and k.endswith("_per_issue_active.ratio") and "not_issued" not in k}
+    rec["stalls_per_issue"] = dict(sorted(((k, v) for k, v in stalls.items() if v), key=lambda kv: -kv[1])[:6])
+    return rec
+
+
+def profile(impl: str, dtype: str, out: Path, ncu: str) -> dict:
+    cmd = [ncu, "--csv", "--page", "raw", "--nvtx", "--nvtx-include", f"{RANGE}/", "--target-processes", "all",
+           "--section", "SpeedOfLight", "--section", "MemoryWorkloadAnalysis", "--section", "WarpStateStats",
+           "--metrics", ",".join(METRICS), sys.executable, __file__, "--child", impl, "--dtypes", dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    (out / f"ncu_{impl}_{dtype}.csv").write_text(proc.stdout)
+    kernels = parse_raw(proc.stdout)
+    if proc.returncode or not kernels:
+        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
+        return {"impl": impl, "dtype": dtype, "error": f"ncu rc {proc.returncode}: {' | '.join(tail)}"}
+    return {"impl": impl, "dtype": dtype, **summarize(kernels[-1]), "n_kernels": len(kernels)}
+
+
+def line(r: dict) -> str:
+    if "error" in r:
+        return f"ncu {r['dtype']:4s} {r['impl']:6s} ERROR {r['error'][:300]}"
+    t, rd, wr = r["time_s"] or float("nan"), r["dram_read_bytes"] or 0.0, r["dram_write_bytes"] or 0.0
+    stalls = ", ".join(f"{k} {v:.2f}" for k, v in r["stalls_per_issue"].items())
+    return (f"ncu {r['dtype']:4s} {r['impl']:6s} {t * 1e3:7.3f} ms  DRAM read {rd / 1e9:5.2f} GB write {wr / 1e9:5.2f} GB "
+            f"= {(rd + wr) / t / 1e12:4.2f} TB/s ({r['dram_pct_peak']}% of peak)  L2 hit {r['l2_hit_pct']}%  "
+            f"tensor pipe {r['tensor_active_pct']}% active  stalls/issue: {stalls}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default="triton,v4")
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results/cute-ncu")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args.child, args.dtypes)
+        return 0
+    from msa_bench.harness.counters import find_ncu
+    ncu = find_ncu()
+    if ncu is None:
+        print("error: ncu not found", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        for impl in [i for i in args.impls.split(",") if i]:
+            r = profile(impl, dtype, out, ncu)
+            results.append(r)
+            print(line(r), flush=True)
+            (out / "cute_ncu.json").write_text(json.dumps(results, indent=2))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
