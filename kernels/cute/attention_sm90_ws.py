@@ -494,3 +494,29 @@ class KvOuterAttentionSm90PingPong(KvOuterAttentionSm90HeadCoherent):
     on the same Q stage and leave the tensor cores idle during the common softmax)."""
     kernel_version = "v6-ws-pingpong"
     pingpong = True
+
+
+# ---- ablations (temporary): one v5/v6 change at a time on top of v4 ----
+class _AblationChunk(KvOuterAttentionSm90WarpSpecialized):
+    kernel_version = "a1-chunk"
+    chunk = 32
+
+
+class _AblationStages(KvOuterAttentionSm90WarpSpecialized):
+    kernel_version = "a2-stages"
+    q_stages_by_dtype = {"bf16": 3, "fp8": 8}
+
+
+class _AblationMask(KvOuterAttentionSm90WarpSpecialized):
+    kernel_version = "a3-mask"
+    mask_padded = True
+
+
+class _AblationPingPong(KvOuterAttentionSm90WarpSpecialized):
+    kernel_version = "a4-pingpong"
+    pingpong = True
+
+
+class _AblationPingPongStages(_AblationStages):
+    kernel_version = "a5-pingpong-stages"
+    pingpong = True
