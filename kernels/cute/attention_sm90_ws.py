@@ -89,6 +89,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     chunk = 0                  # 0: walk cta_range[cta]; k > 0: chunks of k tiles, CTA c takes c, c + grid, ...
     mask_padded = False        # store only the rows of live slots (slot < count)
     pingpong = False           # the two consumer warpgroups take turns issuing S = Q K^T
+    tma_store_o = False        # O through shared memory (stmatrix) and TMA stores, one per live slot
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -141,6 +142,10 @@ class KvOuterAttentionSm90WarpSpecialized:
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(tma_op, mK, cute.slice_(sK_layout, (None, None, 0)), (BLK, D))
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(tma_op, mV, cute.slice_(sV_layout, (None, None, 0)), v_tile)
+        # O staging: one (G, D) slab per tile slot (stage = slot), stored by TMA slot by slot
+        sO_layout = _staged_smem_layout(cutlass.BFloat16, self.group, D, self.tile_q if const_expr(self.tma_store_o) else 1)
+        tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
+                                                    cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
 
         @cute.struct
         class SharedStorage:
@@ -152,11 +157,13 @@ class KvOuterAttentionSm90WarpSpecialized:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
+                                                       cute.cosize(sO_layout) if const_expr(self.tma_store_o) else 8], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, mQ, mCsrQuery, mTileKey, mTileEdge,
+        self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mCsrQuery, mTileKey, mTileEdge,
                     mTileCount, mCtaRange, mPageBlock, mQLimit, mO, mM, mL, hkv, num_pages,
-                    scale * LOG2E, scale, out_scale, sQ_layout, sK_layout, sV_layout, sP_layout).launch(
+                    scale * LOG2E, scale, out_scale, sQ_layout, sK_layout, sV_layout, sP_layout, sO_layout).launch(
             grid=(mCtaRange.shape[0], 1, 1), block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1,
             preferred_smem_carveout=100, stream=stream)
@@ -164,13 +171,14 @@ class KvOuterAttentionSm90WarpSpecialized:
     # ---- device side --------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_k: cute.CopyAtom, gK_tma: cute.Tensor,
-               tma_v: cute.CopyAtom, gV_tma: cute.Tensor, mQ: cute.Tensor, mCsrQuery: cute.Tensor,
+               tma_v: cute.CopyAtom, gV_tma: cute.Tensor, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
+               mQ: cute.Tensor, mCsrQuery: cute.Tensor,
                mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
                mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
                mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
                hkv: Int32, num_pages: Int32, scale_log2: Float32, scale: Float32, out_scale: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
+               sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout):
         D, BLK = self.head_dim, self.block
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -187,6 +195,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)       # (BLK, D, KS)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)       # (BLK, D | D, BLK, KS)
         sP = storage.sQ.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)       # fp8 P over Q (ROWS, BLK, QS)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)       # (G, D, TILE_Q) O staging
 
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -198,6 +207,8 @@ class KvOuterAttentionSm90WarpSpecialized:
                     cute.arch.mbarrier_init(kv_empty + s, self.num_consumer_warps)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+            if const_expr(self.tma_store_o):
+                cpasync.prefetch_descriptor(tma_o)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -217,7 +228,7 @@ class KvOuterAttentionSm90WarpSpecialized:
                           begin, n_items, grid, hkv, num_pages, tidx, warp_idx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consumer(qk_mma, pv_mma, mO, mM, mL, mTileKey, sQ, sK, sV, sLim, q_full, q_empty, kv_full,
+            self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sO, mO, mM, mL, mTileKey, sQ, sK, sV, sLim, q_full, q_empty, kv_full,
                           kv_empty, begin, n_items, grid, scale_log2, scale, out_scale, sP,
                           tidx - self.wg_threads, warp_group - 1)
 
@@ -329,7 +340,8 @@ class KvOuterAttentionSm90WarpSpecialized:
 
     # ---- consumer warpgroups ----------------------------------------------------------------------
     @cute.jit
-    def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, mO: cute.Tensor, mM: cute.Tensor,
+    def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
+                 sO: cute.Tensor, mO: cute.Tensor, mM: cute.Tensor,
                  mL: cute.Tensor, mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  sLim: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer,
                  kv_empty: cute.Pointer, begin: Int32, n_items: Int32, grid: Int32, scale_log2: Float32,
@@ -353,6 +365,17 @@ class KvOuterAttentionSm90WarpSpecialized:
         tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
         n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
         tOcO = _rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((ROWS, D))))
+        if const_expr(self.tma_store_o):
+            # registers -> sO in the accumulator's own layout over the (ROWS, D) view of the slot-staged
+            # buffer (row = slot * G + g; 4-byte stores, conflict-free under the 128-byte swizzle); sO ->
+            # o_part by one TMA store per live slot (a G x D slab, contiguous in o_part), issued by one
+            # thread per warpgroup for the warpgroup's own slots
+            sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_q), D), stride=((1, G * D), G)))
+            tRsO = thr_pv.partition_C(sO_tile)
+            gO = cute.local_tile(gO_tma, (G, D), (None, 0))                  # (G, D, slabs)
+            tOsO, tOgO_tma = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+            slots_per_wg = const_expr(self.tile_q // 2)
 
         q_idx = Int32(0)
         q_phase = Int32(0)
@@ -454,7 +477,21 @@ class KvOuterAttentionSm90WarpSpecialized:
                 r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
                 r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
                 tOgO = thr_pv.partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D)))
-                if const_expr(self.mask_padded):
+                if const_expr(self.tma_store_o):
+                    # the previous tile's TMA stores have read sO (issued a tile ago: no wait in practice)
+                    if ctid % self.wg_threads == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+                    cute.autovec_copy(r_o, tRsO)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+                    if ctid % self.wg_threads == 0:
+                        for j in cutlass.range_constexpr(slots_per_wg):
+                            slot = cwg * slots_per_wg + j
+                            if slot * G < live_rows:
+                                cute.copy(tma_o, tOsO[None, slot], tOgO_tma[None, t * self.tile_q + slot])
+                        cute.arch.cp_async_bulk_commit_group()
+                elif const_expr(self.mask_padded):
                     # only the rows of live slots: a key run's last tile is partly padding
                     o_rc, g_rc = _rows_cols_view(r_o), _rows_cols_view(tOgO)
                     for r in cutlass.range_constexpr(n_rows_acc):
@@ -467,6 +504,9 @@ class KvOuterAttentionSm90WarpSpecialized:
                 if q_idx == self.q_stages:
                     q_idx = Int32(0)
                     q_phase ^= 1
+        if const_expr(self.tma_store_o):
+            if ctid % self.wg_threads == 0:
+                cute.arch.cp_async_bulk_wait_group(0)          # O stores complete before the CTA exits
         if const_expr(self.pingpong):
             # warpgroup 1's last arrive on warpgroup 0's barrier has no S after it to wait for
             if cwg == 0 and issued > 0:
@@ -519,4 +559,18 @@ class _AblationPingPong(KvOuterAttentionSm90WarpSpecialized):
 
 class _AblationPingPongStages(_AblationStages):
     kernel_version = "a5-pingpong-stages"
+    pingpong = True
+
+
+class KvOuterAttentionSm90TmaStore(KvOuterAttentionSm90WarpSpecialized):
+    """v7: v4 with the O tile stored through shared memory: stmatrix into a slot-staged buffer, then one
+    TMA store per live slot (only live slots are stored, and m, l of live rows)."""
+    kernel_version = "v7-ws-tma-store"
+    mask_padded = True
+    tma_store_o = True
+
+
+class KvOuterAttentionSm90TmaStorePingPong(KvOuterAttentionSm90TmaStore):
+    """v8: v7 with the consumer warpgroups taking turns to issue S (as v6)."""
+    kernel_version = "v8-ws-tma-store-pingpong"
     pingpong = True
