@@ -536,32 +536,6 @@ class KvOuterAttentionSm90PingPong(KvOuterAttentionSm90HeadCoherent):
     pingpong = True
 
 
-# ---- ablations (temporary): one v5/v6 change at a time on top of v4 ----
-class _AblationChunk(KvOuterAttentionSm90WarpSpecialized):
-    kernel_version = "a1-chunk"
-    chunk = 32
-
-
-class _AblationStages(KvOuterAttentionSm90WarpSpecialized):
-    kernel_version = "a2-stages"
-    q_stages_by_dtype = {"bf16": 3, "fp8": 8}
-
-
-class _AblationMask(KvOuterAttentionSm90WarpSpecialized):
-    kernel_version = "a3-mask"
-    mask_padded = True
-
-
-class _AblationPingPong(KvOuterAttentionSm90WarpSpecialized):
-    kernel_version = "a4-pingpong"
-    pingpong = True
-
-
-class _AblationPingPongStages(_AblationStages):
-    kernel_version = "a5-pingpong-stages"
-    pingpong = True
-
-
 class KvOuterAttentionSm90TmaStore(KvOuterAttentionSm90WarpSpecialized):
     """v7: v4 with the O tile stored through shared memory: stmatrix into a slot-staged buffer, then one
     TMA store per live slot (only live slots are stored, and m, l of live rows)."""
@@ -574,3 +548,19 @@ class KvOuterAttentionSm90TmaStorePingPong(KvOuterAttentionSm90TmaStore):
     """v8: v7 with the consumer warpgroups taking turns to issue S (as v6)."""
     kernel_version = "v8-ws-tma-store-pingpong"
     pingpong = True
+
+
+# ---- ablations (temporary): v5's changes on top of v7 ----
+class _AblationChunk(KvOuterAttentionSm90TmaStore):
+    kernel_version = "b1-v7-chunk"
+    chunk = 32
+
+
+class _AblationStages(KvOuterAttentionSm90TmaStore):
+    kernel_version = "b2-v7-fp8-stages"
+    q_stages_by_dtype = {"bf16": 2, "fp8": 8}
+
+
+class _AblationChunkStages(_AblationStages):
+    kernel_version = "b3-v7-chunk-fp8-stages"
+    chunk = 32
