@@ -78,6 +78,12 @@ def _wait(bar: cute.Pointer, phase: Int32):
             done = cute.arch.mbarrier_try_wait(bar, phase)
 
 
+def _fresh(tiled_mma: cute.TiledMma) -> cute.TiledMma:
+    """A new handle on the same MMA value: setting its ACCUMULATE field inside a loop body then does
+    not rebind the caller's handle (a value made in the body would not dominate uses after the loop)."""
+    return tiled_mma.__new_from_mlir_values__(tiled_mma.__extract_mlir_values__())
+
+
 class KvOuterAttentionSm90WarpSpecialized:
     """One compiled configuration of the v4 kernel."""
 
@@ -90,6 +96,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     mask_padded = False        # store only the rows of live slots (slot < count)
     pingpong = False           # the two consumer warpgroups take turns issuing S = Q K^T
     tma_store_o = False        # O through shared memory (stmatrix) and TMA stores, one per live slot
+    pipelined = False          # consumers issue tile t+1's S with tile t's P V (needs chunk 0, tma_store_o)
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -228,9 +235,14 @@ class KvOuterAttentionSm90WarpSpecialized:
                           begin, n_items, grid, hkv, num_pages, tidx, warp_idx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sO, mO, mM, mL, mTileKey, sQ, sK, sV, sLim, q_full, q_empty, kv_full,
-                          kv_empty, begin, n_items, grid, scale_log2, scale, out_scale, sP,
-                          tidx - self.wg_threads, warp_group - 1)
+            if const_expr(self.pipelined):
+                self.consumer_pipelined(qk_mma, pv_mma, tma_o, gO_tma, sO, mM, mL, mTileKey, sQ, sK, sV, sLim,
+                                        q_full, q_empty, kv_full, kv_empty, begin, n_items, scale_log2, scale,
+                                        out_scale, sP, tidx - self.wg_threads, warp_group - 1)
+            else:
+                self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sO, mO, mM, mL, mTileKey, sQ, sK, sV, sLim, q_full, q_empty, kv_full,
+                              kv_empty, begin, n_items, grid, scale_log2, scale, out_scale, sP,
+                              tidx - self.wg_threads, warp_group - 1)
 
     @cute.jit
     def _tile_key(self, mTileKey: cute.Tensor, i: Int32, begin: Int32, grid: Int32):
@@ -513,6 +525,202 @@ class KvOuterAttentionSm90WarpSpecialized:
                 cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * self.wg_threads)
 
 
+    # ---- consumer warpgroups, software-pipelined across tiles (v9) --------------------------------
+    @cute.jit
+    def _release(self, bar: cute.Pointer, lane: Int32):
+        """One arrive per consumer warp on an empty barrier, after the warp's async-proxy reads."""
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(bar)
+
+    @cute.jit
+    def _advance(self, idx: Int32, phase: Int32, stages: cutlass.Constexpr):
+        idx += 1
+        if idx == stages:
+            idx = Int32(0)
+            phase ^= 1
+        return idx, phase
+
+    @cute.jit
+    def consumer_pipelined(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_o: cute.CopyAtom,
+                           gO_tma: cute.Tensor, sO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
+                           mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                           sLim: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer,
+                           kv_empty: cute.Pointer, begin: Int32, n_items: Int32, scale_log2: Float32,
+                           scale: Float32, out_scale: Float32, sP: cute.Tensor, ctid: Int32, cwg: Int32):
+        """Per tile t of the slice: S(t+1) = Q K^T and O(t) = P(t) V are issued back to back, so the
+        softmax of t+1 runs while the tensor cores work on P(t) V; then O(t) is stored. Every tile of a
+        cta_range slice is real (the scheduler's slices end at the real tile count)."""
+        dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
+        wg_barrier = 1 + cwg
+        lane = cute.arch.lane_idx()
+        if const_expr(self.v_d_major):
+            sVt = sV
+        else:
+            sVt = cute.composition(sV, cute.make_ordered_layout((D, BLK, self.kv_stages), order=(1, 0, 2)))
+        thr_qk = qk_mma.get_slice(ctid)
+        thr_pv = pv_mma.get_slice(ctid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tOrP, tSsP = None, None
+        if const_expr(not self.p_in_regs):
+            tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+            tSsP = thr_qk.partition_C(sP)
+        tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
+        n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
+        sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_q), D), stride=((1, G * D), G)))
+        tRsO = thr_pv.partition_C(sO_tile)
+        gO = cute.local_tile(gO_tma, (G, D), (None, 0))
+        tOsO, tOgO_tma = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, BLK)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, D)), Float32)
+        lim = cute.make_rmem_tensor((n_rows_acc,), Int32)
+        if const_expr(self.p_in_regs):
+            r_p = cute.make_rmem_tensor_like(_acc_to_frg_a(acc_s), dt)      # P as the A operand
+        else:
+            r_p = cute.make_rmem_tensor_like(acc_s, dt)                     # P before it goes to smem
+
+        q_idx = Int32(0)          # stage of the tile whose S is issued next
+        q_phase = Int32(0)
+        kv_idx = Int32(0)
+        kv_phase = Int32(0)
+        cur_q = Int32(0)          # stage of the tile whose P V is issued next
+        cur_kv = Int32(0)
+        cur_key = Int32(-1)
+        cur_live = Int32(0)
+        if n_items > 0:
+            # prologue: S and softmax of the first tile
+            cur_key = mTileKey[begin]
+            _wait(kv_full + kv_idx, kv_phase)
+            _wait(q_full + q_idx, q_phase)
+            cute.arch.fence_view_async_shared()
+            self._issue_s(qk_mma, acc_s, tSrQ, tSrK, q_idx, kv_idx)
+            cur_live = self._softmax_after_s(acc_s, sLim, lim, tScS, q_empty, q_idx, begin, mM, mL, scale_log2,
+                                             scale, lane, ctid, 0)
+            if const_expr(self.p_in_regs):
+                r_p.store(_acc_to_frg_a(acc_s).load().to(dt))
+            else:
+                self._stage_p8(acc_s, r_p, tSsP, q_idx, wg_barrier)
+            cur_q, cur_kv = q_idx, kv_idx
+            q_idx, q_phase = self._advance(q_idx, q_phase, self.q_stages)
+        for i in cutlass.range(n_items - 1, unroll=1):
+            t = begin + i
+            next_key = mTileKey[t + 1]
+            if next_key != cur_key:
+                kv_idx, kv_phase = self._advance(kv_idx, kv_phase, self.kv_stages)
+                _wait(kv_full + kv_idx, kv_phase)
+            _wait(q_full + q_idx, q_phase)
+            cute.arch.fence_view_async_shared()
+            self._issue_s(qk_mma, acc_s, tSrQ, tSrK, q_idx, kv_idx)
+            self._issue_pv(pv_mma, acc_o, r_p, tOrP, tOrV, cur_q, cur_kv)
+            # softmax of t+1 while P(t) V runs on the tensor cores
+            next_live = self._softmax_after_s(acc_s, sLim, lim, tScS, q_empty, q_idx, t + 1, mM, mL,
+                                              scale_log2, scale, lane, ctid, 1)
+            warpgroup.wait_group(0)
+            if const_expr(not self.p_in_regs):
+                self._release(q_empty + cur_q, lane)          # P(t) over its Q rows has been read
+            if next_key != cur_key:
+                self._release(kv_empty + cur_kv, lane)        # the key run of t is done
+            self._store_o(tma_o, acc_o, out_scale, tRsO, tOsO, tOgO_tma, t, cur_live, ctid, cwg, wg_barrier)
+            # P(t+1) into the operand that P(t) V has finished reading
+            if const_expr(self.p_in_regs):
+                r_p.store(_acc_to_frg_a(acc_s).load().to(dt))
+            else:
+                self._stage_p8(acc_s, r_p, tSsP, q_idx, wg_barrier)
+            cur_q, cur_kv, cur_key, cur_live = q_idx, kv_idx, next_key, next_live
+            q_idx, q_phase = self._advance(q_idx, q_phase, self.q_stages)
+        if n_items > 0:
+            # the last tile: P V and its store only
+            self._issue_pv(pv_mma, acc_o, r_p, tOrP, tOrV, cur_q, cur_kv)
+            warpgroup.wait_group(0)
+            if const_expr(not self.p_in_regs):
+                self._release(q_empty + cur_q, lane)
+            self._store_o(tma_o, acc_o, out_scale, tRsO, tOsO, tOgO_tma, begin + n_items - 1, cur_live, ctid, cwg,
+                          wg_barrier)
+        if ctid % self.wg_threads == 0:
+            cute.arch.cp_async_bulk_wait_group(0)              # O stores complete before the CTA exits
+
+    @cute.jit
+    def _issue_s(self, qk_mma, acc_s, tSrQ, tSrK, q_idx: Int32, kv_idx: Int32):
+        qk_mma = _fresh(qk_mma)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(qk_mma, acc_s, tSrQ[None, None, kb, q_idx], tSrK[None, None, kb, kv_idx], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_pv(self, pv_mma, acc_o, r_p, tOrP, tOrV, q_idx: Int32, kv_idx: Int32):
+        """O = P V: bf16 P from registers (r_p), fp8 P from the warpgroup's Q rows of stage q_idx."""
+        pv_mma = _fresh(pv_mma)
+        warpgroup.fence()
+        if const_expr(self.p_in_regs):
+            for kb in cutlass.range_constexpr(cute.size(r_p, mode=[2])):
+                pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(pv_mma, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv_idx], acc_o)
+        else:
+            for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(pv_mma, acc_o, tOrP[None, None, kb, q_idx], tOrV[None, None, kb, kv_idx], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _store_o(self, tma_o, acc_o, out_scale: Float32, tRsO, tOsO, tOgO_tma, t: Int32, live_rows: Int32,
+                 ctid: Int32, cwg: Int32, wg_barrier: Int32):
+        """O of tile t: registers -> sO (this warpgroup's rows) -> one TMA store per live slot."""
+        G = self.group
+        slots_per_wg = const_expr(self.tile_q // 2)
+        r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
+        r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+        if ctid % self.wg_threads == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)   # the previous tile's stores have read sO
+        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+        cute.autovec_copy(r_o, tRsO)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+        if ctid % self.wg_threads == 0:
+            for j in cutlass.range_constexpr(slots_per_wg):
+                slot = cwg * slots_per_wg + j
+                if slot * G < live_rows:
+                    cute.copy(tma_o, tOsO[None, slot], tOgO_tma[None, t * self.tile_q + slot])
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _softmax_after_s(self, acc_s, sLim, lim, tScS, q_empty, q_idx: Int32, t: Int32, mM, mL,
+                         scale_log2: Float32, scale: Float32, lane: Int32, ctid: Int32, pending: cutlass.Constexpr):
+        """Wait for tile t's S (`pending` younger wgmma groups may stay in flight), release its Q stage
+        (bf16), one masked softmax step in place in acc_s, m and l of its live rows; returns the tile's
+        live rows."""
+        G, ROWS = self.group, self.rows
+        n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
+        for r in cutlass.range_constexpr(n_rows_acc):
+            lim[r] = sLim[tScS[r, 0][0] // G, q_idx]
+        live_rows = sLim[self.tile_q, q_idx] * G
+        warpgroup.wait_group(pending)
+        if const_expr(self.p_in_regs):
+            self._release(q_empty + q_idx, lane)
+        s_rc = _rows_cols_view(acc_s)
+        for r in cutlass.range_constexpr(n_rows_acc):
+            row = tScS[r, 0][0]
+            row_max, row_sum = _softmax_row(s_rc, tScS, r, lim[r], scale_log2, self.p_shift)
+            if ctid % 4 == 0 and row < live_rows:
+                mM[t * ROWS + row] = row_max * scale
+                mL[t * ROWS + row] = row_sum * (1.0 / (1 << self.p_shift))
+        return live_rows
+
+    @cute.jit
+    def _stage_p8(self, acc_s, r_p8, tSsP, q_idx: Int32, wg_barrier: Int32):
+        """fp8: P over this warpgroup's own (dead) Q rows of stage q_idx, visible to its wgmma."""
+        r_p8.store(acc_s.load().to(self.dtype))
+        cute.autovec_copy(r_p8, tSsP[None, None, None, q_idx])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+
+
 class KvOuterAttentionSm90HeadCoherent(KvOuterAttentionSm90WarpSpecialized):
     """v5: v4 with a head-coherent work order, deeper Q rings and stores of live rows only.
 
@@ -564,3 +772,10 @@ class _AblationStages(KvOuterAttentionSm90TmaStore):
 class _AblationChunkStages(_AblationStages):
     kernel_version = "b3-v7-chunk-fp8-stages"
     chunk = 32
+
+
+class KvOuterAttentionSm90Pipelined(KvOuterAttentionSm90TmaStore):
+    """v9: v7 with the consumers software-pipelined across tiles: S(t+1) is issued together with P(t) V,
+    and the softmax of t+1 runs while the tensor cores do P(t) V."""
+    kernel_version = "v9-ws-tma-store-pipelined"
+    pipelined = True

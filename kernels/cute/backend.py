@@ -16,7 +16,7 @@ from .manifest import (DTYPES, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS,
                        find_library)
 
 DEFAULT_VARIANT = "v4"   # the fastest generation that passed every GPU check (H200 2026-11-29: bf16 247, fp8 248 TFLOP/s)
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v5": 1, "v6": 1, "v7": 1, "v8": 1, "b1": 1, "b2": 1, "b3": 1}
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v5": 1, "v6": 1, "v7": 1, "v8": 1, "v9": 1, "b1": 1, "b2": 1, "b3": 1}
 
 
 def attention_impl_name(variant: str) -> str:
