@@ -9,7 +9,9 @@ the stage (`triton` = the kv-outer Triton stage on 8-token tiles, vN = kv-outer-
 it once unprofiled, then once inside the NVTX range `msa-ncu`, the only launch profiled. Sections
 SpeedOfLight, MemoryWorkloadAnalysis and WarpStateStats plus the tensor-pipe and DRAM byte metrics;
 the raw CSV of each profile is kept under DIR, and a line per profile gives time, DRAM bytes and
-throughput, L2 hit rate, tensor-pipe activity and the largest warp stall reasons.
+throughput, L2 hit rate, tensor-pipe activity and the largest warp stall reasons. With --source, a
+second profile per implementation samples warp stalls per SASS instruction (SourceCounters) and
+writes the instructions where most samples fell, with their stall reasons, to DIR/stalls_<impl>_<dtype>.txt.
 """
 from __future__ import annotations
 
@@ -117,6 +119,44 @@ def profile(impl: str, dtype: str, out: Path, ncu: str) -> dict:
     return {"impl": impl, "dtype": dtype, **summarize(kernels[-1]), "n_kernels": len(kernels)}
 
 
+def source_hotspots(impl: str, dtype: str, out: Path, ncu: str, top: int = 40) -> str:
+    """Profile once more with warp-stall sampling per instruction; the `top` SASS lines by samples."""
+    rep = out / f"src_{impl}_{dtype}"
+    cmd = [ncu, "-f", "-o", str(rep), "--nvtx", "--nvtx-include", f"{RANGE}/", "--target-processes", "all",
+           "--section", "SourceCounters", "--section", "WarpStateStats",
+           sys.executable, __file__, "--child", impl, "--dtypes", dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        return f"source profile failed (rc {proc.returncode}): {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+    page = subprocess.run([ncu, "-i", f"{rep}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
+                          capture_output=True, text=True, timeout=600)
+    rows = list(csv.reader(io.StringIO(page.stdout)))
+    start = next((i for i, r in enumerate(rows) if r and ("Source" in r or "# Address" in r)), None)
+    if start is None:
+        return "source page: no table\n" + page.stdout[:2000]
+    header = rows[start]
+    col = {h: i for i, h in enumerate(header)}
+    samples = next((h for h in header if h.startswith("Warp Stall Sampling (All")), None)
+    if samples is None:
+        return "source page: no stall-sampling column; columns: " + ", ".join(header)
+    reasons = [h for h in header if h.startswith("stall_") or h.endswith("_samples")] or []
+    body = [r for r in rows[start + 1:] if len(r) == len(header)]
+
+    def num(x):
+        try:
+            return float(x.replace(",", ""))
+        except ValueError:
+            return 0.0
+    total = sum(num(r[col[samples]]) for r in body) or 1.0
+    lines = [f"{impl} {dtype}: {int(total)} stall samples over {len(body)} SASS lines; top {top}:"]
+    for r in sorted(body, key=lambda r: -num(r[col[samples]]))[:top]:
+        why = sorted(((h, num(r[col[h]])) for h in reasons if h != samples and num(r[col[h]]) > 0), key=lambda kv: -kv[1])[:3]
+        src = r[col["Source"]] if "Source" in col else r[1]
+        lines.append(f"{100 * num(r[col[samples]]) / total:5.1f}%  {r[0]:>6s}  {src[:70]:70s}  "
+                     + ", ".join(f"{h} {int(v)}" for h, v in why))
+    return "\n".join(lines)
+
+
 def line(r: dict) -> str:
     if "error" in r:
         return f"ncu {r['dtype']:4s} {r['impl']:6s} ERROR {r['error'][:300]}"
@@ -132,6 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="triton,v4")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/cute-ncu")
+    ap.add_argument("--source", action="store_true", help="also sample warp stalls per SASS instruction")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -151,6 +192,10 @@ def main(argv=None) -> int:
             results.append(r)
             print(line(r), flush=True)
             (out / "cute_ncu.json").write_text(json.dumps(results, indent=2))
+            if args.source:
+                text = source_hotspots(impl, dtype, out, ncu)
+                (out / f"stalls_{impl}_{dtype}.txt").write_text(text + "\n")
+                print(text, flush=True)
     return 0 if all("error" not in r for r in results) else 1
 
 
