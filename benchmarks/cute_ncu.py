@@ -148,7 +148,8 @@ def source_hotspots(impl: str, dtype: str, out: Path, ncu: str, top: int = 40) -
         except ValueError:
             return 0.0
     total = sum(num(r[col[samples]]) for r in body) or 1.0
-    lines = [f"{impl} {dtype}: {int(total)} stall samples over {len(body)} SASS lines; top {top}:"]
+    lines = [f"{impl} {dtype}: {int(total)} stall samples over {len(body)} SASS lines; columns: {'; '.join(header)}",
+             f"top {top} by {samples}:"]
     for r in sorted(body, key=lambda r: -num(r[col[samples]]))[:top]:
         why = sorted(((h, num(r[col[h]])) for h in reasons if h != samples and num(r[col[h]]) > 0), key=lambda kv: -kv[1])[:3]
         src = r[col["Source"]] if "Source" in col else r[1]
