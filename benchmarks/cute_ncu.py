@@ -130,6 +130,7 @@ def source_hotspots(impl: str, dtype: str, out: Path, ncu: str, top: int = 40) -
         return f"source profile failed (rc {proc.returncode}): {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
     page = subprocess.run([ncu, "-i", f"{rep}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
                           capture_output=True, text=True, timeout=600)
+    (out / f"source_{impl}_{dtype}.csv").write_text(page.stdout)
     rows = list(csv.reader(io.StringIO(page.stdout)))
     start = next((i for i, r in enumerate(rows) if r and ("Source" in r or "# Address" in r)), None)
     if start is None:
