@@ -221,10 +221,15 @@ class KvOuterAttentionSm90WarpSpecialized:
 
         # this CTA's work: tiles begin .. begin + n_items (cta_range), or chunks cta, cta + grid, ...
         grid = mCtaRange.shape[0]
-        total = mTileKey.shape[0]
         if const_expr(self.chunk > 0):
+            # the real tiles only: the last CTA's slice ends at the real tile count
+            real = mCtaRange[grid - 1, 1]
+            my_chunks = (cute.ceil_div(real, self.chunk) - cta + grid - 1) // grid
             begin = cta
-            n_items = (cute.ceil_div(total, self.chunk) - cta + grid - 1) // grid * self.chunk
+            n_items = Int32(0)
+            if my_chunks > 0:
+                last = cta + (my_chunks - 1) * grid
+                n_items = (my_chunks - 1) * self.chunk + cutlass.min(self.chunk, real - last * self.chunk)
         else:
             begin = mCtaRange[cta, 0]
             n_items = mCtaRange[cta, 1] - begin
@@ -237,7 +242,7 @@ class KvOuterAttentionSm90WarpSpecialized:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             if const_expr(self.pipelined):
                 self.consumer_pipelined(qk_mma, pv_mma, tma_o, gO_tma, sO, mM, mL, mTileKey, sQ, sK, sV, sLim,
-                                        q_full, q_empty, kv_full, kv_empty, begin, n_items, scale_log2, scale,
+                                        q_full, q_empty, kv_full, kv_empty, begin, n_items, grid, scale_log2, scale,
                                         out_scale, sP, tidx - self.wg_threads, warp_group - 1)
             else:
                 self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sO, mO, mM, mL, mTileKey, sQ, sK, sV, sLim, q_full, q_empty, kv_full,
@@ -245,13 +250,19 @@ class KvOuterAttentionSm90WarpSpecialized:
                               tidx - self.wg_threads, warp_group - 1)
 
     @cute.jit
-    def _tile_key(self, mTileKey: cute.Tensor, i: Int32, begin: Int32, grid: Int32):
-        """(tile, key) of the i-th work item of this CTA; key -1 for a padded tile or one past the end."""
+    def _tile_of(self, i: Int32, begin: Int32, grid: Int32):
+        """The tile of this CTA's i-th work item."""
         if const_expr(self.chunk > 0):
             k = i // self.chunk
             t = (begin + k * grid) * self.chunk + (i - k * self.chunk)
         else:
             t = begin + i
+        return t
+
+    @cute.jit
+    def _tile_key(self, mTileKey: cute.Tensor, i: Int32, begin: Int32, grid: Int32):
+        """(tile, key) of the i-th work item of this CTA; key -1 for a padded tile or one past the end."""
+        t = self._tile_of(i, begin, grid)
         key = Int32(-1)
         if t < mTileKey.shape[0]:
             key = mTileKey[t]
@@ -547,11 +558,11 @@ class KvOuterAttentionSm90WarpSpecialized:
                            gO_tma: cute.Tensor, sO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
                            mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                            sLim: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer,
-                           kv_empty: cute.Pointer, begin: Int32, n_items: Int32, scale_log2: Float32,
+                           kv_empty: cute.Pointer, begin: Int32, n_items: Int32, grid: Int32, scale_log2: Float32,
                            scale: Float32, out_scale: Float32, sP: cute.Tensor, ctid: Int32, cwg: Int32):
         """Per tile t of the slice: S(t+1) = Q K^T and O(t) = P(t) V are issued back to back, so the
-        softmax of t+1 runs while the tensor cores work on P(t) V; then O(t) is stored. Every tile of a
-        cta_range slice is real (the scheduler's slices end at the real tile count)."""
+        softmax of t+1 runs while the tensor cores work on P(t) V; then O(t) is stored. Every work item
+        is a real tile (the scheduler's slices, and n_items in chunk mode, end at the real tile count)."""
         dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
         wg_barrier = 1 + cwg
         lane = cute.arch.lane_idx()
@@ -594,12 +605,13 @@ class KvOuterAttentionSm90WarpSpecialized:
         cur_live = Int32(0)
         if n_items > 0:
             # prologue: S and softmax of the first tile
-            cur_key = mTileKey[begin]
+            first = self._tile_of(Int32(0), begin, grid)
+            cur_key = mTileKey[first]
             _wait(kv_full + kv_idx, kv_phase)
             _wait(q_full + q_idx, q_phase)
             cute.arch.fence_view_async_shared()
             self._issue_s(qk_mma, acc_s, tSrQ, tSrK, q_idx, kv_idx)
-            cur_live = self._softmax_after_s(acc_s, sLim, lim, tScS, q_empty, q_idx, begin, mM, mL, scale_log2,
+            cur_live = self._softmax_after_s(acc_s, sLim, lim, tScS, q_empty, q_idx, first, mM, mL, scale_log2,
                                              scale, lane, ctid, 0)
             if const_expr(self.p_in_regs):
                 r_p.store(_acc_to_frg_a(acc_s).load().to(dt))
@@ -608,8 +620,9 @@ class KvOuterAttentionSm90WarpSpecialized:
             cur_q, cur_kv = q_idx, kv_idx
             q_idx, q_phase = self._advance(q_idx, q_phase, self.q_stages)
         for i in cutlass.range(n_items - 1, unroll=1):
-            t = begin + i
-            next_key = mTileKey[t + 1]
+            t = self._tile_of(i, begin, grid)
+            next_t = self._tile_of(i + 1, begin, grid)
+            next_key = mTileKey[next_t]
             if next_key != cur_key:
                 kv_idx, kv_phase = self._advance(kv_idx, kv_phase, self.kv_stages)
                 _wait(kv_full + kv_idx, kv_phase)
@@ -618,7 +631,7 @@ class KvOuterAttentionSm90WarpSpecialized:
             self._issue_s(qk_mma, acc_s, tSrQ, tSrK, q_idx, kv_idx)
             self._issue_pv(pv_mma, acc_o, r_p, tOrP, tOrV, cur_q, cur_kv)
             # softmax of t+1 while P(t) V runs on the tensor cores
-            next_live = self._softmax_after_s(acc_s, sLim, lim, tScS, q_empty, q_idx, t + 1, mM, mL,
+            next_live = self._softmax_after_s(acc_s, sLim, lim, tScS, q_empty, q_idx, next_t, mM, mL,
                                               scale_log2, scale, lane, ctid, 1)
             warpgroup.wait_group(0)
             if const_expr(not self.p_in_regs):
@@ -639,7 +652,8 @@ class KvOuterAttentionSm90WarpSpecialized:
             warpgroup.wait_group(0)
             if const_expr(not self.p_in_regs):
                 self._release(q_empty + cur_q, lane)
-            self._store_o(tma_o, acc_o, out_scale, tRsO, tOsO, tOgO_tma, begin + n_items - 1, cur_live, ctid, cwg,
+            self._store_o(tma_o, acc_o, out_scale, tRsO, tOsO, tOgO_tma, self._tile_of(n_items - 1, begin, grid),
+                          cur_live, ctid, cwg,
                           wg_barrier)
         if ctid % self.wg_threads == 0:
             cute.arch.cp_async_bulk_wait_group(0)              # O stores complete before the CTA exits
@@ -758,24 +772,14 @@ class KvOuterAttentionSm90TmaStorePingPong(KvOuterAttentionSm90TmaStore):
     pingpong = True
 
 
-# ---- ablations (temporary): v5's changes on top of v7 ----
-class _AblationChunk(KvOuterAttentionSm90TmaStore):
-    kernel_version = "b1-v7-chunk"
-    chunk = 32
-
-
-class _AblationStages(KvOuterAttentionSm90TmaStore):
-    kernel_version = "b2-v7-fp8-stages"
-    q_stages_by_dtype = {"bf16": 2, "fp8": 8}
-
-
-class _AblationChunkStages(_AblationStages):
-    kernel_version = "b3-v7-chunk-fp8-stages"
-    chunk = 32
-
-
 class KvOuterAttentionSm90Pipelined(KvOuterAttentionSm90TmaStore):
     """v9: v7 with the consumers software-pipelined across tiles: S(t+1) is issued together with P(t) V,
     and the softmax of t+1 runs while the tensor cores do P(t) V."""
     kernel_version = "v9-ws-tma-store-pipelined"
     pipelined = True
+
+
+# ---- ablation (temporary) ----
+class _AblationPipelinedChunk(KvOuterAttentionSm90Pipelined):
+    kernel_version = "c1-v9-chunk"
+    chunk = 32

@@ -16,7 +16,7 @@ from .manifest import (DTYPES, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS,
                        find_library)
 
 DEFAULT_VARIANT = "v7"   # the fastest simple generation that passed every GPU check (H200 2026-11-29, N 16384: bf16 360, fp8 427 TFLOP/s)
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v5": 1, "v6": 1, "v7": 1, "v8": 1, "v9": 1, "b1": 1, "b2": 1, "b3": 1}
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v5": 1, "v6": 1, "v7": 1, "v8": 1, "v9": 1, "c1": 1}
 
 
 def attention_impl_name(variant: str) -> str:

@@ -56,11 +56,11 @@ CTAS_PER_SM = (1, 2)
 # consumer warpgroups compute); v5 = v4 with head-coherent chunks of work, deeper Q rings and stores of
 # live rows only; v6 = v5 with the consumer warpgroups taking turns on the tensor cores (ping-pong).
 # CTAs per SM each generation builds:
-VARIANTS = ("v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "b1", "b2", "b3")
+VARIANTS = ("v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "c1")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
                 ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v5", "bf16"): (1,), ("v5", "fp8"): (1,),
                 ("v6", "bf16"): (1,), ("v6", "fp8"): (1,)}
-VARIANT_CTAS.update({(a, d): (1,) for a in ("v7", "v8", "v9", "b1", "b2", "b3") for d in ("bf16", "fp8")})
+VARIANT_CTAS.update({(a, d): (1,) for a in ("v7", "v8", "v9", "c1") for d in ("bf16", "fp8")})
 
 
 def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:
