@@ -1,10 +1,11 @@
-"""KV-outer attention stage for Hopper (sm_90a), v4: warp-specialized, TMA K/V, mbarrier pipelines.
+"""KV-outer attention stage for Hopper (sm_90a), v4, v7 and v9: warp-specialized, TMA, mbarrier pipelines.
 
 Same contract as attention_sm90.py (v2; see its docstring and kernels/kv_outer/__init__.py): the
 same arguments, the raw tile-ordered partial o (bf16), m and l (fp32), causal masking through the
-per-row limits, -1 padded tiles skipped, fp8 with V d-major and P scaled by 2^P_SHIFT. What changes
-from v3 (attention_sm90_pipe.py):
+per-row limits, fp8 with V d-major and P scaled by 2^P_SHIFT. Every tile of a CTA's cta_range slice
+is real (the scheduler's slices end at the real tile count).
 
+v4 (KvOuterAttentionSm90WarpSpecialized), what changes from v3 (attention_sm90_pipe.py):
 * Three warpgroups (384 threads). Warpgroup 0 is the producer (setmaxnreg down to PRODUCER_REGS),
   warpgroups 1 and 2 the consumers (up to CONSUMER_REGS), 64 rows of every tile each.
 * K and V: one TMA descriptor per tensor, made in the launcher over the (rows, D) view of the cache
@@ -14,23 +15,33 @@ from v3 (attention_sm90_pipe.py):
   2-stage ring: kv_full[s] (1 arrive + expect_tx of both boxes' bytes, completed by the TMA),
   kv_empty[s] (one arrive per consumer warp when the consumers leave that key run).
 * Q: the producer warpgroup gathers each tile's 128 rows (csr_query picks the query, row (slot, g)
-  = q[query, head * G + g]; empty slots repeat the last query) with cp.async into a ring of q_stages (2 bf16, 4 fp8);
-  each producer thread ends its copies with cp.async.mbarrier.arrive.noinc on q_full[s], and the
-  TILE_Q threads that compute the tile's per-slot visibility limits (q_limit[query] - key base;
-  -1 for an empty slot) store them in shared memory next to the stage and arrive normally, so
-  q_full[s] expects 128 + TILE_Q arrivals. q_empty[s] takes one arrive per consumer warp: after
-  S = Q K^T for bf16 (P stays in registers), after O = P V for fp8 (P goes through the
-  warpgroup's own Q rows of that stage, as in v3).
+  = q[query, head * G + g]; empty slots repeat the last query) with cp.async into a ring of
+  q_stages (2 bf16, 4 fp8); each producer thread ends its copies with cp.async.mbarrier.arrive.noinc
+  on q_full[s], and the TILE_Q threads that compute the tile's per-slot visibility limits
+  (q_limit[query] - key base; -1 for an empty slot) store them in shared memory next to the stage
+  and arrive normally, so q_full[s] expects 128 + TILE_Q arrivals. q_empty[s] takes one arrive per
+  consumer warp: after S = Q K^T for bf16 (P stays in registers), after O = P V for fp8 (P goes
+  through the warpgroup's own Q rows of that stage, as in v3).
 * Consumers: wait kv_full at a key change, wait q_full, fence the async proxy (the cp.async writes
   become wgmma operands), S on wgmma, one masked softmax step, m and l, O = P V on wgmma, the raw
-  tile to o_part. Phases are explicit (index, phase) pairs that flip when the index wraps; the
-  producer starts its empty-barrier waits on phase 1 (they pass at once), the consumers their
-  full-barrier waits on phase 0. Stage releases fence the async proxy first (the stage was read
-  by wgmma and is refilled by cp.async / TMA). Every barrier wait goes through _wait, a watchdog
-  that traps after WATCHDOG_NS, so a protocol bug fails the launch instead of hanging the GPU.
+  tile to o_part by 4-byte stores from registers. Phases are explicit (index, phase) pairs that flip
+  when the index wraps; the producer starts its empty-barrier waits on phase 1 (they pass at once),
+  the consumers their full-barrier waits on phase 0. Stage releases fence the async proxy first
+  (the stage was read by wgmma and is refilled by cp.async / TMA). Every barrier wait goes through
+  _wait, a watchdog that traps after WATCHDOG_NS, so a protocol bug fails the launch instead of
+  hanging the GPU.
 
-Shared memory: bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each = 192 KiB; fp8 Q 4 x 16 KiB + K, V
-2 x 16 KiB each = 128 KiB. One CTA per SM.
+v7 (KvOuterAttentionSm90TmaStore): the O tile goes registers -> shared memory (a slot-staged buffer,
+128-byte swizzle, conflict-free 4-byte stores) -> o_part by one TMA store per live slot, issued by
+one thread per consumer warpgroup; only live slots are stored (o, and m, l of their rows). v4's
+scattered 4-byte global stores filled the LSU queue the Q gather shares (ncu: lg_throttle).
+
+v9 (KvOuterAttentionSm90Pipelined): v7 with the consumers software-pipelined across tiles:
+S(t+1) = Q K^T and O(t) = P(t) V are issued back to back and the softmax of t+1 runs while the
+tensor cores do P(t) V; then O(t) is stored.
+
+Shared memory: bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each = 192 KiB (+ 32 KiB O staging in v7/v9);
+fp8 Q 4 x 16 KiB + K, V 2 x 16 KiB each = 128 KiB (+ 32 KiB). One CTA per SM.
 
 Import this module only with CUTE_DSL_ARCH set (build.py does) when no GPU is present.
 """
@@ -56,8 +67,6 @@ CONSUMER_REGS = 224          # moves registers only within the CTA's own allocat
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
 WATCHDOG_NS = 10_000_000_000
-PINGPONG_BARRIER = 3         # named barriers 3 (warpgroup 0's turn) and 4 (warpgroup 1's); 1, 2 are the
-                             # consumer warpgroups' own (fp8 P), 0 is __syncthreads
 
 
 @dsl_user_op
@@ -78,6 +87,26 @@ def _wait(bar: cute.Pointer, phase: Int32):
             done = cute.arch.mbarrier_try_wait(bar, phase)
 
 
+@cute.jit
+def _advance(idx: Int32, phase: Int32, stages: cutlass.Constexpr):
+    """The next (stage, phase) of a ring: the phase flips when the index wraps."""
+    idx += 1
+    if idx == stages:
+        idx = Int32(0)
+        phase ^= 1
+    return idx, phase
+
+
+@cute.jit
+def _release(bar: cute.Pointer, lane: Int32):
+    """One arrive per consumer warp on an empty barrier, after the warp's async-proxy reads: the stage
+    was read by wgmma and is refilled by cp.async or TMA."""
+    cute.arch.fence_view_async_shared()
+    cute.arch.sync_warp()
+    if lane == 0:
+        cute.arch.mbarrier_arrive(bar)
+
+
 def _fresh(tiled_mma: cute.TiledMma) -> cute.TiledMma:
     """A new handle on the same MMA value: setting its ACCUMULATE field inside a loop body then does
     not rebind the caller's handle (a value made in the body would not dominate uses after the loop)."""
@@ -85,18 +114,15 @@ def _fresh(tiled_mma: cute.TiledMma) -> cute.TiledMma:
 
 
 class KvOuterAttentionSm90WarpSpecialized:
-    """One compiled configuration of the v4 kernel."""
+    """One compiled configuration of the v4 kernel (v7 and v9 are subclasses that set the flags)."""
 
     num_threads = 384          # producer warpgroup + two consumer warpgroups
     wg_threads = 128
     num_consumer_warps = 8
     kernel_version = "v4-ws-tma"
     q_stages_by_dtype = {"bf16": 2, "fp8": 4}
-    chunk = 0                  # 0: walk cta_range[cta]; k > 0: chunks of k tiles, CTA c takes c, c + grid, ...
-    mask_padded = False        # store only the rows of live slots (slot < count)
-    pingpong = False           # the two consumer warpgroups take turns issuing S = Q K^T
-    tma_store_o = False        # O through shared memory (stmatrix) and TMA stores, one per live slot
-    pipelined = False          # consumers issue tile t+1's S with tile t's P V (needs chunk 0, tma_store_o)
+    tma_store_o = False        # O through shared memory and TMA stores of live slots (m, l of live rows)
+    pipelined = False          # consumers issue tile t+1's S with tile t's P V (with tma_store_o)
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -107,7 +133,9 @@ class KvOuterAttentionSm90WarpSpecialized:
         if head_dim != 128 or block != 128:
             raise ValueError(f"the v4 kernel is written for head_dim = block = 128, got {head_dim}, {block}")
         if ctas_per_sm != 1:
-            raise ValueError(f"v4 runs one CTA per SM (384 threads, 128-192 KiB smem); got {ctas_per_sm}")
+            raise ValueError(f"v4 runs one CTA per SM (384 threads, 128-224 KiB smem); got {ctas_per_sm}")
+        if self.pipelined and not self.tma_store_o:
+            raise ValueError("the pipelined consumer stores O by TMA")
         self.dtype_name = dtype
         self.dtype = DSL_DTYPES[dtype]
         self.v_d_major = dtype == "fp8"
@@ -149,7 +177,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(tma_op, mK, cute.slice_(sK_layout, (None, None, 0)), (BLK, D))
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(tma_op, mV, cute.slice_(sV_layout, (None, None, 0)), v_tile)
-        # O staging: one (G, D) slab per tile slot (stage = slot), stored by TMA slot by slot
+        # O staging (v7, v9): one (G, D) slab per tile slot (stage = slot), stored by TMA slot by slot
         sO_layout = _staged_smem_layout(cutlass.BFloat16, self.group, D, self.tile_q if const_expr(self.tma_store_o) else 1)
         tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
@@ -186,7 +214,6 @@ class KvOuterAttentionSm90WarpSpecialized:
                hkv: Int32, num_pages: Int32, scale_log2: Float32, scale: Float32, out_scale: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout):
-        D, BLK = self.head_dim, self.block
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -219,54 +246,22 @@ class KvOuterAttentionSm90WarpSpecialized:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # this CTA's work: tiles begin .. begin + n_items (cta_range), or chunks cta, cta + grid, ...
-        grid = mCtaRange.shape[0]
-        if const_expr(self.chunk > 0):
-            # the real tiles only: the last CTA's slice ends at the real tile count
-            real = mCtaRange[grid - 1, 1]
-            my_chunks = (cute.ceil_div(real, self.chunk) - cta + grid - 1) // grid
-            begin = cta
-            n_items = Int32(0)
-            if my_chunks > 0:
-                last = cta + (my_chunks - 1) * grid
-                n_items = (my_chunks - 1) * self.chunk + cutlass.min(self.chunk, real - last * self.chunk)
-        else:
-            begin = mCtaRange[cta, 0]
-            n_items = mCtaRange[cta, 1] - begin
+        begin = mCtaRange[cta, 0]
+        n_tiles = mCtaRange[cta, 1] - begin
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.producer(tma_k, gK_tma, tma_v, gV_tma, mQ, mCsrQuery, mTileKey, mTileEdge, mTileCount,
                           mPageBlock, mQLimit, sQ, sK, sV, sLim, q_full, q_empty, kv_full, kv_empty,
-                          begin, n_items, grid, hkv, num_pages, tidx, warp_idx)
+                          begin, n_tiles, hkv, num_pages, tidx, warp_idx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            bars = (q_full, q_empty, kv_full, kv_empty)
+            args = (qk_mma, pv_mma, tma_o, gO_tma, sO, mO, mM, mL, mTileKey, sQ, sK, sV, sP, sLim, bars, begin,
+                    n_tiles, scale_log2, scale, out_scale, tidx - self.wg_threads, warp_group - 1)
             if const_expr(self.pipelined):
-                self.consumer_pipelined(qk_mma, pv_mma, tma_o, gO_tma, sO, mM, mL, mTileKey, sQ, sK, sV, sLim,
-                                        q_full, q_empty, kv_full, kv_empty, begin, n_items, grid, scale_log2, scale,
-                                        out_scale, sP, tidx - self.wg_threads, warp_group - 1)
+                self.consumer_pipelined(*args)
             else:
-                self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sO, mO, mM, mL, mTileKey, sQ, sK, sV, sLim, q_full, q_empty, kv_full,
-                              kv_empty, begin, n_items, grid, scale_log2, scale, out_scale, sP,
-                              tidx - self.wg_threads, warp_group - 1)
-
-    @cute.jit
-    def _tile_of(self, i: Int32, begin: Int32, grid: Int32):
-        """The tile of this CTA's i-th work item."""
-        if const_expr(self.chunk > 0):
-            k = i // self.chunk
-            t = (begin + k * grid) * self.chunk + (i - k * self.chunk)
-        else:
-            t = begin + i
-        return t
-
-    @cute.jit
-    def _tile_key(self, mTileKey: cute.Tensor, i: Int32, begin: Int32, grid: Int32):
-        """(tile, key) of the i-th work item of this CTA; key -1 for a padded tile or one past the end."""
-        t = self._tile_of(i, begin, grid)
-        key = Int32(-1)
-        if t < mTileKey.shape[0]:
-            key = mTileKey[t]
-        return t, key
+                self.consumer(*args)
 
     # ---- producer warpgroup -----------------------------------------------------------------------
     @cute.jit
@@ -275,8 +270,7 @@ class KvOuterAttentionSm90WarpSpecialized:
                  mTileCount: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
                  sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sLim: cute.Tensor,
                  q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer, kv_empty: cute.Pointer,
-                 begin: Int32, n_items: Int32, grid: Int32, hkv: Int32, num_pages: Int32, tidx: Int32,
-                 warp_idx: Int32):
+                 begin: Int32, n_tiles: Int32, hkv: Int32, num_pages: Int32, tidx: Int32, warp_idx: Int32):
         dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
         # TMA partitions: gK_tma tiled by slabs -> (TMA, slab), sK -> (TMA, stage)
         v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
@@ -304,363 +298,207 @@ class KvOuterAttentionSm90WarpSpecialized:
         kv_idx = Int32(0)
         kv_phase = Int32(1)
         loaded_key = Int32(-1)
-        for i in cutlass.range(n_items, unroll=1):
-            t, key = self._tile_key(mTileKey, i, begin, grid)
-            if key >= 0:
-                head = key // num_pages
-                page = key - head * num_pages
-                if key != loaded_key:
-                    # K and V of this key run: one TMA box each into the next K/V stage
-                    if warp_idx == 0:
-                        _wait(kv_empty + kv_idx, kv_phase)
-                        with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
-                        slab = page * hkv + head
-                        cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
-                        cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
-                    loaded_key = key
-                    kv_idx += 1
-                    if kv_idx == self.kv_stages:
-                        kv_idx = Int32(0)
-                        kv_phase ^= 1
+        for i in cutlass.range(n_tiles, unroll=1):
+            t = begin + i
+            key = mTileKey[t]
+            head = key // num_pages
+            page = key - head * num_pages
+            if key != loaded_key:
+                # K and V of this key run: one TMA box each into the next K/V stage
+                if warp_idx == 0:
+                    _wait(kv_empty + kv_idx, kv_phase)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
+                    slab = page * hkv + head
+                    cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                    cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                loaded_key = key
+                kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
 
-                edge = mTileEdge[t]
-                count = mTileCount[t]
-                _wait(q_empty + q_idx, q_phase)
-                # gather Q: row r = (slot, g) from q[csr_query[edge + slot], head * G + g]; empty slots
-                # repeat the last query (finite data; their rows are masked)
-                tQsQ = thr_q.partition_D(sQ[None, None, q_idx])
-                for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
-                    row = tQcQ[0, m, 0][0]
-                    slot = cutlass.min(row // G, count - 1)
-                    query = mCsrQuery[edge + slot]
-                    q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
-                    for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
-                        col = tQcQ[0, m, k][1]
-                        src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
-                                                             cute.AddressSpace.gmem, assumed_align=16),
-                                               tQsQ[None, m, k].layout)
-                        cute.copy(g2s, src, tQsQ[None, m, k])
-                # arrives on q_full when this thread's copies have landed (counts as one of 128)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)
-                # the tile's per-slot visibility limits: last visible key offset in the block, -1 none
-                if tidx < self.tile_q:
-                    limit = Int32(-1)
-                    if tidx < count:
-                        limit = mQLimit[mCsrQuery[edge + tidx]] - mPageBlock[page] * BLK
-                    sLim[tidx, q_idx] = limit
-                    if const_expr(self.mask_padded):
-                        if tidx == 0:
-                            sLim[self.tile_q, q_idx] = count
-                    cute.arch.mbarrier_arrive(q_full + q_idx)
-                q_idx += 1
-                if q_idx == self.q_stages:
-                    q_idx = Int32(0)
-                    q_phase ^= 1
+            edge = mTileEdge[t]
+            count = mTileCount[t]
+            _wait(q_empty + q_idx, q_phase)
+            # gather Q: row r = (slot, g) from q[csr_query[edge + slot], head * G + g]; empty slots
+            # repeat the last query (finite data; their rows are masked)
+            tQsQ = thr_q.partition_D(sQ[None, None, q_idx])
+            for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
+                row = tQcQ[0, m, 0][0]
+                slot = cutlass.min(row // G, count - 1)
+                query = mCsrQuery[edge + slot]
+                q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
+                for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
+                    col = tQcQ[0, m, k][1]
+                    src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
+                                                         cute.AddressSpace.gmem, assumed_align=16),
+                                           tQsQ[None, m, k].layout)
+                    cute.copy(g2s, src, tQsQ[None, m, k])
+            # arrives on q_full when this thread's copies have landed (counts as one of 128)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)
+            # the tile's per-slot visibility limits: last visible key offset in the block, -1 none
+            if tidx < self.tile_q:
+                limit = Int32(-1)
+                if tidx < count:
+                    limit = mQLimit[mCsrQuery[edge + tidx]] - mPageBlock[page] * BLK
+                sLim[tidx, q_idx] = limit
+                if const_expr(self.tma_store_o):
+                    if tidx == 0:
+                        sLim[self.tile_q, q_idx] = count
+                cute.arch.mbarrier_arrive(q_full + q_idx)
+            q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         # drain (the consumers wait for every copy anyway)
         cute.arch.cp_async_wait_group(0)
 
     # ---- consumer warpgroups ----------------------------------------------------------------------
-    @cute.jit
-    def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
-                 sO: cute.Tensor, mO: cute.Tensor, mM: cute.Tensor,
-                 mL: cute.Tensor, mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                 sLim: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer,
-                 kv_empty: cute.Pointer, begin: Int32, n_items: Int32, grid: Int32, scale_log2: Float32,
-                 scale: Float32,
-                 out_scale: Float32, sP: cute.Tensor, ctid: Int32, cwg: Int32):
-        dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
-        wg_barrier = 1 + cwg                                  # named barrier of this consumer warpgroup
-        lane = cute.arch.lane_idx()
+    def _views(self, qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid):
+        """This thread's MMA operand fragments, row coordinates and O store partitions."""
+        G, D, BLK, ROWS = self.group, self.head_dim, self.block, self.rows
         if const_expr(self.v_d_major):
             sVt = sV                                                             # (D, BLK, KS)
         else:
             sVt = cute.composition(sV, cute.make_ordered_layout((D, BLK, self.kv_stages), order=(1, 0, 2)))
         thr_qk = qk_mma.get_slice(ctid)
         thr_pv = pv_mma.get_slice(ctid)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))          # (MMA, M, K, stage)
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        v = dict(thr_qk=thr_qk, thr_pv=thr_pv,
+                 tSrQ=thr_qk.make_fragment_A(thr_qk.partition_A(sQ)),           # (MMA, M, K, stage)
+                 tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
+                 tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sVt)),
+                 tScS=_rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK)))),
+                 tOrP=None, tSsP=None, tRsO=None, tOsO=None, tOgO=None)
         if const_expr(not self.p_in_regs):
-            tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-            tSsP = thr_qk.partition_C(sP)                                # (.., stage)
-        tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
-        n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
-        tOcO = _rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((ROWS, D))))
+            v["tOrP"] = thr_pv.make_fragment_A(thr_pv.partition_A(sP))           # fp8 P over Q rows
+            v["tSsP"] = thr_qk.partition_C(sP)
         if const_expr(self.tma_store_o):
             # registers -> sO in the accumulator's own layout over the (ROWS, D) view of the slot-staged
             # buffer (row = slot * G + g; 4-byte stores, conflict-free under the 128-byte swizzle); sO ->
-            # o_part by one TMA store per live slot (a G x D slab, contiguous in o_part), issued by one
-            # thread per warpgroup for the warpgroup's own slots
+            # o_part by one TMA store per live slot (a G x D slab, contiguous in o_part)
             sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_q), D), stride=((1, G * D), G)))
-            tRsO = thr_pv.partition_C(sO_tile)
-            gO = cute.local_tile(gO_tma, (G, D), (None, 0))                  # (G, D, slabs)
-            tOsO, tOgO_tma = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                                   cute.group_modes(gO, 0, 2))
-            slots_per_wg = const_expr(self.tile_q // 2)
+            v["tRsO"] = thr_pv.partition_C(sO_tile)
+            gO = cute.local_tile(gO_tma, (G, D), (None, 0))                      # (G, D, slabs)
+            v["tOsO"], v["tOgO"] = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                         cute.group_modes(gO, 0, 2))
+        return v
 
+    def _registers(self, v):
+        """The S and O accumulators, the per-row limits and P (bf16: the A operand of P V in registers;
+        fp8: P before it goes to shared memory)."""
+        thr_qk, thr_pv, tScS = v["thr_qk"], v["thr_pv"], v["tScS"]
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.rows, self.block)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.rows, self.head_dim)), Float32)
+        lim = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Int32)
+        r_p = cute.make_rmem_tensor_like(_acc_to_frg_a(acc_s) if const_expr(self.p_in_regs) else acc_s, self.dtype)
+        return acc_s, acc_o, lim, r_p
+
+    @cute.jit
+    def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
+                 sO: cute.Tensor, mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor, mTileKey: cute.Tensor,
+                 sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sP: cute.Tensor, sLim: cute.Tensor, bars,
+                 begin: Int32, n_tiles: Int32, scale_log2: Float32, scale: Float32, out_scale: Float32,
+                 ctid: Int32, cwg: Int32):
+        """v4, v7: one tile at a time: S, softmax, P V, store."""
+        q_full, q_empty, kv_full, kv_empty = bars
+        lane = cute.arch.lane_idx()
+        v = self._views(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid)
+        acc_s, acc_o, lim, r_p = self._registers(v)
         q_idx = Int32(0)
         q_phase = Int32(0)
         kv_idx = Int32(0)
         kv_phase = Int32(0)
         cur_key = Int32(-1)
-        issued = Int32(0)                                     # ping-pong: tiles this warpgroup has issued
-        for i in cutlass.range(n_items, unroll=1):
-            t, key = self._tile_key(mTileKey, i, begin, grid)
-            if key >= 0:
-                if key != cur_key:
-                    if cur_key >= 0:
-                        # leave the previous key run: its K/V stage may be refilled
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.sync_warp()
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive(kv_empty + kv_idx)
-                        kv_idx += 1
-                        if kv_idx == self.kv_stages:
-                            kv_idx = Int32(0)
-                            kv_phase ^= 1
-                    _wait(kv_full + kv_idx, kv_phase)
-                    cur_key = key
-                _wait(q_full + q_idx, q_phase)
-                # the Q rows arrived by cp.async (generic proxy); the wgmma reads them through the async proxy
-                cute.arch.fence_view_async_shared()
-
-                # S = Q K^T
-                acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, BLK)), Float32)
-                if const_expr(self.pingpong):
-                    # S issue alternates: warpgroup 0 waits for warpgroup 1's previous S, 1 for 0's current
-                    # (wgmma runs in issue order, so one warpgroup's softmax overlaps the other's MMAs)
-                    if cwg == 1 or issued > 0:
-                        cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=2 * self.wg_threads)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(qk_mma, acc_s, tSrQ[None, None, kb, q_idx], tSrK[None, None, kb, kv_idx], acc_s)
-                warpgroup.commit_group()
-                if const_expr(self.pingpong):
-                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg,
-                                             number_of_threads=2 * self.wg_threads)
-                    issued += 1
-                # this thread's rows' limits (from the stage's shared-memory slots) while S runs
-                lim = cute.make_rmem_tensor((n_rows_acc,), Int32)
-                for r in cutlass.range_constexpr(n_rows_acc):
-                    lim[r] = sLim[tScS[r, 0][0] // G, q_idx]
-                live_rows = Int32(ROWS)
-                if const_expr(self.mask_padded):
-                    live_rows = sLim[self.tile_q, q_idx] * G
-                warpgroup.wait_group(0)
-                if const_expr(self.p_in_regs):
-                    # bf16: Q of this stage is no longer read (P stays in registers)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(q_empty + q_idx)
-
-                # mask, one softmax step, write m and l
-                s_rc = _rows_cols_view(acc_s)
-                for r in cutlass.range_constexpr(n_rows_acc):
-                    row = tScS[r, 0][0]
-                    limit = lim[r]
-                    row_max, row_sum = _softmax_row(s_rc, tScS, r, limit, scale_log2, self.p_shift)
-                    if ctid % 4 == 0 and row < live_rows:
-                        mM[t * ROWS + row] = row_max * scale
-                        mL[t * ROWS + row] = row_sum * (1.0 / (1 << self.p_shift))
-
-                # O = P V
-                acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, D)), Float32)
-                if const_expr(self.p_in_regs):
-                    p_acc = _acc_to_frg_a(acc_s)
-                    r_p = cute.make_rmem_tensor_like(p_acc, dt)
-                    r_p.store(p_acc.load().to(dt))
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(cute.size(r_p, mode=[2])):
-                        pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(pv_mma, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv_idx], acc_o)
-                else:
-                    # P over this warpgroup's own Q rows of this stage (dead since S completed)
-                    r_p = cute.make_rmem_tensor_like(acc_s, dt)
-                    r_p.store(acc_s.load().to(dt))
-                    cute.autovec_copy(r_p, tSsP[None, None, None, q_idx])
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                        pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(pv_mma, acc_o, tOrP[None, None, kb, q_idx], tOrV[None, None, kb, kv_idx], acc_o)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                if const_expr(not self.p_in_regs):
-                    # fp8: P (over Q) of this stage has been read
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(q_empty + q_idx)
-
-                r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-                r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
-                tOgO = thr_pv.partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D)))
-                if const_expr(self.tma_store_o):
-                    # the previous tile's TMA stores have read sO (issued a tile ago: no wait in practice)
-                    if ctid % self.wg_threads == 0:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
-                    cute.autovec_copy(r_o, tRsO)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
-                    if ctid % self.wg_threads == 0:
-                        for j in cutlass.range_constexpr(slots_per_wg):
-                            slot = cwg * slots_per_wg + j
-                            if slot * G < live_rows:
-                                cute.copy(tma_o, tOsO[None, slot], tOgO_tma[None, t * self.tile_q + slot])
-                        cute.arch.cp_async_bulk_commit_group()
-                elif const_expr(self.mask_padded):
-                    # only the rows of live slots: a key run's last tile is partly padding
-                    o_rc, g_rc = _rows_cols_view(r_o), _rows_cols_view(tOgO)
-                    for r in cutlass.range_constexpr(n_rows_acc):
-                        if tOcO[r, 0][0] < live_rows:
-                            cute.autovec_copy(o_rc[r, None], g_rc[r, None])
-                else:
-                    cute.autovec_copy(r_o, tOgO)
-
-                q_idx += 1
-                if q_idx == self.q_stages:
-                    q_idx = Int32(0)
-                    q_phase ^= 1
-        if const_expr(self.tma_store_o):
-            if ctid % self.wg_threads == 0:
-                cute.arch.cp_async_bulk_wait_group(0)          # O stores complete before the CTA exits
-        if const_expr(self.pingpong):
-            # warpgroup 1's last arrive on warpgroup 0's barrier has no S after it to wait for
-            if cwg == 0 and issued > 0:
-                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * self.wg_threads)
-
-
-    # ---- consumer warpgroups, software-pipelined across tiles (v9) --------------------------------
-    @cute.jit
-    def _release(self, bar: cute.Pointer, lane: Int32):
-        """One arrive per consumer warp on an empty barrier, after the warp's async-proxy reads."""
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_warp()
-        if lane == 0:
-            cute.arch.mbarrier_arrive(bar)
-
-    @cute.jit
-    def _advance(self, idx: Int32, phase: Int32, stages: cutlass.Constexpr):
-        idx += 1
-        if idx == stages:
-            idx = Int32(0)
-            phase ^= 1
-        return idx, phase
+        for i in cutlass.range(n_tiles, unroll=1):
+            t = begin + i
+            key = mTileKey[t]
+            if key != cur_key:
+                if cur_key >= 0:
+                    _release(kv_empty + kv_idx, lane)          # leave the previous key run
+                    kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
+                _wait(kv_full + kv_idx, kv_phase)
+                cur_key = key
+            _wait(q_full + q_idx, q_phase)
+            # the Q rows arrived by cp.async (generic proxy); the wgmma reads them through the async proxy
+            cute.arch.fence_view_async_shared()
+            self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
+            live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, q_idx, t, mM, mL, scale_log2, scale, lane,
+                                         ctid, 0)
+            self._prepare_p(acc_s, r_p, v, q_idx, cwg)
+            self._issue_pv(pv_mma, acc_o, r_p, v, q_idx, kv_idx)
+            warpgroup.wait_group(0)
+            if const_expr(not self.p_in_regs):
+                _release(q_empty + q_idx, lane)               # fp8: P (over Q) of this stage has been read
+            self._store_o(tma_o, acc_o, out_scale, v, mO, t, live, ctid, cwg)
+            q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
+        self._drain_o(ctid)
 
     @cute.jit
     def consumer_pipelined(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_o: cute.CopyAtom,
-                           gO_tma: cute.Tensor, sO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
+                           gO_tma: cute.Tensor, sO: cute.Tensor, mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
                            mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                           sLim: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer,
-                           kv_empty: cute.Pointer, begin: Int32, n_items: Int32, grid: Int32, scale_log2: Float32,
-                           scale: Float32, out_scale: Float32, sP: cute.Tensor, ctid: Int32, cwg: Int32):
-        """Per tile t of the slice: S(t+1) = Q K^T and O(t) = P(t) V are issued back to back, so the
-        softmax of t+1 runs while the tensor cores work on P(t) V; then O(t) is stored. Every work item
-        is a real tile (the scheduler's slices, and n_items in chunk mode, end at the real tile count)."""
-        dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
-        wg_barrier = 1 + cwg
+                           sP: cute.Tensor, sLim: cute.Tensor, bars, begin: Int32, n_tiles: Int32,
+                           scale_log2: Float32, scale: Float32, out_scale: Float32, ctid: Int32, cwg: Int32):
+        """v9: per tile t, S(t+1) and P(t) V are issued back to back, the softmax of t+1 runs while
+        the tensor cores do P(t) V, then O(t) is stored. (q_idx, kv_idx) are the stages of the tile
+        whose S is issued next, (cur_q, cur_kv) those of the tile whose P V is."""
+        q_full, q_empty, kv_full, kv_empty = bars
         lane = cute.arch.lane_idx()
-        if const_expr(self.v_d_major):
-            sVt = sV
-        else:
-            sVt = cute.composition(sV, cute.make_ordered_layout((D, BLK, self.kv_stages), order=(1, 0, 2)))
-        thr_qk = qk_mma.get_slice(ctid)
-        thr_pv = pv_mma.get_slice(ctid)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-        tOrP, tSsP = None, None
-        if const_expr(not self.p_in_regs):
-            tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-            tSsP = thr_qk.partition_C(sP)
-        tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
-        n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
-        sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_q), D), stride=((1, G * D), G)))
-        tRsO = thr_pv.partition_C(sO_tile)
-        gO = cute.local_tile(gO_tma, (G, D), (None, 0))
-        tOsO, tOgO_tma = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-
-        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, BLK)), Float32)
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, D)), Float32)
-        lim = cute.make_rmem_tensor((n_rows_acc,), Int32)
-        if const_expr(self.p_in_regs):
-            r_p = cute.make_rmem_tensor_like(_acc_to_frg_a(acc_s), dt)      # P as the A operand
-        else:
-            r_p = cute.make_rmem_tensor_like(acc_s, dt)                     # P before it goes to smem
-
-        q_idx = Int32(0)          # stage of the tile whose S is issued next
+        v = self._views(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid)
+        acc_s, acc_o, lim, r_p = self._registers(v)
+        q_idx = Int32(0)
         q_phase = Int32(0)
         kv_idx = Int32(0)
         kv_phase = Int32(0)
-        cur_q = Int32(0)          # stage of the tile whose P V is issued next
+        cur_q = Int32(0)
         cur_kv = Int32(0)
         cur_key = Int32(-1)
         cur_live = Int32(0)
-        if n_items > 0:
+        if n_tiles > 0:
             # prologue: S and softmax of the first tile
-            first = self._tile_of(Int32(0), begin, grid)
-            cur_key = mTileKey[first]
+            cur_key = mTileKey[begin]
             _wait(kv_full + kv_idx, kv_phase)
             _wait(q_full + q_idx, q_phase)
             cute.arch.fence_view_async_shared()
-            self._issue_s(qk_mma, acc_s, tSrQ, tSrK, q_idx, kv_idx)
-            cur_live = self._softmax_after_s(acc_s, sLim, lim, tScS, q_empty, q_idx, first, mM, mL, scale_log2,
+            self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
+            cur_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, q_idx, begin, mM, mL, scale_log2,
                                              scale, lane, ctid, 0)
-            if const_expr(self.p_in_regs):
-                r_p.store(_acc_to_frg_a(acc_s).load().to(dt))
-            else:
-                self._stage_p8(acc_s, r_p, tSsP, q_idx, wg_barrier)
+            self._prepare_p(acc_s, r_p, v, q_idx, cwg)
             cur_q, cur_kv = q_idx, kv_idx
-            q_idx, q_phase = self._advance(q_idx, q_phase, self.q_stages)
-        for i in cutlass.range(n_items - 1, unroll=1):
-            t = self._tile_of(i, begin, grid)
-            next_t = self._tile_of(i + 1, begin, grid)
-            next_key = mTileKey[next_t]
+            q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
+        for i in cutlass.range(n_tiles - 1, unroll=1):
+            t = begin + i
+            next_key = mTileKey[t + 1]
             if next_key != cur_key:
-                kv_idx, kv_phase = self._advance(kv_idx, kv_phase, self.kv_stages)
+                kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
                 _wait(kv_full + kv_idx, kv_phase)
             _wait(q_full + q_idx, q_phase)
             cute.arch.fence_view_async_shared()
-            self._issue_s(qk_mma, acc_s, tSrQ, tSrK, q_idx, kv_idx)
-            self._issue_pv(pv_mma, acc_o, r_p, tOrP, tOrV, cur_q, cur_kv)
+            self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
+            self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
             # softmax of t+1 while P(t) V runs on the tensor cores
-            next_live = self._softmax_after_s(acc_s, sLim, lim, tScS, q_empty, q_idx, next_t, mM, mL,
-                                              scale_log2, scale, lane, ctid, 1)
+            next_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, q_idx, t + 1, mM, mL, scale_log2,
+                                              scale, lane, ctid, 1)
             warpgroup.wait_group(0)
             if const_expr(not self.p_in_regs):
-                self._release(q_empty + cur_q, lane)          # P(t) over its Q rows has been read
+                _release(q_empty + cur_q, lane)               # P(t) over its Q rows has been read
             if next_key != cur_key:
-                self._release(kv_empty + cur_kv, lane)        # the key run of t is done
-            self._store_o(tma_o, acc_o, out_scale, tRsO, tOsO, tOgO_tma, t, cur_live, ctid, cwg, wg_barrier)
-            # P(t+1) into the operand that P(t) V has finished reading
-            if const_expr(self.p_in_regs):
-                r_p.store(_acc_to_frg_a(acc_s).load().to(dt))
-            else:
-                self._stage_p8(acc_s, r_p, tSsP, q_idx, wg_barrier)
+                _release(kv_empty + cur_kv, lane)             # the key run of t is done
+            self._store_o(tma_o, acc_o, out_scale, v, mO, t, cur_live, ctid, cwg)
+            self._prepare_p(acc_s, r_p, v, q_idx, cwg)        # into the operand P(t) V has finished reading
             cur_q, cur_kv, cur_key, cur_live = q_idx, kv_idx, next_key, next_live
-            q_idx, q_phase = self._advance(q_idx, q_phase, self.q_stages)
-        if n_items > 0:
+            q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
+        if n_tiles > 0:
             # the last tile: P V and its store only
-            self._issue_pv(pv_mma, acc_o, r_p, tOrP, tOrV, cur_q, cur_kv)
+            self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
             warpgroup.wait_group(0)
             if const_expr(not self.p_in_regs):
-                self._release(q_empty + cur_q, lane)
-            self._store_o(tma_o, acc_o, out_scale, tRsO, tOsO, tOgO_tma, self._tile_of(n_items - 1, begin, grid),
-                          cur_live, ctid, cwg,
-                          wg_barrier)
-        if ctid % self.wg_threads == 0:
-            cute.arch.cp_async_bulk_wait_group(0)              # O stores complete before the CTA exits
+                _release(q_empty + cur_q, lane)
+            self._store_o(tma_o, acc_o, out_scale, v, mO, begin + n_tiles - 1, cur_live, ctid, cwg)
+        self._drain_o(ctid)
 
+    # ---- consumer steps -----------------------------------------------------------------------------
     @cute.jit
-    def _issue_s(self, qk_mma, acc_s, tSrQ, tSrK, q_idx: Int32, kv_idx: Int32):
+    def _issue_s(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, v, q_idx: Int32, kv_idx: Int32):
+        """S = Q K^T of stage q_idx and K stage kv_idx, committed as one wgmma group."""
         qk_mma = _fresh(qk_mma)
+        tSrQ, tSrK = v["tSrQ"], v["tSrK"]
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
@@ -668,55 +506,41 @@ class KvOuterAttentionSm90WarpSpecialized:
         warpgroup.commit_group()
 
     @cute.jit
-    def _issue_pv(self, pv_mma, acc_o, r_p, tOrP, tOrV, q_idx: Int32, kv_idx: Int32):
-        """O = P V: bf16 P from registers (r_p), fp8 P from the warpgroup's Q rows of stage q_idx."""
+    def _issue_pv(self, pv_mma: cute.TiledMma, acc_o: cute.Tensor, r_p: cute.Tensor, v, q_idx: Int32,
+                  kv_idx: Int32):
+        """O = P V, one wgmma group: bf16 P from registers, fp8 P from the warpgroup's Q rows of q_idx."""
         pv_mma = _fresh(pv_mma)
+        tOrV = v["tOrV"]
         warpgroup.fence()
         if const_expr(self.p_in_regs):
             for kb in cutlass.range_constexpr(cute.size(r_p, mode=[2])):
                 pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
                 cute.gemm(pv_mma, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv_idx], acc_o)
         else:
+            tOrP = v["tOrP"]
             for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                 pv_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
                 cute.gemm(pv_mma, acc_o, tOrP[None, None, kb, q_idx], tOrV[None, None, kb, kv_idx], acc_o)
         warpgroup.commit_group()
 
     @cute.jit
-    def _store_o(self, tma_o, acc_o, out_scale: Float32, tRsO, tOsO, tOgO_tma, t: Int32, live_rows: Int32,
-                 ctid: Int32, cwg: Int32, wg_barrier: Int32):
-        """O of tile t: registers -> sO (this warpgroup's rows) -> one TMA store per live slot."""
-        G = self.group
-        slots_per_wg = const_expr(self.tile_q // 2)
-        r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-        r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
-        if ctid % self.wg_threads == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)   # the previous tile's stores have read sO
-        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
-        cute.autovec_copy(r_o, tRsO)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
-        if ctid % self.wg_threads == 0:
-            for j in cutlass.range_constexpr(slots_per_wg):
-                slot = cwg * slots_per_wg + j
-                if slot * G < live_rows:
-                    cute.copy(tma_o, tOsO[None, slot], tOgO_tma[None, t * self.tile_q + slot])
-            cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def _softmax_after_s(self, acc_s, sLim, lim, tScS, q_empty, q_idx: Int32, t: Int32, mM, mL,
-                         scale_log2: Float32, scale: Float32, lane: Int32, ctid: Int32, pending: cutlass.Constexpr):
-        """Wait for tile t's S (`pending` younger wgmma groups may stay in flight), release its Q stage
-        (bf16), one masked softmax step in place in acc_s, m and l of its live rows; returns the tile's
-        live rows."""
+    def _softmax_after_s(self, acc_s: cute.Tensor, sLim: cute.Tensor, lim: cute.Tensor, v, q_empty: cute.Pointer,
+                         q_idx: Int32, t: Int32, mM: cute.Tensor, mL: cute.Tensor, scale_log2: Float32,
+                         scale: Float32, lane: Int32, ctid: Int32, pending: cutlass.Constexpr):
+        """Tile t's limits (read while its S runs), wait for its S (`pending` younger wgmma groups may
+        stay in flight), release its Q stage (bf16: P stays in registers), one masked softmax step in
+        place in acc_s, m and l of its live rows. Returns the tile's live rows."""
         G, ROWS = self.group, self.rows
+        tScS = v["tScS"]
         n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
         for r in cutlass.range_constexpr(n_rows_acc):
             lim[r] = sLim[tScS[r, 0][0] // G, q_idx]
-        live_rows = sLim[self.tile_q, q_idx] * G
+        live_rows = Int32(ROWS)
+        if const_expr(self.tma_store_o):
+            live_rows = sLim[self.tile_q, q_idx] * G
         warpgroup.wait_group(pending)
         if const_expr(self.p_in_regs):
-            self._release(q_empty + q_idx, lane)
+            _release(q_empty + q_idx, lane)
         s_rc = _rows_cols_view(acc_s)
         for r in cutlass.range_constexpr(n_rows_acc):
             row = tScS[r, 0][0]
@@ -727,59 +551,57 @@ class KvOuterAttentionSm90WarpSpecialized:
         return live_rows
 
     @cute.jit
-    def _stage_p8(self, acc_s, r_p8, tSsP, q_idx: Int32, wg_barrier: Int32):
-        """fp8: P over this warpgroup's own (dead) Q rows of stage q_idx, visible to its wgmma."""
-        r_p8.store(acc_s.load().to(self.dtype))
-        cute.autovec_copy(r_p8, tSsP[None, None, None, q_idx])
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+    def _prepare_p(self, acc_s: cute.Tensor, r_p: cute.Tensor, v, q_idx: Int32, cwg: Int32):
+        """P as the P V operand: bf16 in registers; fp8 over the warpgroup's own (dead) Q rows of stage
+        q_idx, visible to its wgmma."""
+        if const_expr(self.p_in_regs):
+            r_p.store(_acc_to_frg_a(acc_s).load().to(self.dtype))
+        else:
+            r_p.store(acc_s.load().to(self.dtype))
+            cute.autovec_copy(r_p, v["tSsP"][None, None, None, q_idx])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=1 + cwg, number_of_threads=self.wg_threads)
 
+    @cute.jit
+    def _store_o(self, tma_o: cute.CopyAtom, acc_o: cute.Tensor, out_scale: Float32, v, mO: cute.Tensor, t: Int32,
+                 live_rows: Int32, ctid: Int32, cwg: Int32):
+        """O of tile t to o_part: v4 from registers (every row); v7, v9 through sO (this warpgroup's
+        rows) and one TMA store per live slot, issued by the warpgroup's first thread."""
+        G, D, ROWS = self.group, self.head_dim, self.rows
+        r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
+        r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+        if const_expr(self.tma_store_o):
+            wg_barrier = 1 + cwg
+            slots_per_wg = const_expr(self.tile_q // 2)
+            if ctid % self.wg_threads == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)   # the previous tile's stores have read sO
+            cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+            cute.autovec_copy(r_o, v["tRsO"])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
+            if ctid % self.wg_threads == 0:
+                for j in cutlass.range_constexpr(slots_per_wg):
+                    slot = cwg * slots_per_wg + j
+                    if slot * G < live_rows:
+                        cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
+                cute.arch.cp_async_bulk_commit_group()
+        else:
+            cute.autovec_copy(r_o, v["thr_pv"].partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D))))
 
-class KvOuterAttentionSm90HeadCoherent(KvOuterAttentionSm90WarpSpecialized):
-    """v5: v4 with a head-coherent work order, deeper Q rings and stores of live rows only.
-
-    The CTAs take 32-tile chunks of the head-major tile sequence round-robin, so at any moment they
-    all work in a window of about grid x 32 tiles of one KV head and gather from that head's queries
-    only (v4's contiguous slices span all heads at once: four times the Q working set, which misses
-    L2). The Q ring is one tile deeper (bf16 3 x 32 KiB: 224 KiB of shared memory in all; fp8 8 x 16
-    KiB), the bytes in flight that a latency-bound gather needs. A key run's last tile stores only
-    its live slots' rows (o, m, l), as the Triton stage does."""
-    kernel_version = "v5-ws-chunked"
-    q_stages_by_dtype = {"bf16": 3, "fp8": 8}
-    chunk = 32
-    mask_padded = True
-
-
-class KvOuterAttentionSm90PingPong(KvOuterAttentionSm90HeadCoherent):
-    """v6: v5 with the two consumer warpgroups taking turns to issue S = Q K^T (named barriers), so
-    one warpgroup's softmax runs while the other's wgmmas do (they otherwise start each tile together
-    on the same Q stage and leave the tensor cores idle during the common softmax)."""
-    kernel_version = "v6-ws-pingpong"
-    pingpong = True
+    @cute.jit
+    def _drain_o(self, ctid: Int32):
+        if const_expr(self.tma_store_o):
+            if ctid % self.wg_threads == 0:
+                cute.arch.cp_async_bulk_wait_group(0)          # O stores complete before the CTA exits
 
 
 class KvOuterAttentionSm90TmaStore(KvOuterAttentionSm90WarpSpecialized):
-    """v7: v4 with the O tile stored through shared memory: stmatrix into a slot-staged buffer, then one
-    TMA store per live slot (only live slots are stored, and m, l of live rows)."""
+    """v7: v4 with the O tile stored through shared memory by TMA, live slots only."""
     kernel_version = "v7-ws-tma-store"
-    mask_padded = True
     tma_store_o = True
 
 
-class KvOuterAttentionSm90TmaStorePingPong(KvOuterAttentionSm90TmaStore):
-    """v8: v7 with the consumer warpgroups taking turns to issue S (as v6)."""
-    kernel_version = "v8-ws-tma-store-pingpong"
-    pingpong = True
-
-
 class KvOuterAttentionSm90Pipelined(KvOuterAttentionSm90TmaStore):
-    """v9: v7 with the consumers software-pipelined across tiles: S(t+1) is issued together with P(t) V,
-    and the softmax of t+1 runs while the tensor cores do P(t) V."""
+    """v9: v7 with the consumers software-pipelined across tiles (S(t+1) with P(t) V)."""
     kernel_version = "v9-ws-tma-store-pipelined"
     pipelined = True
-
-
-# ---- ablation (temporary) ----
-class _AblationPipelinedChunk(KvOuterAttentionSm90Pipelined):
-    kernel_version = "c1-v9-chunk"
-    chunk = 32

@@ -136,11 +136,10 @@ def kernel_class(variant: str):
     if variant == "v3":
         from .attention_sm90_pipe import KvOuterAttentionSm90Pipelined
         return KvOuterAttentionSm90Pipelined
-    if variant in ("v4", "v5", "v6", "v7", "v8", "v9", "c1"):
+    if variant in ("v4", "v7", "v9"):
         from . import attention_sm90_ws as ws
-        return {"v4": ws.KvOuterAttentionSm90WarpSpecialized, "v5": ws.KvOuterAttentionSm90HeadCoherent,
-                "v6": ws.KvOuterAttentionSm90PingPong, "v7": ws.KvOuterAttentionSm90TmaStore,
-                "v8": ws.KvOuterAttentionSm90TmaStorePingPong, "v9": ws.KvOuterAttentionSm90Pipelined, "c1": ws._AblationPipelinedChunk}[variant]
+        return {"v4": ws.KvOuterAttentionSm90WarpSpecialized, "v7": ws.KvOuterAttentionSm90TmaStore,
+                "v9": ws.KvOuterAttentionSm90Pipelined}[variant]
     raise BuildError(f"unknown CuTe kernel variant {variant!r}")
 
 

@@ -53,15 +53,13 @@ CTAS_PER_SM = (1, 2)
 # v3 = attention_sm90_pipe.py (double-buffered cp.async prefetch of the next tile, decoupled
 # warpgroups, limits read a tile ahead, bf16 P in registers); v4 = attention_sm90_ws.py (warp-specialized:
 # a producer warpgroup loads K/V by TMA and gathers Q by cp.async into mbarrier-guarded rings, two
-# consumer warpgroups compute); v5 = v4 with head-coherent chunks of work, deeper Q rings and stores of
-# live rows only; v6 = v5 with the consumer warpgroups taking turns on the tensor cores (ping-pong).
-# CTAs per SM each generation builds:
-VARIANTS = ("v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "c1")
+# consumer warpgroups compute); v7 = v4 with O stored through shared memory by TMA, live slots only;
+# v9 = v7 with the consumers software-pipelined across tiles (docs/perf-log.md has each one's numbers,
+# and v5, v6, v8, measured and dropped). CTAs per SM each generation builds:
+VARIANTS = ("v2", "v3", "v4", "v7", "v9")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
-                ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v5", "bf16"): (1,), ("v5", "fp8"): (1,),
-                ("v6", "bf16"): (1,), ("v6", "fp8"): (1,)}
-VARIANT_CTAS.update({(a, d): (1,) for a in ("v7", "v8", "v9", "c1") for d in ("bf16", "fp8")})
-
+                ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v7", "bf16"): (1,), ("v7", "fp8"): (1,),
+                ("v9", "bf16"): (1,), ("v9", "fp8"): (1,)}
 
 def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:
     """Every configuration the sweep can ask the CuTe stage for: the study geometry (G = 16, so a
