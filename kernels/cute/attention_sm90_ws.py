@@ -379,6 +379,11 @@ class KvOuterAttentionSm90WarpSpecialized:
                                                          cute.group_modes(gO, 0, 2))
         return v
 
+    def _consumer_state(self, qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid):
+        """What every consumer loop starts from: the lane, the views and the registers."""
+        v = self._views(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid)
+        return cute.arch.lane_idx(), v, self._registers(v)
+
     def _registers(self, v):
         """The S and O accumulators, the per-row limits and P (bf16: the A operand of P V in registers;
         fp8: P before it goes to shared memory)."""
@@ -397,9 +402,8 @@ class KvOuterAttentionSm90WarpSpecialized:
                  ctid: Int32, cwg: Int32):
         """v4, v7: one tile at a time: S, softmax, P V, store."""
         q_full, q_empty, kv_full, kv_empty = bars
-        lane = cute.arch.lane_idx()
-        v = self._views(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid)
-        acc_s, acc_o, lim, r_p = self._registers(v)
+        lane, v, (acc_s, acc_o, lim, r_p) = self._consumer_state(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP,
+                                                                 ctid)
         q_idx = Int32(0)
         q_phase = Int32(0)
         kv_idx = Int32(0)
@@ -439,9 +443,8 @@ class KvOuterAttentionSm90WarpSpecialized:
         the tensor cores do P(t) V, then O(t) is stored. (q_idx, kv_idx) are the stages of the tile
         whose S is issued next, (cur_q, cur_kv) those of the tile whose P V is."""
         q_full, q_empty, kv_full, kv_empty = bars
-        lane = cute.arch.lane_idx()
-        v = self._views(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid)
-        acc_s, acc_o, lim, r_p = self._registers(v)
+        lane, v, (acc_s, acc_o, lim, r_p) = self._consumer_state(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP,
+                                                                 ctid)
         q_idx = Int32(0)
         q_phase = Int32(0)
         kv_idx = Int32(0)
