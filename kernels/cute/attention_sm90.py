@@ -39,7 +39,6 @@ from .manifest import P_SHIFT
 
 LOG2E = math.log2(math.e)
 DSL_DTYPES = {"bf16": cutlass.BFloat16, "fp8": cutlass.Float8E4M3FN}
-KERNEL_VERSION = "v2-sync-ss-ctas"
 
 
 def _row_major_smem_layout(dtype, rows: int, cols: int):
@@ -105,6 +104,7 @@ class KvOuterAttentionSm90:
     """One compiled configuration: data dtype, TILE_Q, G (query heads per KV head), D, block."""
 
     num_threads = 256          # two consumer warpgroups, 64 rows each
+    kernel_version = "v2-sync-ss-ctas"
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):

@@ -38,8 +38,6 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile
 from .manifest import P_SHIFT
 
-KERNEL_VERSION = "v3-pipe-wgdecoupled"
-
 
 def _staged_smem_layout(dtype, rows: int, cols: int, stages: int):
     """Swizzled (rows, cols, stages) shared-memory layout, cols contiguous (K-major)."""
@@ -65,6 +63,7 @@ class KvOuterAttentionSm90Pipelined:
     """One compiled configuration of the v3 kernel."""
 
     num_threads = 256          # two warpgroups, 64 rows each, decoupled within a key run
+    kernel_version = "v3-pipe-wgdecoupled"
     wg_threads = 128
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,

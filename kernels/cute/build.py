@@ -144,9 +144,7 @@ def kernel_class(variant: str):
 
 
 def kernel_version(variant: str) -> str:
-    import importlib
-    cls = kernel_class(variant)
-    return getattr(cls, "kernel_version", None) or importlib.import_module(cls.__module__).KERNEL_VERSION
+    return kernel_class(variant).kernel_version
 
 
 def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Path:

@@ -61,6 +61,7 @@ VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (
                 ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v7", "bf16"): (1,), ("v7", "fp8"): (1,),
                 ("v9", "bf16"): (1,), ("v9", "fp8"): (1,)}
 
+
 def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:
     """Every configuration the sweep can ask the CuTe stage for: the study geometry (G = 16, so a
     TILE_Q = 8 tile is 128 rows, D = 128, block = 128) in each data dtype and kernel generation, with
