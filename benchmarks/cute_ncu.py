@@ -26,7 +26,7 @@ from pathlib import Path
 
 RANGE = "msa-ncu"
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum",
-           "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+           "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
            "dram__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct")
 STALL_KEY = "_issue_stalled_"          # smsp__average_warp(s|_latency)_issue_stalled_<reason>_per_issue_active.ratio
 
@@ -75,31 +75,26 @@ def parse_raw(text: str) -> list[dict]:
 
 
 def number(cell) -> float | None:
-    try:
-        return float(cell[0].replace(",", ""))
-    except (ValueError, AttributeError, TypeError):
-        return None
+    """A raw-page cell (value, unit) as a plain number, None when absent or not a number."""
+    from msa_bench.harness.counters import _number
+    return None if cell is None else _number(cell[0])
 
 
-def scaled(cell, kind: str) -> float | None:
-    """Value in base units: bytes or seconds (ncu's SI-prefixed unit strings)."""
+def scaled(cell, metric: str) -> float | None:
+    """A raw-page cell in base units (bytes, seconds), with the harness's reading of ncu's units."""
+    from msa_bench.harness.counters import _unit_factor
     v = number(cell)
-    if v is None:
-        return None
-    unit = cell[1].strip()
-    factors = ({"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12} if kind == "bytes" else
-               {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0})
-    return v * factors.get(unit, 1.0)
+    return None if v is None else v * _unit_factor(cell[1], metric)
 
 
 def summarize(kernel: dict) -> dict:
     rec = {"kernel": kernel.get("Kernel Name", ("?",))[0][:80]}
-    rec["time_s"] = scaled(kernel.get("gpu__time_duration.sum"), "time")
-    rec["dram_read_bytes"] = scaled(kernel.get("dram__bytes_read.sum"), "bytes")
-    rec["dram_write_bytes"] = scaled(kernel.get("dram__bytes_write.sum"), "bytes")
+    rec["time_s"] = scaled(kernel.get("gpu__time_duration.sum"), "gpu__time_duration.sum")
+    rec["dram_read_bytes"] = scaled(kernel.get("dram__bytes_read.sum"), "dram__bytes_read.sum")
+    rec["dram_write_bytes"] = scaled(kernel.get("dram__bytes_write.sum"), "dram__bytes_write.sum")
     rec["dram_pct_peak"] = number(kernel.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"))
     rec["l2_hit_pct"] = number(kernel.get("lts__t_sector_hit_rate.pct"))
-    rec["tensor_active_pct"] = number(kernel.get("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"))
+    rec["tensor_active_pct"] = number(kernel.get("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"))
     stalls = {k.split(STALL_KEY)[1].split("_per_issue_active")[0]: number(v) for k, v in kernel.items()
               if STALL_KEY in k and k.endswith("_per_issue_active.ratio") and "not_issued" not in k}
     rec["stalls_per_issue"] = dict(sorted(((k, v) for k, v in stalls.items() if v), key=lambda kv: -kv[1])[:6])
