@@ -1,17 +1,21 @@
 """What limits the attention stage: one Nsight Compute profile per implementation at the perf point.
 
-    source scripts/gpu-setup.sh && python3 benchmarks/cute_ncu.py [--impls triton,v4,v6] [--dtypes bf16,fp8]
-                                                                  [--out DIR]
+    source scripts/gpu-setup.sh && python3 benchmarks/cute_ncu.py [--impls triton,v4,v9@4:8] [--dtypes bf16,fp8]
+                                                                  [--out DIR] [--source] [--spread]
 
 For each (implementation, dtype) an `ncu` process profiles a child of this script that builds the
 benchmarks/cute_gpu.py perf workload (N 16384, 1024 blocks per KV head, top-16 uniform picks), plans
-the stage (`triton` = the kv-outer Triton stage on 8-token tiles, vN = kv-outer-cute generation N), runs
+the stage (`triton` = the kv-outer Triton stage on 8-token tiles, vN = kv-outer-cute generation N; a
+suffix @S:k sets the scheduler's tile order, q_ranges S and order_chunk k, see order_gpu.py), runs
 it once unprofiled, then once inside the NVTX range `msa-ncu`, the only launch profiled. Sections
 SpeedOfLight, MemoryWorkloadAnalysis and WarpStateStats plus the tensor-pipe and DRAM byte metrics;
 the raw CSV of each profile is kept under DIR, and a line per profile gives time, DRAM bytes and
 throughput, L2 hit rate, tensor-pipe activity and the largest warp stall reasons. With --source, a
 second profile per implementation samples warp stalls per SASS instruction (SourceCounters) and
 writes the instructions where most samples fell, with their stall reasons, to DIR/stalls_<impl>_<dtype>.txt.
+With --spread, the profile also reads the max and mean over DRAM channels and L2 slices of the bytes
+and sectors they served: max / mean near 1 means the traffic is spread evenly, near 4 that a quarter
+of them carry it.
 """
 from __future__ import annotations
 
@@ -28,22 +32,27 @@ RANGE = "msa-ncu"
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum",
            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
            "dram__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct")
+SPREAD = ("dram__bytes_read.max", "dram__bytes_read.avg", "lts__t_sectors.max", "lts__t_sectors.avg")
 STALL_KEY = "_issue_stalled_"          # smsp__average_warp(s|_latency)_issue_stalled_<reason>_per_issue_active.ratio
 
 
-def plan_stage(impl: str, dtype: str):
+def plan_stage(spec: str, dtype: str):
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cute_gpu import perf_workload
+    impl, _, order = spec.partition("@")
+    s, _, k = (order or "1:0").partition(":")
+    order_kw = dict(q_ranges=int(s), order_chunk=int(k or 0))
     w = perf_workload(dtype, "cuda")
     if impl == "triton":
         from msa_bench.kernels.kv_outer.backend import KVOuterBackend
         from msa_bench.kernels.kv_outer.config import default_config
         backend = KVOuterBackend(config=default_config(dtype).with_(tile_q=8, attn_chunk=0, attn_chunk_grid=0,
-                                                                    attn_maxnreg=0))
+                                                                    attn_maxnreg=0, **order_kw))
     else:
-        from msa_bench.kernels.cute.backend import KVOuterCuteBackend
-        backend = KVOuterCuteBackend(variant=impl)
+        from msa_bench.kernels.cute.backend import DEFAULT_CTAS_PER_SM, KVOuterCuteBackend, cute_kv_config
+        cfg = cute_kv_config(dtype, DEFAULT_CTAS_PER_SM[impl]).with_(**order_kw)
+        backend = KVOuterCuteBackend(config=cfg, variant=impl)
     plan = backend.plan(w)
     plan.run()
     torch.cuda.synchronize()
@@ -98,15 +107,24 @@ def summarize(kernel: dict) -> dict:
     stalls = {k.split(STALL_KEY)[1].split("_per_issue_active")[0]: number(v) for k, v in kernel.items()
               if STALL_KEY in k and k.endswith("_per_issue_active.ratio") and "not_issued" not in k}
     rec["stalls_per_issue"] = dict(sorted(((k, v) for k, v in stalls.items() if v), key=lambda kv: -kv[1])[:6])
+    for what in ("dram__bytes_read", "lts__t_sectors"):
+        hi, mean = number(kernel.get(f"{what}.max")), number(kernel.get(f"{what}.avg"))
+        if hi is not None and mean:
+            rec[f"{what}_max_over_mean"] = hi / mean
     return rec
 
 
-def profile(impl: str, dtype: str, out: Path, ncu: str) -> dict:
+def file_tag(impl: str) -> str:
+    return impl.replace("@", "_o").replace(":", "-")
+
+
+def profile(impl: str, dtype: str, out: Path, ncu: str, spread: bool = False) -> dict:
+    metrics = METRICS + (SPREAD if spread else ())
     cmd = [ncu, "--csv", "--page", "raw", "--nvtx", "--nvtx-include", f"{RANGE}/", "--target-processes", "all",
            "--section", "SpeedOfLight", "--section", "MemoryWorkloadAnalysis", "--section", "WarpStateStats",
-           "--metrics", ",".join(METRICS), sys.executable, __file__, "--child", impl, "--dtypes", dtype]
+           "--metrics", ",".join(metrics), sys.executable, __file__, "--child", impl, "--dtypes", dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    (out / f"ncu_{impl}_{dtype}.csv").write_text(proc.stdout)
+    (out / f"ncu_{file_tag(impl)}_{dtype}.csv").write_text(proc.stdout)
     kernels = parse_raw(proc.stdout)
     if proc.returncode or not kernels:
         tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
@@ -116,7 +134,7 @@ def profile(impl: str, dtype: str, out: Path, ncu: str) -> dict:
 
 def source_hotspots(impl: str, dtype: str, out: Path, ncu: str, top: int = 40) -> str:
     """Profile once more with warp-stall sampling per instruction; the `top` SASS lines by samples."""
-    rep = out / f"src_{impl}_{dtype}"
+    rep = out / f"src_{file_tag(impl)}_{dtype}"
     cmd = [ncu, "-f", "-o", str(rep), "--nvtx", "--nvtx-include", f"{RANGE}/", "--target-processes", "all",
            "--section", "SourceCounters", "--section", "WarpStateStats",
            sys.executable, __file__, "--child", impl, "--dtypes", dtype]
@@ -125,7 +143,7 @@ def source_hotspots(impl: str, dtype: str, out: Path, ncu: str, top: int = 40) -
         return f"source profile failed (rc {proc.returncode}): {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
     page = subprocess.run([ncu, "-i", f"{rep}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
                           capture_output=True, text=True, timeout=600)
-    (out / f"source_{impl}_{dtype}.csv").write_text(page.stdout)
+    (out / f"source_{file_tag(impl)}_{dtype}.csv").write_text(page.stdout)
     rows = list(csv.reader(io.StringIO(page.stdout)))
     start = next((i for i, r in enumerate(rows) if r and ("Source" in r or "# Address" in r)), None)
     if start is None:
@@ -159,9 +177,10 @@ def line(r: dict) -> str:
         return f"ncu {r['dtype']:4s} {r['impl']:6s} ERROR {r['error'][:300]}"
     t, rd, wr = r["time_s"] or float("nan"), r["dram_read_bytes"] or 0.0, r["dram_write_bytes"] or 0.0
     stalls = ", ".join(f"{k} {v:.2f}" for k, v in r["stalls_per_issue"].items())
+    spread = "".join(f"  {k.split('_max')[0]} max/mean {v:.2f}" for k, v in r.items() if k.endswith("_max_over_mean"))
     return (f"ncu {r['dtype']:4s} {r['impl']:6s} {t * 1e3:7.3f} ms  DRAM read {rd / 1e9:5.2f} GB write {wr / 1e9:5.2f} GB "
             f"= {(rd + wr) / t / 1e12:4.2f} TB/s ({r['dram_pct_peak']}% of peak)  L2 hit {r['l2_hit_pct']}%  "
-            f"tensor pipe {r['tensor_active_pct']}% active  stalls/issue: {stalls}")
+            f"tensor pipe {r['tensor_active_pct']}% active{spread}  stalls/issue: {stalls}")
 
 
 def main(argv=None) -> int:
@@ -170,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/cute-ncu")
     ap.add_argument("--source", action="store_true", help="also sample warp stalls per SASS instruction")
+    ap.add_argument("--spread", action="store_true", help="also read max / mean over DRAM channels and L2 slices")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -185,13 +205,13 @@ def main(argv=None) -> int:
     results = []
     for dtype in [d for d in args.dtypes.split(",") if d]:
         for impl in [i for i in args.impls.split(",") if i]:
-            r = profile(impl, dtype, out, ncu)
+            r = profile(impl, dtype, out, ncu, args.spread)
             results.append(r)
             print(line(r), flush=True)
             (out / "cute_ncu.json").write_text(json.dumps(results, indent=2))
             if args.source:
                 text = source_hotspots(impl, dtype, out, ncu)
-                (out / f"stalls_{impl}_{dtype}.txt").write_text(text + "\n")
+                (out / f"stalls_{file_tag(impl)}_{dtype}.txt").write_text(text + "\n")
                 print(text, flush=True)
     return 0 if all("error" not in r for r in results) else 1
 

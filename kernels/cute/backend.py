@@ -11,7 +11,7 @@ import torch
 
 from ..base import BackendUnavailable, register
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
-from ..kv_outer.config import default_config, resolve_num_ctas
+from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas
 from .manifest import (DTYPES, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS, CuteConfig, device_arch,
                        find_library)
 
@@ -41,6 +41,14 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, varia
         raise BackendUnavailable(f"the CuTe attention stage {variant} {workload.dtype} is built for {allowed} "
                                  f"CTAs per SM, not {ctas_per_sm}")
     return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, ctas_per_sm, variant)
+
+
+def cute_kv_config(dtype: str, ctas_per_sm: int) -> KVOuterConfig:
+    """kv-outer's configuration for a CuTe attention stage: the kernel is built for 8-token tiles and
+    walks cta_range persistently, so the Triton stage's tuned tile, chunking and register cap do not
+    apply; the scheduler's tile order (q_ranges, order_chunk) does."""
+    return default_config(dtype).with_(ctas_per_sm=ctas_per_sm, tile_q=8, attn_chunk=0, attn_chunk_grid=0,
+                                       attn_maxnreg=0)
 
 
 class CuteAttentionStage:
@@ -104,9 +112,7 @@ class KVOuterCuteBackend(KVOuterBackend):
 
     def resolved_config(self, w):
         """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size)."""
-        # The CuTe kernel is built for 8-token tiles; the Triton stage's tuned tile shape does not apply.
-        cfg = self.config or default_config(w.dtype).with_(ctas_per_sm=self.ctas_per_sm, tile_q=8, attn_chunk=0,
-                                                           attn_chunk_grid=0, attn_maxnreg=0)
+        cfg = self.config or cute_kv_config(w.dtype, self.ctas_per_sm)
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 

@@ -44,14 +44,14 @@ def round_to_e4m3(x):
 @triton.jit
 def attend_tiles(t_begin, t_end,
                  q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
-                 tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr,
+                 tile_key_ptr, tile_edge_ptr, tile_count_ptr, run_end_ptr,
                  page_block_ptr, q_limit_ptr, o_ptr, m_ptr, l_ptr,
                  qk_scale_log2, out_scale, num_pages, n_tokens,
                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                  BLOCK: tl.constexpr, TILE_Q: tl.constexpr, V_DMAJOR: tl.constexpr, IEEE: tl.constexpr,
                  STORE_MODE: tl.constexpr, NUM_STAGES: tl.constexpr, P_SHIFT: tl.constexpr,
                  SOFT_ROUND_P: tl.constexpr):
-    """Tiles [t_begin, t_end) of the tile sequence, segment by segment (one K/V load per key run)."""
+    """Positions [t_begin, t_end) of the tile sequence, run by run (one K/V load per run of a key)."""
     ROWS: tl.constexpr = TILE_Q * G
     rows = tl.arange(0, ROWS)
     slot = rows // G
@@ -64,7 +64,7 @@ def attend_tiles(t_begin, t_end,
         key = tl.load(tile_key_ptr + t)
         head = key // num_pages
         page = key % num_pages
-        seg_end = tl.minimum(t_end, tl.load(tile_ptr_ptr + key + 1))
+        seg_end = tl.minimum(t_end, tl.load(run_end_ptr + t))
         kv_base = (page.to(tl.int64) * HKV + head) * (BLOCK * D)
         k_blk = tl.load(k_ptr + kv_base + kt[:, None] * D + d[None, :])                 # [BLOCK, D]
         if V_DMAJOR:
@@ -124,7 +124,7 @@ def attend_tiles(t_begin, t_end,
 @triton.jit
 def kv_stationary_attention_kernel(
         q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
-        tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr, cta_range_ptr,
+        tile_key_ptr, tile_edge_ptr, tile_count_ptr, run_end_ptr, tile_ptr_ptr, cta_range_ptr,
         page_block_ptr, q_limit_ptr,
         o_ptr, m_ptr, l_ptr,
         qk_scale_log2, out_scale, num_pages, n_tokens,
@@ -142,7 +142,7 @@ def kv_stationary_attention_kernel(
         begin = tl.load(cta_range_ptr + 2 * pid)
         end = tl.load(cta_range_ptr + 2 * pid + 1)
         attend_tiles(begin, end, q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
-                     tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr,
+                     tile_key_ptr, tile_edge_ptr, tile_count_ptr, run_end_ptr,
                      page_block_ptr, q_limit_ptr, o_ptr, m_ptr, l_ptr,
                      qk_scale_log2, out_scale, num_pages, n_tokens,
                      HQ, HKV, G, D, BLOCK, TILE_Q, V_DMAJOR, IEEE, STORE_MODE, NUM_STAGES, P_SHIFT,
@@ -154,7 +154,7 @@ def kv_stationary_attention_kernel(
             begin = c * CHUNK
             end = tl.minimum(begin + CHUNK, total)
             attend_tiles(begin, end, q_ptr, k_ptr, v_ptr, csr_query_ptr, edge_slot_ptr,
-                         tile_key_ptr, tile_edge_ptr, tile_count_ptr, tile_ptr_ptr,
+                         tile_key_ptr, tile_edge_ptr, tile_count_ptr, run_end_ptr,
                          page_block_ptr, q_limit_ptr, o_ptr, m_ptr, l_ptr,
                          qk_scale_log2, out_scale, num_pages, n_tokens,
                          HQ, HKV, G, D, BLOCK, TILE_Q, V_DMAJOR, IEEE, STORE_MODE, NUM_STAGES, P_SHIFT,
@@ -217,7 +217,7 @@ class Attention:
         edge_slot = b.get("edge_slot", b["csr_query"])
         kv_stationary_attention_kernel[(self.grid,)](
             w.q, w.k_cache, self.v, b["csr_query"], edge_slot,
-            b["tile_key"], b["tile_edge"], b["tile_count"], b["tile_ptr"], b["cta_range"],
+            b["tile_key"], b["tile_edge"], b["tile_count"], b["tile_run_end"], b["tile_ptr"], b["cta_range"],
             w.page_block, w.q_limit, *outs,
             self.qk_scale_log2, self.out_scale, w.num_pages, w.n_tokens,
             **self.launch_opts, **self.consts)

@@ -41,6 +41,12 @@ def partial_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype == "fp32" else torch.bfloat16
 
 
+def order_chunk(cfg: KVOuterConfig) -> int:
+    """Chunked Triton launches run their programs in position order already: they take the grouping
+    without the round-robin deal, which is for persistent CTAs over cta_range."""
+    return cfg.order_chunk if cfg.attn_chunk == 0 else 0
+
+
 def check_shape(w: Workload, tile_q: int, name: str) -> None:
     """The Triton kernels tile with power-of-two extents and need every MMA dimension >= 16."""
     s = w.shape
@@ -99,13 +105,13 @@ class KVOuterBackend(KVStationaryBackend):
         num_ctas = cfg.num_ctas
         s, dev = w.shape, w.device
         index_map = IndexMap(w.pages, w.num_pages, cfg.tile_q)
-        schedule = Schedule(index_map.csr_ptr, index_map.tile_ptr, index_map.num_tiles_max, cfg.tile_q,
-                            num_ctas)
+        schedule = Schedule(index_map, num_ctas, cfg.q_ranges, order_chunk(cfg))
         rows = index_map.num_tiles_max * cfg.tile_q * s.group
         buffers = dict(
             csr_ptr=index_map.csr_ptr, csr_query=index_map.csr_query, tile_ptr=index_map.tile_ptr,
-            combine_index=index_map.combine_index, tile_key=schedule.tile_key,
-            tile_edge=schedule.tile_edge, tile_count=schedule.tile_count, cta_range=schedule.cta_range,
+            combine_index=schedule.combine_index, tile_key=schedule.tile_key,
+            tile_edge=schedule.tile_edge, tile_count=schedule.tile_count, tile_run_end=schedule.tile_run_end,
+            cta_range=schedule.cta_range,
             o_part=torch.empty(rows, s.head_dim, dtype=partial_dtype(w.dtype), device=dev),
             m_part=torch.empty(rows, dtype=torch.float32, device=dev),
             l_part=torch.empty(rows, dtype=torch.float32, device=dev),

@@ -22,6 +22,10 @@ class KVOuterConfig:
     attn_chunk_grid: int = 0        # with attn_chunk: 0 = one program per chunk, 1 = num_ctas
                                     # persistent programs striding over the chunks
     attn_maxnreg: int = 0           # 0: compiler's choice; else a register cap (occupancy)
+    q_ranges: int = 1               # tile order: group tiles by (KV head, one of q_ranges ranges of query
+                                    # tokens) so a group's Q rows fit L2 (scheduler.py); 1: key order
+    order_chunk: int = 0            # persistent CTAs: deal the grouped order round-robin in chunks of
+                                    # this many tiles so they walk the groups together; 0: contiguous slices
     combine_pairs: int = 4          # (query, KV head) pairs per combine program
     combine_num_warps: int = 4
 

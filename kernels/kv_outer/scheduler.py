@@ -1,11 +1,28 @@
-"""Stage 2, schedule: flatten every (head, block, query tile) into one tile sequence and give each
-persistent CTA a contiguous slice of nearly equal work.
+"""Stage 2, schedule: lay every (head, block, query tile) out as one tile sequence and give each
+persistent CTA a contiguous range of it.
 
-Deterministic and atomic-free: tile t belongs to the key whose tile range holds it (a searchsorted
-over tile_ptr), and CTA c gets tiles [c * T // C, (c + 1) * T // C) where T is the real tile count,
-read on the device. A heavy block's tiles simply fall into several CTAs' slices. Every tile costs
-one full TILE_Q x G MMA pair whatever its query count, so equal tile counts are equal work up to the
-K/V block load at each key change inside a slice.
+Deterministic and atomic-free. Tile i of the index map belongs to the key whose tile range holds it
+(a searchsorted over tile_ptr). The schedule writes, per position p of the sequence, the key, first
+edge and query count of the tile placed there, and where the run of equal keys around p ends (a
+K/V load per run). The attention stage walks positions and stores tile p's partials at rows of p.
+
+Two orders:
+- key order (q_ranges 1, order_chunk 0): position = index-map tile, and CTA c gets positions
+  [c * T // C, (c + 1) * T // C). Every CTA works in its own part of the head-major list, so at any
+  moment the Q rows of every KV head are being gathered.
+- grouped (q_ranges S > 1 or order_chunk > 0): tiles are sorted (stably) by (KV head, which of S
+  equal ranges of query tokens their first query falls in), so that a group's Q rows are 1/(Hkv S) of
+  Q, small enough to stay in L2 while the group's tiles gather them 16 times. A key's queries spread
+  over all ranges, so its K/V block is loaded once per group it has queries in (up to S times
+  instead of once). With order_chunk k > 0 the sorted sequence is dealt round-robin in chunks of
+  k tiles (chunk j to CTA j mod C) and each CTA's chunks are laid out contiguously, so the
+  persistent CTAs walk the groups together; slices then differ by at most k tiles. Chunked Triton
+  launches (one program per chunk, in position order) need the grouping only (order_chunk 0).
+  The combine index is rewritten to positions (a buffer of the schedule's own, so running the stage
+  twice gives the same result).
+
+Every tile costs one full TILE_Q x G MMA pair whatever its query count, so equal tile counts are
+equal work up to the K/V loads at run boundaries.
 """
 from __future__ import annotations
 
@@ -13,17 +30,27 @@ import torch
 
 
 class Schedule:
-    def __init__(self, csr_ptr: torch.Tensor, tile_ptr: torch.Tensor, num_tiles_max: int, tile_q: int,
-                 num_ctas: int):
-        dev = csr_ptr.device
-        self.csr_ptr, self.tile_ptr = csr_ptr, tile_ptr
-        self.num_keys = tile_ptr.numel() - 1
-        self.tile_q, self.num_ctas = tile_q, num_ctas
-        self.tile_key = torch.empty(num_tiles_max, dtype=torch.int32, device=dev)
-        self.tile_edge = torch.empty(num_tiles_max, dtype=torch.int32, device=dev)
-        self.tile_count = torch.empty(num_tiles_max, dtype=torch.int32, device=dev)
+    def __init__(self, index_map, num_ctas: int, q_ranges: int = 1, order_chunk: int = 0):
+        if q_ranges < 1 or order_chunk < 0:
+            raise ValueError(f"q_ranges must be >= 1 and order_chunk >= 0 (got {q_ranges}, {order_chunk})")
+        m = index_map
+        dev = m.csr_ptr.device
+        self.m = m
+        self.csr_ptr, self.tile_ptr = m.csr_ptr, m.tile_ptr
+        self.num_keys = m.tile_ptr.numel() - 1
+        self.tile_q, self.num_ctas = m.tile_q, num_ctas
+        self.q_ranges, self.order_chunk = q_ranges, order_chunk
+        self.grouped = q_ranges > 1 or order_chunk > 0
+        n = m.num_tiles_max
+        self.tile_key = torch.empty(n, dtype=torch.int32, device=dev)
+        self.tile_edge = torch.empty(n, dtype=torch.int32, device=dev)
+        self.tile_count = torch.empty(n, dtype=torch.int32, device=dev)
+        self.tile_run_end = torch.empty(n, dtype=torch.int32, device=dev)
         self.cta_range = torch.empty(num_ctas, 2, dtype=torch.int32, device=dev)
-        self._tiles = torch.arange(num_tiles_max, dtype=torch.int32, device=dev)
+        index = getattr(m, "combine_index", None)
+        # grouped: a position-addressed copy of the index map's tile-addressed combine index
+        self.combine_index = torch.empty_like(index) if (self.grouped and index is not None) else index
+        self._tiles = torch.arange(n, dtype=torch.int32, device=dev)
         self._ctas = torch.arange(num_ctas + 1, dtype=torch.int64, device=dev)
 
     def __call__(self) -> None:
@@ -35,9 +62,68 @@ class Schedule:
         first = self.csr_ptr[kc] + (t - self.tile_ptr[kc]) * self.tile_q
         count = (self.csr_ptr[kc + 1] - first).clamp(max=self.tile_q)
         zero = torch.zeros_like(t)
-        torch.where(real, key, zero - 1, out=self.tile_key)
-        torch.where(real, first, zero, out=self.tile_edge)
-        torch.where(real, count, zero, out=self.tile_count)
-        bounds = torch.div(self._ctas * total.long(), self.num_ctas, rounding_mode="floor").to(torch.int32)
-        self.cta_range[:, 0].copy_(bounds[:-1])
-        self.cta_range[:, 1].copy_(bounds[1:])
+        key = torch.where(real, key, zero - 1)
+        first = torch.where(real, first, zero)
+        count = torch.where(real, count, zero)
+        if not self.grouped:
+            self.tile_key.copy_(key)
+            self.tile_edge.copy_(first)
+            self.tile_count.copy_(count)
+            bounds = torch.div(self._ctas * total.long(), self.num_ctas, rounding_mode="floor").to(torch.int32)
+            self.cta_range[:, 0].copy_(bounds[:-1])
+            self.cta_range[:, 1].copy_(bounds[1:])
+        else:
+            order = self._grouped_order(kc, first, real, total)
+            torch.index_select(key, 0, order, out=self.tile_key)
+            torch.index_select(first, 0, order, out=self.tile_edge)
+            torch.index_select(count, 0, order, out=self.tile_count)
+            if self.combine_index is not None:
+                position = torch.empty_like(order)
+                position[order] = torch.arange(order.numel(), device=order.device)
+                ci = self.m.combine_index.long()
+                tile = torch.div(ci.clamp(min=0), self.tile_q, rounding_mode="floor")
+                moved = position[tile] * self.tile_q + ci % self.tile_q
+                self.combine_index.copy_(torch.where(ci >= 0, moved, ci))
+        self._run_ends()
+
+    def _grouped_order(self, kc, first, real, total):
+        """Index-map tile at each position: stable sort by (head, query range), then dealt in chunks."""
+        m, s = self.m, self.q_ranges
+        n = kc.numel()
+        head = torch.div(kc, m.num_pages, rounding_mode="floor")
+        query = self.m.csr_query[first.long()].long()
+        group = head * s + torch.div(query * s, m.n_tokens, rounding_mode="floor")
+        group = torch.where(real, group, torch.full_like(group, m.hkv * s))        # padding last
+        pos = self._tiles.long()
+        by_group = torch.remainder(torch.sort(group * n + pos).values, n)          # keys are unique
+        c = self.num_ctas
+        k = self.order_chunk
+        if k == 0:
+            bounds = torch.div(self._ctas * total.long(), c, rounding_mode="floor").to(torch.int32)
+            self.cta_range[:, 0].copy_(bounds[:-1])
+            self.cta_range[:, 1].copy_(bounds[1:])
+            return by_group
+        tot = total.long()
+        full, rem = torch.div(tot, k, rounding_mode="floor"), torch.remainder(tot, k)
+        ctas = self._ctas[:-1]
+        owned = torch.div(full - ctas + (c - 1), c, rounding_mode="floor").clamp(min=0) * k
+        owned = owned + torch.where(torch.remainder(full, c) == ctas, rem, torch.zeros_like(rem))
+        start = torch.cumsum(owned, 0) - owned
+        chunk = torch.div(pos, k, rounding_mode="floor")
+        owner = torch.remainder(chunk, c)
+        dest = start[owner] + torch.div(chunk, c, rounding_mode="floor") * k + torch.remainder(pos, k)
+        dest = torch.where(pos < tot, dest, pos)
+        order = torch.empty_like(by_group)
+        order[dest] = by_group
+        self.cta_range[:, 0].copy_(start)
+        self.cta_range[:, 1].copy_(start + owned)
+        return order
+
+    def _run_ends(self) -> None:
+        """tile_run_end[p]: one past the last position of the run of equal keys that holds p."""
+        key = self.tile_key
+        pos = self._tiles
+        last = torch.ones_like(key, dtype=torch.bool)
+        last[:-1] = key[1:] != key[:-1]
+        end = torch.where(last, pos + 1, torch.full_like(pos, pos.numel()))
+        self.tile_run_end.copy_(torch.flip(torch.cummin(torch.flip(end, (0,)), 0).values, (0,)))

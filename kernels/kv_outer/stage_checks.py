@@ -44,7 +44,11 @@ def check_csr(plan, w) -> tuple[bool, str]:
 
 
 def check_schedule(plan, w) -> tuple[bool, str]:
-    b, tile_q = plan.buffers, plan.info["config"]["tile_q"]
+    """The positions hold every index-map tile exactly once (any order), runs end where keys change,
+    and the CTA ranges cover the sequence contiguously, balanced to one tile (key order) or to one
+    dealing chunk (grouped order)."""
+    b, cfg = plan.buffers, plan.info["config"]
+    tile_q = cfg["tile_q"]
     tile_ptr, csr_ptr = b["tile_ptr"].long(), b["csr_ptr"].long()
     total = int(tile_ptr[-1])
     key, edge, count = b["tile_key"].long(), b["tile_edge"].long(), b["tile_count"].long()
@@ -54,20 +58,29 @@ def check_schedule(plan, w) -> tuple[bool, str]:
         return False, "tiles past the end are not marked empty"
     num_keys = tile_ptr.numel() - 1
     want_key = torch.repeat_interleave(torch.arange(num_keys, device=key.device), tile_ptr.diff())
-    if not torch.equal(key[:total], want_key):
-        return False, "tile_key does not list each key's tiles in order"
     nth = torch.arange(total, device=key.device) - tile_ptr[want_key]
-    want_edge = csr_ptr[want_key] + nth * tile_q
+    want_edge = csr_ptr[want_key] + nth * tile_q              # ascending: a tile is named by its first edge
     want_count = (csr_ptr[want_key + 1] - want_edge).clamp(max=tile_q)
-    if not torch.equal(edge[:total], want_edge) or not torch.equal(count[:total], want_count):
-        return False, "tile_edge / tile_count do not cut each key's edges into tile_q runs"
+    if not torch.equal(torch.sort(edge[:total]).values, want_edge):
+        return False, "the positions do not hold each tile (cut of a key's edges into tile_q runs) once"
+    tile = torch.searchsorted(want_edge, edge[:total])
+    if not torch.equal(key[:total], want_key[tile]) or not torch.equal(count[:total], want_count[tile]):
+        return False, "tile_key / tile_count do not match the tile whose first edge sits there"
+    pos = torch.arange(key.numel(), device=key.device)
+    last = torch.ones_like(key, dtype=torch.bool)
+    last[:-1] = key[1:] != key[:-1]
+    ends = pos[last] + 1
+    want_end = ends[torch.searchsorted(ends, pos, right=True)]
+    if not torch.equal(b["tile_run_end"].long(), want_end):
+        return False, "tile_run_end does not end each run of equal keys"
     rng = b["cta_range"].long()
     sizes = rng[:, 1] - rng[:, 0]
     covered = (int(rng[0, 0]) == 0 and int(rng[-1, 1]) == total and torch.equal(rng[1:, 0], rng[:-1, 1])
                and bool((sizes >= 0).all()))
     if not covered:
         return False, "cta_range does not cover [0, tiles) with contiguous slices"
-    if total and int(sizes.max() - sizes.min()) > 1:
+    slack = max(1, int(cfg.get("order_chunk") or 0) if int(cfg.get("attn_chunk") or 0) == 0 else 1)
+    if total and int(sizes.max() - sizes.min()) > slack:
         return False, f"cta slices unbalanced: {int(sizes.min())}..{int(sizes.max())} tiles"
     return True, f"{total} tiles over {rng.shape[0]} CTAs, {int(sizes.min())}..{int(sizes.max())} per CTA"
 

@@ -5,7 +5,7 @@ import torch
 
 from ..base import Plan, register
 from ...harness.workload import Workload
-from ..kv_outer.backend import KVStationaryBackend, partial_dtype
+from ..kv_outer.backend import KVStationaryBackend, order_chunk, partial_dtype
 
 
 @register("msa-scatter")
@@ -27,12 +27,11 @@ class MSAScatterBackend(KVStationaryBackend):
         cfg = self.resolved_config(w)
         s, dev = w.shape, w.device
         index_map = SlotIndexMap(w.pages, w.num_pages, cfg.tile_q)
-        schedule = Schedule(index_map.csr_ptr, index_map.tile_ptr, index_map.num_tiles_max, cfg.tile_q,
-                            cfg.num_ctas)
+        schedule = Schedule(index_map, cfg.num_ctas, cfg.q_ranges, order_chunk(cfg))
         buffers = dict(
             csr_ptr=index_map.csr_ptr, csr_query=index_map.csr_query, tile_ptr=index_map.tile_ptr,
             edge_slot=index_map.edge_slot, tile_key=schedule.tile_key, tile_edge=schedule.tile_edge,
-            tile_count=schedule.tile_count, cta_range=schedule.cta_range,
+            tile_count=schedule.tile_count, tile_run_end=schedule.tile_run_end, cta_range=schedule.cta_range,
             o_slot=torch.empty(s.topk, w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev),
             lse_slot=torch.empty(s.topk, w.n_tokens, s.hq, dtype=torch.float32, device=dev),
         )
