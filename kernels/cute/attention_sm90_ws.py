@@ -68,7 +68,7 @@ from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
 from .manifest import P_SHIFT
 
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
-CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation (v11: 32 and 240)
+CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation (v11: 24 and 240)
 # Deadlock watchdog: a barrier wait still incomplete WATCHDOG_NS after its first failed try_wait
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
@@ -777,5 +777,7 @@ class KvOuterAttentionSm90SAhead(KvOuterAttentionSm90TreeSoftmax):
     """v11: v10 with S(t+2) issued before O(t) is stored."""
     kernel_version = "v11-ws-s-ahead"
     s_ahead = True
-    # S(t+2) in flight while O(t) is converted: 224 registers spill 256 bytes in bf16 (ptxas 13.0)
-    producer_regs, consumer_regs = 32, 240
+    # S(t+2) in flight while O(t) is converted: 224 registers spill 256 bytes in bf16 (ptxas 13.0).
+    # 128 x 24 + 256 x 240 = 384 x 168: setmaxnreg.inc waits for registers the CTA does not have if
+    # the sum exceeds the launch allocation (32 / 240 hung on the H200).
+    producer_regs, consumer_regs = 24, 240
