@@ -66,6 +66,7 @@ def test_manifest_entries_name_their_kernel_generation(built):
     assert set(versions) == set(mf.VARIANTS)
     assert versions["v2"].startswith("v2-") and versions["v3"].startswith("v3-")
     assert versions["v4"].startswith("v4-") and versions["v7"].startswith("v7-") and versions["v9"].startswith("v9-")
+    assert versions["v10"].startswith("v10-")
     assert all(v in data["kernel_version"] for v in versions.values())
 
 
@@ -100,25 +101,31 @@ def test_v4_kernel_is_warp_specialized_with_tma(built):
 
 
 @needs_dsl
-def test_v7_v9_store_o_by_tma_and_v9_overlaps_wgmma_groups(built):
-    """The v7 and v9 PTX store O from shared memory by TMA (2-D bulk tensor copies to global memory,
-    committed as bulk groups, the staging buffer reused only after the previous group has read it);
-    v4 does not. v9 waits for its S group while the P V group stays in flight (wait_group 1)."""
+def test_v7_v9_v10_store_o_by_tma_and_v9_v10_overlap_wgmma_groups(built):
+    """The v7, v9 and v10 PTX store O from shared memory by TMA (2-D bulk tensor copies to global
+    memory, committed as bulk groups, the staging buffer reused only after the previous group has read
+    it); v4 does not. v9 and v10 wait for their S group while the P V group stays in flight
+    (wait_group 1). v10's softmax takes row maxima with max.f32 where v9's NaN-aware max lowers to
+    setp.nan + setp + selp."""
     _, dump = built
-    kinds = {"TmaStore_": [], "Pipelined_": [], "WarpSpecialized_": []}     # classes of attention_sm90_ws
+    kinds = {"TmaStore_": [], "Pipelined_": [], "WarpSpecialized_": [], "TreeSoftmax_": []}     # attention_sm90_ws
     for path in glob.glob(str(dump / "*.ptx")):
         for kind in kinds:
             if f"sm90_wsKvOuterAttentionSm90{kind}" in path:
                 kinds[kind].append(Path(path).read_text())
     assert all(len(texts) == 2 for texts in kinds.values()), {k: len(v) for k, v in kinds.items()}
-    for text in kinds["TmaStore_"] + kinds["Pipelined_"]:
+    for text in kinds["TmaStore_"] + kinds["Pipelined_"] + kinds["TreeSoftmax_"]:
         assert "cp.async.bulk.tensor.2d.global.shared::cta" in text
         assert "cp.async.bulk.commit_group" in text and re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", text)
     for text in kinds["WarpSpecialized_"]:
         assert "cp.async.bulk.tensor.2d.global.shared::cta" not in text
     pending_one = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+1;")
-    for text in kinds["Pipelined_"]:
+    for text in kinds["Pipelined_"] + kinds["TreeSoftmax_"]:
         assert pending_one.search(text)
+    for text in kinds["TreeSoftmax_"]:
+        assert re.search(r"\bmax\.f32\b", text) and "setp.nan.f32" not in text
+    for text in kinds["Pipelined_"]:
+        assert "setp.nan.f32" in text
     for text in kinds["TmaStore_"]:
         assert not pending_one.search(text)
 
@@ -245,7 +252,7 @@ def test_config_for_other_geometry_is_unavailable():
     with pytest.raises(BackendUnavailable, match="TILE_Q \\* G = 128"):
         cute_config_for(W(), 8)
     W.shape = AttnShape()
-    assert cute_config_for(W(), 8) == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v9")   # the default generation
+    assert cute_config_for(W(), 8) == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v10")   # the default generation
     assert cute_config_for(W(), 8, variant="v3") == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v3")
     with pytest.raises(BackendUnavailable, match="CTAs per SM"):
         cute_config_for(W(), 8, 2, "v3")                 # bf16 v3 needs 192 KiB: one CTA per SM
@@ -259,11 +266,11 @@ def test_config_for_other_geometry_is_unavailable():
 def test_each_generation_registers_an_attention_impl():
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS
-    assert {"cute", "cute-v3", "cute-v4", "cute-v7", "cute-v9"} <= set(ATTENTION_IMPLS)
+    assert {"cute", "cute-v3", "cute-v4", "cute-v7", "cute-v9", "cute-v10"} <= set(ATTENTION_IMPLS)
     b = KVOuterCuteBackend(variant="v3")
     assert b.attention_impl == "cute-v3" and b.ctas_per_sm == 1
     assert KVOuterCuteBackend(variant="v2").attention_impl == "cute" and KVOuterCuteBackend(variant="v2").ctas_per_sm == 2
-    assert KVOuterCuteBackend().attention_impl == "cute-v9" and KVOuterCuteBackend().ctas_per_sm == 1   # default
+    assert KVOuterCuteBackend().attention_impl == "cute-v10" and KVOuterCuteBackend().ctas_per_sm == 1   # default
     b4 = KVOuterCuteBackend(variant="v4")
     assert b4.attention_impl == "cute-v4" and b4.ctas_per_sm == 1
 

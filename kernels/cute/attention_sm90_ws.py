@@ -43,9 +43,6 @@ tensor cores do P(t) V; then O(t) is stored.
 v10 (KvOuterAttentionSm90TreeSoftmax): v9 with a cheaper softmax step: the key mask only in rows whose
 limit falls inside the block, the row max and sum as pairwise trees instead of dependent chains.
 
-v11 (KvOuterAttentionSm90SAhead): v10 with S(t+2) issued right after P(t+1) leaves the S accumulator,
-before O(t) is converted and stored, so that store runs under a wgmma group.
-
 Shared memory: bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each = 192 KiB (+ 32 KiB O staging in v7/v9);
 fp8 Q 4 x 16 KiB + K, V 2 x 16 KiB each = 128 KiB (+ 32 KiB). One CTA per SM.
 
@@ -68,7 +65,7 @@ from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
 from .manifest import P_SHIFT
 
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
-CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation (v11: 24 and 240)
+CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation
 # Deadlock watchdog: a barrier wait still incomplete WATCHDOG_NS after its first failed try_wait
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
@@ -135,7 +132,7 @@ def _row(s_rc: cute.Tensor, r: int) -> list:
 @cute.jit
 def _softmax_row_tree(s_rc: cute.Tensor, tScS: cute.Tensor, r: cutlass.Constexpr, limit: Int32,
                       scale_log2: Float32, p_shift: cutlass.Constexpr, block: cutlass.Constexpr):
-    """The same step as _softmax_row with fewer instructions on the consumers' path (v10, v11): keys
+    """The same step as _softmax_row with fewer instructions on the consumers' path (v10): keys
     are masked only in rows whose limit falls inside the block (a query's own block; the other picks
     are wholly visible), and the row max and sum are pairwise trees of FMNMX / FADD rather than chains
     of 32 dependent operations (ncu, v9: the consumer warps mostly stall on fixed-latency dependencies
@@ -168,9 +165,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     q_stages_by_dtype = {"bf16": 2, "fp8": 4}
     tma_store_o = False        # O through shared memory and TMA stores of live slots (m, l of live rows)
     pipelined = False          # consumers issue tile t+1's S with tile t's P V (with tma_store_o)
-    s_ahead = False            # (pipelined) S(t+2) is issued before O(t) is stored
     tree_softmax = False       # mask only rows that need it; max and sum as pairwise trees
-    producer_regs, consumer_regs = PRODUCER_REGS, CONSUMER_REGS
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -184,8 +179,6 @@ class KvOuterAttentionSm90WarpSpecialized:
             raise ValueError(f"v4 runs one CTA per SM (384 threads, 128-224 KiB smem); got {ctas_per_sm}")
         if self.pipelined and not self.tma_store_o:
             raise ValueError("the pipelined consumer stores O by TMA")
-        if self.s_ahead and not self.pipelined:
-            raise ValueError("the S-ahead consumer is a pipelined one")
         self.dtype_name = dtype
         self.dtype = DSL_DTYPES[dtype]
         self.v_d_major = dtype == "fp8"
@@ -299,18 +292,16 @@ class KvOuterAttentionSm90WarpSpecialized:
         begin = mCtaRange[cta, 0]
         n_tiles = mCtaRange[cta, 1] - begin
         if warp_group == 0:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.producer(tma_k, gK_tma, tma_v, gV_tma, mQ, mCsrQuery, mTileKey, mTileEdge, mTileCount,
                           mPageBlock, mQLimit, sQ, sK, sV, sLim, q_full, q_empty, kv_full, kv_empty,
                           begin, n_tiles, hkv, num_pages, tidx, warp_idx)
         else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
             bars = (q_full, q_empty, kv_full, kv_empty)
             args = (qk_mma, pv_mma, tma_o, gO_tma, sO, mO, mM, mL, mTileKey, sQ, sK, sV, sP, sLim, bars, begin,
                     n_tiles, scale_log2, scale, out_scale, tidx - self.wg_threads, warp_group - 1)
-            if const_expr(self.s_ahead):
-                self.consumer_s_ahead(*args)
-            elif const_expr(self.pipelined):
+            if const_expr(self.pipelined):
                 self.consumer_pipelined(*args)
             else:
                 self.consumer(*args)
@@ -548,98 +539,6 @@ class KvOuterAttentionSm90WarpSpecialized:
             self._store_o(tma_o, acc_o, out_scale, v, mO, begin + n_tiles - 1, cur_live, ctid, cwg)
         self._drain_o(ctid)
 
-    @cute.jit
-    def consumer_s_ahead(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_o: cute.CopyAtom,
-                         gO_tma: cute.Tensor, sO: cute.Tensor, mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
-                         mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                         sP: cute.Tensor, sLim: cute.Tensor, bars, begin: Int32, n_tiles: Int32,
-                         scale_log2: Float32, scale: Float32, out_scale: Float32, ctid: Int32, cwg: Int32):
-        """v11: as v9, and S(t+2) is issued as soon as P(t+1) has left the S accumulator, before O(t)
-        is stored, so the tensor cores have work while the warpgroup converts and stores O(t). Entering
-        iteration t: S(t+1) is in flight (stages nxt_q, nxt_kv), P(t) in r_p (stages cur_q, cur_kv).
-        The key of t+2 is read at the top, its latency hidden under P(t) V. No wgmma is issued under a
-        data-dependent branch (ptxas would serialize them), so a CTA with fewer than two tiles takes
-        v7's loop and the last two tiles are unrolled after the steady loop."""
-        if n_tiles < 2:
-            self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sO, mO, mM, mL, mTileKey, sQ, sK, sV, sP, sLim, bars,
-                          begin, n_tiles, scale_log2, scale, out_scale, ctid, cwg)
-        else:
-            q_full, q_empty, kv_full, kv_empty = bars
-            lane, v, (acc_s, acc_o, lim, r_p) = self._consumer_state(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV,
-                                                                     sP, ctid)
-            q_idx = Int32(0)             # stage of the next tile whose S is issued
-            q_phase = Int32(0)
-            kv_idx = Int32(0)
-            kv_phase = Int32(0)
-            # tile t = begin: S, softmax, P; then S(begin + 1) is issued
-            cur_key = mTileKey[begin]
-            _wait(kv_full + kv_idx, kv_phase)
-            _wait(q_full + q_idx, q_phase)
-            cute.arch.fence_view_async_shared()
-            self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
-            cur_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, q_idx, begin, mM, mL, scale_log2,
-                                             scale, lane, ctid, 0)
-            self._prepare_p(acc_s, r_p, v, q_idx, cwg)
-            cur_q, cur_kv = q_idx, kv_idx
-            q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
-            nxt_key = mTileKey[begin + 1]
-            if nxt_key != cur_key:
-                kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
-                _wait(kv_full + kv_idx, kv_phase)
-            _wait(q_full + q_idx, q_phase)
-            cute.arch.fence_view_async_shared()
-            self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
-            nxt_q, nxt_kv = q_idx, kv_idx
-            q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
-            for i in cutlass.range(n_tiles - 2, unroll=1):
-                t = begin + i
-                key2 = mTileKey[t + 2]
-                self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
-                nxt_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, nxt_q, t + 1, mM, mL, scale_log2,
-                                                 scale, lane, ctid, 1)
-                warpgroup.wait_group(0)
-                self._leave_tile(q_empty, kv_empty, cur_q, cur_kv, nxt_key != cur_key, lane)
-                # O(t) leaves the accumulator as bf16 first: with S(t+2) in flight, P(t+1) and a
-                # live fp32 O(t) would not fit in the registers (ptxas spilled)
-                r_o = self._o_bf16(acc_o, out_scale)
-                self._prepare_p(acc_s, r_p, v, nxt_q, cwg)
-                if key2 != nxt_key:
-                    kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
-                    _wait(kv_full + kv_idx, kv_phase)
-                _wait(q_full + q_idx, q_phase)
-                cute.arch.fence_view_async_shared()
-                self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
-                self._store_o_bf16(tma_o, r_o, v, mO, t, cur_live, ctid, cwg)
-                cur_q, cur_kv, cur_key, cur_live = nxt_q, nxt_kv, nxt_key, nxt_live
-                nxt_q, nxt_kv, nxt_key = q_idx, kv_idx, key2
-                q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
-            # tile n - 2: P V with the last tile's softmax, then its store
-            t = begin + n_tiles - 2
-            self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
-            last_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, nxt_q, t + 1, mM, mL, scale_log2,
-                                              scale, lane, ctid, 1)
-            warpgroup.wait_group(0)
-            self._leave_tile(q_empty, kv_empty, cur_q, cur_kv, nxt_key != cur_key, lane)
-            self._prepare_p(acc_s, r_p, v, nxt_q, cwg)
-            self._store_o(tma_o, acc_o, out_scale, v, mO, t, cur_live, ctid, cwg)
-            # the last tile: P V and its store
-            self._issue_pv(pv_mma, acc_o, r_p, v, nxt_q, nxt_kv)
-            warpgroup.wait_group(0)
-            if const_expr(not self.p_in_regs):
-                _release(q_empty + nxt_q, lane)
-            self._store_o(tma_o, acc_o, out_scale, v, mO, t + 1, last_live, ctid, cwg)
-            self._drain_o(ctid)
-
-    @cute.jit
-    def _leave_tile(self, q_empty: cute.Pointer, kv_empty: cute.Pointer, q_idx: Int32, kv_idx: Int32,
-                    key_changes, lane: Int32):
-        """After P(t) V: fp8 frees t's Q stage (P lay over its rows); the K/V stage is freed when the
-        next tile has another key."""
-        if const_expr(not self.p_in_regs):
-            _release(q_empty + q_idx, lane)
-        if key_changes:
-            _release(kv_empty + kv_idx, lane)
-
     # ---- consumer steps -----------------------------------------------------------------------------
     @cute.jit
     def _issue_s(self, qk_mma: cute.TiledMma, acc_s: cute.Tensor, v, q_idx: Int32, kv_idx: Int32):
@@ -717,19 +616,9 @@ class KvOuterAttentionSm90WarpSpecialized:
                  live_rows: Int32, ctid: Int32, cwg: Int32):
         """O of tile t to o_part: v4 from registers (every row); v7, v9 through sO (this warpgroup's
         rows) and one TMA store per live slot, issued by the warpgroup's first thread."""
-        self._store_o_bf16(tma_o, self._o_bf16(acc_o, out_scale), v, mO, t, live_rows, ctid, cwg)
-
-    @cute.jit
-    def _o_bf16(self, acc_o: cute.Tensor, out_scale: Float32) -> cute.Tensor:
+        G, D, ROWS = self.group, self.head_dim, self.rows
         r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
         r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
-        return r_o
-
-    @cute.jit
-    def _store_o_bf16(self, tma_o: cute.CopyAtom, r_o: cute.Tensor, v, mO: cute.Tensor, t: Int32,
-                      live_rows: Int32, ctid: Int32, cwg: Int32):
-        """The store half of _store_o, from O already scaled and converted."""
-        G, D, ROWS = self.group, self.head_dim, self.rows
         if const_expr(self.tma_store_o):
             wg_barrier = 1 + cwg
             slots_per_wg = const_expr(self.tile_q // 2)
@@ -772,12 +661,3 @@ class KvOuterAttentionSm90TreeSoftmax(KvOuterAttentionSm90Pipelined):
     kernel_version = "v10-ws-pipelined-tree-softmax"
     tree_softmax = True
 
-
-class KvOuterAttentionSm90SAhead(KvOuterAttentionSm90TreeSoftmax):
-    """v11: v10 with S(t+2) issued before O(t) is stored."""
-    kernel_version = "v11-ws-s-ahead"
-    s_ahead = True
-    # S(t+2) in flight while O(t) is converted: 224 registers spill 256 bytes in bf16 (ptxas 13.0).
-    # 128 x 24 + 256 x 240 = 384 x 168: setmaxnreg.inc waits for registers the CTA does not have if
-    # the sum exceeds the launch allocation (32 / 240 hung on the H200).
-    producer_regs, consumer_regs = 24, 240

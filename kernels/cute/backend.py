@@ -15,8 +15,8 @@ from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas
 from .manifest import (DTYPES, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS, CuteConfig, device_arch,
                        find_library)
 
-DEFAULT_VARIANT = "v9"   # the fastest generation that passed every GPU check (H200 2026-11-29, N 16384: bf16 ~375, fp8 ~426 TFLOP/s)
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v11": 1}
+DEFAULT_VARIANT = "v10"  # the fastest generation that passed every GPU check (H200 2026-11-29, N 16384: bf16 ~412, fp8 ~499 TFLOP/s)
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1}
 
 
 def attention_impl_name(variant: str) -> str:

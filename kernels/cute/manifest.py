@@ -55,14 +55,12 @@ CTAS_PER_SM = (1, 2)
 # a producer warpgroup loads K/V by TMA and gathers Q by cp.async into mbarrier-guarded rings, two
 # consumer warpgroups compute); v7 = v4 with O stored through shared memory by TMA, live slots only;
 # v9 = v7 with the consumers software-pipelined across tiles; v10 = v9 with a cheaper softmax step (mask
-# only where needed, tree reductions); v11 = v10 with S(t+2) issued before O(t) is stored
-# (docs/perf-log.md has each one's numbers, and v5, v6, v8, measured and dropped). CTAs per SM each
-# generation builds:
-VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v11")
+# only where needed, tree reductions) (docs/perf-log.md has each one's numbers, and v5, v6, v8, v11,
+# measured and dropped). CTAs per SM each generation builds:
+VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
                 ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v7", "bf16"): (1,), ("v7", "fp8"): (1,),
-                ("v9", "bf16"): (1,), ("v9", "fp8"): (1,), ("v10", "bf16"): (1,), ("v10", "fp8"): (1,),
-                ("v11", "bf16"): (1,), ("v11", "fp8"): (1,)}
+                ("v9", "bf16"): (1,), ("v9", "fp8"): (1,), ("v10", "bf16"): (1,), ("v10", "fp8"): (1,)}
 
 
 def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:
