@@ -66,7 +66,6 @@ from .manifest import P_SHIFT
 
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
 CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation
-PINGPONG_BARRIER = 3         # named barriers 3 and 4 (0: CTA, 1 and 2: each consumer warpgroup's own)
 # Deadlock watchdog: a barrier wait still incomplete WATCHDOG_NS after its first failed try_wait
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
@@ -167,8 +166,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     tma_store_o = False        # O through shared memory and TMA stores of live slots (m, l of live rows)
     pipelined = False          # consumers issue tile t+1's S with tile t's P V (with tma_store_o)
     tree_softmax = False       # mask only rows that need it; max and sum as pairwise trees
-    pingpong = False           # (pipelined) the consumer warpgroups take turns issuing their wgmma pair
-    key_ahead = False          # (pipelined) the key of tile t+2 is loaded one iteration early
+    skip_unit_scale = False    # O(t) is not multiplied by out_scale when it is 1 (bf16 with v_scale 1)
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -511,34 +509,16 @@ class KvOuterAttentionSm90WarpSpecialized:
             self._prepare_p(acc_s, r_p, v, q_idx, cwg)
             cur_q, cur_kv = q_idx, kv_idx
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
-        ahead_key = Int32(-1)
-        if const_expr(self.key_ahead):
-            if n_tiles > 1:
-                ahead_key = mTileKey[begin + 1]
-        issued = Int32(0)                                     # ping-pong: wgmma pairs this warpgroup issued
         for i in cutlass.range(n_tiles - 1, unroll=1):
             t = begin + i
-            next_key = ahead_key
-            if const_expr(self.key_ahead):
-                # the load's latency is spent under this iteration's wgmma; used in the next one
-                ahead_key = mTileKey[cutlass.min(t + 2, begin + n_tiles - 1)]
-            else:
-                next_key = mTileKey[t + 1]
+            next_key = mTileKey[t + 1]
             if next_key != cur_key:
                 kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
                 _wait(kv_full + kv_idx, kv_phase)
             _wait(q_full + q_idx, q_phase)
             cute.arch.fence_view_async_shared()
-            if const_expr(self.pingpong):
-                # warpgroup 0 waits for 1's previous pair, 1 for 0's current one: wgmma runs in issue
-                # order, so one warpgroup's softmax and store overlap the other's MMAs
-                if cwg == 1 or issued > 0:
-                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=2 * self.wg_threads)
             self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
             self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
-            if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=2 * self.wg_threads)
-                issued += 1
             # softmax of t+1 while P(t) V runs on the tensor cores
             next_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, q_idx, t + 1, mM, mL, scale_log2,
                                               scale, lane, ctid, 1)
@@ -558,10 +538,6 @@ class KvOuterAttentionSm90WarpSpecialized:
             if const_expr(not self.p_in_regs):
                 _release(q_empty + cur_q, lane)
             self._store_o(tma_o, acc_o, out_scale, v, mO, begin + n_tiles - 1, cur_live, ctid, cwg)
-        if const_expr(self.pingpong):
-            # warpgroup 1's last arrive on warpgroup 0's barrier has no pair after it to wait for
-            if cwg == 0 and issued > 0:
-                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * self.wg_threads)
         self._drain_o(ctid)
 
     # ---- consumer steps -----------------------------------------------------------------------------
@@ -643,7 +619,13 @@ class KvOuterAttentionSm90WarpSpecialized:
         rows) and one TMA store per live slot, issued by the warpgroup's first thread."""
         G, D, ROWS = self.group, self.head_dim, self.rows
         r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-        r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+        if const_expr(self.skip_unit_scale):
+            if out_scale == Float32(1.0):
+                r_o.store(acc_o.load().to(cutlass.BFloat16))
+            else:
+                r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+        else:
+            r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
         if const_expr(self.tma_store_o):
             wg_barrier = 1 + cwg
             slots_per_wg = const_expr(self.tile_q // 2)
@@ -687,13 +669,7 @@ class KvOuterAttentionSm90TreeSoftmax(KvOuterAttentionSm90Pipelined):
     tree_softmax = True
 
 
-class KvOuterAttentionSm90PingPong(KvOuterAttentionSm90TreeSoftmax):
-    """v12: v10 with the two consumer warpgroups taking turns to issue their S(t+1), P(t) V pair."""
-    kernel_version = "v12-ws-pipelined-pingpong"
-    pingpong = True
-
-
-class KvOuterAttentionSm90KeyAhead(KvOuterAttentionSm90TreeSoftmax):
-    """v13: v10 with each tile's key loaded an iteration before the consumers need it."""
-    kernel_version = "v13-ws-pipelined-key-ahead"
-    key_ahead = True
+class KvOuterAttentionSm90UnitScale(KvOuterAttentionSm90TreeSoftmax):
+    """v14: v10 without the 64 multiplies per thread and tile that scale O when out_scale is 1."""
+    kernel_version = "v14-ws-pipelined-unit-scale"
+    skip_unit_scale = True
