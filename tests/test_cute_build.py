@@ -266,7 +266,7 @@ def test_config_for_other_geometry_is_unavailable():
 def test_each_generation_registers_an_attention_impl():
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS
-    assert {"cute", "cute-v3", "cute-v4", "cute-v7", "cute-v9", "cute-v10", "cute-v14"} <= set(ATTENTION_IMPLS)
+    assert {"cute", "cute-v3", "cute-v4", "cute-v7", "cute-v9", "cute-v10"} <= set(ATTENTION_IMPLS)
     b = KVOuterCuteBackend(variant="v3")
     assert b.attention_impl == "cute-v3" and b.ctas_per_sm == 1
     assert KVOuterCuteBackend(variant="v2").attention_impl == "cute" and KVOuterCuteBackend(variant="v2").ctas_per_sm == 2

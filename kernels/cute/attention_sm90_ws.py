@@ -166,7 +166,6 @@ class KvOuterAttentionSm90WarpSpecialized:
     tma_store_o = False        # O through shared memory and TMA stores of live slots (m, l of live rows)
     pipelined = False          # consumers issue tile t+1's S with tile t's P V (with tma_store_o)
     tree_softmax = False       # mask only rows that need it; max and sum as pairwise trees
-    skip_unit_scale = False    # O(t) is not multiplied by out_scale when it is 1 (bf16 with v_scale 1)
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -619,13 +618,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         rows) and one TMA store per live slot, issued by the warpgroup's first thread."""
         G, D, ROWS = self.group, self.head_dim, self.rows
         r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-        if const_expr(self.skip_unit_scale):
-            if out_scale == Float32(1.0):
-                r_o.store(acc_o.load().to(cutlass.BFloat16))
-            else:
-                r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
-        else:
-            r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+        r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
         if const_expr(self.tma_store_o):
             wg_barrier = 1 + cwg
             slots_per_wg = const_expr(self.tile_q // 2)
@@ -668,8 +661,3 @@ class KvOuterAttentionSm90TreeSoftmax(KvOuterAttentionSm90Pipelined):
     kernel_version = "v10-ws-pipelined-tree-softmax"
     tree_softmax = True
 
-
-class KvOuterAttentionSm90UnitScale(KvOuterAttentionSm90TreeSoftmax):
-    """v14: v10 without the 64 multiplies per thread and tile that scale O when out_scale is 1."""
-    kernel_version = "v14-ws-pipelined-unit-scale"
-    skip_unit_scale = True

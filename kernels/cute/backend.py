@@ -16,7 +16,7 @@ from .manifest import (DTYPES, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS,
                        find_library)
 
 DEFAULT_VARIANT = "v10"  # the fastest generation that passed every GPU check (H200 2026-11-29, N 16384: bf16 ~412, fp8 ~499 TFLOP/s)
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v14": 1}
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1}
 
 
 def attention_impl_name(variant: str) -> str:
