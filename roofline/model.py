@@ -39,6 +39,9 @@ class ModelShape:
     # is issued in tile order (CTAs move through the head-major work list together), hkv when each
     # persistent CTA owns a contiguous slice of it (then every head's slice is live at once).
     q_live_heads: int = 1
+    # Query ranges per KV head in the scheduler's grouped tile order (kv_outer config q_ranges): the
+    # queries live at once are one range of the live heads'.
+    q_ranges: int = 1
 
     @property
     def group(self) -> int:
@@ -127,7 +130,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     q_gather = edges * s.group * s.head_dim * d                             # each query re-read per block
     l2["q_read"] = q_gather
     # the work list is head-major: the queries of the KV heads live at once form the gather working set
-    live = q_bytes * min(max(s.q_live_heads, 1), s.hkv) / s.hkv
+    live = q_bytes * min(max(s.q_live_heads, 1), s.hkv) / s.hkv / max(s.q_ranges, 1)
     miss = _miss_rate(live, device, share=q_gather / (q_gather + partials))
     if miss:
         hbm["q_l2_miss_reread"] = max(0.0, q_gather - q_bytes) * miss

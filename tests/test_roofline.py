@@ -106,3 +106,25 @@ def test_l2_capacity_rule_hand_computed():
     q_bytes = 16384 * 64 * 128 * 2
     miss = 1 - 30 * 2**20 * share / (q_bytes / 4)
     assert k.hbm_terms["q_l2_miss_reread"] == pytest.approx((q_gather - q_bytes) * miss)
+
+
+def test_grouped_tile_order_shrinks_the_live_queries_only_when_ctas_walk_together():
+    """q_ranges divides the Q working set of the L2-capacity term when the CTAs walk the grouped order
+    together (a dealt persistent order or chunked launches); contiguous persistent slices keep every
+    head's queries live whatever q_ranges says."""
+    from msa_bench.harness.prediction import model_shape
+    from msa_bench.roofline.devices import load_device
+    from msa_bench.roofline.model import traffic
+    dev = load_device("h200")
+
+    def q_miss(config):
+        shape = model_shape(64, 4, 128, 128, 16, "bf16", config)
+        hbm, _ = traffic("kv-outer", shape, 16384, 4096, device=dev)
+        return hbm.get("q_l2_miss_reread", 0.0)
+
+    slices = q_miss({"attn_chunk": 0, "order_chunk": 0, "q_ranges": 4})
+    dealt_1 = q_miss({"attn_chunk": 0, "order_chunk": 8, "q_ranges": 1})
+    dealt_4 = q_miss({"attn_chunk": 0, "order_chunk": 8, "q_ranges": 4})
+    chunked_4 = q_miss({"attn_chunk": 64, "attn_chunk_grid": 0, "q_ranges": 4})
+    assert slices > dealt_1 > dealt_4 >= 0.0
+    assert chunked_4 == dealt_4
