@@ -337,7 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer check shapes")
-    ap.add_argument("--variants", default="v2,v3", help="CuTe kernel generations to check and time, in order (manifest.VARIANTS: v2, v3, v4, v7, v9)")
+    ap.add_argument("--variants", default="v2,v3", help="CuTe kernel generations to check and time, in order (manifest.VARIANTS: v2, v3, v4, v7, v9, v10)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""KV-outer attention stage for Hopper (sm_90a), v4, v7 and v9: warp-specialized, TMA, mbarrier pipelines.
+"""KV-outer attention stage for Hopper (sm_90a), v4, v7, v9 and v10: warp-specialized, TMA, mbarrier pipelines.
 
 Same contract as attention_sm90.py (v2; see its docstring and kernels/kv_outer/__init__.py): the
 same arguments, the raw tile-ordered partial o (bf16), m and l (fp32), causal masking through the
@@ -43,7 +43,7 @@ tensor cores do P(t) V; then O(t) is stored.
 v10 (KvOuterAttentionSm90TreeSoftmax): v9 with a cheaper softmax step: the key mask only in rows whose
 limit falls inside the block, the row max and sum as pairwise trees instead of dependent chains.
 
-Shared memory: bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each = 192 KiB (+ 32 KiB O staging in v7/v9);
+Shared memory: bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each = 192 KiB (+ 32 KiB O staging in v7, v9, v10);
 fp8 Q 4 x 16 KiB + K, V 2 x 16 KiB each = 128 KiB (+ 32 KiB). One CTA per SM.
 
 Import this module only with CUTE_DSL_ARCH set (build.py does) when no GPU is present.
@@ -156,7 +156,7 @@ def _softmax_row_tree(s_rc: cute.Tensor, tScS: cute.Tensor, r: cutlass.Constexpr
 
 
 class KvOuterAttentionSm90WarpSpecialized:
-    """One compiled configuration of the v4 kernel (v7 and v9 are subclasses that set the flags)."""
+    """One compiled configuration of the v4 kernel (v7, v9 and v10 are subclasses that set the flags)."""
 
     num_threads = 384          # producer warpgroup + two consumer warpgroups
     wg_threads = 128
@@ -220,7 +220,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(tma_op, mK, cute.slice_(sK_layout, (None, None, 0)), (BLK, D))
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(tma_op, mV, cute.slice_(sV_layout, (None, None, 0)), v_tile)
-        # O staging (v7, v9): one (G, D) slab per tile slot (stage = slot), stored by TMA slot by slot
+        # O staging (v7, v9, v10): one (G, D) slab per tile slot (stage = slot), stored by TMA slot by slot
         sO_layout = _staged_smem_layout(cutlass.BFloat16, self.group, D, self.tile_q if const_expr(self.tma_store_o) else 1)
         tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
@@ -482,7 +482,7 @@ class KvOuterAttentionSm90WarpSpecialized:
                            mTileKey: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                            sP: cute.Tensor, sLim: cute.Tensor, bars, begin: Int32, n_tiles: Int32,
                            scale_log2: Float32, scale: Float32, out_scale: Float32, ctid: Int32, cwg: Int32):
-        """v9: per tile t, S(t+1) and P(t) V are issued back to back, the softmax of t+1 runs while
+        """v9, v10: per tile t, S(t+1) and P(t) V are issued back to back, the softmax of t+1 runs while
         the tensor cores do P(t) V, then O(t) is stored. (q_idx, kv_idx) are the stages of the tile
         whose S is issued next, (cur_q, cur_kv) those of the tile whose P V is."""
         q_full, q_empty, kv_full, kv_empty = bars
@@ -614,7 +614,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     @cute.jit
     def _store_o(self, tma_o: cute.CopyAtom, acc_o: cute.Tensor, out_scale: Float32, v, mO: cute.Tensor, t: Int32,
                  live_rows: Int32, ctid: Int32, cwg: Int32):
-        """O of tile t to o_part: v4 from registers (every row); v7, v9 through sO (this warpgroup's
+        """O of tile t to o_part: v4 from registers (every row); v7, v9, v10 through sO (this warpgroup's
         rows) and one TMA store per live slot, issued by the warpgroup's first thread."""
         G, D, ROWS = self.group, self.head_dim, self.rows
         r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
