@@ -210,3 +210,12 @@ def test_grouped_tile_order_matches_reference(backend, q_ranges, order_chunk, at
 def test_schedule_rejects_bad_order():
     with pytest.raises(ValueError, match="q_ranges"):
         KVOuterBackend(config=KVOuterConfig(num_ctas=2, q_ranges=0)).plan(workload("causal-local", "fp32"))
+
+
+def test_chunk_size_shrinks_to_fill_the_gpu_on_short_prefills():
+    from msa_bench.kernels.kv_outer.attention import MIN_CHUNK, fill_chunk
+    assert fill_chunk(64, 200_000, 132) == 64               # N 8192: 3125 chunks, the tuned size
+    assert fill_chunk(64, 3584, 132) == 8                   # N ~171: 56 chunks of 64 -> 448 of 8
+    assert fill_chunk(64, 9000, 132) == 32                  # 141 chunks of 64 -> 282 of 32
+    assert fill_chunk(64, 10, 132) == MIN_CHUNK             # never below the floor
+    assert fill_chunk(0, 10, 132) == 0                      # persistent mode untouched

@@ -161,6 +161,21 @@ def kv_stationary_attention_kernel(
                          SOFT_ROUND_P)
 
 
+MIN_CHUNK = 8
+PROGRAMS_PER_CTA = 2
+
+
+def fill_chunk(chunk: int, tile_slots: int, num_ctas: int) -> int:
+    """The chunk size for one program per chunk: the configured one, halved (down to MIN_CHUNK) while
+    the tile slots would give fewer than PROGRAMS_PER_CTA programs per persistent-CTA slot. Short
+    prefill chunks (N of a few hundred) otherwise leave most SMs idle: 64-tile chunks made 40-90
+    programs for 132 SMs there (H200, real-prefill, bf16 65-127 TFLOP/s). Powers of two keep the
+    number of compiled variants small (CHUNK is a compile-time constant)."""
+    while chunk > MIN_CHUNK and -(-tile_slots // chunk) < PROGRAMS_PER_CTA * num_ctas:
+        chunk //= 2
+    return chunk
+
+
 class Attention:
     """Binds the kernel to a plan's buffers; calling it launches one grid.
 
@@ -191,6 +206,8 @@ class Attention:
         self.out_scale = w.v_scale / 2.0 ** self.p_shift
         self.tile_q, self.num_ctas = tile_q, num_ctas
         self.num_warps, self.num_stages, self.store_mode = num_warps, num_stages, store_mode
+        if self.chunk > 0 and self.chunk_grid == 0:
+            self.chunk = fill_chunk(self.chunk, buffers["tile_key"].numel(), num_ctas)
         if self.chunk > 0:
             chunks = -(-buffers["tile_key"].numel() // self.chunk)
             self.grid = chunks if self.chunk_grid == 0 else max(1, min(chunks, num_ctas))
