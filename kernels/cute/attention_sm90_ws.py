@@ -166,6 +166,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     tma_store_o = False        # O through shared memory and TMA stores of live slots (m, l of live rows)
     pipelined = False          # consumers issue tile t+1's S with tile t's P V (with tma_store_o)
     tree_softmax = False       # mask only rows that need it; max and sum as pairwise trees
+    fp8_reg_p = False          # fp8: P V takes P from registers (V's keys permuted to match, see _fp8_p_regs)
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -182,7 +183,8 @@ class KvOuterAttentionSm90WarpSpecialized:
         self.dtype_name = dtype
         self.dtype = DSL_DTYPES[dtype]
         self.v_d_major = dtype == "fp8"
-        self.p_in_regs = dtype == "bf16"
+        self.fp8_reg_p = self.fp8_reg_p and dtype == "fp8"
+        self.p_in_regs = dtype == "bf16" or self.fp8_reg_p
         self.tile_q, self.group, self.head_dim, self.block = tile_q, group, head_dim, block
         self.rows = tile_q * group
         self.ctas_per_sm = ctas_per_sm
@@ -204,8 +206,8 @@ class KvOuterAttentionSm90WarpSpecialized:
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, BLK))
         if const_expr(self.p_in_regs):
-            pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, mnmaj, Float32, (2, 1, 1), (64, D),
-                                                 a_source=warpgroup.OperandSource.RMEM)
+            pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj if const_expr(self.v_d_major) else mnmaj,
+                                                 Float32, (2, 1, 1), (64, D), a_source=warpgroup.OperandSource.RMEM)
         else:
             pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj if const_expr(self.v_d_major) else mnmaj,
                                                  Float32, (2, 1, 1), (64, D))
@@ -434,7 +436,10 @@ class KvOuterAttentionSm90WarpSpecialized:
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.rows, self.block)), Float32)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.rows, self.head_dim)), Float32)
         lim = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Int32)
-        r_p = cute.make_rmem_tensor_like(_acc_to_frg_a(acc_s) if const_expr(self.p_in_regs) else acc_s, self.dtype)
+        if const_expr(self.fp8_reg_p):
+            r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.rows, self.block)), self.dtype)
+        else:
+            r_p = cute.make_rmem_tensor_like(_acc_to_frg_a(acc_s) if const_expr(self.p_in_regs) else acc_s, self.dtype)
         return acc_s, acc_o, lim, r_p
 
     @cute.jit
@@ -603,13 +608,30 @@ class KvOuterAttentionSm90WarpSpecialized:
     def _prepare_p(self, acc_s: cute.Tensor, r_p: cute.Tensor, v, q_idx: Int32, cwg: Int32):
         """P as the P V operand: bf16 in registers; fp8 over the warpgroup's own (dead) Q rows of stage
         q_idx, visible to its wgmma."""
-        if const_expr(self.p_in_regs):
+        if const_expr(self.fp8_reg_p):
+            r_p.store(self._fp8_p_regs(acc_s, r_p).load().to(self.dtype))
+        elif const_expr(self.p_in_regs):
             r_p.store(_acc_to_frg_a(acc_s).load().to(self.dtype))
         else:
             r_p.store(acc_s.load().to(self.dtype))
             cute.autovec_copy(r_p, v["tSsP"][None, None, None, q_idx])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1 + cwg, number_of_threads=self.wg_threads)
+
+    def _fp8_p_regs(self, acc_s: cute.Tensor, r_p: cute.Tensor) -> cute.Tensor:
+        """v15: the S accumulator's values regrouped (fp32, a register renaming) into the fp8 A-operand
+        fragment of m64nNk32: per thread, acc_s is ((2 cols, 2 row halves, 16 col groups of 8)) and
+        the A fragment ((4 k, 2 row halves, 2 k halves), k blocks of 32). Byte i of A's register (h,
+        kh) in k block kb takes column 32 kb + 16 kh + 8 (i // 2) + 2 q + i % 2 (q = lane % 4) where the
+        MMA reads k = 32 kb + 16 kh + 4 q + i: no shuffles or byte permutes, and the keys of V are
+        stored in that order instead (manifest.fp8_v_key_order, applied to the d-major V copy)."""
+        tmp = cute.make_rmem_tensor_like(r_p, Float32)
+        for kb in range(cute.size(r_p, mode=[2])):               # plain Python: unrolled while tracing
+            for kh in range(2):
+                for h in range(2):
+                    for i in range(4):
+                        tmp[i + 4 * h + 8 * kh + 16 * kb] = acc_s[i % 2 + 2 * h + 4 * (4 * kb + 2 * kh + i // 2)]
+        return tmp
 
     @cute.jit
     def _store_o(self, tma_o: cute.CopyAtom, acc_o: cute.Tensor, out_scale: Float32, v, mO: cute.Tensor, t: Int32,
@@ -661,3 +683,8 @@ class KvOuterAttentionSm90TreeSoftmax(KvOuterAttentionSm90Pipelined):
     kernel_version = "v10-ws-pipelined-tree-softmax"
     tree_softmax = True
 
+
+class KvOuterAttentionSm90Fp8RegP(KvOuterAttentionSm90TreeSoftmax):
+    """v15: v10 with fp8 P kept in registers as the A operand of P V (bf16 as v10)."""
+    kernel_version = "v15-ws-fp8-register-p"
+    fp8_reg_p = True

@@ -12,11 +12,11 @@ import torch
 from ..base import BackendUnavailable, register
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
 from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas
-from .manifest import (DTYPES, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS, CuteConfig, device_arch,
-                       find_library)
+from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS, CuteConfig,
+                       device_arch, find_library, fp8_v_key_order)
 
 DEFAULT_VARIANT = "v10"  # the fastest generation that passed every GPU check (H200 2026-11-29, N 16384: bf16 ~412, fp8 ~499 TFLOP/s)
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1}
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1}
 
 
 def attention_impl_name(variant: str) -> str:
@@ -37,6 +37,8 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, varia
     if ctas_per_sm is None:
         ctas_per_sm = DEFAULT_CTAS_PER_SM[variant]
     allowed = VARIANT_CTAS[(variant, workload.dtype)]
+    if not allowed:
+        raise BackendUnavailable(f"the CuTe attention stage {variant} is not built for {workload.dtype}")
     if ctas_per_sm not in allowed:
         raise BackendUnavailable(f"the CuTe attention stage {variant} {workload.dtype} is built for {allowed} "
                                  f"CTAs per SM, not {ctas_per_sm}")
@@ -65,6 +67,10 @@ class CuteAttentionStage:
         self.library.load_module()
         # fp8 wgmma wants K-major operands: V d-major ([pages, Hkv, D, block]), made once here.
         self.v = w.v_cache.transpose(-1, -2).contiguous() if w.dtype == "fp8" else w.v_cache
+        if w.dtype == "fp8" and variant in FP8_V_KEY_PERMUTED:
+            order = torch.tensor(fp8_v_key_order(), device=w.device)
+            blk = self.v.shape[-1]
+            self.v = self.v.view(*self.v.shape[:-1], blk // 16, 16)[..., order].reshape(self.v.shape).contiguous()
         b = buffers
         tensors = [w.q, w.k_cache, self.v, b["csr_query"], b["tile_key"], b["tile_edge"], b["tile_count"],
                    b["cta_range"], w.page_block, w.q_limit, b["o_part"], b["m_part"], b["l_part"]]
