@@ -1,4 +1,4 @@
-"""KV-outer attention stage for Hopper (sm_90a), v4, v7, v9 and v10: warp-specialized, TMA, mbarrier pipelines.
+"""KV-outer attention stage for Hopper (sm_90a), v4, v7, v9, v10 and v15: warp-specialized, TMA, mbarrier pipelines.
 
 Same contract as attention_sm90.py (v2; see its docstring and kernels/kv_outer/__init__.py): the
 same arguments, the raw tile-ordered partial o (bf16), m and l (fp32), causal masking through the
@@ -42,6 +42,10 @@ tensor cores do P(t) V; then O(t) is stored.
 
 v10 (KvOuterAttentionSm90TreeSoftmax): v9 with a cheaper softmax step: the key mask only in rows whose
 limit falls inside the block, the row max and sum as pairwise trees instead of dependent chains.
+
+v15 (KvOuterAttentionSm90Fp8RegP, fp8 only): v10 with fp8 P kept in registers as the A operand of P V
+(regrouped from the S accumulator without shuffles; V's keys are stored permuted to match), so P no
+longer goes through shared memory and a warpgroup barrier every tile.
 
 Shared memory: bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each = 192 KiB (+ 32 KiB O staging in v7, v9, v10);
 fp8 Q 4 x 16 KiB + K, V 2 x 16 KiB each = 128 KiB (+ 32 KiB). One CTA per SM.

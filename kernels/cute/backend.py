@@ -15,7 +15,10 @@ from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas
 from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS, CuteConfig,
                        device_arch, find_library, fp8_v_key_order)
 
-DEFAULT_VARIANT = "v10"  # the fastest generation that passed every GPU check (H200 2026-11-29, N 16384: bf16 ~412, fp8 ~499 TFLOP/s)
+# the fastest generation per dtype that passed every GPU check (H200 2026-11-29, N 16384, attention
+# stage: bf16 v10 ~412 TFLOP/s, fp8 v15 ~539; docs/perf-log.md)
+DEFAULT_VARIANTS = {"bf16": "v10", "fp8": "v15"}
+DEFAULT_VARIANT = DEFAULT_VARIANTS["bf16"]
 DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1}
 
 
@@ -93,6 +96,10 @@ class CuteAttentionStage:
         self.library.launch(self.packed, self.hkv, self.num_pages, self.scale, self.out_scale, stream)
 
 
+def default_variant(dtype: str) -> str:
+    return DEFAULT_VARIANTS.get(dtype, DEFAULT_VARIANT)
+
+
 def _register_variant(variant: str) -> None:
     @register_attention_impl(attention_impl_name(variant))
     def cute_attention(workload, buffers: dict, config):
@@ -103,22 +110,40 @@ for _variant in VARIANTS:
     _register_variant(_variant)
 
 
+@register_attention_impl("cute-default")
+def cute_default_attention(workload, buffers: dict, config):
+    """The default generation of the workload's dtype (DEFAULT_VARIANTS)."""
+    return CuteAttentionStage(workload, buffers, config, default_variant(workload.dtype))
+
+
 @register("kv-outer-cute")
 class KVOuterCuteBackend(KVOuterBackend):
     name = "kv-outer-cute"
     description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
     dtypes = DTYPES
 
-    def __init__(self, config=None, ctas_per_sm: int | None = None, variant: str = DEFAULT_VARIANT):
-        if variant not in VARIANTS:
+    def __init__(self, config=None, ctas_per_sm: int | None = None, variant: str | None = None):
+        """variant None: each dtype's default generation (DEFAULT_VARIANTS)."""
+        if variant is not None and variant not in VARIANTS:
             raise ValueError(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")
-        super().__init__(attention_impl=attention_impl_name(variant), config=config)
+        super().__init__(attention_impl=attention_impl_name(variant) if variant else "cute-default", config=config)
         self.variant = variant
-        self.ctas_per_sm = DEFAULT_CTAS_PER_SM[variant] if ctas_per_sm is None else ctas_per_sm
+        self._ctas_per_sm = ctas_per_sm
+
+    def variant_for(self, dtype: str) -> str:
+        return self.variant or default_variant(dtype)
+
+    def ctas_for(self, dtype: str) -> int:
+        return DEFAULT_CTAS_PER_SM[self.variant_for(dtype)] if self._ctas_per_sm is None else self._ctas_per_sm
+
+    def _plan(self, w):
+        plan = super()._plan(w)
+        plan.info["cute_variant"] = plan.stages["attention"].cfg.variant
+        return plan
 
     def resolved_config(self, w):
         """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size)."""
-        cfg = self.config or cute_kv_config(w.dtype, self.ctas_per_sm)
+        cfg = self.config or cute_kv_config(w.dtype, self.ctas_for(w.dtype))
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 
@@ -135,7 +160,8 @@ class KVOuterCuteBackend(KVOuterBackend):
             return reason
         from .build import dsl_unavailable_reason
         from .loader import build_dir
-        _, why = find_library(CuteConfig(dtype, ctas_per_sm=self.ctas_per_sm, variant=self.variant), build_dir(), arch)
+        cfg = CuteConfig(dtype, ctas_per_sm=self.ctas_for(dtype), variant=self.variant_for(dtype))
+        _, why = find_library(cfg, build_dir(), arch)
         if why and dsl_unavailable_reason() is not None:
             return why
         return None

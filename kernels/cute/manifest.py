@@ -55,8 +55,8 @@ CTAS_PER_SM = (1, 2)
 # a producer warpgroup loads K/V by TMA and gathers Q by cp.async into mbarrier-guarded rings, two
 # consumer warpgroups compute); v7 = v4 with O stored through shared memory by TMA, live slots only;
 # v9 = v7 with the consumers software-pipelined across tiles; v10 = v9 with a cheaper softmax step (mask
-# only where needed, tree reductions) (docs/perf-log.md has each one's numbers, and v5, v6, v8, v11,
-# v12, v13, v14, measured and dropped).
+# only where needed, tree reductions); v15 = v10 with fp8 P in registers (fp8 only) (docs/perf-log.md
+# has each one's numbers, and v5, v6, v8, v11, v12, v13, v14, measured and dropped).
 # CTAs per SM each generation builds:
 VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v15")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
