@@ -62,18 +62,20 @@ class Schedule:
         first = self.csr_ptr[kc] + (t - self.tile_ptr[kc]) * self.tile_q
         count = (self.csr_ptr[kc + 1] - first).clamp(max=self.tile_q)
         zero = torch.zeros_like(t)
-        key = torch.where(real, key, zero - 1)
-        first = torch.where(real, first, zero)
-        count = torch.where(real, count, zero)
         if not self.grouped:
-            self.tile_key.copy_(key)
-            self.tile_edge.copy_(first)
-            self.tile_count.copy_(count)
-            bounds = torch.div(self._ctas * total.long(), self.num_ctas, rounding_mode="floor").to(torch.int32)
-            self.cta_range[:, 0].copy_(bounds[:-1])
-            self.cta_range[:, 1].copy_(bounds[1:])
+            torch.where(real, key, zero - 1, out=self.tile_key)
+            torch.where(real, first, zero, out=self.tile_edge)
+            torch.where(real, count, zero, out=self.tile_count)
+            self._slices(total)
         else:
-            order = self._grouped_order(kc, first, real, total)
+            key = torch.where(real, key, zero - 1)
+            first = torch.where(real, first, zero)
+            count = torch.where(real, count, zero)
+            order = self._by_group(kc, first, real)
+            if self.order_chunk:
+                order = self._deal(order, total)
+            else:
+                self._slices(total)
             torch.index_select(key, 0, order, out=self.tile_key)
             torch.index_select(first, 0, order, out=self.tile_edge)
             torch.index_select(count, 0, order, out=self.tile_count)
@@ -86,23 +88,27 @@ class Schedule:
                 self.combine_index.copy_(torch.where(ci >= 0, moved, ci))
         self._run_ends()
 
-    def _grouped_order(self, kc, first, real, total):
-        """Index-map tile at each position: stable sort by (head, query range), then dealt in chunks."""
+    def _slices(self, total) -> None:
+        """CTA c gets positions [c * T // C, (c + 1) * T // C)."""
+        bounds = torch.div(self._ctas * total.long(), self.num_ctas, rounding_mode="floor").to(torch.int32)
+        self.cta_range[:, 0].copy_(bounds[:-1])
+        self.cta_range[:, 1].copy_(bounds[1:])
+
+    def _by_group(self, kc, first, real):
+        """Index-map tiles stably sorted by (head, query range of their first query), padding last."""
         m, s = self.m, self.q_ranges
         n = kc.numel()
         head = torch.div(kc, m.num_pages, rounding_mode="floor")
-        query = self.m.csr_query[first.long()].long()
+        query = m.csr_query[first.long()].long()
         group = head * s + torch.div(query * s, m.n_tokens, rounding_mode="floor")
-        group = torch.where(real, group, torch.full_like(group, m.hkv * s))        # padding last
+        group = torch.where(real, group, torch.full_like(group, m.hkv * s))
+        return torch.remainder(torch.sort(group * n + self._tiles.long()).values, n)   # keys are unique
+
+    def _deal(self, by_group, total):
+        """Chunk j of order_chunk tiles of the sorted sequence goes to CTA j mod C; each CTA's chunks
+        are laid out contiguously, in round order, and cta_range points at them."""
+        c, k = self.num_ctas, self.order_chunk
         pos = self._tiles.long()
-        by_group = torch.remainder(torch.sort(group * n + pos).values, n)          # keys are unique
-        c = self.num_ctas
-        k = self.order_chunk
-        if k == 0:
-            bounds = torch.div(self._ctas * total.long(), c, rounding_mode="floor").to(torch.int32)
-            self.cta_range[:, 0].copy_(bounds[:-1])
-            self.cta_range[:, 1].copy_(bounds[1:])
-            return by_group
         tot = total.long()
         full, rem = torch.div(tot, k, rounding_mode="floor"), torch.remainder(tot, k)
         ctas = self._ctas[:-1]
@@ -110,8 +116,7 @@ class Schedule:
         owned = owned + torch.where(torch.remainder(full, c) == ctas, rem, torch.zeros_like(rem))
         start = torch.cumsum(owned, 0) - owned
         chunk = torch.div(pos, k, rounding_mode="floor")
-        owner = torch.remainder(chunk, c)
-        dest = start[owner] + torch.div(chunk, c, rounding_mode="floor") * k + torch.remainder(pos, k)
+        dest = start[torch.remainder(chunk, c)] + torch.div(chunk, c, rounding_mode="floor") * k + torch.remainder(pos, k)
         dest = torch.where(pos < tot, dest, pos)
         order = torch.empty_like(by_group)
         order[dest] = by_group
