@@ -38,7 +38,7 @@ def _walk_together(dtype: str, config: dict | None) -> bool:
     config = _config(dtype, config)
     chunk = int(config.get("attn_chunk") or 0)
     chunked = chunk > 0 and int(config.get("attn_chunk_grid") or 0) == 0
-    dealt = chunk == 0 and int(config.get("order_chunk") or 0) > 0
+    dealt = int(config.get("order_chunk") or 0) > 0            # resolved configs: only persistent CTAs deal
     return chunked or dealt
 
 

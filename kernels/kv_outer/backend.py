@@ -41,12 +41,6 @@ def partial_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype == "fp32" else torch.bfloat16
 
 
-def order_chunk(cfg: KVOuterConfig) -> int:
-    """Chunked Triton launches run their programs in position order already: they take the grouping
-    without the round-robin deal, which is for persistent CTAs over cta_range."""
-    return cfg.order_chunk if cfg.attn_chunk == 0 else 0
-
-
 def check_shape(w: Workload, tile_q: int, name: str) -> None:
     """The Triton kernels tile with power-of-two extents and need every MMA dimension >= 16."""
     s = w.shape
@@ -85,10 +79,13 @@ class KVStationaryBackend(Backend):
         return reason
 
     def resolved_config(self, w: Workload) -> KVOuterConfig:
-        """The configuration to plan with, num_ctas resolved for the workload's device."""
+        """The configuration to plan with, num_ctas resolved for the workload's device. Chunked launches
+        run their programs in position order already: they take the grouped order without the
+        round-robin deal (order_chunk 0), which is for persistent CTAs over cta_range."""
         cfg = self.config or default_config(w.dtype, w.shape.group)
         check_shape(w, cfg.tile_q, self.name)
-        return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
+        return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device),
+                         order_chunk=cfg.order_chunk if cfg.attn_chunk == 0 else 0)
 
 
 @register("kv-outer")
@@ -105,7 +102,7 @@ class KVOuterBackend(KVStationaryBackend):
         num_ctas = cfg.num_ctas
         s, dev = w.shape, w.device
         index_map = IndexMap(w.pages, w.num_pages, cfg.tile_q)
-        schedule = Schedule(index_map, num_ctas, cfg.q_ranges, order_chunk(cfg))
+        schedule = Schedule(index_map, num_ctas, cfg.q_ranges, cfg.order_chunk)
         rows = index_map.num_tiles_max * cfg.tile_q * s.group
         buffers = dict(
             csr_ptr=index_map.csr_ptr, csr_query=index_map.csr_query, tile_ptr=index_map.tile_ptr,

@@ -79,7 +79,7 @@ def check_schedule(plan, w) -> tuple[bool, str]:
                and bool((sizes >= 0).all()))
     if not covered:
         return False, "cta_range does not cover [0, tiles) with contiguous slices"
-    slack = max(1, int(cfg.get("order_chunk") or 0) if int(cfg.get("attn_chunk") or 0) == 0 else 1)
+    slack = max(1, int(cfg.get("order_chunk") or 0))          # the plan's config, resolved
     if total and int(sizes.max() - sizes.min()) > slack:
         return False, f"cta slices unbalanced: {int(sizes.min())}..{int(sizes.max())} tiles"
     return True, f"{total} tiles over {rng.shape[0]} CTAs, {int(sizes.min())}..{int(sizes.max())} per CTA"
