@@ -159,6 +159,38 @@ def _softmax_row_tree(s_rc: cute.Tensor, tScS: cute.Tensor, r: cutlass.Constexpr
     return row_max, row_sum
 
 
+@cute.jit
+def _mask_keys(s_rc: cute.Tensor, tScS: cute.Tensor, limit: Int32, block: cutlass.Constexpr):
+    """Keys past `limit` to -inf in every row of s_rc, when the limit falls inside the block."""
+    if limit < block - 1:
+        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                if tScS[r, c][1] > limit:
+                    s_rc[r, c] = -Float32.inf
+
+
+def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift: int):
+    """v16: _softmax_row_tree's step for all rows of s_rc at once, with no branch between them, so the
+    rows' max and sum trees, shuffles and exp2 interleave (v10 ran one row after the other, each behind
+    its own mask branch: the consumer warps stalled on fixed-latency dependencies). Plain Python, traced
+    inline. Returns the lists of row maxima and sums, reduced over the four threads of a row."""
+    n_r = cute.size(s_rc, mode=[0])
+    maxes = [_pairwise(_row(s_rc, r), cute.arch.fmax) for r in range(n_r)]
+    for offset in (1, 2):
+        other = [cute.arch.shuffle_sync_bfly(m, offset=offset) for m in maxes]
+        maxes = [cute.arch.fmax(m, o) for m, o in zip(maxes, other)]
+    shifts = [Float32(cutlass.select_(m != -Float32.inf, m * scale_log2 - p_shift, Float32(-p_shift)))
+              for m in maxes]
+    for r in range(n_r):
+        for c in range(cute.size(s_rc, mode=[1])):
+            s_rc[r, c] = cute.arch.exp2(s_rc[r, c] * scale_log2 - shifts[r])
+    sums = [_pairwise(_row(s_rc, r), lambda a, b: a + b) for r in range(n_r)]
+    for offset in (1, 2):
+        other = [cute.arch.shuffle_sync_bfly(x, offset=offset) for x in sums]
+        sums = [x + o for x, o in zip(sums, other)]
+    return maxes, sums
+
+
 class KvOuterAttentionSm90WarpSpecialized:
     """One compiled configuration of the v4 kernel (v7, v9 and v10 are subclasses that set the flags)."""
 
@@ -171,6 +203,8 @@ class KvOuterAttentionSm90WarpSpecialized:
     pipelined = False          # consumers issue tile t+1's S with tile t's P V (with tma_store_o)
     tree_softmax = False       # mask only rows that need it; max and sum as pairwise trees
     fp8_reg_p = False          # fp8: P V takes P from registers (V's keys permuted to match, see _fp8_p_regs)
+    joint_rows = False         # one softmax step over all of a thread's rows at once; next key from shared memory
+    stmatrix_o = False         # O registers -> sO by stmatrix (with tma_store_o)
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -182,6 +216,8 @@ class KvOuterAttentionSm90WarpSpecialized:
             raise ValueError(f"the v4 kernel is written for head_dim = block = 128, got {head_dim}, {block}")
         if ctas_per_sm != 1:
             raise ValueError(f"v4 runs one CTA per SM (384 threads, 128-224 KiB smem); got {ctas_per_sm}")
+        if self.joint_rows and group % 16:
+            raise ValueError(f"the joint-rows softmax needs each warp's 16 rows in one slot (G % 16 == 0), got G {group}")
         if self.pipelined and not self.tma_store_o:
             raise ValueError("the pipelined consumer stores O by TMA")
         self.dtype_name = dtype
@@ -237,7 +273,7 @@ class KvOuterAttentionSm90WarpSpecialized:
             q_empty: cute.struct.MemRange[cutlass.Int64, self.q_stages]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            sLim: cute.struct.MemRange[Int32, self.q_stages * (self.tile_q + 1)]
+            sLim: cute.struct.MemRange[Int32, self.q_stages * (self.tile_q + 2)]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -273,7 +309,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         q_empty = storage.q_empty.data_ptr()
         kv_full = storage.kv_full.data_ptr()
         kv_empty = storage.kv_empty.data_ptr()
-        sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_q + 1, self.q_stages)))  # limits, count
+        sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_q + 2, self.q_stages)))  # limits, count, key
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)       # (ROWS, D, QS)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)       # (BLK, D, KS)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)       # (BLK, D | D, BLK, KS)
@@ -393,6 +429,7 @@ class KvOuterAttentionSm90WarpSpecialized:
                 if const_expr(self.tma_store_o):
                     if tidx == 0:
                         sLim[self.tile_q, q_idx] = count
+                        sLim[self.tile_q + 1, q_idx] = key
                 cute.arch.mbarrier_arrive(q_full + q_idx)
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         # drain (the consumers wait for every copy anyway)
@@ -422,7 +459,14 @@ class KvOuterAttentionSm90WarpSpecialized:
             # buffer (row = slot * G + g; 4-byte stores, conflict-free under the 128-byte swizzle); sO ->
             # o_part by one TMA store per live slot (a G x D slab, contiguous in o_part)
             sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_q), D), stride=((1, G * D), G)))
-            v["tRsO"] = thr_pv.partition_C(sO_tile)
+            if const_expr(self.stmatrix_o):
+                # stmatrix: one instruction stores four 8x8 bf16 blocks (eight registers' worth of O)
+                st_copy = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), pv_mma)
+                v["st_copy"] = st_copy
+                v["tRsO"] = st_copy.get_slice(ctid).partition_D(sO_tile)
+            else:
+                v["tRsO"] = thr_pv.partition_C(sO_tile)
             gO = cute.local_tile(gO_tma, (G, D), (None, 0))                      # (G, D, slabs)
             v["tOsO"], v["tOgO"] = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
                                                          cute.group_modes(gO, 0, 2))
@@ -519,11 +563,19 @@ class KvOuterAttentionSm90WarpSpecialized:
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         for i in cutlass.range(n_tiles - 1, unroll=1):
             t = begin + i
-            next_key = mTileKey[t + 1]
-            if next_key != cur_key:
-                kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
-                _wait(kv_full + kv_idx, kv_phase)
-            _wait(q_full + q_idx, q_phase)
+            if const_expr(self.joint_rows):
+                # the producer wrote the key next to the limits: no dependent global load per tile
+                _wait(q_full + q_idx, q_phase)
+                next_key = sLim[self.tile_q + 1, q_idx]
+                if next_key != cur_key:
+                    kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
+                    _wait(kv_full + kv_idx, kv_phase)
+            else:
+                next_key = mTileKey[t + 1]
+                if next_key != cur_key:
+                    kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
+                    _wait(kv_full + kv_idx, kv_phase)
+                _wait(q_full + q_idx, q_phase)
             cute.arch.fence_view_async_shared()
             self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
             self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
@@ -588,7 +640,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         G, ROWS = self.group, self.rows
         tScS = v["tScS"]
         n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
-        for r in cutlass.range_constexpr(n_rows_acc):
+        for r in cutlass.range_constexpr(1 if const_expr(self.joint_rows) else n_rows_acc):
             lim[r] = sLim[tScS[r, 0][0] // G, q_idx]
         live_rows = Int32(ROWS)
         if const_expr(self.tma_store_o):
@@ -597,6 +649,18 @@ class KvOuterAttentionSm90WarpSpecialized:
         if const_expr(self.p_in_regs):
             _release(q_empty + q_idx, lane)
         s_rc = _rows_cols_view(acc_s)
+        if const_expr(self.joint_rows):
+            # every row a thread holds is in its warp's 16-row band, one slot (G % 16 == 0): one limit,
+            # one warp-uniform mask branch, then the rows' reductions interleaved in straight-line code
+            _mask_keys(s_rc, tScS, lim[0], self.block)
+            row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, self.p_shift)
+            if ctid % 4 == 0:
+                for r in cutlass.range_constexpr(n_rows_acc):
+                    row = tScS[r, 0][0]
+                    if row < live_rows:
+                        mM[t * ROWS + row] = row_max[r] * scale
+                        mL[t * ROWS + row] = row_sum[r] * (1.0 / (1 << self.p_shift))
+            return live_rows
         for r in cutlass.range_constexpr(n_rows_acc):
             row = tScS[r, 0][0]
             if const_expr(self.tree_softmax):
@@ -651,7 +715,10 @@ class KvOuterAttentionSm90WarpSpecialized:
             if ctid % self.wg_threads == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)   # the previous tile's stores have read sO
             cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
-            cute.autovec_copy(r_o, v["tRsO"])
+            if const_expr(self.stmatrix_o):
+                cute.copy(v["st_copy"], v["st_copy"].retile(r_o), v["tRsO"])
+            else:
+                cute.autovec_copy(r_o, v["tRsO"])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
             if ctid % self.wg_threads == 0:
@@ -692,3 +759,17 @@ class KvOuterAttentionSm90Fp8RegP(KvOuterAttentionSm90TreeSoftmax):
     """v15: v10 with fp8 P kept in registers as the A operand of P V (bf16 as v10)."""
     kernel_version = "v15-ws-fp8-register-p"
     fp8_reg_p = True
+
+
+class KvOuterAttentionSm90JointRows(KvOuterAttentionSm90Fp8RegP):
+    """v16: v15 with the softmax step over both of a thread's rows at once (one mask branch, interleaved
+    trees) and each tile's key read from shared memory instead of global memory."""
+    kernel_version = "v16-ws-joint-rows"
+    joint_rows = True
+
+
+class KvOuterAttentionSm90Stmatrix(KvOuterAttentionSm90JointRows):
+    """v17: v16 with O written to its staging buffer by stmatrix (8 instructions per warp and tile
+    instead of 32 4-byte stores, each with its own swizzled address)."""
+    kernel_version = "v17-ws-stmatrix-o"
+    stmatrix_o = True
