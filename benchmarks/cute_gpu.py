@@ -312,6 +312,28 @@ def time_dtype(dtype, reps, log, configs: list[tuple[str, int]], passed: list[tu
     return rec
 
 
+def passed_configs(result: dict, dtype: str, configs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The configurations of `configs` whose every check (for dtype) passed."""
+    return [(v, c) for v, c in configs
+            if all(r.get("ok") for r in result["checks"]
+                   if r["dtype"] == dtype and r["variant"] == v and r["ctas_per_sm"] == c)]
+
+
+def rounds_summary(timing: list[dict]) -> dict:
+    """Per (dtype, implementation): the cold-L2 TFLOP/s of every round, and their median, min, max."""
+    per = {}
+    for rec in timing:
+        for impl in rec.get("impls", []):
+            if "tflops" in rec.get(impl, {}):
+                per.setdefault(f"{rec['dtype']} {impl}", []).append(rec[impl]["tflops"])
+    out = {}
+    for key, xs in per.items():
+        srt = sorted(xs)
+        med = srt[len(srt) // 2] if len(srt) % 2 else (srt[len(srt) // 2 - 1] + srt[len(srt) // 2]) / 2
+        out[key] = {"tflops": xs, "median": med, "min": srt[0], "max": srt[-1], "n": len(xs)}
+    return out
+
+
 # ---- main --------------------------------------------------------------------------------------
 
 def environment(build_dir: Path) -> dict:
@@ -337,7 +359,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer check shapes")
-    ap.add_argument("--variants", default="v2,v3", help="CuTe kernel generations to check and time, in order (manifest.VARIANTS: v2, v3, v4, v7, v9, v10)")
+    ap.add_argument("--variants", default="v2,v3", help="CuTe kernel generations to check and time, in order (manifest.VARIANTS)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="R > 1: check every generation first, then time all that passed R times, interleaved "
+                         "(round r times each one once), and report each one's median over the rounds")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -372,13 +397,23 @@ def main(argv=None) -> int:
             for label, make in workloads(dtype, "cuda", args.quick):
                 result["checks"].extend(check_case(label, make, dtype, log, configs))
             (out / "cute_gpu.json").write_text(json.dumps(result, indent=2, default=str))
+        if args.rounds > 1:
+            continue
         for dtype in dtypes:
             configs = [(v, c) for v, c in cute_configs(dtype) if v == variant]
-            passed = [(v, c) for v, c in configs
-                      if all(r.get("ok") for r in result["checks"]
-                             if r["dtype"] == dtype and r["variant"] == v and r["ctas_per_sm"] == c)]
-            result["timing"].append(time_dtype(dtype, args.reps, log, configs, passed, with_triton=i == 0))
+            result["timing"].append(time_dtype(dtype, args.reps, log, configs, passed_configs(result, dtype, configs),
+                                               with_triton=i == 0))
             (out / "cute_gpu.json").write_text(json.dumps(result, indent=2, default=str))
+    if args.rounds > 1:
+        for r in range(args.rounds):
+            for dtype in dtypes:
+                configs = [(v, c) for v, c in cute_configs(dtype) if v in variants]
+                configs.sort(key=lambda vc: variants.index(vc[0]))
+                rec = time_dtype(dtype, args.reps, log, configs, passed_configs(result, dtype, configs), with_triton=r == 0)
+                rec["round"] = r
+                result["timing"].append(rec)
+                (out / "cute_gpu.json").write_text(json.dumps(result, indent=2, default=str))
+        result["rounds_summary"] = rounds_summary(result["timing"])
     result["seconds"] = time.perf_counter() - t0
     (out / "cute_gpu.json").write_text(json.dumps(result, indent=2, default=str))
 
@@ -398,6 +433,9 @@ def main(argv=None) -> int:
                     f"{r['warm_tflops']:.0f} warm (target {t['target_tflops']})")
             else:
                 log(f"  time  {t['dtype']:4s} {impl:11s} ERROR {r.get('error', t.get('error', '?'))[:120]}")
+    for key, v in result.get("rounds_summary", {}).items():
+        log(f"  rounds {key:22s} median {v['median']:6.1f} TFLOP/s over {v['n']} rounds "
+            f"(min {v['min']:.1f}, max {v['max']:.1f}): {', '.join(f'{x:.0f}' for x in v['tflops'])}")
     log(f"wrote {out / 'cute_gpu.json'} ({result['seconds']:.0f} s)")
     return 0 if all(c.get("ok") for c in result["checks"]) else 1
 

@@ -205,6 +205,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     fp8_reg_p = False          # fp8: P V takes P from registers (V's keys permuted to match, see _fp8_p_regs)
     joint_rows = False         # one softmax step over all of a thread's rows at once; next key from shared memory
     stmatrix_o = False         # O registers -> sO by stmatrix (with tma_store_o)
+    prefetch_meta = False      # producer: next tile's metadata read ahead, query indices before the stage wait
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -378,6 +379,11 @@ class KvOuterAttentionSm90WarpSpecialized:
         tQcQ = thr_q.partition_S(cute.make_identity_tensor((ROWS, D)))    # this thread's (row, col) coords
         hq = hkv * G
 
+        if const_expr(self.prefetch_meta):
+            self._producer_loop_prefetch(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, g2s, thr_q, tQcQ, mQ, mCsrQuery, mTileKey,
+                                         mTileEdge, mTileCount, mPageBlock, mQLimit, sQ, sLim, q_full, q_empty,
+                                         kv_full, kv_empty, begin, n_tiles, hkv, num_pages, tidx, warp_idx)
+            return
         q_idx = Int32(0)
         q_phase = Int32(1)           # empty barriers: the first wait on each stage passes at once
         kv_idx = Int32(0)
@@ -433,6 +439,84 @@ class KvOuterAttentionSm90WarpSpecialized:
                 cute.arch.mbarrier_arrive(q_full + q_idx)
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         # drain (the consumers wait for every copy anyway)
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _producer_loop_prefetch(self, tma_k: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor,
+                                tma_v: cute.CopyAtom, tVgV: cute.Tensor, tVsV: cute.Tensor, g2s, thr_q, tQcQ: cute.Tensor,
+                                mQ: cute.Tensor, mCsrQuery: cute.Tensor, mTileKey: cute.Tensor,
+                                mTileEdge: cute.Tensor, mTileCount: cute.Tensor, mPageBlock: cute.Tensor,
+                                mQLimit: cute.Tensor, sQ: cute.Tensor, sLim: cute.Tensor, q_full: cute.Pointer,
+                                q_empty: cute.Pointer, kv_full: cute.Pointer, kv_empty: cute.Pointer, begin: Int32,
+                                n_tiles: Int32, hkv: Int32, num_pages: Int32, tidx: Int32, warp_idx: Int32):
+        """v18: the producer loop with its global reads off the path from a free Q stage to the copies:
+        the next tile's (key, edge, count) are read while this tile is gathered, and a tile's query
+        indices (one per slot, the same eight for every thread) and visibility limit are read before
+        the wait for its Q stage. A thread's rows in copy pass m all lie in slot m * rows_per_pass // G
+        (rows_per_pass = 128 / threads_per_row divides G), so each pass reads its query from a register."""
+        dt, G, D, BLK = self.dtype, self.group, self.head_dim, self.block
+        rows_per_pass = self.wg_threads // (D // (128 // dt.width))
+        hq = hkv * G
+        end = begin + n_tiles
+        meta = cute.make_rmem_tensor((3,), Int32)        # key, edge, count of the tile gathered next
+        queries = cute.make_rmem_tensor((self.tile_q,), Int32)
+        if n_tiles > 0:
+            meta[0] = mTileKey[begin]
+            meta[1] = mTileEdge[begin]
+            meta[2] = mTileCount[begin]
+        q_idx = Int32(0)
+        q_phase = Int32(1)
+        kv_idx = Int32(0)
+        kv_phase = Int32(1)
+        loaded_key = Int32(-1)
+        for i in cutlass.range(n_tiles, unroll=1):
+            t = begin + i
+            key = meta[0]
+            edge = meta[1]
+            count = meta[2]
+            t_next = cutlass.min(t + 1, end - 1)
+            meta[0] = mTileKey[t_next]
+            meta[1] = mTileEdge[t_next]
+            meta[2] = mTileCount[t_next]
+            for s in cutlass.range_constexpr(self.tile_q):
+                queries[s] = mCsrQuery[edge + cutlass.min(s, count - 1)]
+            head = key // num_pages
+            page = key - head * num_pages
+            limit = Int32(-1)
+            if tidx < count:
+                if tidx < self.tile_q:
+                    limit = mQLimit[mCsrQuery[edge + tidx]] - mPageBlock[page] * BLK
+            if key != loaded_key:
+                if warp_idx == 0:
+                    _wait(kv_empty + kv_idx, kv_phase)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
+                    slab = page * hkv + head
+                    cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                    cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                loaded_key = key
+                kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
+            _wait(q_empty + q_idx, q_phase)
+            tQsQ = thr_q.partition_D(sQ[None, None, q_idx])
+            for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
+                row = tQcQ[0, m, 0][0]
+                query = queries[m * rows_per_pass // G]
+                q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
+                for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
+                    col = tQcQ[0, m, k][1]
+                    src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
+                                                         cute.AddressSpace.gmem, assumed_align=16),
+                                           tQsQ[None, m, k].layout)
+                    cute.copy(g2s, src, tQsQ[None, m, k])
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)
+            if tidx < self.tile_q:
+                sLim[tidx, q_idx] = limit
+                if tidx == 0:
+                    sLim[self.tile_q, q_idx] = count
+                    sLim[self.tile_q + 1, q_idx] = key
+                cute.arch.mbarrier_arrive(q_full + q_idx)
+            q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         cute.arch.cp_async_wait_group(0)
 
     # ---- consumer warpgroups ----------------------------------------------------------------------
@@ -773,3 +857,9 @@ class KvOuterAttentionSm90Stmatrix(KvOuterAttentionSm90JointRows):
     instead of 32 4-byte stores, each with its own swizzled address)."""
     kernel_version = "v17-ws-stmatrix-o"
     stmatrix_o = True
+
+
+class KvOuterAttentionSm90ProducerAhead(KvOuterAttentionSm90Stmatrix):
+    """v18: v17 with the producer's metadata and query-index reads ahead of its Q-stage wait."""
+    kernel_version = "v18-ws-producer-ahead"
+    prefetch_meta = True
