@@ -144,6 +144,23 @@ def test_v15_fp8_p_v_reads_p_from_registers(built):
 
 
 @needs_dsl
+def test_v17_stores_o_by_stmatrix_and_v19_takes_turns(built):
+    """v17 (and its descendants v18, v19) write O to the staging buffer with stmatrix, v16 with 4-byte
+    shared stores; v19's consumer warpgroups take turns on named barriers 3 and 4 (bar.arrive on the
+    other's), which v18 does not."""
+    _, dump = built
+    texts = {k: [Path(p).read_text() for p in glob.glob(str(dump / "*.ptx")) if f"Sm90{k}_" in p]
+             for k in ("JointRows", "Stmatrix", "ProducerAhead", "PingPong")}
+    assert all(len(t) == 2 for t in texts.values()), {k: len(t) for k, t in texts.items()}
+    for k in ("Stmatrix", "ProducerAhead", "PingPong"):
+        assert all("stmatrix.sync.aligned" in t for t in texts[k])
+    assert not any("stmatrix.sync.aligned" in t for t in texts["JointRows"])
+    turn = re.compile(r"bar(rier)?\.(sync\.)?arrive(\.aligned)?\s+(3|4|%r\d+),\s*256;")
+    assert all(turn.search(t) for t in texts["PingPong"])
+    assert not any(turn.search(t) for t in texts["ProducerAhead"])
+
+
+@needs_dsl
 def test_built_kernels_are_sm90a_wgmma(built):
     _, dump = built
     ptx = [Path(p).read_text() for p in glob.glob(str(dump / "*.ptx"))]
@@ -309,9 +326,10 @@ def test_build_kernels_bad_input_is_one_line(args, msg):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("variant", mf.VARIANTS)
+@pytest.mark.parametrize("variant", [*mf.VARIANTS, None])
 def test_cute_stage_matches_reference_on_gpu(variant):
-    """Small end-to-end check of each kernel generation where a GPU and a build (or the DSL) are present."""
+    """Small end-to-end check of each kernel generation, and of the default dispatch (variant None: each
+    dtype's default generation), where a GPU and a build (or the DSL) are present."""
     from msa_bench.harness.reference import reference_attention, relative_error
     from msa_bench.harness.selection import synthetic_workload
     from msa_bench.harness.workload import AttnShape
@@ -319,7 +337,7 @@ def test_cute_stage_matches_reference_on_gpu(variant):
     b = KVOuterCuteBackend(variant=variant)
     reasons = []
     for dtype, tol in (("bf16", 1e-2), ("fp8", 5e-2)):
-        if not mf.VARIANT_CTAS[(variant, dtype)]:
+        if not mf.VARIANT_CTAS[(b.variant_for(dtype), dtype)]:
             continue                                   # a generation that changes one dtype only
         reason = b.unavailable_reason(dtype, "cuda")
         if reason:

@@ -70,6 +70,7 @@ from .manifest import P_SHIFT
 
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
 CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation
+PINGPONG_BARRIER = 3         # named barriers 3 and 4 (0: CTA, 1 and 2: each consumer warpgroup's own)
 # Deadlock watchdog: a barrier wait still incomplete WATCHDOG_NS after its first failed try_wait
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
@@ -206,6 +207,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     joint_rows = False         # one softmax step over all of a thread's rows at once; next key from shared memory
     stmatrix_o = False         # O registers -> sO by stmatrix (with tma_store_o)
     prefetch_meta = False      # producer: next tile's metadata read ahead, query indices before the stage wait
+    pingpong = False           # (pipelined) the consumer warpgroups take turns issuing their wgmma pair
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -645,6 +647,7 @@ class KvOuterAttentionSm90WarpSpecialized:
             self._prepare_p(acc_s, r_p, v, q_idx, cwg)
             cur_q, cur_kv = q_idx, kv_idx
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
+        issued = Int32(0)                                     # ping-pong: wgmma pairs this warpgroup issued
         for i in cutlass.range(n_tiles - 1, unroll=1):
             t = begin + i
             if const_expr(self.joint_rows):
@@ -661,8 +664,16 @@ class KvOuterAttentionSm90WarpSpecialized:
                     _wait(kv_full + kv_idx, kv_phase)
                 _wait(q_full + q_idx, q_phase)
             cute.arch.fence_view_async_shared()
+            if const_expr(self.pingpong):
+                # warpgroup 0 waits for 1's previous pair, 1 for 0's current one: the tensor cores take
+                # the pairs in issue order, so one warpgroup's softmax and store run under the other's MMAs
+                if cwg == 1 or issued > 0:
+                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=2 * self.wg_threads)
             self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
             self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=2 * self.wg_threads)
+                issued += 1
             # softmax of t+1 while P(t) V runs on the tensor cores
             next_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, q_idx, t + 1, mM, mL, scale_log2,
                                               scale, lane, ctid, 1)
@@ -682,6 +693,10 @@ class KvOuterAttentionSm90WarpSpecialized:
             if const_expr(not self.p_in_regs):
                 _release(q_empty + cur_q, lane)
             self._store_o(tma_o, acc_o, out_scale, v, mO, begin + n_tiles - 1, cur_live, ctid, cwg)
+        if const_expr(self.pingpong):
+            # warpgroup 1's last arrive on warpgroup 0's barrier has no pair after it to wait for
+            if cwg == 0 and issued > 0:
+                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * self.wg_threads)
         self._drain_o(ctid)
 
     # ---- consumer steps -----------------------------------------------------------------------------
@@ -863,3 +878,10 @@ class KvOuterAttentionSm90ProducerAhead(KvOuterAttentionSm90Stmatrix):
     """v18: v17 with the producer's metadata and query-index reads ahead of its Q-stage wait."""
     kernel_version = "v18-ws-producer-ahead"
     prefetch_meta = True
+
+
+class KvOuterAttentionSm90PingPong(KvOuterAttentionSm90ProducerAhead):
+    """v19: v18 with the consumer warpgroups taking turns to issue their S(t+1), P(t) V pair (v12's
+    ordering, retried now that the producer keeps further ahead and fp8 P stays in registers)."""
+    kernel_version = "v19-ws-producer-ahead-pingpong"
+    pingpong = True
