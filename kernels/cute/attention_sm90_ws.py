@@ -1,4 +1,4 @@
-"""KV-outer attention stage for Hopper (sm_90a), v4, v7, v9, v10 and v15: warp-specialized, TMA, mbarrier pipelines.
+"""KV-outer attention stage for Hopper (sm_90a), v4, v7, v9, v10, v15-v18: warp-specialized, TMA, mbarrier pipelines.
 
 Same contract as attention_sm90.py (v2; see its docstring and kernels/kv_outer/__init__.py): the
 same arguments, the raw tile-ordered partial o (bf16), m and l (fp32), causal masking through the
@@ -47,6 +47,17 @@ v15 (KvOuterAttentionSm90Fp8RegP, fp8 only): v10 with fp8 P kept in registers as
 (regrouped from the S accumulator without shuffles; V's keys are stored permuted to match), so P no
 longer goes through shared memory and a warpgroup barrier every tile.
 
+v16 (KvOuterAttentionSm90JointRows): v15 with the softmax step over both rows a thread holds at once (they
+lie in one slot, so one limit and one warp-uniform mask branch), the rows' trees and shuffles interleaved,
+and each tile's key read from shared memory (the producer writes it next to the limits).
+
+v17 (KvOuterAttentionSm90Stmatrix): v16 with O written to its staging buffer by stmatrix, eight
+instructions per warp and tile instead of 32 4-byte stores with their swizzled addresses.
+
+v18 (KvOuterAttentionSm90ProducerAhead, the default of both dtypes): v17 with the producer's global reads
+(the next tile's key, edge and count; a tile's query indices and limits) issued before it waits for the
+Q stage, so a freed stage is refilled by cp.async at once.
+
 Shared memory: bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each = 192 KiB (+ 32 KiB O staging in v7, v9, v10);
 fp8 Q 4 x 16 KiB + K, V 2 x 16 KiB each = 128 KiB (+ 32 KiB). One CTA per SM.
 
@@ -70,7 +81,6 @@ from .manifest import P_SHIFT
 
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
 CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation
-PINGPONG_BARRIER = 3         # named barriers 3 and 4 (0: CTA, 1 and 2: each consumer warpgroup's own)
 # Deadlock watchdog: a barrier wait still incomplete WATCHDOG_NS after its first failed try_wait
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
@@ -207,7 +217,6 @@ class KvOuterAttentionSm90WarpSpecialized:
     joint_rows = False         # one softmax step over all of a thread's rows at once; next key from shared memory
     stmatrix_o = False         # O registers -> sO by stmatrix (with tma_store_o)
     prefetch_meta = False      # producer: next tile's metadata read ahead, query indices before the stage wait
-    pingpong = False           # (pipelined) the consumer warpgroups take turns issuing their wgmma pair
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -647,7 +656,6 @@ class KvOuterAttentionSm90WarpSpecialized:
             self._prepare_p(acc_s, r_p, v, q_idx, cwg)
             cur_q, cur_kv = q_idx, kv_idx
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
-        issued = Int32(0)                                     # ping-pong: wgmma pairs this warpgroup issued
         for i in cutlass.range(n_tiles - 1, unroll=1):
             t = begin + i
             if const_expr(self.joint_rows):
@@ -664,16 +672,8 @@ class KvOuterAttentionSm90WarpSpecialized:
                     _wait(kv_full + kv_idx, kv_phase)
                 _wait(q_full + q_idx, q_phase)
             cute.arch.fence_view_async_shared()
-            if const_expr(self.pingpong):
-                # warpgroup 0 waits for 1's previous pair, 1 for 0's current one: the tensor cores take
-                # the pairs in issue order, so one warpgroup's softmax and store run under the other's MMAs
-                if cwg == 1 or issued > 0:
-                    cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=2 * self.wg_threads)
             self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
             self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
-            if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=2 * self.wg_threads)
-                issued += 1
             # softmax of t+1 while P(t) V runs on the tensor cores
             next_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, q_idx, t + 1, mM, mL, scale_log2,
                                               scale, lane, ctid, 1)
@@ -693,10 +693,6 @@ class KvOuterAttentionSm90WarpSpecialized:
             if const_expr(not self.p_in_regs):
                 _release(q_empty + cur_q, lane)
             self._store_o(tma_o, acc_o, out_scale, v, mO, begin + n_tiles - 1, cur_live, ctid, cwg)
-        if const_expr(self.pingpong):
-            # warpgroup 1's last arrive on warpgroup 0's barrier has no pair after it to wait for
-            if cwg == 0 and issued > 0:
-                cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=2 * self.wg_threads)
         self._drain_o(ctid)
 
     # ---- consumer steps -----------------------------------------------------------------------------
@@ -879,9 +875,3 @@ class KvOuterAttentionSm90ProducerAhead(KvOuterAttentionSm90Stmatrix):
     kernel_version = "v18-ws-producer-ahead"
     prefetch_meta = True
 
-
-class KvOuterAttentionSm90PingPong(KvOuterAttentionSm90ProducerAhead):
-    """v19: v18 with the consumer warpgroups taking turns to issue their S(t+1), P(t) V pair (v12's
-    ordering, retried now that the producer keeps further ahead and fp8 P stays in registers)."""
-    kernel_version = "v19-ws-producer-ahead-pingpong"
-    pingpong = True

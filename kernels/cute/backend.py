@@ -15,11 +15,12 @@ from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas
 from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS, CuteConfig,
                        device_arch, find_library, fp8_v_key_order)
 
-# the fastest generation per dtype that passed every GPU check (H200 2026-11-29, N 16384, attention
-# stage: bf16 v10 ~412 TFLOP/s, fp8 v15 ~539; docs/perf-log.md)
-DEFAULT_VARIANTS = {"bf16": "v10", "fp8": "v15"}
+# the generation per dtype that passed every GPU check and ran fastest (H200 2026-11-29, N 16384,
+# attention stage, fifth session: fp8 v18 ~571 TFLOP/s against v15 ~534; bf16 v18 ~402 at boost clocks,
+# level with v10, and 6 % less kernel time at ncu's base clocks; docs/perf-log.md)
+DEFAULT_VARIANTS = {"bf16": "v18", "fp8": "v18"}
 DEFAULT_VARIANT = DEFAULT_VARIANTS["bf16"]
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1, "v19": 1}
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1}
 
 
 def attention_impl_name(variant: str) -> str:
