@@ -85,9 +85,6 @@ CONSUMER_REGS = 224          # moves registers only within the CTA's own allocat
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
 WATCHDOG_NS = 10_000_000_000
-# L2 cache policy of a TMA copy (the createpolicy encoding CUTLASS names CacheHintSm90::EVICT_FIRST): lines
-# it brings in or writes are the first to go when L2 needs room
-L2_EVICT_FIRST = 0x12F0000000000000
 
 
 @dsl_user_op
@@ -220,7 +217,6 @@ class KvOuterAttentionSm90WarpSpecialized:
     joint_rows = False         # one softmax step over all of a thread's rows at once; next key from shared memory
     stmatrix_o = False         # O registers -> sO by stmatrix (with tma_store_o)
     prefetch_meta = False      # producer: next tile's metadata read ahead, query indices before the stage wait
-    evict_first = False        # (prefetch_meta, tma_store_o) K/V loads and O stores marked L2 evict-first
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -507,14 +503,8 @@ class KvOuterAttentionSm90WarpSpecialized:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
                     slab = page * hkv + head
-                    if const_expr(self.evict_first):
-                        cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx,
-                                  cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-                        cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx,
-                                  cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-                    else:
-                        cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
-                        cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                    cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                    cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
                 loaded_key = key
                 kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
             _wait(q_empty + q_idx, q_phase)
@@ -830,11 +820,7 @@ class KvOuterAttentionSm90WarpSpecialized:
                 for j in cutlass.range_constexpr(slots_per_wg):
                     slot = cwg * slots_per_wg + j
                     if slot * G < live_rows:
-                        if const_expr(self.evict_first):
-                            cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot],
-                                      cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-                        else:
-                            cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
+                        cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
                 cute.arch.cp_async_bulk_commit_group()
         else:
             cute.autovec_copy(r_o, v["thr_pv"].partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D))))
@@ -889,10 +875,3 @@ class KvOuterAttentionSm90ProducerAhead(KvOuterAttentionSm90Stmatrix):
     kernel_version = "v18-ws-producer-ahead"
     prefetch_meta = True
 
-
-class KvOuterAttentionSm90EvictFirst(KvOuterAttentionSm90ProducerAhead):
-    """v20: v18 with the K/V TMA loads and the O TMA stores marked L2 evict-first, so the 4.4 GB stream
-    of partials (and K/V blocks, each used by one or two CTAs) leaves L2 to the gathered Q rows, which
-    are re-read 16 times each."""
-    kernel_version = "v20-ws-evict-first"
-    evict_first = True

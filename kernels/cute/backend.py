@@ -20,7 +20,7 @@ from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, P_SHIFT, SUPPORTED_ARCHS, VAR
 # level with v10, and 6 % less kernel time at ncu's base clocks; docs/perf-log.md)
 DEFAULT_VARIANTS = {"bf16": "v18", "fp8": "v18"}
 DEFAULT_VARIANT = DEFAULT_VARIANTS["bf16"]
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1, "v20": 1}
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1}
 
 
 def attention_impl_name(variant: str) -> str:

@@ -136,14 +136,13 @@ def kernel_class(variant: str):
     if variant == "v3":
         from .attention_sm90_pipe import KvOuterAttentionSm90Pipelined
         return KvOuterAttentionSm90Pipelined
-    if variant in ("v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v20"):
+    if variant in ("v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18"):
         from . import attention_sm90_ws as ws
         return {"v4": ws.KvOuterAttentionSm90WarpSpecialized, "v7": ws.KvOuterAttentionSm90TmaStore,
                 "v9": ws.KvOuterAttentionSm90Pipelined, "v10": ws.KvOuterAttentionSm90TreeSoftmax,
                 "v15": ws.KvOuterAttentionSm90Fp8RegP, "v16": ws.KvOuterAttentionSm90JointRows,
                 "v17": ws.KvOuterAttentionSm90Stmatrix,
-                "v18": ws.KvOuterAttentionSm90ProducerAhead,
-                "v20": ws.KvOuterAttentionSm90EvictFirst}[variant]
+                "v18": ws.KvOuterAttentionSm90ProducerAhead}[variant]
     raise BuildError(f"unknown CuTe kernel variant {variant!r}")
 
 

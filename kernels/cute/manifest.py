@@ -58,21 +58,20 @@ CTAS_PER_SM = (1, 2)
 # only where needed, tree reductions); v15 = v10 with fp8 P in registers (fp8 only); v16 = v15 with the
 # softmax over a thread's rows at once and the tile's key from shared memory; v17 = v16 with O staged
 # by stmatrix; v18 = v17 with the producer's global reads ahead of its Q-stage wait (docs/perf-log.md
-# has each one's numbers, and v5, v6, v8, v11, v12, v13, v14, v19, measured and dropped).
+# has each one's numbers, and v5, v6, v8, v11, v12, v13, v14, v19, v20, measured and dropped).
 # CTAs per SM each generation builds:
-VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v20")
+VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
                 ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v7", "bf16"): (1,), ("v7", "fp8"): (1,),
                 ("v9", "bf16"): (1,), ("v9", "fp8"): (1,), ("v10", "bf16"): (1,), ("v10", "fp8"): (1,),
                 ("v15", "bf16"): (), ("v15", "fp8"): (1,),        # v15 changes fp8 only
                 ("v16", "bf16"): (1,), ("v16", "fp8"): (1,), ("v17", "bf16"): (1,), ("v17", "fp8"): (1,),
-                ("v18", "bf16"): (1,), ("v18", "fp8"): (1,),
-                ("v20", "bf16"): (1,), ("v20", "fp8"): (1,)}
+                ("v18", "bf16"): (1,), ("v18", "fp8"): (1,)}
 
 
 # Generations whose fp8 P V takes P from registers in the S accumulator's column order: they read V's
 # keys permuted within every 16 (attention_sm90_ws._fp8_p_regs).
-FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v20")
+FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18")
 
 
 def fp8_v_key_order() -> list[int]:
