@@ -12,7 +12,9 @@ from ..roofline.model import SCHEDULE_OF_BACKEND, ModelShape, Prediction, predic
 
 
 def schedule_of(backend: str) -> str | None:
-    return SCHEDULE_OF_BACKEND.get(backend)
+    """The schedule a backend runs; BASE@OPTION runs BASE's ("kv-outer-cute@v10" is KV-outer)."""
+    from ..kernels.base import split_name
+    return SCHEDULE_OF_BACKEND.get(split_name(backend)[0])
 
 
 def q_live_heads(hkv: int, dtype: str, config: dict | None = None) -> int:

@@ -92,12 +92,16 @@ def resolve_scenario(req: SweepRequest, device: torch.device, notes: list[str]):
 
 
 def validate_backends(names) -> list[str]:
-    from ..kernels.base import backend_names
+    from ..kernels.base import backend_names, get_backend, split_name
     known = backend_names()
     names = list(dict.fromkeys(names))
     for name in names:
-        if name not in known:
+        if split_name(name)[0] not in known:
             raise UserError(f"unknown backend {name!r}; choose from {', '.join(known)}")
+        try:
+            get_backend(name)
+        except KeyError as exc:
+            raise UserError(str(exc).strip("'\"")) from None
     if not names:
         raise UserError("no backends to run: the scenario and --backend leave none")
     return names

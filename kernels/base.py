@@ -73,11 +73,34 @@ def backend_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+OPTION_SEP = "@"     # "kv-outer-cute@v10": a registered backend with one option (its from_option())
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """'kv-outer-cute@v10' -> ('kv-outer-cute', 'v10'); a plain name -> (name, None)."""
+    base, sep, option = name.partition(OPTION_SEP)
+    return base, (option if sep else None)
+
+
 def get_backend(name: str) -> Backend:
+    """The backend registered as `name`, or, for BASE@OPTION, BASE's from_option(OPTION) (e.g. one CuTe
+    kernel generation), named with the whole string so its results rows say which one ran."""
     _load_all()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown backend {name!r}; choose one of {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]()
+    base, option = split_name(name)
+    if base not in _REGISTRY:
+        raise KeyError(f"unknown backend {base!r}; choose one of {', '.join(sorted(_REGISTRY))}")
+    factory = _REGISTRY[base]
+    if option is None:
+        return factory()
+    from_option = getattr(factory, "from_option", None)
+    if from_option is None:
+        raise KeyError(f"backend {base!r} takes no {OPTION_SEP}option (got {name!r})")
+    try:
+        backend = from_option(option)
+    except ValueError as exc:
+        raise KeyError(str(exc)) from None
+    backend.name = name
+    return backend
 
 
 def _load_all():

@@ -102,6 +102,8 @@ def test_existing_run_needs_resume_and_same_grid(smoke_run, cli, one_error_line)
 
 @pytest.mark.parametrize("args, needle", [
     (["--backend", "no-such-backend"], "unknown backend 'no-such-backend'"),
+    (["--backend", "kv-outer-cute@v99"], "kv-outer-cute has no kernel generation 'v99'"),
+    (["--backend", "kv-outer@fast"], "backend 'kv-outer' takes no @option"),
     (["--scenario", "no-such-scenario"], "unknown scenario 'no-such-scenario'"),
     (["--reuse", ","], "--reuse is empty"),
     (["--reuse", "a,b"], "--reuse must be a comma-separated list"),
@@ -151,6 +153,24 @@ def test_unavailable_backend_is_recorded_and_the_sweep_goes_on(tmp_path, cli):
     assert (ref["status"] == "ok").all()
     assert (fi["status"] == "unavailable").all() and fi["reason"].str.len().gt(0).all()
     assert "not timed: flashinfer" in text
+
+
+def test_backend_option_names_its_rows_and_keeps_its_schedule(tmp_path, cli):
+    """kv-outer-cute@v10 is one CuTe kernel generation as its own backend: its units, status rows and
+    report carry the whole name, and the roofline treats it as KV-outer (on a CPU it is unavailable,
+    with the reason recorded)."""
+    out = tmp_path / "r"
+    code, text, err = cli("sweep", "--scenario", "smoke", "--backend", "reference,kv-outer-cute@v10", "--dtype", "fp32",
+                          "--reuse", "0.5", "--generator", "synthetic", "--no-causal", "--reps", "1", "--out", out)
+    assert code == 0, err
+    st = load_run(out).status
+    cute = st[st["backend"] == "kv-outer-cute@v10"]
+    assert len(cute) > 0 and (cute["status"] == "unavailable").all()
+    assert (cute["schedule"] == "kv-outer").all()
+    from msa_bench.kernels.base import get_backend
+    b = get_backend("kv-outer-cute@v10")
+    assert b.name == "kv-outer-cute@v10" and b.variant_for("bf16") == b.variant_for("fp8") == "v10"
+    assert "not built for bf16" in get_backend("kv-outer-cute@v15").unavailable_reason("bf16", "cpu")
 
 
 @pytest.mark.cuda

@@ -131,6 +131,13 @@ class KVOuterCuteBackend(KVOuterBackend):
         self.variant = variant
         self._ctas_per_sm = ctas_per_sm
 
+    @classmethod
+    def from_option(cls, option: str) -> "KVOuterCuteBackend":
+        """kv-outer-cute@GEN: the kernel generation GEN in every dtype it is built for."""
+        if option not in VARIANTS:
+            raise ValueError(f"kv-outer-cute has no kernel generation {option!r} (have {', '.join(VARIANTS)})")
+        return cls(variant=option)
+
     def variant_for(self, dtype: str) -> str:
         return self.variant or default_variant(dtype)
 
@@ -151,6 +158,8 @@ class KVOuterCuteBackend(KVOuterBackend):
     def unavailable_reason(self, dtype, device):
         if dtype not in self.dtypes:
             return f"{self.name} does not support dtype {dtype} (supports {', '.join(self.dtypes)})"
+        if not VARIANT_CTAS[(self.variant_for(dtype), dtype)]:
+            return f"{self.name}: kernel generation {self.variant_for(dtype)} is not built for {dtype}"
         if torch.device(device).type != "cuda" or not torch.cuda.is_available():
             return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
         arch = device_arch(device)
