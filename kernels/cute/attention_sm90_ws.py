@@ -407,33 +407,16 @@ class KvOuterAttentionSm90WarpSpecialized:
             page = key - head * num_pages
             if key != loaded_key:
                 # K and V of this key run: one TMA box each into the next K/V stage
-                if warp_idx == 0:
-                    _wait(kv_empty + kv_idx, kv_phase)
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
-                    slab = page * hkv + head
-                    cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
-                    cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                self._load_kv(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, kv_full, kv_empty, kv_idx, kv_phase,
+                              page * hkv + head, warp_idx)
                 loaded_key = key
                 kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
 
             edge = mTileEdge[t]
             count = mTileCount[t]
             _wait(q_empty + q_idx, q_phase)
-            # gather Q: row r = (slot, g) from q[csr_query[edge + slot], head * G + g]; empty slots
-            # repeat the last query (finite data; their rows are masked)
-            tQsQ = thr_q.partition_D(sQ[None, None, q_idx])
-            for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
-                row = tQcQ[0, m, 0][0]
-                slot = cutlass.min(row // G, count - 1)
-                query = mCsrQuery[edge + slot]
-                q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
-                for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
-                    col = tQcQ[0, m, k][1]
-                    src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
-                                                         cute.AddressSpace.gmem, assumed_align=16),
-                                           tQsQ[None, m, k].layout)
-                    cute.copy(g2s, src, tQsQ[None, m, k])
+            self._gather_q(g2s, thr_q, tQcQ, sQ, q_idx, mQ, hq, head,
+                           lambda m, row: mCsrQuery[edge + cutlass.min(row // G, count - 1)])
             # arrives on q_full when this thread's copies have landed (counts as one of 128)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)
@@ -451,6 +434,35 @@ class KvOuterAttentionSm90WarpSpecialized:
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         # drain (the consumers wait for every copy anyway)
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _load_kv(self, tma_k: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor, tma_v: cute.CopyAtom,
+                 tVgV: cute.Tensor, tVsV: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer,
+                 kv_idx: Int32, kv_phase: Int32, slab: Int32, warp_idx: Int32):
+        """Warp 0: wait for K/V stage kv_idx to be free, then one TMA box each of K and V (slab) into it."""
+        if warp_idx == 0:
+            _wait(kv_empty + kv_idx, kv_phase)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
+            cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+            cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+
+    def _gather_q(self, g2s, thr_q, tQcQ: cute.Tensor, sQ: cute.Tensor, q_idx, mQ: cute.Tensor, hq, head,
+                  query_of):
+        """This thread's cp.async copies of one tile's Q rows into stage q_idx: row r = (slot, g) comes
+        from q[query, head * G + g], query = query_of(copy pass m, r) (a slot's query; empty slots
+        repeat the last one: finite data, their rows are masked). Plain Python, traced inline."""
+        dt, G, D = self.dtype, self.group, self.head_dim
+        tQsQ = thr_q.partition_D(sQ[None, None, q_idx])
+        for m in range(cute.size(tQcQ, mode=[1])):
+            row = tQcQ[0, m, 0][0]
+            q_row = _tile(mQ, cutlass.Int64(query_of(m, row) * hq + head * G + row % G) * D, (D,))
+            for k in range(cute.size(tQcQ, mode=[2])):
+                col = tQcQ[0, m, k][1]
+                src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
+                                                     cute.AddressSpace.gmem, assumed_align=16),
+                                       tQsQ[None, m, k].layout)
+                cute.copy(g2s, src, tQsQ[None, m, k])
 
     @cute.jit
     def _producer_loop_prefetch(self, tma_k: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor,
@@ -498,27 +510,13 @@ class KvOuterAttentionSm90WarpSpecialized:
                 if tidx < self.tile_q:
                     limit = mQLimit[mCsrQuery[edge + tidx]] - mPageBlock[page] * BLK
             if key != loaded_key:
-                if warp_idx == 0:
-                    _wait(kv_empty + kv_idx, kv_phase)
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
-                    slab = page * hkv + head
-                    cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
-                    cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+                self._load_kv(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, kv_full, kv_empty, kv_idx, kv_phase,
+                              page * hkv + head, warp_idx)
                 loaded_key = key
                 kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
             _wait(q_empty + q_idx, q_phase)
-            tQsQ = thr_q.partition_D(sQ[None, None, q_idx])
-            for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
-                row = tQcQ[0, m, 0][0]
-                query = queries[m * rows_per_pass // G]
-                q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
-                for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
-                    col = tQcQ[0, m, k][1]
-                    src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
-                                                         cute.AddressSpace.gmem, assumed_align=16),
-                                           tQsQ[None, m, k].layout)
-                    cute.copy(g2s, src, tQsQ[None, m, k])
+            self._gather_q(g2s, thr_q, tQcQ, sQ, q_idx, mQ, hq, head,
+                           lambda m, row: queries[m * rows_per_pass // G])
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)
             if tidx < self.tile_q:
