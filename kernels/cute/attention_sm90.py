@@ -100,6 +100,17 @@ def _softmax_row(s_rc: cute.Tensor, tScS: cute.Tensor, r: cutlass.Constexpr, lim
     return row_max, row_sum
 
 
+def check_tile(dtype: str, tile_q: int, group: int, head_dim: int, block: int, fixed: str | None = None) -> None:
+    """The configuration checks every generation shares: a DSL dtype and 128-row tiles (two 64-row
+    warpgroups); `fixed` names a generation written for head_dim = block = 128 only."""
+    if dtype not in DSL_DTYPES:
+        raise ValueError(f"CuTe attention supports {', '.join(DSL_DTYPES)}, not {dtype}")
+    if tile_q * group != 128:
+        raise ValueError(f"TILE_Q * G must be 128 (two 64-row warpgroups), got {tile_q} * {group}")
+    if fixed and (head_dim != 128 or block != 128):
+        raise ValueError(f"the {fixed} kernel is written for head_dim = block = 128, got {head_dim}, {block}")
+
+
 class KvOuterAttentionSm90:
     """One compiled configuration: data dtype, TILE_Q, G (query heads per KV head), D, block."""
 
@@ -108,10 +119,7 @@ class KvOuterAttentionSm90:
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
-        if dtype not in DSL_DTYPES:
-            raise ValueError(f"CuTe attention supports {', '.join(DSL_DTYPES)}, not {dtype}")
-        if tile_q * group != 128:
-            raise ValueError(f"TILE_Q * G must be 128 (two 64-row warpgroups), got {tile_q} * {group}")
+        check_tile(dtype, tile_q, group, head_dim, block)
         if head_dim % 64 or block % 64 or not (64 <= head_dim <= 256) or not (64 <= block <= 256):
             raise ValueError(f"head_dim and block must be multiples of 64 in [64, 256], got {head_dim}, {block}")
         self.dtype_name = dtype

@@ -35,7 +35,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile
+from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile, check_tile
 from .manifest import P_SHIFT
 
 
@@ -68,12 +68,7 @@ class KvOuterAttentionSm90Pipelined:
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
-        if dtype not in DSL_DTYPES:
-            raise ValueError(f"CuTe attention supports {', '.join(DSL_DTYPES)}, not {dtype}")
-        if tile_q * group != 128:
-            raise ValueError(f"TILE_Q * G must be 128 (two 64-row warpgroups), got {tile_q} * {group}")
-        if head_dim != 128 or block != 128:
-            raise ValueError(f"the v3 kernel is written for head_dim = block = 128, got {head_dim}, {block}")
+        check_tile(dtype, tile_q, group, head_dim, block, fixed="v3")
         if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and dtype != "fp8"):
             raise ValueError(f"v3 runs 1 CTA/SM (bf16, 192 KiB smem) or 1-2 (fp8, 96 KiB); got {ctas_per_sm} for {dtype}")
         self.dtype_name = dtype

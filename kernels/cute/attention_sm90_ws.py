@@ -75,7 +75,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile
+from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile, check_tile
 from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
 from .manifest import P_SHIFT
 
@@ -220,12 +220,7 @@ class KvOuterAttentionSm90WarpSpecialized:
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
-        if dtype not in DSL_DTYPES:
-            raise ValueError(f"CuTe attention supports {', '.join(DSL_DTYPES)}, not {dtype}")
-        if tile_q * group != 128:
-            raise ValueError(f"TILE_Q * G must be 128 (two 64-row warpgroups), got {tile_q} * {group}")
-        if head_dim != 128 or block != 128:
-            raise ValueError(f"the v4 kernel is written for head_dim = block = 128, got {head_dim}, {block}")
+        check_tile(dtype, tile_q, group, head_dim, block, fixed="v4")
         if ctas_per_sm != 1:
             raise ValueError(f"v4 runs one CTA per SM (384 threads, 128-224 KiB smem); got {ctas_per_sm}")
         if self.joint_rows and group % 16:
