@@ -17,7 +17,7 @@ from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, P_SHIFT, SUPPORTED_ARCHS, VAR
 
 # the generation per dtype that passed every GPU check and ran fastest (H200 2026-11-29, N 16384,
 # attention stage, fifth session: fp8 v18 ~571 TFLOP/s against v15 ~534; bf16 v18 ~402 at boost clocks,
-# level with v10, and 6 % less kernel time at ncu's base clocks; docs/perf-log.md)
+# level with v10, and 4-6 % less kernel time at ncu's base clocks; docs/perf-log.md)
 DEFAULT_VARIANTS = {"bf16": "v18", "fp8": "v18"}
 DEFAULT_VARIANT = DEFAULT_VARIANTS["bf16"]
 DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1}
