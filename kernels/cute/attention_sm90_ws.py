@@ -239,6 +239,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         self.q_stages = self.q_stages_by_dtype[dtype]
         self.kv_stages = 2
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
+        self.lim_extra = 2 if self.joint_rows else 1     # after the slots' limits: the live count (and the key)
 
     # ---- host side ----------------------------------------------------------------------------
     @cute.jit
@@ -280,7 +281,7 @@ class KvOuterAttentionSm90WarpSpecialized:
             q_empty: cute.struct.MemRange[cutlass.Int64, self.q_stages]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            sLim: cute.struct.MemRange[Int32, self.q_stages * (self.tile_q + 2)]
+            sLim: cute.struct.MemRange[Int32, self.q_stages * (self.tile_q + self.lim_extra)]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -316,7 +317,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         q_empty = storage.q_empty.data_ptr()
         kv_full = storage.kv_full.data_ptr()
         kv_empty = storage.kv_empty.data_ptr()
-        sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_q + 2, self.q_stages)))  # limits, count, key
+        sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_q + self.lim_extra, self.q_stages)))  # limits, count[, key]
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)       # (ROWS, D, QS)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)       # (BLK, D, KS)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)       # (BLK, D | D, BLK, KS)
@@ -424,7 +425,8 @@ class KvOuterAttentionSm90WarpSpecialized:
                 if const_expr(self.tma_store_o):
                     if tidx == 0:
                         sLim[self.tile_q, q_idx] = count
-                        sLim[self.tile_q + 1, q_idx] = key
+                        if const_expr(self.joint_rows):
+                            sLim[self.tile_q + 1, q_idx] = key
                 cute.arch.mbarrier_arrive(q_full + q_idx)
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         # drain (the consumers wait for every copy anyway)
