@@ -1,12 +1,42 @@
 """Stage 1, index_map: selection pages -> per-(head, page) query lists (CSR), tile counts, combine index.
 
-All torch ops on the workload's device with shapes fixed at construction: a stable sort of the edge
-keys (so queries come out ascending within a key), a searchsorted for the CSR pointers and a scatter
-for the combine index. Nothing is read back to the host, so the stage is CUDA-graph capturable.
+Device ops with shapes fixed at construction: a stable sort of the edge keys (so queries come out
+ascending within a key), a searchsorted for the CSR pointers, a cumsum of tile counts, then one Triton
+pass over the sorted edges that writes each edge's query (csr_query) and its partial's row in the
+combine index. Nothing is read back to the host, so the stage is CUDA-graph capturable.
 """
 from __future__ import annotations
 
 import torch
+
+from . import triton_mode  # noqa: F401  (before triton: the interpreter on a CPU)
+import triton
+import triton.language as tl
+
+PLACE_BLOCK = 1024          # sorted edges per program of place_edges_kernel
+
+
+@triton.jit
+def place_edges_kernel(sorted_key_ptr, perm_ptr, csr_ptr, tile_ptr, csr_query_ptr, combine_index_ptr,
+                       n_edges, num_keys, n_tokens, HKV: tl.constexpr, TOPK: tl.constexpr,
+                       TILE_Q: tl.constexpr, BLOCK: tl.constexpr):
+    """Sorted edge j = (key, original edge e = (h * N + n) * topk + r): csr_query[j] = n, and
+    combine_index[n, h, r] = tile * TILE_Q + slot of its position in the key's list (-1 for padding)."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = j < n_edges
+    key = tl.load(sorted_key_ptr + j, mask=live, other=0)
+    e = tl.load(perm_ptr + j, mask=live, other=0)
+    valid = key < num_keys
+    kc = tl.minimum(key, num_keys - 1)
+    pos = j - tl.load(csr_ptr + kc, mask=live, other=0)
+    tile = tl.load(tile_ptr + kc, mask=live, other=0) + pos // TILE_Q
+    where = tl.where(valid, tile * TILE_Q + pos % TILE_Q, -1)
+    r = e % TOPK
+    q = e // TOPK
+    n = q % n_tokens
+    h = q // n_tokens
+    tl.store(csr_query_ptr + j, n.to(tl.int32), mask=live)
+    tl.store(combine_index_ptr + (n * HKV + h) * TOPK + r, where.to(tl.int32), mask=live)
 
 
 def edge_keys(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -42,22 +72,18 @@ class CSRBuilder:
         return self.hkv * per_head + min(self.num_keys, self.pages.numel())
 
     def __call__(self) -> None:
+        self.sort_and_count()
+        self.csr_query.copy_(torch.div(self.perm, self.topk, rounding_mode="floor") % self.n_tokens)
+
+    def sort_and_count(self) -> None:
+        """Sorted edge keys and their permutation, CSR pointers and tile pointers."""
         keys = edge_keys(self.pages, self.num_pages)
         torch.sort(keys, stable=True, out=(self.sorted_key, self.perm))
         torch.searchsorted(self.sorted_key, self._key_ids, out_int32=True, out=self.csr_ptr)
-        self.csr_query.copy_(torch.div(self.perm, self.topk, rounding_mode="floor") % self.n_tokens)
         counts = self.csr_ptr[1:] - self.csr_ptr[:-1]
         tiles = torch.div(counts + (self.tile_q - 1), self.tile_q, rounding_mode="floor")
         self.tile_ptr[:1].zero_()
         torch.cumsum(tiles, 0, dtype=torch.int32, out=self.tile_ptr[1:])
-
-    def edge_position(self):
-        """For each sorted edge: (valid, clamped key, position of the edge within its key's list)."""
-        key = self.sorted_key.long()
-        valid = key < self.num_keys
-        kc = key.clamp(max=self.num_keys - 1)
-        j = torch.arange(key.numel(), device=key.device)
-        return valid, kc, j - self.csr_ptr.long()[kc]
 
 
 class IndexMap(CSRBuilder):
@@ -69,14 +95,9 @@ class IndexMap(CSRBuilder):
                                          device=pages.device)
 
     def __call__(self) -> None:
-        super().__call__()
-        valid, kc, pos = self.edge_position()
-        tile = self.tile_ptr.long()[kc] + torch.div(pos, self.tile_q, rounding_mode="floor")
-        where = torch.where(valid, tile * self.tile_q + pos % self.tile_q, torch.full_like(pos, -1))
-        # edge e = (h * N + n) * topk + r lands at combine_index[n, h, r]
-        e = self.perm
-        r = e % self.topk
-        n = torch.div(e, self.topk, rounding_mode="floor") % self.n_tokens
-        h = torch.div(e, self.topk * self.n_tokens, rounding_mode="floor")
-        dest = (n * self.hkv + h) * self.topk + r
-        self.combine_index.view(-1).scatter_(0, dest, where.to(torch.int32))
+        self.sort_and_count()
+        n_edges = self.perm.numel()
+        place_edges_kernel[(triton.cdiv(n_edges, PLACE_BLOCK),)](
+            self.sorted_key, self.perm, self.csr_ptr, self.tile_ptr, self.csr_query, self.combine_index,
+            n_edges, self.num_keys, self.n_tokens, HKV=self.hkv, TOPK=self.topk, TILE_Q=self.tile_q,
+            BLOCK=PLACE_BLOCK)
