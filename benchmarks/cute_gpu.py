@@ -1,7 +1,7 @@
 """CuTe DSL attention stage on the GPU: check it against the Triton stage and the float64 oracle, then time it.
 
     source scripts/gpu-setup.sh && python3 benchmarks/cute_gpu.py [--out DIR] [--build-dir DIR] [--quick]
-                                                                 [--variants v2,v3[,v4]]
+                                                                 [--variants v18,v10,...] [--rounds R]
 
 Needs the prebuilt libraries (`msa-bench build-kernels` on the CPU machine writes build/cute; carry it
 in the checkout) and no CuTe DSL. Writes DIR/cute_gpu.json and DIR/cute_gpu.log; DIR is --out, else
@@ -15,7 +15,9 @@ those whose every check passed are timed. Generations run one after another (che
 the JSON rewritten after each phase. Timing: the attention stage at N 16384, 1024 blocks per KV head, top-16
 uniform picks (useful FLOPs 4 x Hq x D x 16 x 128 per query), CuTe and Triton, median of >= 20 CUDA-event
 samples, both with the harness protocol (CUDA graphs, L2 flushed) and back to back (L2 warm).
-The summary table is printed last. Budget: under 5 minutes on the H200.
+With --rounds R every generation is checked first and then all that passed are timed R times,
+interleaved, so that clock and thermal drift fall on all of them alike; the summary then gives each
+one's median over the rounds. The summary table is printed last. Budget: under 5 minutes on the H200.
 """
 from __future__ import annotations
 
