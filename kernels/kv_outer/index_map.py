@@ -49,7 +49,8 @@ def edge_keys(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
 
 
 class CSRBuilder:
-    """The part both KV-stationary schedules share: sorted edges, CSR and tile pointers."""
+    """The part both KV-stationary schedules share: sorted edges, CSR and tile pointers. Subclasses
+    call sort_and_count, then one pass of their own over the sorted edges fills csr_query."""
 
     def __init__(self, pages: torch.Tensor, num_pages: int, tile_q: int):
         self.pages = pages
@@ -70,10 +71,6 @@ class CSRBuilder:
     def num_tiles_max(self) -> int:
         per_head = -(-self.n_tokens * self.topk // self.tile_q)
         return self.hkv * per_head + min(self.num_keys, self.pages.numel())
-
-    def __call__(self) -> None:
-        self.sort_and_count()
-        self.csr_query.copy_(torch.div(self.perm, self.topk, rounding_mode="floor") % self.n_tokens)
 
     def sort_and_count(self) -> None:
         """Sorted edge keys and their permutation, CSR pointers and tile pointers."""

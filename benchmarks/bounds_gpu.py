@@ -1,0 +1,188 @@
+"""What bounds the attention stage at the perf point: its time with Q's DRAM reads taken away, and the
+time the GPU needs just to write the partials the contract asks for.
+
+    source scripts/gpu-setup.sh && python3 benchmarks/bounds_gpu.py [--out DIR] [--dtypes bf16,fp8]
+        [--impls v18,triton] [--alias 0,2048,256] [--rounds 3] [--reps 20]
+
+Workload: cute_gpu.py's perf point (N 16384, 1024 blocks per KV head, uniform top-16). For each dtype
+and implementation (vN = kv-outer-cute generation N, `triton` = the kv-outer Triton stage with its
+tuned configuration) the module runs once, then the attention stage alone is timed with the harness
+protocol (CUDA graph replay, L2 flushed before every sample) with the index map's csr_query as
+computed (alias 0) and with every query index replaced by its value mod A (alias A). An aliased stage
+walks the same tiles, issues the same MMAs and softmax, and stores the same partials at the same rows;
+only its Q gathers come from A tokens (A x Hq x D elements, 4 MiB bf16 at A 256), which stay in L2.
+So alias 0 minus alias A is what Q's DRAM reads cost, and the alias-A time bounds what any schedule
+that keeps Q in L2 could reach with that kernel. Aliased outputs are not attention of the workload
+and are not checked (the cute_gpu.py and harness checks cover the real stage).
+
+The write floor: o_part, m_part and l_part (the partials the combine reads) written once with fill_
+(a plain streaming write of their bytes) and copied once with copy_, both cold; their bytes over the
+write time bound the stage whatever it computes. TFLOP/s everywhere are the perf point's useful FLOPs
+over the time. Rounds interleave all measurements so clock drift falls on all alike; the summary
+gives medians over rounds. Writes DIR/bounds_gpu.json and DIR/bounds_gpu.log (DIR: --out, $OUT, or
+results/bounds-gpu). Budget: about 2 minutes on the H200 with the defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cute_gpu import PERF, TARGET_TFLOPS, environment, perf_workload, useful_flops  # noqa: E402
+
+from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PARTIALS = ("o_part", "m_part", "l_part")
+
+
+def backend_for(impl: str):
+    if impl == "triton":
+        from msa_bench.kernels.kv_outer.backend import KVOuterBackend
+        return KVOuterBackend()
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+    return KVOuterCuteBackend(variant=impl)
+
+
+class ColdTimer:
+    """CUDA-graph replays of one callable, the L2 flushed (a 2 x L2 write) before each sample."""
+
+    def __init__(self, fn, device):
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device)
+        fn()
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn()
+        torch.cuda.synchronize()
+
+    def median_s(self, reps: int, warmup: int = 3) -> float:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for _ in range(warmup):
+            self.flush.zero_()
+            self.graph.replay()
+        for i in range(reps):
+            self.flush.zero_()
+            starts[i].record()
+            self.graph.replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
+def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int, reps: int, log) -> dict:
+    w = perf_workload(dtype, "cuda")
+    flops = useful_flops(w)
+    rec = {"dtype": dtype, **PERF, "useful_flops": flops, "target_tflops": TARGET_TFLOPS[dtype],
+           "samples": {}}
+    timers, plans, originals = {}, {}, {}
+    for impl in impls:
+        try:
+            plan = backend_for(impl).plan(w)
+            plan.run()
+            torch.cuda.synchronize()
+            plans[impl] = plan
+            originals[impl] = plan.buffers["csr_query"].clone()
+            timers[impl] = ColdTimer(plan.stages["attention"], w.device)
+        except Exception as exc:
+            rec[f"{impl} error"] = f"{type(exc).__name__}: {exc}"
+            rec[f"{impl} trace"] = traceback.format_exc()
+            log(f"{dtype:4s} {impl:7s} ERROR {type(exc).__name__}: {str(exc)[:300]}")
+    # the write floor over the partial buffers of the first plan (both stages' are the same size)
+    first = next(iter(plans.values()), None)
+    if first is not None:
+        b = first.buffers
+        nbytes = sum(b[k].numel() * b[k].element_size() for k in PARTIALS)
+        rec["partial_bytes"] = nbytes
+        src = {k: torch.empty_like(b[k]) for k in PARTIALS}
+        timers["write"] = ColdTimer(lambda: [b[k].fill_(0) for k in PARTIALS], w.device)
+        timers["copy"] = ColdTimer(lambda: [b[k].copy_(src[k]) for k in PARTIALS], w.device)
+    for r in range(rounds):
+        for impl, plan in plans.items():
+            q = plan.buffers["csr_query"]
+            for a in aliases:
+                q.copy_(originals[impl] if a == 0 else originals[impl] % a)
+                s = timers[impl].median_s(reps)
+                rec["samples"].setdefault(f"{impl} alias {a}", []).append(s)
+                log(f"{dtype:4s} round {r} {impl:7s} alias {a:5d}: {s * 1e3:7.3f} ms = {flops / s / 1e12:6.1f} TFLOP/s")
+            q.copy_(originals[impl])
+        for name in ("write", "copy"):
+            if name in timers:
+                s = timers[name].median_s(reps)
+                rec["samples"].setdefault(name, []).append(s)
+                moved = rec["partial_bytes"] * (2 if name == "copy" else 1)
+                log(f"{dtype:4s} round {r} {name:5s} partials ({rec['partial_bytes'] / 1e9:.2f} GB): {s * 1e3:7.3f} ms "
+                    f"= {moved / s / 1e12:.2f} TB/s moved; as the stage's floor {flops / s / 1e12:6.1f} TFLOP/s")
+    rec["median_s"] = {k: statistics.median(v) for k, v in rec["samples"].items()}
+    rec["tflops"] = {k: flops / v / 1e12 for k, v in rec["median_s"].items()}
+    if "write" in rec["median_s"]:
+        rec["write_tb_s"] = rec["partial_bytes"] / rec["median_s"]["write"] / 1e12
+        rec["copy_tb_s"] = 2 * rec["partial_bytes"] / rec["median_s"]["copy"] / 1e12
+    del timers, plans, originals, w
+    torch.cuda.empty_cache()
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results/bounds-gpu")
+    ap.add_argument("--build-dir", default=os.environ.get("MSA_BENCH_CUTE_DIR") or str(REPO / "build" / "cute"))
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--impls", default="v18,triton", help="vN (kv-outer-cute generation) or triton, comma-separated")
+    ap.add_argument("--alias", default="0,2048,256",
+                    help="query index moduli; 0 = the real csr_query (A tokens' Q: A x 16 KiB bf16)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20, help="samples per measurement and round (median)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out / "bounds_gpu.log")
+    if not torch.cuda.is_available():
+        log("error: no CUDA GPU visible")
+        return 2
+    try:
+        aliases = [int(a) for a in args.alias.split(",") if a]
+    except ValueError:
+        log(f"error: --alias wants integers, got {args.alias!r}")
+        return 2
+    if any(a < 0 for a in aliases) or args.rounds < 1 or args.reps < 1:
+        log("error: --alias values must be >= 0, --rounds and --reps >= 1")
+        return 2
+    build_dir = Path(args.build_dir).resolve()
+    os.environ["MSA_BENCH_CUTE_DIR"] = str(build_dir)
+    env = environment(build_dir)
+    log(f"{env['gpu']} ({env['sms']} SMs), torch {env['torch']} (CUDA {env['cuda']}), triton {env.get('triton')}")
+    impls = [i for i in args.impls.split(",") if i]
+    result = {"environment": env, "args": vars(args), "dtypes": []}
+    t0 = time.perf_counter()
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        result["dtypes"].append(measure_dtype(dtype, impls, aliases, args.rounds, args.reps, log))
+        (out / "bounds_gpu.json").write_text(json.dumps(result, indent=2, default=str))
+    result["seconds"] = time.perf_counter() - t0
+    (out / "bounds_gpu.json").write_text(json.dumps(result, indent=2, default=str))
+    log("")
+    log(f"summary (perf point N {PERF['tokens']}, {PERF['blocks_per_head']} blocks per KV head; medians over "
+        f"{args.rounds} rounds; TFLOP/s = useful FLOPs / time)")
+    for rec in result["dtypes"]:
+        for key, s in rec.get("median_s", {}).items():
+            log(f"  {rec['dtype']:4s} {key:20s} {s * 1e3:7.3f} ms  {rec['tflops'][key]:6.1f} TFLOP/s "
+                f"(target {rec['target_tflops']})")
+        if "write_tb_s" in rec:
+            log(f"  {rec['dtype']:4s} partials {rec['partial_bytes'] / 1e9:.2f} GB: write {rec['write_tb_s']:.2f} TB/s, "
+                f"copy {rec['copy_tb_s']:.2f} TB/s (read + write)")
+    log(f"wrote {out / 'bounds_gpu.json'} ({result['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
