@@ -61,6 +61,20 @@ def test_slot_is_rank_among_valid_blocks():
     assert int(rank[0, 0, 2]) == 1
 
 
+@pytest.mark.parametrize("topk", [3, 6, 16])
+def test_slot_map_for_any_topk(topk):
+    """The one-pass slot map (top-k rows padded to a power of two inside the kernel) against the
+    direct construction: csr_query = the edge's token, edge_slot = valid ranks up to it, minus one."""
+    from msa_bench.kernels.msa_scatter.index_map import SlotIndexMap
+    gen = torch.Generator().manual_seed(topk)
+    pages = torch.randint(-1, 9, (2, 37, topk), generator=gen).to(torch.int32).to(DEVICE)
+    m = SlotIndexMap(pages, 9, 4)
+    m()
+    rank = torch.cumsum((pages >= 0).to(torch.int32), -1) - 1
+    assert torch.equal(m.edge_slot.long(), rank.view(-1)[m.perm].long())
+    assert torch.equal(m.csr_query.long(), torch.div(m.perm, topk, rounding_mode="floor") % 37)
+
+
 def test_unwritten_slots_are_never_read(poisoned_run):
     w = workload("random-padded-2req", "fp16")
     plan = get_backend("msa-scatter").plan(w)
