@@ -20,7 +20,8 @@ fill_ and by a plain Triton store kernel, and copied once with copy_ (a check ag
 copy rate), all cold and eager; their bytes over the fastest write's time bound the stage whatever it
 computes. TFLOP/s everywhere are the perf point's useful FLOPs
 over the time. Rounds interleave all measurements so clock drift falls on all alike; the summary
-gives medians over rounds. Writes DIR/bounds_gpu.json and DIR/bounds_gpu.log (DIR: --out, $OUT, or
+gives medians over rounds; each round records the GPU's NVML telemetry (lowest SM clock, power,
+slowdown reasons), since these timings follow the clocks. Writes DIR/bounds_gpu.json and DIR/bounds_gpu.log (DIR: --out, $OUT, or
 results/bounds-gpu). Budget: about 2 minutes on the H200 with the defaults.
 """
 from __future__ import annotations
@@ -35,13 +36,16 @@ import traceback
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
+
+from msa_bench.kernels.kv_outer import triton_mode  # noqa: F401  (before triton: the interpreter on a CPU)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cute_gpu import PERF, TARGET_TFLOPS, environment, perf_workload, useful_flops  # noqa: E402
 
 from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
+from msa_bench.harness.telemetry import Poller, open_telemetry, point_telemetry  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PARTIALS = ("o_part", "m_part", "l_part")
@@ -139,7 +143,10 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
         src = {k: torch.empty_like(b[k]) for k in PARTIALS}
         for name, fn in FLOORS.items():
             timers[name] = ColdTimer(lambda fn=fn: [fn(b[k], src[k]) for k in PARTIALS], w.device, graph=False)
+    tel = open_telemetry(w.device)
     for r in range(rounds):
+        before = tel.sample()
+        poller = Poller(tel.sample).start() if tel.available else None
         for impl, plan in plans.items():
             q = plan.buffers["csr_query"]
             for a in aliases:
@@ -156,6 +163,12 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
                 log(f"{dtype:4s} round {r} {name:12s} partials ({rec['partial_bytes'] / 1e9:.2f} GB): {s * 1e3:7.3f} ms "
                     f"= {moved / s / 1e12:.2f} TB/s moved" + ("" if name == "copy" else
                                                               f"; as the stage's floor {flops / s / 1e12:6.1f} TFLOP/s"))
+        t = point_telemetry(before, tel.sample(), poller.stop() if poller else None)
+        rec.setdefault("telemetry", []).append(t)
+        if t.get("telemetry") == "nvml":
+            log(f"{dtype:4s} round {r} GPU: SM clock {t.get('sm_clock_min_mhz', t['sm_clock_mhz_before']):.0f} MHz at the "
+                f"lowest, power up to {t.get('power_max_w', t['power_w_after']):.0f} W, "
+                f"{'THROTTLED (' + t['clock_event_names'] + ')' if t['throttled'] else 'no slowdown reason seen'}")
     rec["median_s"] = {k: statistics.median(v) for k, v in rec["samples"].items()}
     rec["tflops"] = {k: flops / v / 1e12 for k, v in rec["median_s"].items()}
     writes = [rec["median_s"][k] for k in FLOORS if k != "copy" and k in rec["median_s"]]
@@ -183,9 +196,6 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = Log(out / "bounds_gpu.log")
-    if not torch.cuda.is_available():
-        log("error: no CUDA GPU visible")
-        return 2
     try:
         aliases = [int(a) for a in args.alias.split(",") if a]
     except ValueError:
@@ -193,6 +203,9 @@ def main(argv=None) -> int:
         return 2
     if any(a < 0 for a in aliases) or args.rounds < 1 or args.reps < 1:
         log("error: --alias values must be >= 0, --rounds and --reps >= 1")
+        return 2
+    if not torch.cuda.is_available():
+        log("error: no CUDA GPU visible")
         return 2
     build_dir = Path(args.build_dir).resolve()
     os.environ["MSA_BENCH_CUTE_DIR"] = str(build_dir)

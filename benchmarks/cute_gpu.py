@@ -265,11 +265,19 @@ def events_median(fn, warmup: int, reps: int) -> dict:
     return {"median_s": ms[len(ms) // 2] / 1e3, "min_s": ms[0] / 1e3, "max_s": ms[-1] / 1e3, "n_reps": reps}
 
 
+def stage_summaries(plan, reps: int, device) -> dict:
+    """The harness protocol (time_plan: CUDA graphs, L2 flushed before every sample), at least `reps`
+    samples and at most 3x that while the cv is above target: summarize() of each stage and the module."""
+    from msa_bench.harness.timing import TimingConfig, summarize, time_plan
+    reps = max(reps, 20)
+    samples = time_plan(plan, TimingConfig(warmup=5, reps=reps, max_reps=3 * reps), device)
+    return {k: summarize(v.seconds) for k, v in samples.items() if k != "plan"}
+
+
 def time_dtype(dtype, reps, log, configs: list[tuple[str, int]], passed: list[tuple[str, int]],
                with_triton: bool) -> dict:
     """Time the CuTe configurations in `passed` (those of `configs` whose every check was ok) and,
     with_triton, the Triton stage."""
-    from msa_bench.harness.timing import TimingConfig, summarize, time_plan
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import KVOuterBackend
     rec = {"dtype": dtype, **PERF, "target_tflops": TARGET_TFLOPS[dtype]}
@@ -293,12 +301,11 @@ def time_dtype(dtype, reps, log, configs: list[tuple[str, int]], passed: list[tu
                 warm = events_median(plan.stages["attention"], 5, max(reps, 20))
                 r["warm_l2_events"] = warm
                 r["warm_tflops"] = flops / warm["median_s"] / 1e12
-                samples = time_plan(plan, TimingConfig(warmup=5, reps=max(reps, 20), max_reps=3 * max(reps, 20)), w.device)
-                cold = summarize(samples["attention"].seconds)
-                r["graph_cold_l2"] = cold
+                med = stage_summaries(plan, reps, w.device)
+                cold = r["graph_cold_l2"] = med["attention"]
                 r["tflops"] = flops / cold["median_s"] / 1e12
-                r["module_s"] = summarize(samples["module"].seconds)["median_s"]
-                r["stages_s"] = {k: summarize(v.seconds)["median_s"] for k, v in samples.items() if k != "plan"}
+                r["module_s"] = med["module"]["median_s"]
+                r["stages_s"] = {k: v["median_s"] for k, v in med.items()}
                 log(f"time  {dtype:4s} {impl:11s} attention {cold['median_s'] * 1e3:8.3f} ms cold-L2 graph "
                     f"({r['tflops']:6.1f} TFLOP/s, cv {cold['cv']:.3f}, n {int(cold['n_reps'])}); "
                     f"{warm['median_s'] * 1e3:8.3f} ms warm events ({r['warm_tflops']:6.1f} TFLOP/s); "

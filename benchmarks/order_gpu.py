@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cute_gpu import (TARGET_TFLOPS, TOL, environment, graph_replay_check, perf_workload,  # noqa: E402
-                      useful_flops, workloads)
+                      stage_summaries, useful_flops, workloads)
 
 from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
 
@@ -114,7 +114,6 @@ def check(dtype, impl, order, label, make, log) -> dict:
 
 
 def time_one(w, flops, dtype, impl, order, reps, log) -> dict:
-    from msa_bench.harness.timing import TimingConfig, summarize, time_plan
     rec = {"dtype": dtype, "impl": impl, "order": order_label(order)}
     try:
         plan = backend_for(impl, dtype, order).plan(w)
@@ -122,8 +121,7 @@ def time_one(w, flops, dtype, impl, order, reps, log) -> dict:
         torch.cuda.synchronize()
         rec["kv_loads"] = kv_loads(plan)
         rec["tiles"] = int(plan.buffers["tile_ptr"][-1])
-        samples = time_plan(plan, TimingConfig(warmup=5, reps=reps, max_reps=3 * reps), w.device)
-        med = {k: summarize(v.seconds) for k, v in samples.items() if k != "plan"}
+        med = stage_summaries(plan, reps, w.device)
         rec["stages_s"] = {k: v["median_s"] for k, v in med.items()}
         rec["attention_cv"] = med["attention"]["cv"]
         rec["tflops"] = flops / med["attention"]["median_s"] / 1e12
