@@ -20,8 +20,9 @@ fill_ and by a plain Triton store kernel, and copied once with copy_ (a check ag
 copy rate), all cold and eager; their bytes over the fastest write's time bound the stage whatever it
 computes. TFLOP/s everywhere are the perf point's useful FLOPs
 over the time. Rounds interleave all measurements so clock drift falls on all alike; the summary
-gives medians over rounds; each round records the GPU's NVML telemetry (lowest SM clock, power,
-slowdown reasons), since these timings follow the clocks. Writes DIR/bounds_gpu.json and DIR/bounds_gpu.log (DIR: --out, $OUT, or
+gives medians over rounds. Each measurement records the SM clock NVML reports while it runs (polled
+every 5 ms: mean, lowest, and the share of polls with a power or thermal slowdown reason), since these
+timings follow the clocks and the bf16 stage runs into the board's power cap. Writes DIR/bounds_gpu.json and DIR/bounds_gpu.log (DIR: --out, $OUT, or
 results/bounds-gpu). Budget: about 2 minutes on the H200 with the defaults.
 """
 from __future__ import annotations
@@ -45,10 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cute_gpu import PERF, TARGET_TFLOPS, environment, perf_workload, useful_flops  # noqa: E402
 
 from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
-from msa_bench.harness.telemetry import Poller, open_telemetry, point_telemetry  # noqa: E402
+from msa_bench.harness.telemetry import Poller, is_throttled, open_telemetry  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PARTIALS = ("o_part", "m_part", "l_part")
+POLL_S = 0.005             # NVML polls while one measurement (about 25 stage runs) is timed
 # ways to move the partials' bytes (dst, a same-shaped src): the write floor is the fastest write
 FLOORS = {
     "fill": lambda dst, src: dst.fill_(1.0),
@@ -144,31 +146,40 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
         for name, fn in FLOORS.items():
             timers[name] = ColdTimer(lambda fn=fn: [fn(b[k], src[k]) for k in PARTIALS], w.device, graph=False)
     tel = open_telemetry(w.device)
+
+    def timed(key: str, timer: ColdTimer) -> tuple[float, str]:
+        """Median seconds of one measurement, with the SM clock NVML saw while it ran."""
+        poller = Poller(tel.sample, interval_s=POLL_S).start() if tel.available else None
+        s = timer.median_s(reps)
+        polls = poller.stop() if poller else []
+        rec["samples"].setdefault(key, []).append(s)
+        if not polls:
+            return s, "no telemetry"
+        clocks = [p["sm_clock_mhz"] for p in polls]
+        slowed = sum(is_throttled(int(p["clock_event_reasons"])) for p in polls) / len(polls)
+        rec["clocks"].setdefault(key, []).append({"sm_clock_mean_mhz": statistics.fmean(clocks),
+                                                  "sm_clock_min_mhz": min(clocks), "polls": len(polls),
+                                                  "slowdown_poll_share": slowed,
+                                                  "power_max_w": max(p["power_w"] for p in polls)})
+        return s, f"SM clock mean {statistics.fmean(clocks):.0f} MHz (min {min(clocks):.0f}), slowdown in {slowed:.0%} of {len(polls)} polls"
+
+    rec["clocks"] = {}
     for r in range(rounds):
-        before = tel.sample()
-        poller = Poller(tel.sample).start() if tel.available else None
         for impl, plan in plans.items():
             q = plan.buffers["csr_query"]
             for a in aliases:
                 q.copy_(originals[impl] if a == 0 else originals[impl] % a)
-                s = timers[impl].median_s(reps)
-                rec["samples"].setdefault(f"{impl} alias {a}", []).append(s)
-                log(f"{dtype:4s} round {r} {impl:7s} alias {a:5d}: {s * 1e3:7.3f} ms = {flops / s / 1e12:6.1f} TFLOP/s")
+                s, clock = timed(f"{impl} alias {a}", timers[impl])
+                log(f"{dtype:4s} round {r} {impl:7s} alias {a:5d}: {s * 1e3:7.3f} ms = {flops / s / 1e12:6.1f} TFLOP/s; {clock}")
             q.copy_(originals[impl])
         for name in FLOORS:
             if name in timers:
-                s = timers[name].median_s(reps)
-                rec["samples"].setdefault(name, []).append(s)
+                s, clock = timed(name, timers[name])
                 moved = rec["partial_bytes"] * (2 if name == "copy" else 1)
                 log(f"{dtype:4s} round {r} {name:12s} partials ({rec['partial_bytes'] / 1e9:.2f} GB): {s * 1e3:7.3f} ms "
                     f"= {moved / s / 1e12:.2f} TB/s moved" + ("" if name == "copy" else
-                                                              f"; as the stage's floor {flops / s / 1e12:6.1f} TFLOP/s"))
-        t = point_telemetry(before, tel.sample(), poller.stop() if poller else None)
-        rec.setdefault("telemetry", []).append(t)
-        if t.get("telemetry") == "nvml":
-            log(f"{dtype:4s} round {r} GPU: SM clock {t.get('sm_clock_min_mhz', t['sm_clock_mhz_before']):.0f} MHz at the "
-                f"lowest, power up to {t.get('power_max_w', t['power_w_after']):.0f} W, "
-                f"{'THROTTLED (' + t['clock_event_names'] + ')' if t['throttled'] else 'no slowdown reason seen'}")
+                                                              f"; as the stage's floor {flops / s / 1e12:6.1f} TFLOP/s")
+                    + f"; {clock}")
     rec["median_s"] = {k: statistics.median(v) for k, v in rec["samples"].items()}
     rec["tflops"] = {k: flops / v / 1e12 for k, v in rec["median_s"].items()}
     writes = [rec["median_s"][k] for k in FLOORS if k != "copy" and k in rec["median_s"]]
@@ -224,8 +235,11 @@ def main(argv=None) -> int:
         f"{args.rounds} rounds; TFLOP/s = useful FLOPs / time)")
     for rec in result["dtypes"]:
         for key, s in rec.get("median_s", {}).items():
+            c = rec.get("clocks", {}).get(key, [])
+            clock = (f"; SM clock {statistics.median(x['sm_clock_mean_mhz'] for x in c):.0f} MHz "
+                     f"(slowdown in {statistics.fmean(x['slowdown_poll_share'] for x in c):.0%} of polls)") if c else ""
             log(f"  {rec['dtype']:4s} {key:20s} {s * 1e3:7.3f} ms  {rec['tflops'][key]:6.1f} TFLOP/s "
-                f"(target {rec['target_tflops']})")
+                f"(target {rec['target_tflops']}){clock}")
         if "write_tb_s" in rec:
             log(f"  {rec['dtype']:4s} partials {rec['partial_bytes'] / 1e9:.2f} GB: fastest write {rec['write_tb_s']:.2f} TB/s "
                 f"= a floor of {rec['write_floor_tflops']:.0f} TFLOP/s; copy {rec['copy_tb_s']:.2f} TB/s (read + write)")
