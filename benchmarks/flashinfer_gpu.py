@@ -32,7 +32,7 @@ from msa_bench.harness.tee_log import TeeLog as Log
 
 from msa_bench.harness.reference import reference_attention, relative_error
 from msa_bench.harness.timing import TimingConfig, summarize, time_plan
-from msa_bench.harness.workload import AttnShape, build_workload
+from msa_bench.harness.workload import AttnShape, Workload, build_workload
 from msa_bench.kernels.flashinfer_q_outer import VARIANTS, FlashInferQOuter, import_flashinfer
 
 SHAPE = AttnShape()                        # Hq 64, Hkv 4, D 128, block 128, top-16
@@ -48,7 +48,7 @@ TIMED = [(2048, 256), (16384, 1024)]     # (tokens N, blocks per KV head in the 
 
 # ---- workloads ---------------------------------------------------------------------------------
 
-def pool_workload(n: int, kv_len: int, dtype: str, seed: int, device) -> "Workload":
+def pool_workload(n: int, kv_len: int, dtype: str, seed: int, device) -> Workload:
     """One request of kv_len keys, non-causal; each (KV head, query) keeps min(topk, blocks) distinct
     uniformly random blocks of the whole pool (-1 padded when the pool is smaller than topk).
     The selection is drawn on the CPU whatever the device, so a CPU dry run builds the same one."""
@@ -82,7 +82,7 @@ def causal_selection(q_limit: torch.Tensor, nb: int, gen: torch.Generator) -> to
     return sel.to(torch.int32)
 
 
-def causal_workload(n: int, context: int, dtype: str, seed: int, device) -> "Workload":
+def causal_workload(n: int, context: int, dtype: str, seed: int, device) -> Workload:
     """A causal chunk: queries at positions context-n .. context-1; each keeps its local block (last,
     partially visible) plus up to topk-1 distinct random earlier blocks (-1 padded when fewer exist)."""
     if not 0 < n <= context:
