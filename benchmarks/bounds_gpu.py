@@ -11,19 +11,20 @@ protocol (CUDA graph replay, L2 flushed before every sample) with the index map'
 computed (alias 0) and with every query index replaced by its value mod A (alias A). An aliased stage
 walks the same tiles, issues the same MMAs and softmax, and stores the same partials at the same rows;
 only its Q gathers come from A tokens (A x Hq x D elements, 4 MiB bf16 at A 256), which stay in L2.
-So alias 0 minus alias A is what Q's DRAM reads cost, and the alias-A time bounds what any schedule
-that keeps Q in L2 could reach with that kernel. Aliased outputs are not attention of the workload
-and are not checked (the cute_gpu.py and harness checks cover the real stage).
+So alias 0 minus alias A is what Q's DRAM reads cost, and at a fixed clock (under ncu) the alias-A
+time bounds what any schedule that keeps Q in L2 could reach with that kernel. At boost clocks the
+board's power cap moves the clock too, so every measurement records the SM clock NVML reports while
+it runs (polled every 5 ms: mean, lowest, and the share of polls with a power or thermal slowdown
+reason). Aliased outputs are not attention of the workload and are not checked (cute_gpu.py and the
+harness check the real stage).
 
 The write floor: o_part, m_part and l_part (the partials the combine reads) written once by torch's
 fill_ and by a plain Triton store kernel, and copied once with copy_ (a check against the measured
-copy rate), all cold and eager; their bytes over the fastest write's time bound the stage whatever it
-computes. TFLOP/s everywhere are the perf point's useful FLOPs
-over the time. Rounds interleave all measurements so clock drift falls on all alike; the summary
-gives medians over rounds. Each measurement records the SM clock NVML reports while it runs (polled
-every 5 ms: mean, lowest, and the share of polls with a power or thermal slowdown reason), since these
-timings follow the clocks and the bf16 stage runs into the board's power cap. Writes DIR/bounds_gpu.json and DIR/bounds_gpu.log (DIR: --out, $OUT, or
-results/bounds-gpu). Budget: about 2 minutes on the H200 with the defaults.
+copy rate), all cold and eager; their bytes over the fastest write's time bound the stage whatever
+it computes. TFLOP/s everywhere are the perf point's useful FLOPs over the time. Rounds interleave
+all measurements so clock drift falls on all alike; the summary gives medians over rounds. Writes
+DIR/bounds_gpu.json and DIR/bounds_gpu.log (DIR: --out, $OUT, or results/bounds-gpu). Budget: under
+a minute on the H200 with the defaults (15 s of measurement at three rounds).
 """
 from __future__ import annotations
 
