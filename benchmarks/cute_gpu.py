@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -339,9 +340,7 @@ def rounds_summary(timing: list[dict]) -> dict:
                 per.setdefault(f"{rec['dtype']} {impl}", []).append(rec[impl]["tflops"])
     out = {}
     for key, xs in per.items():
-        srt = sorted(xs)
-        med = srt[len(srt) // 2] if len(srt) % 2 else (srt[len(srt) // 2 - 1] + srt[len(srt) // 2]) / 2
-        out[key] = {"tflops": xs, "median": med, "min": srt[0], "max": srt[-1], "n": len(xs)}
+        out[key] = {"tflops": xs, "median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
     return out
 
 
