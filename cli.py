@@ -223,13 +223,15 @@ def build_kernels(
     arch: str = typer.Option("sm_90a", help="Target GPU architecture (the CuTe attention stage supports sm_90a)."),
     out: str = typer.Option("", help="Output directory for the libraries and manifest.json (default: build/cute in the checkout)."),
     dtype: list[str] = typer.Option([], help="Data dtype(s) to build: bf16, fp8 (repeatable; default: all)."),
+    knockouts: bool = typer.Option(True, help="Also build the knock-out kernels benchmarks/bounds_gpu.py times "
+                                               "(diagnostic: never swept or checked)."),
 ):
     """Compile the CuTe DSL attention stage for every configuration the sweep can ask for (no GPU needed),
     link one shared library per configuration and write manifest.json (config, DSL/CUDA versions, arch,
     source hash). Carry the directory to the GPU host; backend kv-outer-cute loads it there."""
     from pathlib import Path
     from .harness.errors import UserError
-    from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, SUPPORTED_ARCHS, sweep_configs
+    from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, SUPPORTED_ARCHS, knockout_configs, sweep_configs
 
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"--arch must be one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
@@ -237,8 +239,9 @@ def build_kernels(
     if bad:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {bad[0]!r}")
     from .kernels.cute.build import build_all
-    summary = build_all(sweep_configs(tuple(dtype) or DTYPES), Path(out) if out else DEFAULT_BUILD_DIR, arch,
-                        log=typer.echo)
+    dtypes = tuple(dtype) or DTYPES
+    configs = sweep_configs(dtypes) + (knockout_configs(dtypes) if knockouts else [])
+    summary = build_all(configs, Path(out) if out else DEFAULT_BUILD_DIR, arch, log=typer.echo)
     typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
 
 

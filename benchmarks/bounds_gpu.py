@@ -65,7 +65,21 @@ def backend_for(impl: str):
         from msa_bench.kernels.kv_outer.backend import KVOuterBackend
         return KVOuterBackend()
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
-    return KVOuterCuteBackend(variant=impl)
+    from msa_bench.kernels.cute.manifest import knockout_piece
+    knock_out = knockout_piece(impl)
+    return KVOuterCuteBackend(variant=knock_out[0] if knock_out else impl)
+
+
+def plan_for(impl: str, w):
+    """The module plan of an implementation; a knock-out (manifest.KNOCKOUT_VARIANTS) is its base
+    generation's plan with the attention stage swapped for the knock-out library on the same buffers."""
+    from msa_bench.kernels.cute.manifest import knockout_piece
+    plan = backend_for(impl).plan(w)
+    if knockout_piece(impl):
+        from msa_bench.kernels.cute.backend import CuteAttentionStage
+        base = plan.stages["attention"]
+        plan.stages["attention"] = CuteAttentionStage(w, plan.buffers, base.config, impl)
+    return plan
 
 
 @triton.jit
@@ -127,7 +141,7 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
     timers, plans, originals = {}, {}, {}
     for impl in impls:
         try:
-            plan = backend_for(impl).plan(w)
+            plan = plan_for(impl, w)
             plan.run()
             torch.cuda.synchronize()
             plans[impl] = plan

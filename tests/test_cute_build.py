@@ -52,8 +52,8 @@ def test_build_writes_every_config_and_manifest(built):
     assert data["arch"] == "sm_90a" and data["source_hash"] == mf.source_hash()
     assert data["dsl_version"] == "4.8.1" and data["cuda_version"].startswith("13.")
     names = {e["name"] for e in data["configs"]}
-    assert names == {c.name for c in mf.sweep_configs()}
-    for cfg in mf.sweep_configs():
+    assert names == {c.name for c in mf.sweep_configs() + mf.knockout_configs()}
+    for cfg in mf.sweep_configs() + mf.knockout_configs():
         path, reason = mf.find_library(cfg, out, "sm_90a")
         assert reason is None and path.stat().st_size > 10_000
 
@@ -63,7 +63,9 @@ def test_manifest_entries_name_their_kernel_generation(built):
     out, _ = built
     data = json.loads((out / mf.MANIFEST_NAME).read_text())
     versions = {e["variant"]: e["kernel_version"] for e in data["configs"]}
-    assert set(versions) == set(mf.VARIANTS)
+    assert set(versions) == set(mf.VARIANTS) | set(mf.KNOCKOUT_VARIANTS)
+    for piece in mf.KNOCKOUTS:
+        assert versions[f"{mf.KNOCKOUT_BASE}ko-{piece}"] == f"{versions[mf.KNOCKOUT_BASE]}-knockout-{piece}"
     assert versions["v2"].startswith("v2-") and versions["v3"].startswith("v3-")
     assert versions["v4"].startswith("v4-") and versions["v7"].startswith("v7-") and versions["v9"].startswith("v9-")
     assert versions["v10"].startswith("v10-")
@@ -154,6 +156,49 @@ def test_v17_v18_store_o_by_stmatrix(built):
     for k in ("Stmatrix", "ProducerAhead"):
         assert all("stmatrix.sync.aligned" in t for t in texts[k])
     assert not any("stmatrix.sync.aligned" in t for t in texts["JointRows"])
+
+
+def _ptx(dump: Path, kernel: str, dtype: str) -> str:
+    """The PTX of one kernel class (its name in the dump file) for one dtype."""
+    tag = {"bf16": "BFloat16", "fp8": "Float8E4M3"}[dtype]
+    texts = [Path(p).read_text() for p in glob.glob(str(dump / "*.ptx")) if f"Sm90{kernel}_" in p and tag in p]
+    assert len(texts) == 1, (kernel, dtype, len(texts))
+    return texts[0]
+
+
+@needs_dsl
+def test_v21_v22_store_o_per_warp_and_v22_folds_the_output_scale(built):
+    """v21 stages and stores O per warp: no named barrier in the kernel beyond the launch's one, one TMA
+    store per warp (v18: a warpgroup barrier before and after staging, four stores by one thread).
+    v22 (bf16) drops the 64 multiplies per thread and tile that scale O."""
+    _, dump = built
+    named = re.compile(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+\S+,\s*\d+;")    # with a thread count
+    tma_store = "cp.async.bulk.tensor.2d.global.shared"
+    for dtype in ("bf16", "fp8"):
+        v18, v21 = _ptx(dump, "ProducerAhead", dtype), _ptx(dump, "WarpStore", dtype)
+        assert named.search(v18) and not named.search(v21)
+        assert v21.count(tma_store) < v18.count(tma_store)
+    v21, v22 = _ptx(dump, "WarpStore", "bf16"), _ptx(dump, "FoldedScale", "bf16")
+    # the loop's and the last tile's 64 O multiplies each are gone; the scale's log2 (once) adds a few
+    assert v21.count("mul.f32") - v22.count("mul.f32") >= 2 * 64 - 8
+    assert v22.count("ex2.approx") == v21.count("ex2.approx")
+
+
+@needs_dsl
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_knockouts_remove_only_their_piece(built, dtype):
+    """Each knock-out keeps the base generation's MMAs and staging and loses only its piece."""
+    _, dump = built
+    base = _ptx(dump, "ProducerAhead", dtype)
+    ko = {piece: _ptx(dump, f"ProducerAheadKnockOut{piece.title().replace('-', '')}", dtype) for piece in mf.KNOCKOUTS}
+    tma_store, wgmma = "cp.async.bulk.tensor.2d.global.shared", "wgmma.mma_async"
+    for text in ko.values():
+        assert text.count(wgmma) == base.count(wgmma) and text.count("stmatrix") == base.count("stmatrix")
+    assert ko["o-store"].count(tma_store) == 0 < base.count(tma_store)
+    assert ko["o-store"].count("ex2.approx") == base.count("ex2.approx") > 0
+    assert ko["exp"].count("ex2.approx") == 0 and ko["exp"].count("max.f32") == base.count("max.f32")
+    assert ko["softmax"].count("ex2.approx") == 0 and ko["softmax"].count("max.f32") == 0
+    assert ko["exp"].count(tma_store) == ko["softmax"].count(tma_store) == base.count(tma_store)
 
 
 @needs_dsl
@@ -253,6 +298,24 @@ def test_sweep_configs_name_each_generation():
     assert {(c.variant, c.dtype) for c in cfgs} == {k for k, ctas in mf.VARIANT_CTAS.items() if ctas}
 
 
+def test_knockouts_are_built_but_not_selectable():
+    """Knock-out builds have C-identifier names and parse back to (base, piece); the harness's backend
+    refuses them, since their outputs are not attention."""
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+    from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS
+    cfgs = mf.knockout_configs()
+    assert len(cfgs) == len(mf.KNOCKOUTS) * len(mf.DTYPES)
+    for c in cfgs:
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", c.name) and c.variant not in mf.VARIANTS
+        assert mf.knockout_piece(c.variant) == (mf.KNOCKOUT_BASE, c.variant.split("ko-")[1])
+    assert mf.knockout_piece("v18") is None and mf.knockout_piece("v18ko-store") is None
+    assert mf.knockout_piece("v99ko-exp") is None
+    for v in mf.KNOCKOUT_VARIANTS:
+        with pytest.raises(ValueError, match="no kernel generation"):
+            KVOuterCuteBackend.from_option(v)
+        assert f"cute-{v}" not in ATTENTION_IMPLS
+
+
 def test_source_hash_tracks_kernel_sources():
     here = Path(mf.__file__).parent
     assert all((here / f).is_file() for f in mf.SOURCE_FILES)
@@ -292,7 +355,8 @@ def test_config_for_other_geometry_is_unavailable():
 def test_each_generation_registers_an_attention_impl():
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS
-    assert {"cute", "cute-v3", "cute-v4", "cute-v7", "cute-v9", "cute-v10", "cute-v15", "cute-v18"} <= set(ATTENTION_IMPLS)
+    assert {"cute", "cute-v3", "cute-v4", "cute-v7", "cute-v9", "cute-v10", "cute-v15", "cute-v18", "cute-v21",
+            "cute-v22"} <= set(ATTENTION_IMPLS)
     b = KVOuterCuteBackend(variant="v3")
     assert b.attention_impl == "cute-v3" and b.ctas_for("bf16") == 1
     assert KVOuterCuteBackend(variant="v2").attention_impl == "cute" and KVOuterCuteBackend(variant="v2").ctas_for("fp8") == 2

@@ -180,11 +180,14 @@ def _mask_keys(s_rc: cute.Tensor, tScS: cute.Tensor, limit: Int32, block: cutlas
                     s_rc[r, c] = -Float32.inf
 
 
-def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift: int):
+def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift, exp: bool = True):
     """v16: _softmax_row_tree's step for all rows of s_rc at once, with no branch between them, so the
     rows' max and sum trees, shuffles and exp2 interleave (v10 ran one row after the other, each behind
     its own mask branch: the consumer warps stalled on fixed-latency dependencies). Plain Python, traced
-    inline. Returns the lists of row maxima and sums, reduced over the four threads of a row."""
+    inline. p_shift: log2 of the factor P is scaled by (an int, or a Float32 when the output scale is
+    folded in). exp False: the exponent's argument is kept as P (the knock-out build that measures
+    what the exponentials cost; its output is not attention). Returns the lists of row maxima and sums,
+    reduced over the four threads of a row."""
     n_r = cute.size(s_rc, mode=[0])
     maxes = [_pairwise(_row(s_rc, r), cute.arch.fmax) for r in range(n_r)]
     for offset in (1, 2):
@@ -194,7 +197,8 @@ def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift: int):
               for m in maxes]
     for r in range(n_r):
         for c in range(cute.size(s_rc, mode=[1])):
-            s_rc[r, c] = cute.arch.exp2(s_rc[r, c] * scale_log2 - shifts[r])
+            x = s_rc[r, c] * scale_log2 - shifts[r]
+            s_rc[r, c] = cute.arch.exp2(x) if exp else x
     sums = [_pairwise(_row(s_rc, r), lambda a, b: a + b) for r in range(n_r)]
     for offset in (1, 2):
         other = [cute.arch.shuffle_sync_bfly(x, offset=offset) for x in sums]
@@ -217,6 +221,11 @@ class KvOuterAttentionSm90WarpSpecialized:
     joint_rows = False         # one softmax step over all of a thread's rows at once; next key from shared memory
     stmatrix_o = False         # O registers -> sO by stmatrix (with tma_store_o)
     prefetch_meta = False      # producer: next tile's metadata read ahead, query indices before the stage wait
+    warp_store_o = False       # each consumer warp stores its own slot (no warpgroup barriers around the store)
+    fold_out_scale = False     # bf16: out_scale applied to P through the exponent's shift, not to O
+    # Knock-out builds (manifest.KNOCKOUTS; benchmarks/bounds_gpu.py): one piece of the consumers' per-tile
+    # chain taken away to time the rest. Their outputs are not attention and are never checked or swept.
+    knock_out = ""             # "", "o-store" (no TMA store of O), "exp" (no exp2), "softmax" (P = S)
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -240,6 +249,12 @@ class KvOuterAttentionSm90WarpSpecialized:
         self.kv_stages = 2
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.lim_extra = 2 if self.joint_rows else 1     # after the slots' limits: the live count (and the key)
+        # fp8 P keeps its 2^P_SHIFT scale: a factor v_scale in it would push P into e4m3's subnormals
+        self.fold_out_scale = self.fold_out_scale and dtype == "bf16"
+        if self.warp_store_o and not (self.stmatrix_o and self.joint_rows):
+            raise ValueError("the per-warp O store needs stmatrix staging and one slot per warp (v17 and later)")
+        if self.knock_out not in ("", "o-store", "exp", "softmax"):
+            raise ValueError(f"unknown knock-out {self.knock_out!r}")
 
     # ---- host side ----------------------------------------------------------------------------
     @cute.jit
@@ -540,7 +555,9 @@ class KvOuterAttentionSm90WarpSpecialized:
                  tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
                  tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sVt)),
                  tScS=_rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK)))),
-                 tOrP=None, tSsP=None, tRsO=None, tOsO=None, tOgO=None)
+                 tOrP=None, tSsP=None, tRsO=None, tOsO=None, tOgO=None,
+                 # P = exp2(S * scale_log2 - row max * scale_log2 + p_bias); l = row sum * l_scale
+                 p_bias=self.p_shift, l_scale=1.0 / (1 << self.p_shift))
         if const_expr(not self.p_in_regs):
             v["tOrP"] = thr_pv.make_fragment_A(thr_pv.partition_A(sP))           # fp8 P over Q rows
             v["tSsP"] = thr_qk.partition_C(sP)
@@ -631,6 +648,10 @@ class KvOuterAttentionSm90WarpSpecialized:
         q_full, q_empty, kv_full, kv_empty = bars
         lane, v, (acc_s, acc_o, lim, r_p) = self._consumer_state(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP,
                                                                  ctid)
+        if const_expr(self.fold_out_scale):
+            # P V comes out in output units, so O needs no multiply; l is divided back (both once per thread)
+            v["p_bias"] = Float32(self.p_shift) + cute.math.log2(out_scale)
+            v["l_scale"] = Float32(1.0 / (1 << self.p_shift)) / out_scale
         q_idx = Int32(0)
         q_phase = Int32(0)
         kv_idx = Int32(0)
@@ -742,14 +763,17 @@ class KvOuterAttentionSm90WarpSpecialized:
         if const_expr(self.joint_rows):
             # every row a thread holds is in its warp's 16-row band, one slot (G % 16 == 0): one limit,
             # one warp-uniform mask branch, then the rows' reductions interleaved in straight-line code
-            _mask_keys(s_rc, tScS, lim[0], self.block)
-            row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, self.p_shift)
+            if const_expr(self.knock_out == "softmax"):
+                row_max, row_sum = [Float32(0.0)] * n_rows_acc, [Float32(1.0)] * n_rows_acc
+            else:
+                _mask_keys(s_rc, tScS, lim[0], self.block)
+                row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, v["p_bias"], exp=self.knock_out != "exp")
             if ctid % 4 == 0:
                 for r in cutlass.range_constexpr(n_rows_acc):
                     row = tScS[r, 0][0]
                     if row < live_rows:
                         mM[t * ROWS + row] = row_max[r] * scale
-                        mL[t * ROWS + row] = row_sum[r] * (1.0 / (1 << self.p_shift))
+                        mL[t * ROWS + row] = row_sum[r] * v["l_scale"]
             return live_rows
         for r in cutlass.range_constexpr(n_rows_acc):
             row = tScS[r, 0][0]
@@ -798,8 +822,27 @@ class KvOuterAttentionSm90WarpSpecialized:
         rows) and one TMA store per live slot, issued by the warpgroup's first thread."""
         G, D, ROWS = self.group, self.head_dim, self.rows
         r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-        r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
-        if const_expr(self.tma_store_o):
+        if const_expr(self.fold_out_scale):
+            r_o.store(acc_o.load().to(cutlass.BFloat16))
+        else:
+            r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+        if const_expr(self.warp_store_o):
+            # a warp's 16 accumulator rows are one slot (G = 16): it stages and stores them alone, its
+            # lane 0 owning the bulk group, so no warpgroup barrier sits in the store
+            lane = ctid % 32
+            slot = cwg * (self.tile_q // 2) + (ctid % self.wg_threads) // 32
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)   # this warp's previous store has read sO
+            cute.arch.sync_warp()
+            cute.copy(v["st_copy"], v["st_copy"].retile(r_o), v["tRsO"])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            if lane == 0:
+                if const_expr(self.knock_out != "o-store"):
+                    if slot * G < live_rows:
+                        cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
+                cute.arch.cp_async_bulk_commit_group()
+        elif const_expr(self.tma_store_o):
             wg_barrier = 1 + cwg
             slots_per_wg = const_expr(self.tile_q // 2)
             if ctid % self.wg_threads == 0:
@@ -812,7 +855,7 @@ class KvOuterAttentionSm90WarpSpecialized:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
             if ctid % self.wg_threads == 0:
-                for j in cutlass.range_constexpr(slots_per_wg):
+                for j in cutlass.range_constexpr(0 if const_expr(self.knock_out == "o-store") else slots_per_wg):
                     slot = cwg * slots_per_wg + j
                     if slot * G < live_rows:
                         cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
@@ -822,9 +865,12 @@ class KvOuterAttentionSm90WarpSpecialized:
 
     @cute.jit
     def _drain_o(self, ctid: Int32):
-        if const_expr(self.tma_store_o):
-            if ctid % self.wg_threads == 0:
+        if const_expr(self.warp_store_o):
+            if ctid % 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0)          # O stores complete before the CTA exits
+        elif const_expr(self.tma_store_o):
+            if ctid % self.wg_threads == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
 
 
 class KvOuterAttentionSm90TmaStore(KvOuterAttentionSm90WarpSpecialized):
@@ -870,3 +916,23 @@ class KvOuterAttentionSm90ProducerAhead(KvOuterAttentionSm90Stmatrix):
     kernel_version = "v18-ws-producer-ahead"
     prefetch_meta = True
 
+
+
+class KvOuterAttentionSm90WarpStore(KvOuterAttentionSm90ProducerAhead):
+    """v21: v18 with each consumer warp staging and storing its own slot of O, without the two
+    warpgroup barriers per tile around the store."""
+    kernel_version = "v21-ws-warp-store"
+    warp_store_o = True
+
+
+class KvOuterAttentionSm90FoldedScale(KvOuterAttentionSm90WarpStore):
+    """v22 (bf16): v21 with the output scale folded into P's exponent shift: no multiply per O element."""
+    kernel_version = "v22-ws-folded-scale"
+    fold_out_scale = True
+
+
+def knock_out_class(base: type, piece: str) -> type:
+    """A knock-out build of `base`: the same kernel with `piece` of the per-tile chain removed."""
+    return type(f"{base.__name__}KnockOut{piece.title().replace('-', '')}", (base,),
+                {"knock_out": piece, "kernel_version": f"{base.kernel_version}-knockout-{piece}",
+                 "__doc__": f"{base.kernel_version} without {piece} (a timing bound; output not attention)."})

@@ -12,15 +12,16 @@ import torch
 from ..base import BackendUnavailable, register
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
 from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas
-from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS, CuteConfig,
-                       device_arch, find_library, fp8_v_key_order)
+from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS,
+                       CuteConfig, device_arch, find_library, fp8_v_key_order)
 
 # the generation per dtype that passed every GPU check and ran fastest (H200 2026-11-29, N 16384,
 # attention stage, fifth session: fp8 v18 ~571 TFLOP/s against v15 ~534; bf16 v18 ~402 at boost clocks,
 # level with v10, and 4-6 % less kernel time at ncu's base clocks; docs/perf-log.md)
 DEFAULT_VARIANTS = {"bf16": "v18", "fp8": "v18"}
 DEFAULT_VARIANT = DEFAULT_VARIANTS["bf16"]
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1}
+DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1,
+                       "v21": 1, "v22": 1}
 
 
 def attention_impl_name(variant: str) -> str:
@@ -36,6 +37,8 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, varia
         raise BackendUnavailable(
             f"the CuTe attention stage is built for TILE_Q * G = 128, D = 128, block = 128 "
             f"(got TILE_Q {tile_q}, G {s.group}, D {s.head_dim}, block {s.block})")
+    if variant in KNOCKOUT_VARIANTS:       # bounds_gpu.py binds these itself; the harness cannot name them
+        return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, 1, variant)
     if variant not in VARIANTS:
         raise BackendUnavailable(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")
     if ctas_per_sm is None:
@@ -64,6 +67,7 @@ class CuteAttentionStage:
     def __init__(self, workload, buffers: dict, config, variant: str = DEFAULT_VARIANT):
         from .loader import resolve_library
         w = workload
+        self.config = config
         self.cfg = cute_config_for(w, config.tile_q, config.ctas_per_sm, variant)
         self.library = resolve_library(self.cfg, w.device)
         # one-time setup before any capture: module load + the >48 KiB dynamic smem attribute (the

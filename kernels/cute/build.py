@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ...harness.errors import UserError
-from .manifest import (DEFAULT_ARCH, SUPPORTED_ARCHS, CuteConfig, config_entry, write_manifest)
+from .manifest import (DEFAULT_ARCH, SUPPORTED_ARCHS, CuteConfig, config_entry, knockout_piece, write_manifest)
 
 DSL_PIP = 'pip install "nvidia-cutlass-dsl[cu13]==4.8.1"'
 TENSOR_ARGS = ("mQ", "mK", "mV", "mCsrQuery", "mTileKey", "mTileEdge", "mTileCount", "mCtaRange",
@@ -136,13 +136,18 @@ def kernel_class(variant: str):
     if variant == "v3":
         from .attention_sm90_pipe import KvOuterAttentionSm90Pipelined
         return KvOuterAttentionSm90Pipelined
-    if variant in ("v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18"):
+    knock_out = knockout_piece(variant)
+    if knock_out:
+        from .attention_sm90_ws import knock_out_class
+        return knock_out_class(kernel_class(knock_out[0]), knock_out[1])
+    if variant in ("v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22"):
         from . import attention_sm90_ws as ws
         return {"v4": ws.KvOuterAttentionSm90WarpSpecialized, "v7": ws.KvOuterAttentionSm90TmaStore,
                 "v9": ws.KvOuterAttentionSm90Pipelined, "v10": ws.KvOuterAttentionSm90TreeSoftmax,
                 "v15": ws.KvOuterAttentionSm90Fp8RegP, "v16": ws.KvOuterAttentionSm90JointRows,
                 "v17": ws.KvOuterAttentionSm90Stmatrix,
-                "v18": ws.KvOuterAttentionSm90ProducerAhead}[variant]
+                "v18": ws.KvOuterAttentionSm90ProducerAhead, "v21": ws.KvOuterAttentionSm90WarpStore,
+                "v22": ws.KvOuterAttentionSm90FoldedScale}[variant]
     raise BuildError(f"unknown CuTe kernel variant {variant!r}")
 
 

@@ -39,7 +39,7 @@ class CuteConfig:
 
     @property
     def name(self) -> str:
-        suffix = "" if self.variant == "v2" else f"_{self.variant}"
+        suffix = "" if self.variant == "v2" else f"_{self.variant.replace('-', '_')}"   # a C identifier
         return (f"kvo_attn_{self.dtype}_q{self.tile_q}g{self.group}d{self.head_dim}b{self.block}"
                 f"_c{self.ctas_per_sm}{suffix}")
 
@@ -57,21 +57,38 @@ CTAS_PER_SM = (1, 2)
 # v9 = v7 with the consumers software-pipelined across tiles; v10 = v9 with a cheaper softmax step (mask
 # only where needed, tree reductions); v15 = v10 with fp8 P in registers (fp8 only); v16 = v15 with the
 # softmax over a thread's rows at once and the tile's key from shared memory; v17 = v16 with O staged
-# by stmatrix; v18 = v17 with the producer's global reads ahead of its Q-stage wait (docs/perf-log.md
-# has each one's numbers, and v5, v6, v8, v11, v12, v13, v14, v19, v20, measured and dropped).
+# by stmatrix; v18 = v17 with the producer's global reads ahead of its Q-stage wait; v21 = v18 with each
+# consumer warp storing its own slot of O (no warpgroup barriers in the store); v22 = v21 with bf16's
+# output scale folded into P (bf16 only) (docs/perf-log.md has each one's numbers, and v5, v6, v8,
+# v11, v12, v13, v14, v19, v20, measured and dropped).
 # CTAs per SM each generation builds:
-VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18")
+VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
                 ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v7", "bf16"): (1,), ("v7", "fp8"): (1,),
                 ("v9", "bf16"): (1,), ("v9", "fp8"): (1,), ("v10", "bf16"): (1,), ("v10", "fp8"): (1,),
                 ("v15", "bf16"): (), ("v15", "fp8"): (1,),        # v15 changes fp8 only
                 ("v16", "bf16"): (1,), ("v16", "fp8"): (1,), ("v17", "bf16"): (1,), ("v17", "fp8"): (1,),
-                ("v18", "bf16"): (1,), ("v18", "fp8"): (1,)}
+                ("v18", "bf16"): (1,), ("v18", "fp8"): (1,), ("v21", "bf16"): (1,), ("v21", "fp8"): (1,),
+                ("v22", "bf16"): (1,), ("v22", "fp8"): ()}       # v22 changes bf16 only
+
+# Knock-out builds: KNOCKOUT_BASE with one piece of the consumers' per-tile chain removed ("o-store": O is
+# staged but never stored to o_part; "exp": P is the exponent's argument, no exp2; "softmax": P = S, no
+# mask, max, exp or sum). They bound what the rest of the chain runs at (benchmarks/bounds_gpu.py); their
+# outputs are not attention, so the harness cannot select them (not in VARIANTS) and nothing checks them.
+KNOCKOUTS = ("o-store", "exp", "softmax")
+KNOCKOUT_BASE = "v18"
+KNOCKOUT_VARIANTS = tuple(f"{KNOCKOUT_BASE}ko-{piece}" for piece in KNOCKOUTS)
+
+
+def knockout_piece(variant: str) -> tuple[str, str] | None:
+    """(base generation, piece) of a knock-out variant name, else None."""
+    base, sep, piece = variant.partition("ko-")
+    return (base, piece) if sep and base in VARIANTS and piece in KNOCKOUTS else None
 
 
 # Generations whose fp8 P V takes P from registers in the S accumulator's column order: they read V's
 # keys permuted within every 16 (attention_sm90_ws._fp8_p_regs).
-FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18")
+FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v21", "v22") + KNOCKOUT_VARIANTS
 
 
 def fp8_v_key_order() -> list[int]:
@@ -85,6 +102,11 @@ def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:
     the CTAs per SM that generation supports (VARIANT_CTAS)."""
     return [CuteConfig(d, ctas_per_sm=c, variant=v) for v in variants for d in dtypes
             for c in VARIANT_CTAS[(v, d)]]
+
+
+def knockout_configs(dtypes=DTYPES) -> list[CuteConfig]:
+    """The knock-out builds (KNOCKOUT_VARIANTS) in each dtype, one CTA per SM."""
+    return [CuteConfig(d, ctas_per_sm=1, variant=v) for v in KNOCKOUT_VARIANTS for d in dtypes]
 
 
 def source_hash() -> str:
