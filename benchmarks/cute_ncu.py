@@ -1,14 +1,19 @@
 """What limits the attention stage: one Nsight Compute profile per implementation at the perf point.
 
-    source scripts/gpu-setup.sh && python3 benchmarks/cute_ncu.py [--impls triton,v4,v9@4:8] [--dtypes bf16,fp8]
-                                                                  [--out DIR] [--source] [--spread]
+    source scripts/gpu-setup.sh && python3 benchmarks/cute_ncu.py [--impls triton,v4,v9@4:8,v18~256]
+                                                                  [--dtypes bf16,fp8] [--out DIR] [--source] [--spread]
 
 For each (implementation, dtype) an `ncu` process profiles a child of this script that builds the
 benchmarks/cute_gpu.py perf workload (N 16384, 1024 blocks per KV head, top-16 uniform picks), plans
 the stage (`triton` = the kv-outer Triton stage on 8-token tiles, vN = kv-outer-cute generation N; a
-suffix @S:k sets the scheduler's tile order, q_ranges S and order_chunk k, see order_gpu.py), runs
+suffix @S:k sets the scheduler's tile order, q_ranges S and order_chunk k, see order_gpu.py; a knock-out
+build such as v18ko-exp swaps its library into the base generation's plan, see bounds_gpu.py; a suffix ~A
+replaces every query index by its value mod A after the first run, bounds_gpu.py's alias), runs
 it once unprofiled, then once inside the NVTX range `msa-ncu`, the only launch profiled. Sections
-SpeedOfLight, MemoryWorkloadAnalysis and WarpStateStats plus the tensor-pipe and DRAM byte metrics;
+SpeedOfLight, ComputeWorkloadAnalysis, MemoryWorkloadAnalysis and WarpStateStats plus the tensor-pipe
+and DRAM byte metrics (ncu locks the clocks at base, so times compare across builds whatever the
+board's power cap does at boost); the SM clock, issue-slot, MUFU (XU pipe) and shared-memory pipe
+utilizations are read from those sections;
 the raw CSV of each profile is kept under DIR, and a line per profile gives time, DRAM bytes and
 throughput, L2 hit rate, tensor-pipe activity and the largest warp stall reasons. With --source, a
 second profile per implementation samples warp stalls per SASS instruction (SourceCounters) and
@@ -40,6 +45,7 @@ def plan_stage(spec: str, dtype: str):
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cute_gpu import perf_workload
+    spec, _, alias = spec.partition("~")
     impl, _, order = spec.partition("@")
     s, _, k = (order or "1:0").partition(":")
     order_kw = dict(q_ranges=int(s), order_chunk=int(k or 0))
@@ -51,10 +57,18 @@ def plan_stage(spec: str, dtype: str):
                                                                     attn_maxnreg=0, **order_kw))
     else:
         from msa_bench.kernels.cute.backend import DEFAULT_CTAS_PER_SM, KVOuterCuteBackend, cute_kv_config
-        cfg = cute_kv_config(dtype, DEFAULT_CTAS_PER_SM[impl]).with_(**order_kw)
-        backend = KVOuterCuteBackend(config=cfg, variant=impl)
+        from msa_bench.kernels.cute.manifest import knockout_piece
+        base = knockout_piece(impl)[0] if knockout_piece(impl) else impl
+        cfg = cute_kv_config(dtype, DEFAULT_CTAS_PER_SM[base]).with_(**order_kw)
+        backend = KVOuterCuteBackend(config=cfg, variant=base)
     plan = backend.plan(w)
+    if impl != "triton" and base != impl:
+        from msa_bench.kernels.cute.backend import CuteAttentionStage
+        plan.stages["attention"] = CuteAttentionStage(w, plan.buffers, plan.stages["attention"].config, impl)
     plan.run()
+    if alias:
+        q = plan.buffers["csr_query"]
+        q.copy_(q % int(alias))
     torch.cuda.synchronize()
     return plan
 
@@ -96,6 +110,17 @@ def scaled(cell, metric: str) -> float | None:
     return None if v is None else v * _unit_factor(cell[1], metric)
 
 
+CLOCK_UNITS_MHZ = {"hz": 1e-6, "khz": 1e-3, "mhz": 1.0, "ghz": 1e3, "cycle/second": 1e-6, "cycle/usecond": 1.0,
+                   "cycle/nsecond": 1e3}
+
+
+def clock_mhz(cell) -> float | None:
+    """A frequency cell (value, unit) in MHz; None when absent or in a unit not known here."""
+    v = number(cell)
+    factor = CLOCK_UNITS_MHZ.get(cell[1].strip().lower()) if cell else None
+    return None if v is None or factor is None else v * factor
+
+
 def summarize(kernel: dict) -> dict:
     rec = {"kernel": kernel.get("Kernel Name", ("?",))[0][:80]}
     rec["time_s"] = scaled(kernel.get("gpu__time_duration.sum"), "gpu__time_duration.sum")
@@ -104,6 +129,11 @@ def summarize(kernel: dict) -> dict:
     rec["dram_pct_peak"] = number(kernel.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"))
     rec["l2_hit_pct"] = number(kernel.get("lts__t_sector_hit_rate.pct"))
     rec["tensor_active_pct"] = number(kernel.get("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"))
+    rec["sm_clock_mhz"] = clock_mhz(kernel.get("sm__cycles_elapsed.avg.per_second"))
+    for key, metric in (("issue_active_pct", "sm__inst_issued.avg.pct_of_peak_sustained_active"),
+                        ("xu_pipe_pct", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
+                        ("smem_pipe_pct", "l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed")):
+        rec[key] = number(kernel.get(metric))
     stalls = {k.split(STALL_KEY)[1].split("_per_issue_active")[0]: number(v) for k, v in kernel.items()
               if STALL_KEY in k and k.endswith("_per_issue_active.ratio") and "not_issued" not in k}
     rec["stalls_per_issue"] = dict(sorted(((k, v) for k, v in stalls.items() if v), key=lambda kv: -kv[1])[:6])
@@ -115,13 +145,14 @@ def summarize(kernel: dict) -> dict:
 
 
 def file_tag(impl: str) -> str:
-    return impl.replace("@", "_o").replace(":", "-")
+    return impl.replace("@", "_o").replace(":", "-").replace("~", "_a")
 
 
 def profile(impl: str, dtype: str, out: Path, ncu: str, spread: bool = False) -> dict:
     metrics = METRICS + (SPREAD if spread else ())
     cmd = [ncu, "--csv", "--page", "raw", "--nvtx", "--nvtx-include", f"{RANGE}/", "--target-processes", "all",
-           "--section", "SpeedOfLight", "--section", "MemoryWorkloadAnalysis", "--section", "WarpStateStats",
+           "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis",
+           "--section", "WarpStateStats",
            "--metrics", ",".join(metrics), sys.executable, __file__, "--child", impl, "--dtypes", dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     (out / f"ncu_{file_tag(impl)}_{dtype}.csv").write_text(proc.stdout)
@@ -180,7 +211,9 @@ def line(r: dict) -> str:
     spread = "".join(f"  {k.split('_max')[0]} max/mean {v:.2f}" for k, v in r.items() if k.endswith("_max_over_mean"))
     return (f"ncu {r['dtype']:4s} {r['impl']:6s} {t * 1e3:7.3f} ms  DRAM read {rd / 1e9:5.2f} GB write {wr / 1e9:5.2f} GB "
             f"= {(rd + wr) / t / 1e12:4.2f} TB/s ({r['dram_pct_peak']}% of peak)  L2 hit {r['l2_hit_pct']}%  "
-            f"tensor pipe {r['tensor_active_pct']}% active{spread}  stalls/issue: {stalls}")
+            f"tensor pipe {r['tensor_active_pct']}% active  SM clock {r.get('sm_clock_mhz')} MHz  issue "
+            f"{r.get('issue_active_pct')}%  XU {r.get('xu_pipe_pct')}%  smem {r.get('smem_pipe_pct')}%{spread}  "
+            f"stalls/issue: {stalls}")
 
 
 def main(argv=None) -> int:
