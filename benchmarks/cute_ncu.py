@@ -12,8 +12,8 @@ replaces every query index by its value mod A after the first run, bounds_gpu.py
 it once unprofiled, then once inside the NVTX range `msa-ncu`, the only launch profiled. Sections
 SpeedOfLight, ComputeWorkloadAnalysis, MemoryWorkloadAnalysis and WarpStateStats plus the tensor-pipe
 and DRAM byte metrics (ncu locks the clocks at base, so times compare across builds whatever the
-board's power cap does at boost); the SM clock, issue-slot, MUFU (XU pipe) and shared-memory pipe
-utilizations are read from those sections;
+board's power cap does at boost); the SM clock, issue-slot, MUFU (XU pipe) and L1 LSU data-pipe
+(shared-memory and global wavefronts) utilizations are read from those sections;
 the raw CSV of each profile is kept under DIR, and a line per profile gives time, DRAM bytes and
 throughput, L2 hit rate, tensor-pipe activity and the largest warp stall reasons. With --source, a
 second profile per implementation samples warp stalls per SASS instruction (SourceCounters) and
@@ -129,10 +129,10 @@ def summarize(kernel: dict) -> dict:
     rec["dram_pct_peak"] = number(kernel.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"))
     rec["l2_hit_pct"] = number(kernel.get("lts__t_sector_hit_rate.pct"))
     rec["tensor_active_pct"] = number(kernel.get("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"))
-    rec["sm_clock_mhz"] = clock_mhz(kernel.get("sm__cycles_elapsed.avg.per_second"))
-    for key, metric in (("issue_active_pct", "sm__inst_issued.avg.pct_of_peak_sustained_active"),
+    rec["sm_clock_mhz"] = clock_mhz(kernel.get("gpc__cycles_elapsed.avg.per_second"))
+    for key, metric in (("issue_active_pct", "sm__issue_active.avg.pct_of_peak_sustained_elapsed"),
                         ("xu_pipe_pct", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
-                        ("smem_pipe_pct", "l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed")):
+                        ("lsu_pipe_pct", "l1tex__data_pipe_lsu_wavefronts.avg.pct_of_peak_sustained_elapsed")):
         rec[key] = number(kernel.get(metric))
     stalls = {k.split(STALL_KEY)[1].split("_per_issue_active")[0]: number(v) for k, v in kernel.items()
               if STALL_KEY in k and k.endswith("_per_issue_active.ratio") and "not_issued" not in k}
@@ -211,8 +211,8 @@ def line(r: dict) -> str:
     spread = "".join(f"  {k.split('_max')[0]} max/mean {v:.2f}" for k, v in r.items() if k.endswith("_max_over_mean"))
     return (f"ncu {r['dtype']:4s} {r['impl']:6s} {t * 1e3:7.3f} ms  DRAM read {rd / 1e9:5.2f} GB write {wr / 1e9:5.2f} GB "
             f"= {(rd + wr) / t / 1e12:4.2f} TB/s ({r['dram_pct_peak']}% of peak)  L2 hit {r['l2_hit_pct']}%  "
-            f"tensor pipe {r['tensor_active_pct']}% active  SM clock {r.get('sm_clock_mhz')} MHz  issue "
-            f"{r.get('issue_active_pct')}%  XU {r.get('xu_pipe_pct')}%  smem {r.get('smem_pipe_pct')}%{spread}  "
+            f"tensor pipe {r['tensor_active_pct']}% active  SM clock {r.get('sm_clock_mhz') or 0:.1f} MHz  issue "
+            f"{r.get('issue_active_pct')}%  XU {r.get('xu_pipe_pct')}%  L1 LSU {r.get('lsu_pipe_pct')}%{spread}  "
             f"stalls/issue: {stalls}")
 
 
