@@ -16,10 +16,10 @@ from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, S
                        CuteConfig, device_arch, find_library, fp8_v_key_order)
 
 # the generation per dtype that passed every GPU check and ran fastest (H200 2026-11-29, N 16384,
-# attention stage, fifth session: fp8 v18 ~571 TFLOP/s against v15 ~534; bf16 v18 ~402 at boost clocks,
-# level with v10, and 4-6 % less kernel time at ncu's base clocks; docs/perf-log.md)
-DEFAULT_VARIANTS = {"bf16": "v18", "fp8": "v18"}
-DEFAULT_VARIANT = DEFAULT_VARIANTS["bf16"]
+# attention stage: fp8 v18 ~565-571 TFLOP/s against v15 ~534 and v21 ~561 (fifth and seventh sessions);
+# bf16 v22 ~400 against v18 ~383 in the same rounds and 6 % less kernel time at ncu's base clocks
+# (seventh session); docs/perf-log.md)
+DEFAULT_VARIANTS = {"bf16": "v22", "fp8": "v18"}
 DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1,
                        "v21": 1, "v22": 1}
 
@@ -28,8 +28,9 @@ def attention_impl_name(variant: str) -> str:
     return "cute" if variant == "v2" else f"cute-{variant}"
 
 
-def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, variant: str = DEFAULT_VARIANT) -> CuteConfig:
-    """The library configuration a workload needs, or BackendUnavailable if the kernel has none."""
+def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, variant: str | None = None) -> CuteConfig:
+    """The library configuration a workload needs (variant None: its dtype's default generation), or
+    BackendUnavailable if the kernel has none."""
     s = workload.shape
     if workload.dtype not in DTYPES:
         raise BackendUnavailable(f"the CuTe attention stage supports {', '.join(DTYPES)}, not {workload.dtype}")
@@ -37,6 +38,7 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, varia
         raise BackendUnavailable(
             f"the CuTe attention stage is built for TILE_Q * G = 128, D = 128, block = 128 "
             f"(got TILE_Q {tile_q}, G {s.group}, D {s.head_dim}, block {s.block})")
+    variant = variant or default_variant(workload.dtype)
     if variant in KNOCKOUT_VARIANTS:       # bounds_gpu.py binds these itself; the harness cannot name them
         return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, 1, variant)
     if variant not in VARIANTS:
@@ -64,7 +66,7 @@ class CuteAttentionStage:
     """Binds a loaded library to a plan's buffers; calling it launches one persistent grid on the
     current CUDA stream (CUDA-graph capturable: no host sync, no allocation)."""
 
-    def __init__(self, workload, buffers: dict, config, variant: str = DEFAULT_VARIANT):
+    def __init__(self, workload, buffers: dict, config, variant: str | None = None):
         from .loader import resolve_library
         w = workload
         self.config = config
@@ -75,7 +77,7 @@ class CuteAttentionStage:
         self.library.load_module()
         # fp8 wgmma wants K-major operands: V d-major ([pages, Hkv, D, block]), made once here.
         self.v = w.v_cache.transpose(-1, -2).contiguous() if w.dtype == "fp8" else w.v_cache
-        if w.dtype == "fp8" and variant in FP8_V_KEY_PERMUTED:
+        if w.dtype == "fp8" and self.cfg.variant in FP8_V_KEY_PERMUTED:
             order = torch.tensor(fp8_v_key_order(), device=w.device)
             blk = self.v.shape[-1]
             self.v = self.v.view(*self.v.shape[:-1], blk // 16, 16)[..., order].reshape(self.v.shape).contiguous()
@@ -102,7 +104,7 @@ class CuteAttentionStage:
 
 
 def default_variant(dtype: str) -> str:
-    return DEFAULT_VARIANTS.get(dtype, DEFAULT_VARIANT)
+    return DEFAULT_VARIANTS.get(dtype, DEFAULT_VARIANTS["bf16"])
 
 
 def _register_variant(variant: str) -> None:
