@@ -63,7 +63,8 @@ def test_manifest_entries_name_their_kernel_generation(built):
     out, _ = built
     data = json.loads((out / mf.MANIFEST_NAME).read_text())
     versions = {e["variant"]: e["kernel_version"] for e in data["configs"]}
-    assert set(versions) == set(mf.VARIANTS) | set(mf.KNOCKOUT_VARIANTS)
+    assert set(versions) == set(mf.VARIANTS) | set(mf.KNOCKOUT_VARIANTS) | set(mf.TRACE_VARIANTS)
+    assert versions["v22tr"] == f"{versions['v22']}-trace"
     for piece in mf.KNOCKOUTS:
         assert versions[f"{mf.KNOCKOUT_BASE}ko-{piece}"] == f"{versions[mf.KNOCKOUT_BASE]}-knockout-{piece}"
     assert versions["v2"].startswith("v2-") and versions["v3"].startswith("v3-")
@@ -202,6 +203,16 @@ def test_knockouts_remove_only_their_piece(built, dtype):
 
 
 @needs_dsl
+def test_trace_builds_read_the_clock_at_each_phase(built):
+    """A trace build reads %clock once at the consumers' start and once per phase, with the base's MMAs."""
+    _, dump = built
+    for kernel, base, dtype in (("FoldedScaleTrace", "FoldedScale", "bf16"), ("ProducerAheadTrace", "ProducerAhead", "fp8")):
+        traced, plain = _ptx(dump, kernel, dtype), _ptx(dump, base, dtype)
+        assert traced.count("%clock;") == 1 + len(mf.TRACE_PHASES) and "%clock" not in plain
+        assert traced.count("wgmma.mma_async") == plain.count("wgmma.mma_async")
+
+
+@needs_dsl
 def test_built_kernels_are_sm90a_wgmma(built):
     _, dump = built
     ptx = [Path(p).read_text() for p in glob.glob(str(dump / "*.ptx"))]
@@ -303,14 +314,15 @@ def test_knockouts_are_built_but_not_selectable():
     refuses them, since their outputs are not attention."""
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS
-    cfgs = mf.knockout_configs()
+    cfgs = [c for c in mf.knockout_configs() if c.variant in mf.KNOCKOUT_VARIANTS]
     assert len(cfgs) == len(mf.KNOCKOUTS) * len(mf.DTYPES)
-    for c in cfgs:
+    for c in mf.knockout_configs():
         assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", c.name) and c.variant not in mf.VARIANTS
+    for c in cfgs:
         assert mf.knockout_piece(c.variant) == (mf.KNOCKOUT_BASE, c.variant.split("ko-")[1])
     assert mf.knockout_piece("v18") is None and mf.knockout_piece("v18ko-store") is None
     assert mf.knockout_piece("v99ko-exp") is None
-    for v in mf.KNOCKOUT_VARIANTS:
+    for v in mf.KNOCKOUT_VARIANTS + mf.TRACE_VARIANTS:
         with pytest.raises(ValueError, match="no kernel generation"):
             KVOuterCuteBackend.from_option(v)
         assert f"cute-{v}" not in ATTENTION_IMPLS

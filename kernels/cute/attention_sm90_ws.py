@@ -71,13 +71,13 @@ import cutlass.cute as cute
 import cutlass.utils as cutlass_utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile, check_tile
 from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
-from .manifest import P_SHIFT
+from .manifest import P_SHIFT, TRACE_PHASES
 
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
 CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation
@@ -85,6 +85,12 @@ CONSUMER_REGS = 224          # moves registers only within the CTA's own allocat
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
 WATCHDOG_NS = 10_000_000_000
+
+
+@dsl_user_op
+def _clock(*, loc=None, ip=None) -> Int32:
+    """The SM's 32-bit cycle counter (%clock)."""
+    return Int32(nvvm.read_ptx_sreg_clock(T.i32(), loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -226,6 +232,10 @@ class KvOuterAttentionSm90WarpSpecialized:
     # Knock-out builds (manifest.KNOCKOUTS; benchmarks/bounds_gpu.py): one piece of the consumers' per-tile
     # chain taken away to time the rest. Their outputs are not attention and are never checked or swept.
     knock_out = ""             # "", "o-store" (no TMA store of O), "exp" (no exp2), "softmax" (P = S)
+    # Phase-trace build (manifest.TRACE_VARIANTS, TRACE_PHASES; benchmarks/trace_gpu.py): each consumer warp
+    # writes the SM clock at the TRACE_PHASES points of every pipelined iteration into m_part, in place of
+    # the row maxima.
+    trace_phases = False
 
     def __init__(self, dtype: str, tile_q: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  ctas_per_sm: int = 1):
@@ -672,8 +682,13 @@ class KvOuterAttentionSm90WarpSpecialized:
             self._prepare_p(acc_s, r_p, v, q_idx, cwg)
             cur_q, cur_kv = q_idx, kv_idx
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
+        t_start = Int32(0)
+        if const_expr(self.trace_phases):
+            cute.arch.barrier(barrier_id=5, number_of_threads=2 * self.wg_threads)   # one time base for both
+            t_start = _clock()
         for i in cutlass.range(n_tiles - 1, unroll=1):
             t = begin + i
+            stamps = [_clock()] if const_expr(self.trace_phases) else []
             if const_expr(self.joint_rows):
                 # the producer wrote the key next to the limits: no dependent global load per tile
                 _wait(q_full + q_idx, q_phase)
@@ -687,19 +702,37 @@ class KvOuterAttentionSm90WarpSpecialized:
                     kv_idx, kv_phase = _advance(kv_idx, kv_phase, self.kv_stages)
                     _wait(kv_full + kv_idx, kv_phase)
                 _wait(q_full + q_idx, q_phase)
+            if const_expr(self.trace_phases):
+                stamps.append(_clock())
             cute.arch.fence_view_async_shared()
             self._issue_s(qk_mma, acc_s, v, q_idx, kv_idx)
             self._issue_pv(pv_mma, acc_o, r_p, v, cur_q, cur_kv)
+            if const_expr(self.trace_phases):
+                stamps.append(_clock())
+                warpgroup.wait_group(1)                       # (the softmax step's own wait then passes)
+                stamps.append(_clock())
             # softmax of t+1 while P(t) V runs on the tensor cores
             next_live = self._softmax_after_s(acc_s, sLim, lim, v, q_empty, q_idx, t + 1, mM, mL, scale_log2,
                                               scale, lane, ctid, 1)
+            if const_expr(self.trace_phases):
+                stamps.append(_clock())
             warpgroup.wait_group(0)
+            if const_expr(self.trace_phases):
+                stamps.append(_clock())
             if const_expr(not self.p_in_regs):
                 _release(q_empty + cur_q, lane)               # P(t) over its Q rows has been read
             if next_key != cur_key:
                 _release(kv_empty + cur_kv, lane)             # the key run of t is done
             self._store_o(tma_o, acc_o, out_scale, v, mO, t, cur_live, ctid, cwg)
+            if const_expr(self.trace_phases):
+                stamps.append(_clock())
             self._prepare_p(acc_s, r_p, v, q_idx, cwg)        # into the operand P(t) V has finished reading
+            if const_expr(self.trace_phases):
+                stamps.append(_clock())
+                if lane == 0:
+                    base = t * self.rows + 16 * (ctid // 32)
+                    for k in cutlass.range_constexpr(len(TRACE_PHASES)):
+                        mM[base + k] = Float32(stamps[k] - t_start)
             cur_q, cur_kv, cur_key, cur_live = q_idx, kv_idx, next_key, next_live
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         if n_tiles > 0:
@@ -772,7 +805,8 @@ class KvOuterAttentionSm90WarpSpecialized:
                 for r in cutlass.range_constexpr(n_rows_acc):
                     row = tScS[r, 0][0]
                     if row < live_rows:
-                        mM[t * ROWS + row] = row_max[r] * scale
+                        if const_expr(not self.trace_phases):       # a trace build writes m_part itself
+                            mM[t * ROWS + row] = row_max[r] * scale
                         mL[t * ROWS + row] = row_sum[r] * v["l_scale"]
             return live_rows
         for r in cutlass.range_constexpr(n_rows_acc):
@@ -929,6 +963,13 @@ class KvOuterAttentionSm90FoldedScale(KvOuterAttentionSm90WarpStore):
     """v22 (bf16): v21 with the output scale folded into P's exponent shift: no multiply per O element."""
     kernel_version = "v22-ws-folded-scale"
     fold_out_scale = True
+
+
+def trace_class(base: type) -> type:
+    """A phase-trace build of `base` (TRACE_PHASES stamps in m_part; l_part and o_part as the base)."""
+    return type(f"{base.__name__}Trace", (base,),
+                {"trace_phases": True, "kernel_version": f"{base.kernel_version}-trace",
+                 "__doc__": f"{base.kernel_version} with its consumer phases stamped into m_part (diagnostic)."})
 
 
 def knock_out_class(base: type, piece: str) -> type:

@@ -12,8 +12,8 @@ import torch
 from ..base import BackendUnavailable, register
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
 from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas
-from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, SUPPORTED_ARCHS, VARIANT_CTAS, VARIANTS,
-                       CuteConfig, device_arch, find_library, fp8_v_key_order)
+from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, SUPPORTED_ARCHS, TRACE_VARIANTS,
+                       VARIANT_CTAS, VARIANTS, CuteConfig, device_arch, find_library, fp8_v_key_order)
 
 # the generation per dtype that passed every GPU check and ran fastest (H200 2026-11-29, N 16384,
 # attention stage: fp8 v18 ~565-571 TFLOP/s against v15 ~534 and v21 ~561 (fifth and seventh sessions);
@@ -39,7 +39,7 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, varia
             f"the CuTe attention stage is built for TILE_Q * G = 128, D = 128, block = 128 "
             f"(got TILE_Q {tile_q}, G {s.group}, D {s.head_dim}, block {s.block})")
     variant = variant or default_variant(workload.dtype)
-    if variant in KNOCKOUT_VARIANTS:       # bounds_gpu.py binds these itself; the harness cannot name them
+    if variant in KNOCKOUT_VARIANTS + TRACE_VARIANTS:   # diagnostic scripts bind these; the harness cannot
         return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, 1, variant)
     if variant not in VARIANTS:
         raise BackendUnavailable(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from ...harness.errors import UserError
-from .manifest import (DEFAULT_ARCH, SUPPORTED_ARCHS, CuteConfig, config_entry, knockout_piece, write_manifest)
+from .manifest import (DEFAULT_ARCH, SUPPORTED_ARCHS, CuteConfig, config_entry, knockout_piece, trace_base,
+                       write_manifest)
 
 DSL_PIP = 'pip install "nvidia-cutlass-dsl[cu13]==4.8.1"'
 TENSOR_ARGS = ("mQ", "mK", "mV", "mCsrQuery", "mTileKey", "mTileEdge", "mTileCount", "mCtaRange",
@@ -136,6 +137,9 @@ def kernel_class(variant: str):
     if variant == "v3":
         from .attention_sm90_pipe import KvOuterAttentionSm90Pipelined
         return KvOuterAttentionSm90Pipelined
+    if trace_base(variant):
+        from .attention_sm90_ws import trace_class
+        return trace_class(kernel_class(trace_base(variant)))
     knock_out = knockout_piece(variant)
     if knock_out:
         from .attention_sm90_ws import knock_out_class

@@ -86,9 +86,25 @@ def knockout_piece(variant: str) -> tuple[str, str] | None:
     return (base, piece) if sep and base in VARIANTS and piece in KNOCKOUTS else None
 
 
+# Phase-trace builds: a generation whose consumer warps stamp the SM clock at each phase of every tile into
+# m_part instead of the row maxima (attention_sm90_ws.TRACE_PHASES; benchmarks/trace_gpu.py). Diagnostic
+# like the knock-outs: not in VARIANTS, never swept. Built for the dtypes their base generation is built for.
+TRACE_VARIANTS = ("v18tr", "v22tr")
+# The points of a pipelined consumer iteration a trace build stamps (SM clock cycles since the consumers'
+# common start), in this order, into m_part[t * ROWS + 16 * warp + k] for the tile t whose P V the
+# iteration runs (warp = consumer warp 0..7; the rest of the warp's 16 slots stay unwritten).
+TRACE_PHASES = ("top", "q_ready", "issued", "s_done", "softmax_done", "pv_done", "stored", "p_ready")
+
+
+def trace_base(variant: str) -> str | None:
+    """The base generation of a trace variant name, else None."""
+    base = variant[:-2] if variant.endswith("tr") else None
+    return base if f"{base}tr" in TRACE_VARIANTS and base in VARIANTS else None
+
+
 # Generations whose fp8 P V takes P from registers in the S accumulator's column order: they read V's
 # keys permuted within every 16 (attention_sm90_ws._fp8_p_regs).
-FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v21", "v22") + KNOCKOUT_VARIANTS
+FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v21", "v22") + KNOCKOUT_VARIANTS + TRACE_VARIANTS
 
 
 def fp8_v_key_order() -> list[int]:
@@ -105,8 +121,11 @@ def sweep_configs(dtypes=DTYPES, variants=VARIANTS) -> list[CuteConfig]:
 
 
 def knockout_configs(dtypes=DTYPES) -> list[CuteConfig]:
-    """The knock-out builds (KNOCKOUT_VARIANTS) in each dtype, one CTA per SM."""
-    return [CuteConfig(d, ctas_per_sm=1, variant=v) for v in KNOCKOUT_VARIANTS for d in dtypes]
+    """The diagnostic builds, one CTA per SM: the knock-outs (KNOCKOUT_VARIANTS) in each dtype and the
+    phase traces (TRACE_VARIANTS) in each dtype their base generation is built for."""
+    return ([CuteConfig(d, ctas_per_sm=1, variant=v) for v in KNOCKOUT_VARIANTS for d in dtypes]
+            + [CuteConfig(d, ctas_per_sm=1, variant=v) for v in TRACE_VARIANTS for d in dtypes
+               if VARIANT_CTAS[(trace_base(v), d)]])
 
 
 def source_hash() -> str:
