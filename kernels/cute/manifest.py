@@ -23,7 +23,7 @@ P_SHIFT = {"bf16": 0, "fp8": 8}   # fp8 P is cast as P * 2^P_SHIFT (as in the Tr
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]          # the repository root is the package
 DEFAULT_BUILD_DIR = PACKAGE_ROOT / "build" / "cute"
 # Files whose content decides the compiled code and the library's C ABI.
-SOURCE_FILES = ("attention_sm90.py", "attention_sm90_pipe.py", "attention_sm90_ws.py", "build.py",
+SOURCE_FILES = ("attention_sm90.py", "attention_sm90_pipe.py", "attention_sm90_ws.py", "attention_sm90_3wg.py", "build.py",
                 "shim_template.py", "manifest.py")
 
 
@@ -59,17 +59,19 @@ CTAS_PER_SM = (1, 2)
 # softmax over a thread's rows at once and the tile's key from shared memory; v17 = v16 with O staged
 # by stmatrix; v18 = v17 with the producer's global reads ahead of its Q-stage wait; v21 = v18 with each
 # consumer warp storing its own slot of O (no warpgroup barriers in the store); v22 = v21 with bf16's
-# output scale folded into P (bf16 only) (docs/perf-log.md has each one's numbers, and v5, v6, v8,
-# v11, v12, v13, v14, v19, v20, measured and dropped).
+# output scale folded into P (bf16 only); v23 = v22's steps on three consumer warpgroups, each walking
+# its own 64-row half tiles without pipelining (attention_sm90_3wg.py) (docs/perf-log.md has each
+# one's numbers, and v5, v6, v8, v11, v12, v13, v14, v19, v20, measured and dropped).
 # CTAs per SM each generation builds:
-VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22")
+VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22", "v23")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
                 ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v7", "bf16"): (1,), ("v7", "fp8"): (1,),
                 ("v9", "bf16"): (1,), ("v9", "fp8"): (1,), ("v10", "bf16"): (1,), ("v10", "fp8"): (1,),
                 ("v15", "bf16"): (), ("v15", "fp8"): (1,),        # v15 changes fp8 only
                 ("v16", "bf16"): (1,), ("v16", "fp8"): (1,), ("v17", "bf16"): (1,), ("v17", "fp8"): (1,),
                 ("v18", "bf16"): (1,), ("v18", "fp8"): (1,), ("v21", "bf16"): (1,), ("v21", "fp8"): (1,),
-                ("v22", "bf16"): (1,), ("v22", "fp8"): ()}       # v22 changes bf16 only
+                ("v22", "bf16"): (1,), ("v22", "fp8"): (),        # v22 changes bf16 only
+                ("v23", "bf16"): (1,), ("v23", "fp8"): (1,)}
 
 # Knock-out builds: KNOCKOUT_BASE with one piece of the consumers' per-tile chain removed ("o-store": O is
 # staged but never stored to o_part; "exp": P is the exponent's argument, no exp2; "softmax": P = S, no
@@ -104,7 +106,7 @@ def trace_base(variant: str) -> str | None:
 
 # Generations whose fp8 P V takes P from registers in the S accumulator's column order: they read V's
 # keys permuted within every 16 (attention_sm90_ws._fp8_p_regs).
-FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v21", "v22") + KNOCKOUT_VARIANTS + TRACE_VARIANTS
+FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v21", "v22", "v23") + KNOCKOUT_VARIANTS + TRACE_VARIANTS
 
 
 def fp8_v_key_order() -> list[int]:
