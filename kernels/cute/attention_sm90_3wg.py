@@ -16,11 +16,13 @@ How:
 * 512 threads: warpgroup 0 the producer, warpgroups 1-3 the consumers (c = 0, 1, 2). The work unit is
   a half tile, h = 2 i + j for the CTA's i-th tile: its slots 4 j .. 4 j + 3, 64 rows. Consumer c takes
   h = c, c + 3, c + 6, ... in order.
-* Q: one stage per consumer (stage h mod 3 = c), 64 rows, gathered by the producer's 128 threads with
-  cp.async as in v18 (query indices and limits read before the stage wait). q_full[c] expects 128 +
-  4 arrivals (copies, and the 4 threads that write the half's slot limits); q_empty[c] the consumer's 4
-  warps, after its S (P stays in registers in both dtypes). Next to the limits the producer writes the
-  half's live slots and the ordinal of its key run.
+* Q: stage h mod QS (QS = 3 bf16, as shared memory allows, so consumer c always uses stage c; 6 fp8,
+  two per consumer), 64 rows, gathered by the producer's 128 threads with cp.async; the next half's
+  tile metadata, query indices and limits are read while the current half is gathered (v18's order),
+  so a freed stage is refilled at once. q_full expects 128 + 4 arrivals (copies, and the 4 threads that
+  write the half's slot limits); q_empty the consumer's 4 warps, after its S (P stays in registers in
+  both dtypes). Next to the limits the producer writes the half's live slots and the ordinal of its
+  key run.
 * K, V: a 2-stage ring loaded once per key run (run r in stage r mod 2), by the producer right after it
   has published the run's first half (not before: a consumer leaves a run only on reading a later
   half's run ordinal, so a load that waited first could wait for itself). A consumer may have no half
@@ -60,7 +62,7 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
     num_threads = 512
     num_consumer_wgs = 3
     num_consumer_warps = 12
-    q_stages_by_dtype = {"bf16": 3, "fp8": 3}       # one per consumer warpgroup
+    q_stages_by_dtype = {"bf16": 3, "fp8": 6}       # per consumer warpgroup one (bf16: shared memory) or two
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -200,8 +202,16 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         tQcQ = thr_q.partition_S(cute.make_identity_tensor((self.half_rows, D)))
         hq = hkv * G
 
-        meta = cute.make_rmem_tensor((3,), Int32)        # key, edge, count of the current tile
+        # what the next half to gather needs, read while the previous one is gathered (v18's order):
+        # its tile's key, edge and count, its four slots' queries and this thread's slot limit
+        meta = cute.make_rmem_tensor((3,), Int32)
         queries = cute.make_rmem_tensor((HQ,), Int32)
+        limit = Int32(-1)
+        if n_tiles > 0:
+            meta[0] = mTileKey[begin]
+            meta[1] = mTileEdge[begin]
+            meta[2] = mTileCount[begin]
+            limit = self._half_meta(meta, queries, 0, mCsrQuery, mQLimit, mPageBlock, num_pages, tidx)
         q_idx = Int32(0)
         q_phase = Int32(1)           # empty barriers: the first wait on each stage passes at once
         kv_idx = Int32(0)
@@ -211,21 +221,10 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         for h in cutlass.range(2 * n_tiles, unroll=1):
             t = begin + h // 2
             j = h % 2
-            if j == 0:
-                meta[0] = mTileKey[t]
-                meta[1] = mTileEdge[t]
-                meta[2] = mTileCount[t]
             key = meta[0]
-            edge = meta[1]
             count = meta[2]
-            for s in cutlass.range_constexpr(HQ):
-                queries[s] = mCsrQuery[edge + cutlass.min(HQ * j + s, count - 1)]
             head = key // num_pages
             page = key - head * num_pages
-            limit = Int32(-1)
-            if tidx < HQ:
-                if HQ * j + tidx < count:
-                    limit = mQLimit[mCsrQuery[edge + HQ * j + tidx]] - mPageBlock[page] * BLK
             new_run = key != loaded_key
             if new_run:
                 run += 1
@@ -247,11 +246,35 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
                               page * hkv + head, warp_idx)
                 loaded_key = key
                 kv_idx, kv_phase = self._advance2(kv_idx, kv_phase)
+            if h + 1 < 2 * n_tiles:
+                if j == 1:
+                    meta[0] = mTileKey[t + 1]
+                    meta[1] = mTileEdge[t + 1]
+                    meta[2] = mTileCount[t + 1]
+                limit = self._half_meta(meta, queries, 1 - j, mCsrQuery, mQLimit, mPageBlock, num_pages, tidx)
             q_idx += 1
             if q_idx == self.q_stages:
                 q_idx = Int32(0)
                 q_phase ^= 1
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _half_meta(self, meta: cute.Tensor, queries: cute.Tensor, j: Int32, mCsrQuery: cute.Tensor,
+                   mQLimit: cute.Tensor, mPageBlock: cute.Tensor, num_pages: Int32, tidx: Int32) -> Int32:
+        """Half j of the tile in meta (key, edge, count): its slots' queries into `queries` (empty slots
+        repeat the last one) and, for the thread of slot tidx < 4, that slot's limit (-1: empty slot)."""
+        HQ = self.half_q
+        edge = meta[1]
+        count = meta[2]
+        for s in cutlass.range_constexpr(HQ):
+            queries[s] = mCsrQuery[edge + cutlass.min(HQ * j + s, count - 1)]
+        limit = Int32(-1)
+        if tidx < HQ:
+            if HQ * j + tidx < count:
+                key = meta[0]
+                page = key - (key // num_pages) * num_pages
+                limit = mQLimit[mCsrQuery[edge + HQ * j + tidx]] - mPageBlock[page] * self.block
+        return limit
 
     @cute.jit
     def _advance2(self, idx: Int32, phase: Int32):
@@ -305,15 +328,15 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
         o_slot = cwg * (self.num_consumer_warps // self.num_consumer_wgs) + warp   # this warp's staging slot
 
-        q_phase = Int32(0)
         run = Int32(-1)                   # the key run whose K/V this warpgroup has waited for
         for h in cutlass.range(cwg, 2 * n_tiles, self.num_consumer_wgs, unroll=1):
             t = begin + h // 2
             j = h % 2
-            _wait(q_full + cwg, q_phase)
-            lim = sLim[warp, cwg]
-            live = sLim[HQ, cwg]
-            want = sLim[HQ + 1, cwg]
+            qs = h % self.q_stages                         # the producer fills the stages in order
+            _wait(q_full + qs, (h // self.q_stages) % 2)
+            lim = sLim[warp, qs]
+            live = sLim[HQ, qs]
+            want = sLim[HQ + 1, qs]
             while run < want:
                 if run >= 0:
                     _release(kv_empty + run % self.kv_stages, lane)
@@ -326,10 +349,10 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             warpgroup.fence()
             for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                 qk.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(qk, acc_s, tSrQ[None, None, kb, cwg], tSrK[None, None, kb, kv], acc_s)
+                cute.gemm(qk, acc_s, tSrQ[None, None, kb, qs], tSrK[None, None, kb, kv], acc_s)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            _release(q_empty + cwg, lane)
+            _release(q_empty + qs, lane)
             # softmax step over the warp's 16 rows (one slot: one limit), m and l of live rows
             s_rc = _rows_cols_view(acc_s)
             _mask_keys(s_rc, tScS, lim, BLK)
@@ -368,7 +391,6 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
                 if warp < live:
                     cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp])
                 cute.arch.cp_async_bulk_commit_group()
-            q_phase ^= 1
         if run >= 0:
             _release(kv_empty + run % self.kv_stages, lane)   # the producer may reuse this stage two runs on
         if lane == 0:
