@@ -17,9 +17,10 @@ How:
   a half tile, h = 2 i + j for the CTA's i-th tile: its slots 4 j .. 4 j + 3, 64 rows. Consumer c takes
   h = c, c + 3, c + 6, ... in order.
 * Q: stage h mod QS (QS = 3 bf16, as shared memory allows, so consumer c always uses stage c; 6 fp8,
-  two per consumer), 64 rows, gathered by the producer's 128 threads with cp.async; the next half's
-  tile metadata, query indices and limits are read while the current half is gathered (v18's order),
-  so a freed stage is refilled at once. q_full expects 128 + 4 arrivals (copies, and the 4 threads that
+  two per consumer), 64 rows, gathered by the producer's 128 threads with cp.async; the producer walks
+  tiles as v18 does (the next tile's metadata read while this one is gathered, its eight query indices
+  and slot limits before the first stage wait: one chain of dependent loads per tile, not per half),
+  then gathers the two halves. q_full expects 128 + 4 arrivals (copies, and the 4 threads that
   write the half's slot limits); q_empty the consumer's 4 warps, after its S (P stays in registers in
   both dtypes). Next to the limits the producer writes the half's live slots and the ordinal of its
   key run.
@@ -202,79 +203,67 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         tQcQ = thr_q.partition_S(cute.make_identity_tensor((self.half_rows, D)))
         hq = hkv * G
 
-        # what the next half to gather needs, read while the previous one is gathered (v18's order):
-        # its tile's key, edge and count, its four slots' queries and this thread's slot limit
+        # per tile, as v18: the next tile's key, edge and count are read while this tile is gathered;
+        # its eight queries and this thread's slot limit (threads 0-7) before the first stage wait
+        end = begin + n_tiles
         meta = cute.make_rmem_tensor((3,), Int32)
-        queries = cute.make_rmem_tensor((HQ,), Int32)
-        limit = Int32(-1)
+        queries = cute.make_rmem_tensor((self.tile_q,), Int32)
         if n_tiles > 0:
             meta[0] = mTileKey[begin]
             meta[1] = mTileEdge[begin]
             meta[2] = mTileCount[begin]
-            limit = self._half_meta(meta, queries, 0, mCsrQuery, mQLimit, mPageBlock, num_pages, tidx)
         q_idx = Int32(0)
         q_phase = Int32(1)           # empty barriers: the first wait on each stage passes at once
         kv_idx = Int32(0)
         kv_phase = Int32(1)
         loaded_key = Int32(-1)
         run = Int32(-1)
-        for h in cutlass.range(2 * n_tiles, unroll=1):
-            t = begin + h // 2
-            j = h % 2
+        for i in cutlass.range(n_tiles, unroll=1):
+            t = begin + i
             key = meta[0]
+            edge = meta[1]
             count = meta[2]
+            t_next = cutlass.min(t + 1, end - 1)
+            meta[0] = mTileKey[t_next]
+            meta[1] = mTileEdge[t_next]
+            meta[2] = mTileCount[t_next]
+            for s in cutlass.range_constexpr(self.tile_q):
+                queries[s] = mCsrQuery[edge + cutlass.min(s, count - 1)]
             head = key // num_pages
             page = key - head * num_pages
+            limit = Int32(-1)
+            if tidx < count:
+                if tidx < self.tile_q:
+                    limit = mQLimit[mCsrQuery[edge + tidx]] - mPageBlock[page] * BLK
             new_run = key != loaded_key
             if new_run:
                 run += 1
-            _wait(q_empty + q_idx, q_phase)
-            self._gather_q(g2s, thr_q, tQcQ, sQ, q_idx, mQ, hq, head,
-                           lambda m, row: queries[m * rows_per_pass // G])
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)
-            if tidx < HQ:
-                sLim[tidx, q_idx] = limit
-                if tidx == 0:
-                    sLim[HQ, q_idx] = cutlass.max(cutlass.min(count - HQ * j, HQ), 0)
-                    sLim[HQ + 1, q_idx] = run
-                cute.arch.mbarrier_arrive(q_full + q_idx)
-            if new_run:
-                # K and V of the run after the half is published: its stage waits for every consumer to
-                # have left the run two before, which they do on reading a later half's run ordinal
-                self._load_kv(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, kv_full, kv_empty, kv_idx, kv_phase,
-                              page * hkv + head, warp_idx)
-                loaded_key = key
-                kv_idx, kv_phase = self._advance2(kv_idx, kv_phase)
-            if h + 1 < 2 * n_tiles:
-                if j == 1:
-                    meta[0] = mTileKey[t + 1]
-                    meta[1] = mTileEdge[t + 1]
-                    meta[2] = mTileCount[t + 1]
-                limit = self._half_meta(meta, queries, 1 - j, mCsrQuery, mQLimit, mPageBlock, num_pages, tidx)
-            q_idx += 1
-            if q_idx == self.q_stages:
-                q_idx = Int32(0)
-                q_phase ^= 1
+            for j in cutlass.range_constexpr(2):
+                _wait(q_empty + q_idx, q_phase)
+                self._gather_q(g2s, thr_q, tQcQ, sQ, q_idx, mQ, hq, head,
+                               lambda m, row: queries[HQ * j + m * rows_per_pass // G])
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)
+                if tidx >= HQ * j:
+                    if tidx < HQ * (j + 1):
+                        sLim[tidx - HQ * j, q_idx] = limit
+                        if tidx == HQ * j:
+                            sLim[HQ, q_idx] = cutlass.max(cutlass.min(count - HQ * j, HQ), 0)
+                            sLim[HQ + 1, q_idx] = run
+                        cute.arch.mbarrier_arrive(q_full + q_idx)
+                if const_expr(j == 0):
+                    if new_run:
+                        # K and V after the run's first half is published: the stage waits for every
+                        # consumer to leave the run two before, which they do on reading a later half
+                        self._load_kv(tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, kv_full, kv_empty, kv_idx, kv_phase,
+                                      page * hkv + head, warp_idx)
+                        loaded_key = key
+                        kv_idx, kv_phase = self._advance2(kv_idx, kv_phase)
+                q_idx += 1
+                if q_idx == self.q_stages:
+                    q_idx = Int32(0)
+                    q_phase ^= 1
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def _half_meta(self, meta: cute.Tensor, queries: cute.Tensor, j: Int32, mCsrQuery: cute.Tensor,
-                   mQLimit: cute.Tensor, mPageBlock: cute.Tensor, num_pages: Int32, tidx: Int32) -> Int32:
-        """Half j of the tile in meta (key, edge, count): its slots' queries into `queries` (empty slots
-        repeat the last one) and, for the thread of slot tidx < 4, that slot's limit (-1: empty slot)."""
-        HQ = self.half_q
-        edge = meta[1]
-        count = meta[2]
-        for s in cutlass.range_constexpr(HQ):
-            queries[s] = mCsrQuery[edge + cutlass.min(HQ * j + s, count - 1)]
-        limit = Int32(-1)
-        if tidx < HQ:
-            if HQ * j + tidx < count:
-                key = meta[0]
-                page = key - (key // num_pages) * num_pages
-                limit = mQLimit[mCsrQuery[edge + HQ * j + tidx]] - mPageBlock[page] * self.block
-        return limit
 
     @cute.jit
     def _advance2(self, idx: Int32, phase: Int32):
