@@ -10,17 +10,18 @@ consumer warpgroups the tensor pipe idles half the time. v23 runs three, each wi
 not pipelined across tiles (S, softmax, P V, store, then the next), so one warpgroup's S and P V fit
 in the others' softmax and store. Registers decide it: a non-pipelined consumer keeps the S
 accumulator or P plus the O accumulator live, not both accumulators, and fits in CONSUMER_REGS =
-152: 128 x 56 (producer) + 384 x 152 = 65536, the whole register file at 512 threads.
+144: 128 x 72 (producer) + 384 x 144 = 64512 registers of the 65536 at 512 threads.
 
 How:
 * 512 threads: warpgroup 0 the producer, warpgroups 1-3 the consumers (c = 0, 1, 2). The work unit is
   a half tile, h = 2 i + j for the CTA's i-th tile: its slots 4 j .. 4 j + 3, 64 rows. Consumer c takes
   h = c, c + 3, c + 6, ... in order.
 * Q: stage h mod QS (QS = 3 bf16, as shared memory allows, so consumer c always uses stage c; 6 fp8,
-  two per consumer), 64 rows, gathered by the producer's 128 threads with cp.async; the producer walks
-  tiles as v18 does (the next tile's metadata read while this one is gathered, its eight query indices
-  and slot limits before the first stage wait: one chain of dependent loads per tile, not per half),
-  then gathers the two halves. q_full expects 128 + 4 arrivals (copies, and the 4 threads that
+  two per consumer), 64 rows, gathered by the producer's 128 threads with cp.async. The producer walks
+  tiles and gathers both halves of each; it reads metadata two tiles ahead (tile t+2's key, edge and
+  count and tile t+1's query indices while tile t is gathered), so per tile it waits on one level of
+  loads (the slot limits) instead of v18's chain of dependent ones: the phase traces and the clock
+  sweep of ncu against boost showed the stage bound by that latency in ns, not by cycles. q_full expects 128 + 4 arrivals (copies, and the 4 threads that
   write the half's slot limits); q_empty the consumer's 4 warps, after its S (P stays in registers in
   both dtypes). Next to the limits the producer writes the half's live slots and the ordinal of its
   key run.
@@ -53,8 +54,8 @@ from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
 from .attention_sm90_ws import (KvOuterAttentionSm90FoldedScale, _mask_keys, _release, _softmax_rows_joint,
                                 _wait)
 
-PRODUCER_REGS = 56
-CONSUMER_REGS = 152          # 128 x 56 + 384 x 152 = 65536 = 512 x 128, the launch's allocation
+PRODUCER_REGS = 72           # two tiles of metadata in flight
+CONSUMER_REGS = 144          # 128 x 72 + 384 x 144 = 64512 <= 512 x 128, the launch's allocation
 
 
 class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
@@ -203,15 +204,27 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         tQcQ = thr_q.partition_S(cute.make_identity_tensor((self.half_rows, D)))
         hq = hkv * G
 
-        # per tile, as v18: the next tile's key, edge and count are read while this tile is gathered;
-        # its eight queries and this thread's slot limit (threads 0-7) before the first stage wait
+        # Metadata two tiles ahead: at tile t the loop reads tile t+2's key, edge and count and tile t+1's
+        # eight query indices (this thread's own one, threads 0-7, kept apart for its slot limit), so the
+        # only load it waits for is t's limit (q_limit of a query already in a register, one level).
         end = begin + n_tiles
-        meta = cute.make_rmem_tensor((3,), Int32)
+        meta = cute.make_rmem_tensor((3,), Int32)          # tile t
+        meta_n = cute.make_rmem_tensor((3,), Int32)        # tile t + 1
         queries = cute.make_rmem_tensor((self.tile_q,), Int32)
+        queries_n = cute.make_rmem_tensor((self.tile_q,), Int32)
+        my_query = Int32(0)
+        my_query_n = Int32(0)
         if n_tiles > 0:
+            t1 = cutlass.min(begin + 1, end - 1)
             meta[0] = mTileKey[begin]
             meta[1] = mTileEdge[begin]
             meta[2] = mTileCount[begin]
+            meta_n[0] = mTileKey[t1]
+            meta_n[1] = mTileEdge[t1]
+            meta_n[2] = mTileCount[t1]
+            for s in cutlass.range_constexpr(self.tile_q):
+                queries_n[s] = mCsrQuery[meta[1] + cutlass.min(s, meta[2] - 1)]
+            my_query_n = mCsrQuery[meta[1] + cutlass.min(tidx % self.tile_q, meta[2] - 1)]
         q_idx = Int32(0)
         q_phase = Int32(1)           # empty barriers: the first wait on each stage passes at once
         kv_idx = Int32(0)
@@ -221,20 +234,28 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         for i in cutlass.range(n_tiles, unroll=1):
             t = begin + i
             key = meta[0]
-            edge = meta[1]
             count = meta[2]
-            t_next = cutlass.min(t + 1, end - 1)
-            meta[0] = mTileKey[t_next]
-            meta[1] = mTileEdge[t_next]
-            meta[2] = mTileCount[t_next]
             for s in cutlass.range_constexpr(self.tile_q):
-                queries[s] = mCsrQuery[edge + cutlass.min(s, count - 1)]
+                queries[s] = queries_n[s]
+            my_query = my_query_n
+            # tile t+1's queries (its metadata was read a tile ago), then tile t+2's metadata
+            edge_n = meta_n[1]
+            count_n = meta_n[2]
+            for s in cutlass.range_constexpr(self.tile_q):
+                queries_n[s] = mCsrQuery[edge_n + cutlass.min(s, count_n - 1)]
+            my_query_n = mCsrQuery[edge_n + cutlass.min(tidx % self.tile_q, count_n - 1)]
+            for k in cutlass.range_constexpr(3):
+                meta[k] = meta_n[k]
+            t2 = cutlass.min(t + 2, end - 1)
+            meta_n[0] = mTileKey[t2]
+            meta_n[1] = mTileEdge[t2]
+            meta_n[2] = mTileCount[t2]
             head = key // num_pages
             page = key - head * num_pages
             limit = Int32(-1)
             if tidx < count:
                 if tidx < self.tile_q:
-                    limit = mQLimit[mCsrQuery[edge + tidx]] - mPageBlock[page] * BLK
+                    limit = mQLimit[my_query] - mPageBlock[page] * BLK
             new_run = key != loaded_key
             if new_run:
                 run += 1
