@@ -187,6 +187,23 @@ def test_v21_v22_store_o_per_warp_and_v22_folds_the_output_scale(built):
 
 @needs_dsl
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_v23_runs_three_consumer_warpgroups_without_pipelining(built, dtype):
+    """v23: 512 threads, registers moved 72 / 144 between producer and consumers, one S and one P V
+    wgmma group per half tile (no group issued ahead), per-warp O stores and no named barrier."""
+    _, dump = built
+    v23, v22 = _ptx(dump, "ThreeConsumers", dtype), _ptx(dump, "FoldedScale" if dtype == "bf16" else "ProducerAhead", dtype)
+    assert ".reqntid 512, 1, 1" in v23 and ".reqntid 384, 1, 1" in v22
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+72;", v23)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+144;", v23)
+    assert v23.count("wgmma.commit_group") == 2 and not re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", v23)
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", v22)
+    assert v23.count("wgmma.mma_async") * 2 == v22.count("wgmma.mma_async")   # v22 also has the last tile's P V
+    assert not re.search(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+\S+,\s*\d+;", v23)
+    assert "stmatrix.sync.aligned" in v23
+
+
+@needs_dsl
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_knockouts_remove_only_their_piece(built, dtype):
     """Each knock-out keeps the base generation's MMAs and staging and loses only its piece."""
     _, dump = built
