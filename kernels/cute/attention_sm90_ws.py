@@ -93,6 +93,39 @@ def _clock(*, loc=None, ip=None) -> Int32:
     return Int32(nvvm.read_ptx_sreg_clock(T.i32(), loc=loc, ip=ip))
 
 
+# 2^f on [-0.5, 0.5] by a cubic (coefficients fitted for relative error, 7.6e-5 at most in fp32)
+EXP2_POLY = (0.05517556518316269, 0.24262112379074097, 0.6932611465454102, 0.999927282333374)
+
+
+def _f32_hex(v: float) -> str:
+    import struct
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+@dsl_user_op
+def _exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x on the FMA and ALU pipes instead of MUFU (FlashAttention-4's trick, here for Hopper): x
+    clamped to >= -126, split as n + f with n = round(x) (the 1.5 x 2^23 shifter), 2^f by EXP2_POLY,
+    and n added to the exponent field. 8 instructions, relative error under 1e-4; for x <= -126 (a
+    masked key) a denormal near 1e-38 where ex2.approx.ftz gives 0."""
+    c3, c2, c1, c0 = (_f32_hex(c) for c in EXP2_POLY)
+    asm = ("{ .reg .f32 x, xi, n, f, p; .reg .b32 bi, bp;\n"
+           "max.f32 x, $1, 0fC2FC0000;\n"
+           "add.rn.f32 xi, x, 0f4B400000;\n"
+           "sub.rn.f32 n, xi, 0f4B400000;\n"
+           "sub.rn.f32 f, x, n;\n"
+           f"fma.rn.f32 p, f, {c3}, {c2};\n"
+           f"fma.rn.f32 p, p, f, {c1};\n"
+           f"fma.rn.f32 p, p, f, {c0};\n"
+           "mov.b32 bi, xi;\n"
+           "mov.b32 bp, p;\n"
+           "mad.lo.u32 bp, bi, 8388608, bp;\n"
+           "mov.b32 $0, bp; }")
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], asm, "=f,f",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @dsl_user_op
 def _trap(*, loc=None, ip=None) -> None:
     llvm.inline_asm(res=None, operands_=[], asm_string="trap;", constraints="~{memory}", has_side_effects=True,
@@ -186,14 +219,15 @@ def _mask_keys(s_rc: cute.Tensor, tScS: cute.Tensor, limit: Int32, block: cutlas
                     s_rc[r, c] = -Float32.inf
 
 
-def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift, exp: bool = True):
+def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift, exp: bool = True, fma_every: int = 0):
     """v16: _softmax_row_tree's step for all rows of s_rc at once, with no branch between them, so the
     rows' max and sum trees, shuffles and exp2 interleave (v10 ran one row after the other, each behind
     its own mask branch: the consumer warps stalled on fixed-latency dependencies). Plain Python, traced
     inline. p_shift: log2 of the factor P is scaled by (an int, or a Float32 when the output scale is
     folded in). exp False: the exponent's argument is kept as P (the knock-out build that measures
-    what the exponentials cost; its output is not attention). Returns the lists of row maxima and sums,
-    reduced over the four threads of a row."""
+    what the exponentials cost; its output is not attention). fma_every k > 0: every k-th column of a
+    thread's row takes _exp2_fma instead of MUFU.EX2. Returns the lists of row maxima and sums, reduced
+    over the four threads of a row."""
     n_r = cute.size(s_rc, mode=[0])
     maxes = [_pairwise(_row(s_rc, r), cute.arch.fmax) for r in range(n_r)]
     for offset in (1, 2):
@@ -204,7 +238,12 @@ def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift, exp: bo
     for r in range(n_r):
         for c in range(cute.size(s_rc, mode=[1])):
             x = s_rc[r, c] * scale_log2 - shifts[r]
-            s_rc[r, c] = cute.arch.exp2(x) if exp else x
+            if not exp:
+                s_rc[r, c] = x
+            elif fma_every and c % fma_every == fma_every - 1:
+                s_rc[r, c] = _exp2_fma(x)
+            else:
+                s_rc[r, c] = cute.arch.exp2(x)
     sums = [_pairwise(_row(s_rc, r), lambda a, b: a + b) for r in range(n_r)]
     for offset in (1, 2):
         other = [cute.arch.shuffle_sync_bfly(x, offset=offset) for x in sums]
@@ -231,6 +270,7 @@ class KvOuterAttentionSm90WarpSpecialized:
     fold_out_scale = False     # bf16: out_scale applied to P through the exponent's shift, not to O
     # Knock-out builds (manifest.KNOCKOUTS; benchmarks/bounds_gpu.py): one piece of the consumers' per-tile
     # chain taken away to time the rest. Their outputs are not attention and are never checked or swept.
+    exp_fma_every = 0          # k > 0: every k-th column's exponential on the FMA pipe (_exp2_fma), not MUFU
     knock_out = ""             # "", "o-store" (no TMA store of O), "exp" (no exp2), "softmax" (P = S)
     # Phase-trace build (manifest.TRACE_VARIANTS, TRACE_PHASES; benchmarks/trace_gpu.py): each consumer warp
     # writes the SM clock at the TRACE_PHASES points of every pipelined iteration into m_part, in place of
@@ -800,7 +840,8 @@ class KvOuterAttentionSm90WarpSpecialized:
                 row_max, row_sum = [Float32(0.0)] * n_rows_acc, [Float32(1.0)] * n_rows_acc
             else:
                 _mask_keys(s_rc, tScS, lim[0], self.block)
-                row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, v["p_bias"], exp=self.knock_out != "exp")
+                row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, v["p_bias"], exp=self.knock_out != "exp",
+                                                       fma_every=self.exp_fma_every)
             if ctid % 4 == 0:
                 for r in cutlass.range_constexpr(n_rows_acc):
                     row = tScS[r, 0][0]
@@ -963,6 +1004,19 @@ class KvOuterAttentionSm90FoldedScale(KvOuterAttentionSm90WarpStore):
     """v22 (bf16): v21 with the output scale folded into P's exponent shift: no multiply per O element."""
     kernel_version = "v22-ws-folded-scale"
     fold_out_scale = True
+
+
+class KvOuterAttentionSm90FmaExp(KvOuterAttentionSm90FoldedScale):
+    """v24: v22 (bf16; fp8 = v21) with every fourth exponential of a thread's row on the FMA pipe: the
+    MUFU issues a warp instruction per 8 cycles and the softmax is 41-50 % of a consumer's cycles."""
+    kernel_version = "v24-ws-fma-exp"
+    exp_fma_every = 4
+
+
+class KvOuterAttentionSm90FmaExpHalf(KvOuterAttentionSm90FoldedScale):
+    """v25: v24 with every second exponential on the FMA pipe."""
+    kernel_version = "v25-ws-fma-exp-half"
+    exp_fma_every = 2
 
 
 def trace_class(base: type) -> type:
