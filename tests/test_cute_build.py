@@ -204,6 +204,47 @@ def test_v23_runs_three_consumer_warpgroups_without_pipelining(built, dtype):
 
 @needs_dsl
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_v24_moves_a_quarter_of_the_exponentials_to_the_fma_pipe(built, dtype):
+    """v24 keeps three of every four MUFU exponentials of v22 (fp8: v21) and computes the rest with
+    the shifter, a cubic and an exponent-field add; the MMAs are unchanged."""
+    _, dump = built
+    v24, base = _ptx(dump, "FmaExp", dtype), _ptx(dump, "FoldedScale" if dtype == "bf16" else "WarpStore", dtype)
+    assert 4 * v24.count("ex2.approx") == 3 * base.count("ex2.approx") > 0
+    assert v24.count("mad.lo.u32") - base.count("mad.lo.u32") == base.count("ex2.approx") // 4
+    assert "0f4B400000" in v24 and "0f4B400000" not in base
+    assert v24.count("wgmma.mma_async") == base.count("wgmma.mma_async")
+
+
+def test_fma_exp2_matches_exp2_in_fp32_arithmetic():
+    """_exp2_fma's steps replayed in float32 numpy (clamp, 1.5 x 2^23 shifter, cubic, exponent add):
+    relative error under 2e-4 from -126 to 12, finite and non-negative below (masked keys)."""
+    import numpy as np
+    poly = [np.float32(c) for c in mf_exp2_poly()]
+    x = np.concatenate([np.linspace(-140, 12, 400001, dtype=np.float32), np.array([-np.inf], np.float32)])
+    xc = np.maximum(x, np.float32(-126.0))
+    xi = (xc + np.float32(12582912.0)).astype(np.float32)
+    f = (xc - (xi - np.float32(12582912.0)).astype(np.float32)).astype(np.float32)
+    p = np.full_like(f, poly[0])
+    for c in poly[1:]:
+        p = (p * f + c).astype(np.float32)
+    bits = (xi.view(np.uint32).astype(np.uint64) * 8388608 + p.view(np.uint32)) % 2 ** 32
+    r = bits.astype(np.uint32).view(np.float32)
+    ok = x >= -126
+    assert np.all(np.isfinite(r)) and np.all(r >= 0)
+    assert np.max(np.abs(r[ok] - np.exp2(x[ok].astype(np.float64))) / np.exp2(x[ok].astype(np.float64))) < 2e-4
+
+
+def mf_exp2_poly():
+    """EXP2_POLY from the kernel source (the module itself needs the DSL to import)."""
+    import ast
+    src = (Path(mf.__file__).parent / "attention_sm90_ws.py").read_text()
+    node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", "") == "EXP2_POLY")
+    return ast.literal_eval(node.value)
+
+
+@needs_dsl
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_knockouts_remove_only_their_piece(built, dtype):
     """Each knock-out keeps the base generation's MMAs and staging and loses only its piece."""
     _, dump = built

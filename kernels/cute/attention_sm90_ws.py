@@ -1008,15 +1008,11 @@ class KvOuterAttentionSm90FoldedScale(KvOuterAttentionSm90WarpStore):
 
 class KvOuterAttentionSm90FmaExp(KvOuterAttentionSm90FoldedScale):
     """v24: v22 (bf16; fp8 = v21) with every fourth exponential of a thread's row on the FMA pipe: the
-    MUFU issues a warp instruction per 8 cycles and the softmax is 41-50 % of a consumer's cycles."""
+    MUFU issues a warp instruction per 8 cycles and the softmax is 41-50 % of a consumer's cycles.
+    (v25, every second one, was slower: commit e8b6ced, docs/perf-log.md.)"""
     kernel_version = "v24-ws-fma-exp"
     exp_fma_every = 4
 
-
-class KvOuterAttentionSm90FmaExpHalf(KvOuterAttentionSm90FoldedScale):
-    """v25: v24 with every second exponential on the FMA pipe."""
-    kernel_version = "v25-ws-fma-exp-half"
-    exp_fma_every = 2
 
 
 def trace_class(base: type) -> type:

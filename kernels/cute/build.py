@@ -147,15 +147,14 @@ def kernel_class(variant: str):
     if variant == "v23":
         from .attention_sm90_3wg import KvOuterAttentionSm90ThreeConsumers
         return KvOuterAttentionSm90ThreeConsumers
-    if variant in ("v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22", "v24", "v25"):
+    if variant in ("v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22", "v24"):
         from . import attention_sm90_ws as ws
         return {"v4": ws.KvOuterAttentionSm90WarpSpecialized, "v7": ws.KvOuterAttentionSm90TmaStore,
                 "v9": ws.KvOuterAttentionSm90Pipelined, "v10": ws.KvOuterAttentionSm90TreeSoftmax,
                 "v15": ws.KvOuterAttentionSm90Fp8RegP, "v16": ws.KvOuterAttentionSm90JointRows,
                 "v17": ws.KvOuterAttentionSm90Stmatrix,
                 "v18": ws.KvOuterAttentionSm90ProducerAhead, "v21": ws.KvOuterAttentionSm90WarpStore,
-                "v22": ws.KvOuterAttentionSm90FoldedScale, "v24": ws.KvOuterAttentionSm90FmaExp,
-                "v25": ws.KvOuterAttentionSm90FmaExpHalf}[variant]
+                "v22": ws.KvOuterAttentionSm90FoldedScale, "v24": ws.KvOuterAttentionSm90FmaExp}[variant]
     raise BuildError(f"unknown CuTe kernel variant {variant!r}")
 
 
