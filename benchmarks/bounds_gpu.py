@@ -16,7 +16,8 @@ time bounds what any schedule that keeps Q in L2 could reach with that kernel. A
 board's power cap moves the clock too, so every measurement records the SM clock NVML reports while
 it runs (polled every 5 ms: mean, lowest, and the share of polls with a power or thermal slowdown
 reason). Aliased outputs are not attention of the workload and are not checked (cute_gpu.py and the
-harness check the real stage).
+harness check the real stage). With --energy-launches N, each implementation then runs N warm launches
+back to back between two reads of the board's energy counter: joules and mean power per launch.
 
 The write floor: o_part, m_part and l_part (the partials the combine reads) written once by torch's
 fill_ and by a plain Triton store kernel, and copied once with copy_ (a check against the measured
@@ -133,7 +134,8 @@ class ColdTimer:
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
 
 
-def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int, reps: int, log) -> dict:
+def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int, reps: int, log,
+                  energy_launches: int = 0) -> dict:
     w = perf_workload(dtype, "cuda")
     flops = useful_flops(w)
     rec = {"dtype": dtype, **PERF, "useful_flops": flops, "target_tflops": TARGET_TFLOPS[dtype],
@@ -195,6 +197,8 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
                     f"= {moved / s / 1e12:.2f} TB/s moved" + ("" if name == "copy" else
                                                               f"; as the stage's floor {flops / s / 1e12:6.1f} TFLOP/s")
                     + f"; {clock}")
+    if energy_launches:
+        measure_energy(rec, plans, timers, tel, energy_launches, flops, log)
     rec["median_s"] = {k: statistics.median(v) for k, v in rec["samples"].items()}
     rec["tflops"] = {k: flops / v / 1e12 for k, v in rec["median_s"].items()}
     writes = [rec["median_s"][k] for k in FLOORS if k != "copy" and k in rec["median_s"]]
@@ -208,6 +212,37 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
     return rec
 
 
+def measure_energy(rec: dict, plans: dict, timers: dict, tel, launches: int, flops: float, log) -> None:
+    """Energy per stage launch with the real csr_query: `launches` warm graph replays back to back
+    between two reads of the board's energy counter (NVML), with the SM clock polled meanwhile. At
+    the power cap, time per launch is about energy per launch over the cap's power."""
+    if not tel.available or tel.energy_j() is None:
+        rec["energy"] = "unavailable: NVML has no energy counter here"
+        log(f"{rec['dtype']:4s} energy: NVML has no energy counter here")
+        return
+    rec["energy"] = {}
+    for impl in plans:
+        timer = timers[impl]
+        for _ in range(3):
+            timer._call()
+        torch.cuda.synchronize()
+        poller = Poller(tel.sample, interval_s=POLL_S).start()
+        e0, t0 = tel.energy_j(), time.perf_counter()
+        for _ in range(launches):
+            timer._call()
+        torch.cuda.synchronize()
+        e1, t1 = tel.energy_j(), time.perf_counter()
+        clocks = [p["sm_clock_mhz"] for p in poller.stop()]
+        joules = (e1 - e0) / launches
+        rec["energy"][impl] = {"launches": launches, "joules_per_launch": joules, "s_per_launch": (t1 - t0) / launches,
+                               "mean_power_w": (e1 - e0) / (t1 - t0), "gflop_per_joule": flops / joules / 1e9,
+                               "sm_clock_mean_mhz": statistics.fmean(clocks) if clocks else None}
+        e = rec["energy"][impl]
+        log(f"{rec['dtype']:4s} energy {impl:14s} {joules:6.3f} J per launch over {launches} warm launches, "
+            f"{e['s_per_launch'] * 1e3:.3f} ms each at {e['mean_power_w']:.0f} W mean "
+            f"({e['gflop_per_joule']:.0f} GFLOP/J; SM clock {e['sm_clock_mean_mhz'] or 0:.0f} MHz)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/bounds-gpu")
@@ -218,6 +253,8 @@ def main(argv=None) -> int:
                     help="query index moduli; 0 = the real csr_query (A tokens' Q: A x 16 KiB bf16)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20, help="samples per measurement and round (median)")
+    ap.add_argument("--energy-launches", type=int, default=0,
+                    help="also measure joules per stage launch over this many warm launches (0: off)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,8 +264,8 @@ def main(argv=None) -> int:
     except ValueError:
         log(f"error: --alias wants integers, got {args.alias!r}")
         return 2
-    if any(a < 0 for a in aliases) or args.rounds < 1 or args.reps < 1:
-        log("error: --alias values must be >= 0, --rounds and --reps >= 1")
+    if any(a < 0 for a in aliases) or args.rounds < 1 or args.reps < 1 or args.energy_launches < 0:
+        log("error: --alias values must be >= 0, --rounds and --reps >= 1, --energy-launches >= 0")
         return 2
     if not torch.cuda.is_available():
         log("error: no CUDA GPU visible")
@@ -241,7 +278,7 @@ def main(argv=None) -> int:
     result = {"environment": env, "args": vars(args), "dtypes": []}
     t0 = time.perf_counter()
     for dtype in [d for d in args.dtypes.split(",") if d]:
-        result["dtypes"].append(measure_dtype(dtype, impls, aliases, args.rounds, args.reps, log))
+        result["dtypes"].append(measure_dtype(dtype, impls, aliases, args.rounds, args.reps, log, args.energy_launches))
         (out / "bounds_gpu.json").write_text(json.dumps(result, indent=2, default=str))
     result["seconds"] = time.perf_counter() - t0
     (out / "bounds_gpu.json").write_text(json.dumps(result, indent=2, default=str))

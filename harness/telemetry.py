@@ -53,6 +53,17 @@ class Telemetry:
                 "temperature_c": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
                 "clock_event_reasons": mask}
 
+    def energy_j(self) -> float | None:
+        """The board's energy counter (NVML total energy since the driver loaded), in joules; None where
+        NVML has none. Differences over a stretch of work give its energy, whatever the polling rate."""
+        if not self.available:
+            return None
+        import pynvml as nv
+        try:
+            return nv.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0
+        except Exception:   # NVMLError_NotSupported on boards without the counter
+            return None
+
 
 def open_telemetry(device) -> Telemetry:
     """NVML for the CUDA device `device`; on CPU or without NVML an unavailable Telemetry saying why."""

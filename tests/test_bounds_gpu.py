@@ -28,8 +28,46 @@ def test_store_zeros_writes_every_word(dtype, n, block):
 
 @pytest.mark.parametrize("argv,message", [(["--alias", "0,x"], "--alias wants integers"),
                                           (["--alias", "-4"], "must be >= 0"),
-                                          (["--rounds", "0"], "must be >= 0, --rounds and --reps >= 1")])
+                                          (["--rounds", "0"], "must be >= 0, --rounds and --reps >= 1"),
+                                          (["--energy-launches", "-1"], "--energy-launches >= 0")])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, argv, message):
     assert bounds_gpu.main(["--out", str(tmp_path)] + argv) == 2
     lines = (tmp_path / "bounds_gpu.log").read_text().strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_energy_is_reported_unavailable_without_a_counter():
+    """Where NVML has no energy counter (here: no GPU), the record says so instead of a number."""
+    from msa_bench.harness.telemetry import Telemetry
+    rec, lines = {"dtype": "bf16"}, []
+    bounds_gpu.measure_energy(rec, {"v22": None}, {}, Telemetry(False, "no GPU"), 10, 1e12, lines.append)
+    assert rec["energy"].startswith("unavailable") and len(lines) == 1 and "no energy counter" in lines[0]
+
+
+def test_energy_per_launch_from_the_counter(monkeypatch):
+    """J per launch = counter difference over the launches; power = that over the wall time."""
+    from msa_bench.harness.telemetry import Telemetry
+
+    class FakeTelemetry(Telemetry):
+        def __init__(self):
+            super().__init__(True)
+            self.reads = iter([100.0, 100.0, 107.0])       # the availability probe, then before and after
+        def energy_j(self):
+            return next(self.reads)
+        def sample(self):
+            return {"sm_clock_mhz": 1800.0}
+
+    class FakeTimer:
+        calls = 0
+        def _call(self):
+            FakeTimer.calls += 1
+
+    clock = iter([10.0, 10.5])
+    monkeypatch.setattr(bounds_gpu.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(bounds_gpu.torch.cuda, "synchronize", lambda: None)
+    rec, lines = {"dtype": "fp8"}, []
+    bounds_gpu.measure_energy(rec, {"v18": None}, {"v18": FakeTimer()}, FakeTelemetry(), 100, 2e12, lines.append)
+    e = rec["energy"]["v18"]
+    assert FakeTimer.calls == 103 and abs(e["joules_per_launch"] - 0.07) < 1e-12
+    assert abs(e["mean_power_w"] - 14.0) < 1e-9 and abs(e["s_per_launch"] - 0.005) < 1e-12
+    assert abs(e["gflop_per_joule"] - 2e12 / 0.07 / 1e9) < 1e-6 and len(lines) == 1
