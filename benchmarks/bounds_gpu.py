@@ -17,8 +17,7 @@ board's power cap moves the clock too, so every measurement records the SM clock
 it runs (polled every 5 ms: mean, lowest, and the share of polls with a power or thermal slowdown
 reason). Aliased outputs are not attention of the workload and are not checked (cute_gpu.py and the
 harness check the real stage). With --energy-launches N, each implementation then runs N warm launches
-back to back between two reads of the board's energy counter: joules and mean power per launch; so does
-a dense matmul of the same FLOPs in the same dtype (8192^3), the tensor cores' own GFLOP per joule.
+back to back between two reads of the board's energy counter: joules and mean power per launch.
 
 The write floor: o_part, m_part and l_part (the partials the combine reads) written once by torch's
 fill_ and by a plain Triton store kernel, and copied once with copy_ (a check against the measured
@@ -199,11 +198,7 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
                                                               f"; as the stage's floor {flops / s / 1e12:6.1f} TFLOP/s")
                     + f"; {clock}")
     if energy_launches:
-        # the tensor cores' own energy per FLOP: a dense matmul of the stage's FLOPs, warm, back to back
-        mm, mm_flops = dense_matmul(dtype, flops, w.device)
-        timers["matmul"] = ColdTimer(mm, w.device)
-        rec["matmul_flops"] = mm_flops
-        measure_energy(rec, plans, timers, tel, energy_launches, flops, log, {"matmul": mm_flops})
+        measure_energy(rec, plans, timers, tel, energy_launches, flops, log)
     rec["median_s"] = {k: statistics.median(v) for k, v in rec["samples"].items()}
     rec["tflops"] = {k: flops / v / 1e12 for k, v in rec["median_s"].items()}
     writes = [rec["median_s"][k] for k in FLOORS if k != "copy" and k in rec["median_s"]]
@@ -217,22 +212,7 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
     return rec
 
 
-def dense_matmul(dtype: str, flops: float, device):
-    """A dense n^3 matmul in the stage's dtype doing about its useful FLOPs (n = 8192 at the perf
-    point: 2 n^3 = 1.0995e12, the same), as roofline/calibrate.py runs it: torch.matmul for bf16,
-    torch._scaled_mm (e4m3 in, bf16 out) for fp8. Returns (callable, its FLOPs)."""
-    n = max(128, int(round((flops / 2) ** (1 / 3) / 128)) * 128)
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    if dtype == "bf16":
-        return (lambda: torch.matmul(a, b)), 2.0 * n ** 3
-    a8, bt = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-    one = torch.ones((), dtype=torch.float32, device=device)
-    return (lambda: torch._scaled_mm(a8, bt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)), 2.0 * n ** 3
-
-
-def measure_energy(rec: dict, plans: dict, timers: dict, tel, launches: int, flops: float, log,
-                   flops_of: dict | None = None) -> None:
+def measure_energy(rec: dict, plans: dict, timers: dict, tel, launches: int, flops: float, log) -> None:
     """Energy per stage launch with the real csr_query: `launches` warm graph replays back to back
     between two reads of the board's energy counter (NVML), with the SM clock polled meanwhile. At
     the power cap, time per launch is about energy per launch over the cap's power."""
@@ -241,8 +221,7 @@ def measure_energy(rec: dict, plans: dict, timers: dict, tel, launches: int, flo
         log(f"{rec['dtype']:4s} energy: NVML has no energy counter here")
         return
     rec["energy"] = {}
-    flops_of = flops_of or {}
-    for impl in list(plans) + [k for k in flops_of if k not in plans]:
+    for impl in plans:
         timer = timers[impl]
         for _ in range(3):
             timer._call()
@@ -256,8 +235,7 @@ def measure_energy(rec: dict, plans: dict, timers: dict, tel, launches: int, flo
         clocks = [p["sm_clock_mhz"] for p in poller.stop()]
         joules = (e1 - e0) / launches
         rec["energy"][impl] = {"launches": launches, "joules_per_launch": joules, "s_per_launch": (t1 - t0) / launches,
-                               "mean_power_w": (e1 - e0) / (t1 - t0),
-                               "gflop_per_joule": flops_of.get(impl, flops) / joules / 1e9,
+                               "mean_power_w": (e1 - e0) / (t1 - t0), "gflop_per_joule": flops / joules / 1e9,
                                "sm_clock_mean_mhz": statistics.fmean(clocks) if clocks else None}
         e = rec["energy"][impl]
         log(f"{rec['dtype']:4s} energy {impl:14s} {joules:6.3f} J per launch over {launches} warm launches, "
