@@ -18,13 +18,14 @@ How:
   h = c, c + 3, c + 6, ... in order.
 * Q: stage h mod QS (QS = 3 bf16, as shared memory allows, so consumer c always uses stage c; 6 fp8,
   two per consumer), 64 rows, gathered by the producer's 128 threads with cp.async. The producer walks
-  tiles and gathers both halves of each; it reads metadata two tiles ahead (tile t+2's key, edge and
-  count and tile t+1's query indices while tile t is gathered), so per tile it waits on one level of
-  loads (the slot limits) instead of v18's chain of dependent ones: the phase traces and the clock
-  sweep of ncu against boost showed the stage bound by that latency in ns, not by cycles. q_full expects 128 + 4 arrivals (copies, and the 4 threads that
-  write the half's slot limits); q_empty the consumer's 4 warps, after its S (P stays in registers in
-  both dtypes). Next to the limits the producer writes the half's live slots and the ordinal of its
-  key run.
+  tiles and gathers both halves of each (walking metadata per half was 9-14 % slower); it reads
+  metadata two tiles ahead (tile t+2's key, edge and count and tile t+1's query indices while tile t
+  is gathered), so per tile it waits on one level of loads (the slot limits). That was tried because
+  v23 at boost clocks waits on something timed in ns; it changed nothing measurable (Q's DRAM reads
+  are that limit, docs/perf-log.md) and costs nothing, so it stays. q_full expects 128 + 4 arrivals
+  (copies, and the 4 threads that write the half's slot limits); q_empty the consumer's 4 warps,
+  after its S (P stays in registers in both dtypes). Next to the limits the producer writes the
+  half's live slots and the ordinal of its key run.
 * K, V: a 2-stage ring loaded once per key run (run r in stage r mod 2), by the producer right after it
   has published the run's first half (not before: a consumer leaves a run only on reading a later
   half's run ordinal, so a load that waited first could wait for itself). A consumer may have no half
