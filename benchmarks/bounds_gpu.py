@@ -45,7 +45,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cute_gpu import PERF, TARGET_TFLOPS, environment, perf_workload, useful_flops  # noqa: E402
+from cute_gpu import PERF, TARGET_TFLOPS, gpu_environment, perf_workload, useful_flops  # noqa: E402
 
 from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
 from msa_bench.harness.telemetry import Poller, is_throttled, open_telemetry  # noqa: E402
@@ -267,13 +267,9 @@ def main(argv=None) -> int:
     if any(a < 0 for a in aliases) or args.rounds < 1 or args.reps < 1 or args.energy_launches < 0:
         log("error: --alias values must be >= 0, --rounds and --reps >= 1, --energy-launches >= 0")
         return 2
-    if not torch.cuda.is_available():
-        log("error: no CUDA GPU visible")
+    env = gpu_environment(args.build_dir, log)
+    if env is None:
         return 2
-    build_dir = Path(args.build_dir).resolve()
-    os.environ["MSA_BENCH_CUTE_DIR"] = str(build_dir)
-    env = environment(build_dir)
-    log(f"{env['gpu']} ({env['sms']} SMs), torch {env['torch']} (CUDA {env['cuda']}), triton {env.get('triton')}")
     impls = [i for i in args.impls.split(",") if i]
     result = {"environment": env, "args": vars(args), "dtypes": []}
     t0 = time.perf_counter()

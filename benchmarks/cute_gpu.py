@@ -362,6 +362,22 @@ def environment(build_dir: Path) -> dict:
     return env
 
 
+def gpu_environment(build_dir: str, log) -> dict | None:
+    """What every benchmark script does before its GPU work: None (one logged error line) without a
+    CUDA GPU; else the CuTe build directory exported for kernels/cute/loader.build_dir() and the
+    environment record (environment()), summed up in one log line."""
+    if not torch.cuda.is_available():
+        log("error: no CUDA GPU visible")
+        return None
+    from msa_bench.kernels.cute.manifest import source_hash
+    build = Path(build_dir).resolve()
+    os.environ["MSA_BENCH_CUTE_DIR"] = str(build)
+    env = environment(build)
+    log(f"{env['gpu']} ({env['sms']} SMs), torch {env['torch']} (CUDA {env['cuda']}), triton {env.get('triton')}; "
+        f"CuTe build {build}; checkout source hash {source_hash()}")
+    return env
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/cute-gpu")
@@ -377,15 +393,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = Log(out / "cute_gpu.log")
-    if not torch.cuda.is_available():
-        log("error: no CUDA GPU visible")
+    env = gpu_environment(args.build_dir, log)
+    if env is None:
         return 2
-    build_dir = Path(args.build_dir).resolve()
-    os.environ["MSA_BENCH_CUTE_DIR"] = str(build_dir)       # read by kernels/cute/loader.build_dir()
-    from msa_bench.kernels.cute.manifest import CuteConfig, device_arch, find_library, source_hash
-    env = environment(build_dir)
-    log(f"{env['gpu']} ({env['sms']} SMs), torch {env['torch']} (CUDA {env['cuda']}), triton {env.get('triton')}; "
-        f"CuTe build {build_dir}; checkout source hash {source_hash()}")
+    from msa_bench.kernels.cute.manifest import CuteConfig, device_arch, find_library
+    build_dir = Path(env["build_dir"])
     dtypes = [d for d in args.dtypes.split(",") if d]
     result = {"environment": env, "checks": [], "timing": []}
     for dtype in dtypes:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cute_gpu import (TARGET_TFLOPS, TOL, environment, graph_replay_check, perf_workload,  # noqa: E402
+from cute_gpu import (TARGET_TFLOPS, TOL, gpu_environment, graph_replay_check, perf_workload,  # noqa: E402
                       stage_summaries, useful_flops, workloads)
 
 from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
@@ -151,18 +151,14 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = Log(out / "order_gpu.log")
-    if not torch.cuda.is_available():
-        log("error: no CUDA GPU visible")
-        return 2
     try:
         orders, check_orders = parse_orders(args.orders), parse_orders(args.check_orders)
     except ValueError:
         log(f"error: orders are S:k pairs of integers, got {args.orders!r} / {args.check_orders!r}")
         return 2
-    build_dir = Path(args.build_dir).resolve()
-    os.environ["MSA_BENCH_CUTE_DIR"] = str(build_dir)
-    env = environment(build_dir)
-    log(f"{env['gpu']} ({env['sms']} SMs), torch {env['torch']} (CUDA {env['cuda']}), triton {env.get('triton')}")
+    env = gpu_environment(args.build_dir, log)
+    if env is None:
+        return 2
     dtypes = [d for d in args.dtypes.split(",") if d]
     impls = [i for i in args.impls.split(",") if i]
     result = {"environment": env, "checks": [], "timing": [], "targets": TARGET_TFLOPS}

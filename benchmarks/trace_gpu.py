@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cute_gpu import PERF, environment, perf_workload, useful_flops  # noqa: E402
+from cute_gpu import PERF, gpu_environment, perf_workload, useful_flops  # noqa: E402
 
 from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
 from msa_bench.kernels.cute.manifest import TRACE_PHASES  # noqa: E402
@@ -195,13 +195,9 @@ def main(argv=None) -> int:
         log(f"error: --dtypes from {', '.join(DTYPES)}, --impls from {', '.join(TRACE_VARIANTS)}, --alias and "
             f"--plot-cta >= 0" + (f" (got {bad[0]!r})" if bad else ""))
         return 2
-    if not torch.cuda.is_available():
-        log("error: no CUDA GPU visible")
+    env = gpu_environment(args.build_dir, log)
+    if env is None:
         return 2
-    build_dir = Path(args.build_dir).resolve()
-    os.environ["MSA_BENCH_CUTE_DIR"] = str(build_dir)
-    env = environment(build_dir)
-    log(f"{env['gpu']} ({env['sms']} SMs), torch {env['torch']} (CUDA {env['cuda']}); CuTe build {build_dir}")
     result, t0 = {"environment": env, "args": vars(args), "traces": []}, time.perf_counter()
     for dtype in dtypes:
         wanted = impls or [f"{default_variant(dtype)}tr"]

@@ -71,3 +71,24 @@ def test_energy_per_launch_from_the_counter(monkeypatch):
     assert FakeTimer.calls == 103 and abs(e["joules_per_launch"] - 0.07) < 1e-12
     assert abs(e["mean_power_w"] - 14.0) < 1e-9 and abs(e["s_per_launch"] - 0.005) < 1e-12
     assert abs(e["gflop_per_joule"] - 2e12 / 0.07 / 1e9) < 1e-6 and len(lines) == 1
+
+
+def test_gpu_environment_without_a_gpu_is_one_logged_line(monkeypatch):
+    """The setup the benchmark scripts share: no CUDA GPU is one error line and None."""
+    import cute_gpu
+    monkeypatch.setattr(cute_gpu.torch.cuda, "is_available", lambda: False)
+    lines = []
+    assert cute_gpu.gpu_environment("build/cute", lines.append) is None
+    assert lines == ["error: no CUDA GPU visible"]
+
+
+def test_gpu_environment_exports_the_build_dir(monkeypatch, tmp_path):
+    import cute_gpu
+    monkeypatch.setattr(cute_gpu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cute_gpu, "environment", lambda build: {"gpu": "H200", "sms": 132, "torch": "t", "cuda": "13.0",
+                                                                "build_dir": str(build)})
+    monkeypatch.delenv("MSA_BENCH_CUTE_DIR", raising=False)
+    lines = []
+    env = cute_gpu.gpu_environment(str(tmp_path), lines.append)
+    assert env["build_dir"] == str(tmp_path.resolve()) and cute_gpu.os.environ["MSA_BENCH_CUTE_DIR"] == str(tmp_path.resolve())
+    assert len(lines) == 1 and lines[0].startswith("H200 (132 SMs)") and "source hash" in lines[0]

@@ -45,7 +45,6 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as cutlass_utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -137,30 +136,10 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group = cute.arch.make_warp_uniform(tidx // self.wg_threads)
 
-        storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
-        q_full = storage.q_full.data_ptr()
-        q_empty = storage.q_empty.data_ptr()
-        kv_full = storage.kv_full.data_ptr()
-        kv_empty = storage.kv_empty.data_ptr()
-        sLim = storage.sLim.get_tensor(cute.make_layout((self.half_q + self.lim_extra, self.q_stages)))
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)       # (64, D, 3)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)       # (BLK, D, 2)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)       # (BLK, D | D, BLK, 2)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)       # (G, D, 12)
-
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(self.q_stages):
-                    cute.arch.mbarrier_init(q_full + s, self.wg_threads + self.half_q)
-                    cute.arch.mbarrier_init(q_empty + s, self.num_consumer_warps // self.num_consumer_wgs)
-                for s in cutlass.range_constexpr(self.kv_stages):
-                    cute.arch.mbarrier_init(kv_full + s, 1)
-                    cute.arch.mbarrier_init(kv_empty + s, self.num_consumer_warps)
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            cpasync.prefetch_descriptor(tma_o)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        _, (q_full, q_empty, kv_full, kv_empty), sLim, sQ, sK, sV, sO = self._shared(
+            sQ_layout, sK_layout, sV_layout, sO_layout, self.half_q)    # sQ (64, D, QS), sO (G, D, 12)
+        self._init_barriers((q_full, q_empty, kv_full, kv_empty), warp_idx, self.wg_threads + self.half_q,
+                            self.num_consumer_warps // self.num_consumer_wgs, (tma_k, tma_v, tma_o))
 
         begin = mCtaRange[cta, 0]
         n_tiles = mCtaRange[cta, 1] - begin

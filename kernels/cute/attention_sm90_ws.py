@@ -377,32 +377,12 @@ class KvOuterAttentionSm90WarpSpecialized:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group = cute.arch.make_warp_uniform(tidx // self.wg_threads)
 
-        storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
-        q_full = storage.q_full.data_ptr()
-        q_empty = storage.q_empty.data_ptr()
-        kv_full = storage.kv_full.data_ptr()
-        kv_empty = storage.kv_empty.data_ptr()
-        sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_q + self.lim_extra, self.q_stages)))  # limits, count[, key]
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)       # (ROWS, D, QS)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)       # (BLK, D, KS)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)       # (BLK, D | D, BLK, KS)
+        storage, (q_full, q_empty, kv_full, kv_empty), sLim, sQ, sK, sV, sO = self._shared(
+            sQ_layout, sK_layout, sV_layout, sO_layout, self.tile_q)   # sLim: limits, count[, key]
         sP = storage.sQ.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)       # fp8 P over Q (ROWS, BLK, QS)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)       # (G, D, TILE_Q) O staging
-
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(self.q_stages):
-                    cute.arch.mbarrier_init(q_full + s, self.wg_threads + self.tile_q)
-                    cute.arch.mbarrier_init(q_empty + s, self.num_consumer_warps)
-                for s in cutlass.range_constexpr(self.kv_stages):
-                    cute.arch.mbarrier_init(kv_full + s, 1)
-                    cute.arch.mbarrier_init(kv_empty + s, self.num_consumer_warps)
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            if const_expr(self.tma_store_o):
-                cpasync.prefetch_descriptor(tma_o)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        self._init_barriers((q_full, q_empty, kv_full, kv_empty), warp_idx, self.wg_threads + self.tile_q,
+                            self.num_consumer_warps, (tma_k, tma_v, tma_o) if const_expr(self.tma_store_o)
+                            else (tma_k, tma_v))
 
         begin = mCtaRange[cta, 0]
         n_tiles = mCtaRange[cta, 1] - begin
@@ -420,6 +400,38 @@ class KvOuterAttentionSm90WarpSpecialized:
                 self.consumer_pipelined(*args)
             else:
                 self.consumer(*args)
+
+    def _shared(self, sQ_layout, sK_layout, sV_layout, sO_layout, lim_slots: int):
+        """The CTA's shared memory: the storage, its four barrier arrays (Q full / empty, K/V full /
+        empty), the per-stage limits table (lim_slots limits + lim_extra values per Q stage) and the Q
+        (rows, D, QS), K (BLK, D, KS), V (BLK, D or D, BLK, KS) and O staging (G, D, slots) tensors.
+        Plain Python, traced inline."""
+        storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
+        bars = (storage.q_full.data_ptr(), storage.q_empty.data_ptr(), storage.kv_full.data_ptr(),
+                storage.kv_empty.data_ptr())
+        sLim = storage.sLim.get_tensor(cute.make_layout((lim_slots + self.lim_extra, self.q_stages)))
+        tensors = [getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+                   for name, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout), ("sO", sO_layout))]
+        return (storage, bars, sLim, *tensors)
+
+    @cute.jit
+    def _init_barriers(self, bars, warp_idx: Int32, q_full_count: int, q_empty_count: int, tmas):
+        """Warp 0 initializes the barriers (Q full expects q_full_count arrivals, Q empty q_empty_count,
+        K/V full one arrival plus the TMA bytes, K/V empty every consumer warp) and prefetches the TMA
+        descriptors; then the whole CTA syncs."""
+        q_full, q_empty, kv_full, kv_empty = bars
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(self.q_stages):
+                    cute.arch.mbarrier_init(q_full + s, q_full_count)
+                    cute.arch.mbarrier_init(q_empty + s, q_empty_count)
+                for s in cutlass.range_constexpr(self.kv_stages):
+                    cute.arch.mbarrier_init(kv_full + s, 1)
+                    cute.arch.mbarrier_init(kv_empty + s, self.num_consumer_warps)
+            for atom in tmas:
+                cpasync.prefetch_descriptor(atom)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
 
     # ---- producer warpgroup -----------------------------------------------------------------------
     @cute.jit
