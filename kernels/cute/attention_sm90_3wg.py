@@ -100,19 +100,7 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
 
-        @cute.struct
-        class SharedStorage:
-            q_full: cute.struct.MemRange[cutlass.Int64, self.q_stages]
-            q_empty: cute.struct.MemRange[cutlass.Int64, self.q_stages]
-            kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            sLim: cute.struct.MemRange[Int32, self.q_stages * (self.half_q + self.lim_extra)]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sO_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        SharedStorage = self._storage_struct(sQ_layout, sK_layout, sV_layout, self.half_q, cute.cosize(sO_layout))
         self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mCsrQuery, mTileKey, mTileEdge,
                     mTileCount, mCtaRange, mPageBlock, mQLimit, mO, mM, mL, hkv, num_pages,
                     scale * LOG2E, scale, out_scale, sQ_layout, sK_layout, sV_layout, sO_layout).launch(

@@ -340,26 +340,35 @@ class KvOuterAttentionSm90WarpSpecialized:
         tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
 
-        @cute.struct
-        class SharedStorage:
-            q_full: cute.struct.MemRange[cutlass.Int64, self.q_stages]
-            q_empty: cute.struct.MemRange[cutlass.Int64, self.q_stages]
-            kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            sLim: cute.struct.MemRange[Int32, self.q_stages * (self.tile_q + self.lim_extra)]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
-                                                       cute.cosize(sO_layout) if const_expr(self.tma_store_o) else 8], 1024]
-
-        self.shared_storage = SharedStorage
+        SharedStorage = self._storage_struct(sQ_layout, sK_layout, sV_layout, self.tile_q,
+                                             cute.cosize(sO_layout) if const_expr(self.tma_store_o) else 8)
         self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mCsrQuery, mTileKey, mTileEdge,
                     mTileCount, mCtaRange, mPageBlock, mQLimit, mO, mM, mL, hkv, num_pages,
                     scale * LOG2E, scale, out_scale, sQ_layout, sK_layout, sV_layout, sP_layout, sO_layout).launch(
             grid=(mCtaRange.shape[0], 1, 1), block=(self.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1,
             preferred_smem_carveout=100, stream=stream)
+
+    def _storage_struct(self, sQ_layout, sK_layout, sV_layout, lim_slots: int, o_elems: int):
+        """The CTA's shared-memory struct (kept as self.shared_storage for the kernel's _shared): the
+        four barrier arrays, the limits table (lim_slots + lim_extra per Q stage), the Q, K and V stages
+        and o_elems bf16 of O staging, each stage 1024-byte aligned for the 128-byte swizzle."""
+        dt = self.dtype
+
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[cutlass.Int64, self.q_stages]
+            q_empty: cute.struct.MemRange[cutlass.Int64, self.q_stages]
+            kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
+            kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
+            sLim: cute.struct.MemRange[Int32, self.q_stages * (lim_slots + self.lim_extra)]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, o_elems], 1024]
+
+        self.shared_storage = SharedStorage
+        return SharedStorage
 
     # ---- device side --------------------------------------------------------------------------
     @cute.kernel
