@@ -353,22 +353,18 @@ class KvOuterAttentionSm90WarpSpecialized:
         """The CTA's shared-memory struct (kept as self.shared_storage for the kernel's _shared): the
         four barrier arrays, the limits table (lim_slots + lim_extra per Q stage), the Q, K and V stages
         and o_elems bf16 of O staging, each stage 1024-byte aligned for the 128-byte swizzle."""
-        dt = self.dtype
-
-        @cute.struct
-        class SharedStorage:
-            q_full: cute.struct.MemRange[cutlass.Int64, self.q_stages]
-            q_empty: cute.struct.MemRange[cutlass.Int64, self.q_stages]
-            kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
-            sLim: cute.struct.MemRange[Int32, self.q_stages * (lim_slots + self.lim_extra)]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, o_elems], 1024]
-
-        self.shared_storage = SharedStorage
-        return SharedStorage
+        dt, mem, align = self.dtype, cute.struct.MemRange, cute.struct.Align
+        # the field types as objects, not annotations: this module's `from __future__ import annotations`
+        # would hand cute.struct strings it cannot resolve outside a jit function's own scope
+        fields = {"q_full": mem[cutlass.Int64, self.q_stages], "q_empty": mem[cutlass.Int64, self.q_stages],
+                  "kv_full": mem[cutlass.Int64, self.kv_stages], "kv_empty": mem[cutlass.Int64, self.kv_stages],
+                  "sLim": mem[Int32, self.q_stages * (lim_slots + self.lim_extra)],
+                  "sQ": align[mem[dt, cute.cosize(sQ_layout)], 1024],
+                  "sK": align[mem[dt, cute.cosize(sK_layout)], 1024],
+                  "sV": align[mem[dt, cute.cosize(sV_layout)], 1024],
+                  "sO": align[mem[cutlass.BFloat16, o_elems], 1024]}
+        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return self.shared_storage
 
     # ---- device side --------------------------------------------------------------------------
     @cute.kernel
