@@ -66,20 +66,18 @@ def backend_for(impl: str):
         from msa_bench.kernels.kv_outer.backend import KVOuterBackend
         return KVOuterBackend()
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
-    from msa_bench.kernels.cute.manifest import knockout_piece
-    knock_out = knockout_piece(impl)
-    return KVOuterCuteBackend(variant=knock_out[0] if knock_out else impl)
+    from msa_bench.kernels.cute.manifest import diagnostic_base
+    return KVOuterCuteBackend(variant=diagnostic_base(impl) or impl)
 
 
 def plan_for(impl: str, w):
     """The module plan of an implementation; a knock-out (manifest.KNOCKOUT_VARIANTS) is its base
     generation's plan with the attention stage swapped for the knock-out library on the same buffers."""
-    from msa_bench.kernels.cute.manifest import knockout_piece
+    from msa_bench.kernels.cute.manifest import diagnostic_base
     plan = backend_for(impl).plan(w)
-    if knockout_piece(impl):
-        from msa_bench.kernels.cute.backend import CuteAttentionStage
-        base = plan.stages["attention"]
-        plan.stages["attention"] = CuteAttentionStage(w, plan.buffers, base.config, impl)
+    if diagnostic_base(impl):
+        from msa_bench.kernels.cute.backend import diagnostic_stage
+        plan.stages["attention"] = diagnostic_stage(plan, w, impl)
     return plan
 
 

@@ -57,14 +57,14 @@ def plan_stage(spec: str, dtype: str):
                                                                     attn_maxnreg=0, **order_kw))
     else:
         from msa_bench.kernels.cute.backend import DEFAULT_CTAS_PER_SM, KVOuterCuteBackend, cute_kv_config
-        from msa_bench.kernels.cute.manifest import knockout_piece
-        base = knockout_piece(impl)[0] if knockout_piece(impl) else impl
+        from msa_bench.kernels.cute.manifest import diagnostic_base
+        base = diagnostic_base(impl) or impl
         cfg = cute_kv_config(dtype, DEFAULT_CTAS_PER_SM[base]).with_(**order_kw)
         backend = KVOuterCuteBackend(config=cfg, variant=base)
     plan = backend.plan(w)
     if impl != "triton" and base != impl:
-        from msa_bench.kernels.cute.backend import CuteAttentionStage
-        plan.stages["attention"] = CuteAttentionStage(w, plan.buffers, plan.stages["attention"].config, impl)
+        from msa_bench.kernels.cute.backend import diagnostic_stage
+        plan.stages["attention"] = diagnostic_stage(plan, w, impl)
     plan.run()
     if alias:
         q = plan.buffers["csr_query"]

@@ -128,7 +128,7 @@ def stage_ms(stage, reps: int = 10) -> float:
 
 
 def trace_one(dtype: str, impl: str, aliases: list[int], plot_cta: int, out: Path, log) -> list[dict]:
-    from msa_bench.kernels.cute.backend import CuteAttentionStage, KVOuterCuteBackend
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend, diagnostic_stage
     from msa_bench.kernels.cute.manifest import trace_base
     base = trace_base(impl)
     w = perf_workload(dtype, "cuda")
@@ -136,7 +136,7 @@ def trace_one(dtype: str, impl: str, aliases: list[int], plot_cta: int, out: Pat
     plan = KVOuterCuteBackend(variant=base).plan(w)
     plan.run()
     base_stage = plan.stages["attention"]
-    traced = CuteAttentionStage(w, plan.buffers, base_stage.config, impl)
+    traced = diagnostic_stage(plan, w, impl)
     q = plan.buffers["csr_query"]
     original = q.clone()
     recs = []

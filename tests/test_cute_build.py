@@ -496,3 +496,15 @@ def test_default_attention_impl_dispatches_on_the_workload_dtype(monkeypatch):
     for dtype in ("bf16", "fp8"):
         ATTENTION_IMPLS["cute-default"](SimpleNamespace(dtype=dtype), {}, None)
     assert made == [("bf16", "v22"), ("fp8", "v18")]
+
+
+def test_diagnostic_builds_name_their_base_and_bind_to_its_plan(monkeypatch):
+    """A knock-out or trace build's base generation, and its stage made on the base plan's buffers and
+    configuration (the stage itself needs a GPU; here it is a recorder)."""
+    from types import SimpleNamespace
+    from msa_bench.kernels.cute import backend as cb
+    assert mf.diagnostic_base("v18ko-exp") == "v18" and mf.diagnostic_base("v22tr") == "v22"
+    assert mf.diagnostic_base("v22") is None and mf.diagnostic_base("triton") is None
+    monkeypatch.setattr(cb, "CuteAttentionStage", lambda w, buffers, config, variant: (w, buffers, config, variant))
+    plan = SimpleNamespace(buffers={"o_part": 1}, stages={"attention": SimpleNamespace(config="cfg")})
+    assert cb.diagnostic_stage(plan, "w", "v18ko-exp") == ("w", {"o_part": 1}, "cfg", "v18ko-exp")

@@ -103,6 +103,13 @@ class CuteAttentionStage:
         self.library.launch(self.packed, self.hkv, self.num_pages, self.scale, self.out_scale, stream)
 
 
+def diagnostic_stage(plan, workload, variant: str) -> CuteAttentionStage:
+    """A diagnostic build's attention stage (manifest.diagnostic_base) on a plan of its base generation:
+    the same buffers and configuration, so it can replace the plan's stage or run beside it. For
+    benchmark scripts only; its outputs are not attention."""
+    return CuteAttentionStage(workload, plan.buffers, plan.stages["attention"].config, variant)
+
+
 def default_variant(dtype: str) -> str:
     return DEFAULT_VARIANTS.get(dtype, DEFAULT_VARIANTS["bf16"])
 

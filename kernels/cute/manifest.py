@@ -105,6 +105,12 @@ def trace_base(variant: str) -> str | None:
     return base if f"{base}tr" in TRACE_VARIANTS and base in VARIANTS else None
 
 
+def diagnostic_base(variant: str) -> str | None:
+    """The generation a diagnostic build (knock-out or trace) is made from, else None."""
+    knock_out = knockout_piece(variant)
+    return knock_out[0] if knock_out else trace_base(variant)
+
+
 # Generations whose fp8 P V takes P from registers in the S accumulator's column order: they read V's
 # keys permuted within every 16 (attention_sm90_ws._fp8_p_regs).
 FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v21", "v22", "v23", "v24") + KNOCKOUT_VARIANTS + TRACE_VARIANTS
