@@ -153,23 +153,9 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         """Half tiles in order: K/V once per key run (run r into stage r mod 2), Q of the half's four
         slots into stage h mod 3, its limits, live slots and run ordinal next to it."""
         dt, G, D, BLK, HQ = self.dtype, self.group, self.head_dim, self.block, self.half_q
-        v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
-        gK = cute.local_tile(gK_tma, (BLK, D), (None, 0))
-        gV = cute.local_tile(gV_tma, v_tile, (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        vec = 128 // dt.width
-        threads_per_row = D // vec
-        rows_per_pass = self.wg_threads // threads_per_row
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                   num_bits_per_copy=128)
-        g2s = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.wg_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
-        thr_q = g2s.get_slice(tidx)
-        tQcQ = thr_q.partition_S(cute.make_identity_tensor((self.half_rows, D)))
+        tKgK, tKsK, tVgV, tVsV, g2s, thr_q, tQcQ = self._producer_copies(tma_k, gK_tma, tma_v, gV_tma, sK, sV,
+                                                                          self.half_rows, tidx)
+        rows_per_pass = self.wg_threads // (D // (128 // dt.width))
         hq = hkv * G
 
         # Metadata two tiles ahead: at tile t the loop reads tile t+2's key, edge and count and tile t+1's

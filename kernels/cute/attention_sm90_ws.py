@@ -446,26 +446,9 @@ class KvOuterAttentionSm90WarpSpecialized:
                  sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sLim: cute.Tensor,
                  q_full: cute.Pointer, q_empty: cute.Pointer, kv_full: cute.Pointer, kv_empty: cute.Pointer,
                  begin: Int32, n_tiles: Int32, hkv: Int32, num_pages: Int32, tidx: Int32, warp_idx: Int32):
-        dt, G, D, BLK, ROWS = self.dtype, self.group, self.head_dim, self.block, self.rows
-        # TMA partitions: gK_tma tiled by slabs -> (TMA, slab), sK -> (TMA, stage)
-        v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
-        gK = cute.local_tile(gK_tma, (BLK, D), (None, 0))                  # (BLK, D, slabs)
-        gV = cute.local_tile(gV_tma, v_tile, (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-
-        # cp.async Q gather by the 128 producer threads: a row of D elements per threads_per_row threads
-        vec = 128 // dt.width
-        threads_per_row = D // vec
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                   num_bits_per_copy=128)
-        g2s = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.wg_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
-        thr_q = g2s.get_slice(tidx)
-        tQcQ = thr_q.partition_S(cute.make_identity_tensor((ROWS, D)))    # this thread's (row, col) coords
+        G, BLK, ROWS = self.group, self.block, self.rows
+        tKgK, tKsK, tVgV, tVsV, g2s, thr_q, tQcQ = self._producer_copies(tma_k, gK_tma, tma_v, gV_tma, sK, sV,
+                                                                          ROWS, tidx)
         hq = hkv * G
 
         if const_expr(self.prefetch_meta):
@@ -513,6 +496,30 @@ class KvOuterAttentionSm90WarpSpecialized:
             q_idx, q_phase = _advance(q_idx, q_phase, self.q_stages)
         # drain (the consumers wait for every copy anyway)
         cute.arch.cp_async_wait_group(0)
+
+    def _producer_copies(self, tma_k, gK_tma, tma_v, gV_tma, sK, sV, q_rows: int, tidx):
+        """The producer's copies: TMA partitions of K and V (gK_tma tiled by slabs -> (TMA, slab), the
+        stages -> (TMA, stage)), and the cp.async Q gather of q_rows rows by the 128 producer threads, a
+        row of D elements per threads_per_row threads: the tiled copy, this thread's slice and its (row,
+        col) coordinates. Plain Python, traced inline."""
+        dt, D, BLK = self.dtype, self.head_dim, self.block
+        v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
+        gK = cute.local_tile(gK_tma, (BLK, D), (None, 0))                  # (BLK, D, slabs)
+        gV = cute.local_tile(gV_tma, v_tile, (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        vec = 128 // dt.width
+        threads_per_row = D // vec
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                   num_bits_per_copy=128)
+        g2s = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((self.wg_threads // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)))
+        thr_q = g2s.get_slice(tidx)
+        tQcQ = thr_q.partition_S(cute.make_identity_tensor((q_rows, D)))
+        return tKgK, tKsK, tVgV, tVsV, g2s, thr_q, tQcQ
 
     @cute.jit
     def _load_kv(self, tma_k: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor, tma_v: cute.CopyAtom,
