@@ -285,10 +285,7 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((HR, BLK)), self.dtype)
         else:
             r_p = cute.make_rmem_tensor_like(_acc_to_frg_a(acc_s), self.dtype)
-        p_bias, l_scale = self.p_shift, 1.0 / (1 << self.p_shift)
-        if const_expr(self.fold_out_scale):
-            p_bias = Float32(self.p_shift) + cute.math.log2(out_scale)
-            l_scale = Float32(1.0 / (1 << self.p_shift)) / out_scale
+        p_bias, l_scale = self._p_scales(out_scale)
         n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
         o_slot = cwg * (self.num_consumer_warps // self.num_consumer_wgs) + warp   # this warp's staging slot
 
@@ -339,12 +336,8 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
                 cute.gemm(pv, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            # O: this warp's slot by stmatrix into its staging slot, then one TMA store
-            r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-            if const_expr(self.fold_out_scale):
-                r_o.store(acc_o.load().to(cutlass.BFloat16))
-            else:
-                r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+            # O: v21's per-warp store (attention_sm90_ws._store_o), into this warp's own staging slot
+            r_o = self._o_bf16(acc_o, out_scale)
             if lane == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)   # this warp's previous store has read its slot
             cute.arch.sync_warp()

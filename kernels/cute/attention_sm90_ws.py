@@ -268,9 +268,9 @@ class KvOuterAttentionSm90WarpSpecialized:
     prefetch_meta = False      # producer: next tile's metadata read ahead, query indices before the stage wait
     warp_store_o = False       # each consumer warp stores its own slot (no warpgroup barriers around the store)
     fold_out_scale = False     # bf16: out_scale applied to P through the exponent's shift, not to O
+    exp_fma_every = 0          # k > 0: every k-th column's exponential on the FMA pipe (_exp2_fma), not MUFU
     # Knock-out builds (manifest.KNOCKOUTS; benchmarks/bounds_gpu.py): one piece of the consumers' per-tile
     # chain taken away to time the rest. Their outputs are not attention and are never checked or swept.
-    exp_fma_every = 0          # k > 0: every k-th column's exponential on the FMA pipe (_exp2_fma), not MUFU
     knock_out = ""             # "", "o-store" (no TMA store of O), "exp" (no exp2), "softmax" (P = S)
     # Phase-trace build (manifest.TRACE_VARIANTS, TRACE_PHASES; benchmarks/trace_gpu.py): each consumer warp
     # writes the SM clock at the TRACE_PHASES points of every pipelined iteration into m_part, in place of
@@ -629,9 +629,7 @@ class KvOuterAttentionSm90WarpSpecialized:
                  tSrK=thr_qk.make_fragment_B(thr_qk.partition_B(sK)),
                  tOrV=thr_pv.make_fragment_B(thr_pv.partition_B(sVt)),
                  tScS=_rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK)))),
-                 tOrP=None, tSsP=None, tRsO=None, tOsO=None, tOgO=None,
-                 # P = exp2(S * scale_log2 - row max * scale_log2 + p_bias); l = row sum * l_scale
-                 p_bias=self.p_shift, l_scale=1.0 / (1 << self.p_shift))
+                 tOrP=None, tSsP=None, tRsO=None, tOsO=None, tOgO=None)
         if const_expr(not self.p_in_regs):
             v["tOrP"] = thr_pv.make_fragment_A(thr_pv.partition_A(sP))           # fp8 P over Q rows
             v["tSsP"] = thr_qk.partition_C(sP)
@@ -653,10 +651,29 @@ class KvOuterAttentionSm90WarpSpecialized:
                                                          cute.group_modes(gO, 0, 2))
         return v
 
-    def _consumer_state(self, qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid):
-        """What every consumer loop starts from: the lane, the views and the registers."""
+    def _consumer_state(self, qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid, out_scale):
+        """What every consumer loop starts from: the lane, the views (with P's scales) and the registers."""
         v = self._views(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP, ctid)
+        v["p_bias"], v["l_scale"] = self._p_scales(out_scale)
         return cute.arch.lane_idx(), v, self._registers(v)
+
+    def _p_scales(self, out_scale):
+        """(p_bias, l_scale): P = exp2(S scale_log2 - row max scale_log2 + p_bias), l = row sum l_scale.
+        p_bias is P_SHIFT, plus log2 out_scale where the output scale is folded into P (v22: P V comes out
+        in output units, so O needs no multiply, and l is divided back; both once per thread)."""
+        if const_expr(self.fold_out_scale):
+            return (Float32(self.p_shift) + cute.math.log2(out_scale),
+                    Float32(1.0 / (1 << self.p_shift)) / out_scale)
+        return self.p_shift, 1.0 / (1 << self.p_shift)
+
+    def _o_bf16(self, acc_o: cute.Tensor, out_scale):
+        """O as bf16 in the accumulator's layout, times out_scale unless that is folded into P."""
+        r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
+        if const_expr(self.fold_out_scale):
+            r_o.store(acc_o.load().to(cutlass.BFloat16))
+        else:
+            r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+        return r_o
 
     def _registers(self, v):
         """The S and O accumulators, the per-row limits and P (bf16: the A operand of P V in registers;
@@ -680,7 +697,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         """v4, v7: one tile at a time: S, softmax, P V, store."""
         q_full, q_empty, kv_full, kv_empty = bars
         lane, v, (acc_s, acc_o, lim, r_p) = self._consumer_state(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP,
-                                                                 ctid)
+                                                                 ctid, out_scale)
         q_idx = Int32(0)
         q_phase = Int32(0)
         kv_idx = Int32(0)
@@ -721,11 +738,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         whose S is issued next, (cur_q, cur_kv) those of the tile whose P V is."""
         q_full, q_empty, kv_full, kv_empty = bars
         lane, v, (acc_s, acc_o, lim, r_p) = self._consumer_state(qk_mma, pv_mma, tma_o, gO_tma, sO, sQ, sK, sV, sP,
-                                                                 ctid)
-        if const_expr(self.fold_out_scale):
-            # P V comes out in output units, so O needs no multiply; l is divided back (both once per thread)
-            v["p_bias"] = Float32(self.p_shift) + cute.math.log2(out_scale)
-            v["l_scale"] = Float32(1.0 / (1 << self.p_shift)) / out_scale
+                                                                 ctid, out_scale)
         q_idx = Int32(0)
         q_phase = Int32(0)
         kv_idx = Int32(0)
@@ -920,11 +933,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         """O of tile t to o_part: v4 from registers (every row); v7, v9, v10 through sO (this warpgroup's
         rows) and one TMA store per live slot, issued by the warpgroup's first thread."""
         G, D, ROWS = self.group, self.head_dim, self.rows
-        r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-        if const_expr(self.fold_out_scale):
-            r_o.store(acc_o.load().to(cutlass.BFloat16))
-        else:
-            r_o.store((acc_o.load() * out_scale).to(cutlass.BFloat16))
+        r_o = self._o_bf16(acc_o, out_scale)
         if const_expr(self.warp_store_o):
             # a warp's 16 accumulator rows are one slot (G = 16): it stages and stores them alone, its
             # lane 0 owning the bulk group, so no warpgroup barrier sits in the store
