@@ -64,6 +64,16 @@ class Telemetry:
         except Exception:   # NVMLError_NotSupported on boards without the counter
             return None
 
+    def power_limit_w(self) -> float | None:
+        """The power limit the board enforces now (NVML), in watts; None where NVML cannot say."""
+        if not self.available:
+            return None
+        import pynvml as nv
+        try:
+            return nv.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000.0
+        except Exception:
+            return None
+
 
 def open_telemetry(device) -> Telemetry:
     """NVML for the CUDA device `device`; on CPU or without NVML an unavailable Telemetry saying why."""
