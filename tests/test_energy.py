@@ -84,7 +84,7 @@ def test_summary_states_shares_of_the_budget():
 
 
 @pytest.mark.parametrize("argv,message", [(["--alias", "x"], "--alias wants integers"),
-                                          (["--rounds", "0"], "--rounds >= 1"),
+                                          (["--rounds", "0"], "--rounds and --reps >= 1"),
                                           (["--seconds", "0"], "--seconds and --idle-s > 0")])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, argv, message):
     assert energy_gpu.main(["--out", str(tmp_path)] + argv) == 2
