@@ -97,3 +97,22 @@ def test_no_gpu_is_one_line(tmp_path, monkeypatch):
     assert energy_gpu.main(["--out", str(tmp_path)]) == 2
     lines = (tmp_path / "energy_gpu.log").read_text().strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith("error: no CUDA GPU visible")
+
+
+@pytest.mark.cuda
+def test_energy_of_a_real_launch_on_gpu():
+    """On the GPU: the board's power limit and energy counter through NVML, and one item's joules."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from msa_bench.harness.telemetry import open_telemetry
+    tel = open_telemetry("cuda")
+    if not tel.available or tel.energy_j() is None:
+        pytest.skip(f"NVML has no energy counter here ({tel.reason})")
+    limit = tel.power_limit_w()
+    assert limit is not None and 50 < limit < 3000
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    e = energy_gpu.energy_of(lambda: a @ a, tel, 0.3)
+    assert e["launches"] >= 5 and e["s_per_launch"] > 0
+    assert 0 < e["joules_per_launch"] and 10 < e["mean_power_w"] < 3000
+    assert 0 < e["sm_clock_mean_mhz"] < 5000
