@@ -5,7 +5,8 @@
 
 An order S:k is the kv-outer config (q_ranges S, order_chunk k): tiles grouped by (KV head, one of S
 query ranges) and, for persistent CTAs, dealt round-robin in chunks of k tiles (scheduler.py); 1:0 is
-key order, the default. Implementations: vN = kv-outer-cute generation N (persistent), `triton` =
+key order, the default. S:p deals the groups in phases instead (order_phases: part c of every group
+to CTA c, key runs kept whole). Implementations: vN = kv-outer-cute generation N (persistent), `triton` =
 the kv-outer Triton stage with its tuned configuration for the dtype (bf16: 64-tile chunks, one
 program each, so k does not apply; fp8: persistent).
 
@@ -39,22 +40,24 @@ from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def parse_orders(text: str) -> list[tuple[int, int]]:
+def parse_orders(text: str) -> list[tuple[int, int | str]]:
+    """"S:k" -> (S, k); "S:p" -> (S, "p"), the phased deal."""
     out = []
     for item in filter(None, text.split(",")):
         s, _, k = item.partition(":")
-        out.append((int(s), int(k or 0)))
+        out.append((int(s), "p" if k == "p" else int(k or 0)))
     return out
 
 
 def backend_for(impl: str, dtype: str, order: tuple[int, int]):
     from msa_bench.kernels.kv_outer.config import default_config
     s, k = order
+    kw = dict(q_ranges=s, order_chunk=0, order_phases=True) if k == "p" else dict(q_ranges=s, order_chunk=k)
     if impl == "triton":
         from msa_bench.kernels.kv_outer.backend import KVOuterBackend
-        return KVOuterBackend(config=default_config(dtype).with_(q_ranges=s, order_chunk=k))
+        return KVOuterBackend(config=default_config(dtype).with_(**kw))
     from msa_bench.kernels.cute.backend import DEFAULT_CTAS_PER_SM, KVOuterCuteBackend, cute_kv_config
-    cfg = cute_kv_config(dtype, DEFAULT_CTAS_PER_SM[impl]).with_(q_ranges=s, order_chunk=k)
+    cfg = cute_kv_config(dtype, DEFAULT_CTAS_PER_SM[impl]).with_(**kw)
     return KVOuterCuteBackend(config=cfg, variant=impl)
 
 
@@ -154,7 +157,7 @@ def main(argv=None) -> int:
     try:
         orders, check_orders = parse_orders(args.orders), parse_orders(args.check_orders)
     except ValueError:
-        log(f"error: orders are S:k pairs of integers, got {args.orders!r} / {args.check_orders!r}")
+        log(f"error: orders are S:k pairs of integers (or S:p), got {args.orders!r} / {args.check_orders!r}")
         return 2
     env = gpu_environment(args.build_dir, log)
     if env is None:

@@ -22,8 +22,8 @@ def q_live_heads(hkv: int, dtype: str, config: dict | None = None) -> int:
 
     From the plan's launch configuration when known (a unit's plan_info), else from the tuned default
     for the dtype: chunks issued one program each in tile order walk the head-major list together (1),
-    and so do persistent CTAs dealt the grouped order in chunks (order_chunk > 0); persistent CTAs over
-    contiguous slices have every head live at once (hkv).
+    and so do persistent CTAs dealt the grouped order in chunks (order_chunk > 0) or in phases
+    (order_phases); persistent CTAs over contiguous slices have every head live at once (hkv).
     """
     return 1 if _walk_together(dtype, config) else int(hkv)
 
@@ -40,7 +40,7 @@ def _walk_together(dtype: str, config: dict | None) -> bool:
     config = _config(dtype, config)
     chunk = int(config.get("attn_chunk") or 0)
     chunked = chunk > 0 and int(config.get("attn_chunk_grid") or 0) == 0
-    dealt = int(config.get("order_chunk") or 0) > 0            # resolved configs: only persistent CTAs deal
+    dealt = int(config.get("order_chunk") or 0) > 0 or bool(config.get("order_phases"))   # resolved: persistent only
     return chunked or dealt
 
 

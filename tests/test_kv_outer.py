@@ -177,13 +177,17 @@ def test_attention_variants_match_reference(variant, dtype, poisoned_run):
     assert_matches(plan, w, tol)
 
 
-@pytest.mark.parametrize("q_ranges,order_chunk,attn_chunk", [(3, 0, 0), (1, 2, 0), (2, 5, 0), (4, 3, 2)])
+@pytest.mark.parametrize("q_ranges,order_chunk,attn_chunk,phases",
+                         [(3, 0, 0, False), (1, 2, 0, False), (2, 5, 0, False), (4, 3, 2, False),
+                          (1, 0, 0, True), (3, 0, 0, True), (2, 0, 2, True)])
 @pytest.mark.parametrize("backend", ["kv-outer", "msa-scatter"])
-def test_grouped_tile_order_matches_reference(backend, q_ranges, order_chunk, attn_chunk, poisoned_run):
+def test_grouped_tile_order_matches_reference(backend, q_ranges, order_chunk, attn_chunk, phases, poisoned_run):
     """Any tile order the scheduler lays out keeps the stage checks and the output exact; a grouped
-    order puts tiles in (KV head, query range) groups, dealt to persistent CTAs chunk by chunk."""
+    order puts tiles in (KV head, query range) groups, dealt to persistent CTAs chunk by chunk, or in
+    phases (part c of every group to CTA c)."""
     w = workload("random-padded-2req", "fp32")
-    cfg = KVOuterConfig(num_ctas=3, q_ranges=q_ranges, order_chunk=order_chunk, attn_chunk=attn_chunk)
+    cfg = KVOuterConfig(num_ctas=3, q_ranges=q_ranges, order_chunk=order_chunk, attn_chunk=attn_chunk,
+                        order_phases=phases)
     plan = get_backend(backend).__class__(config=cfg).plan(w)
     poisoned_run(plan)
     checks = stage_checks.stage_checks(plan, w, torch.arange(w.n_tokens, device=w.device), tolerance("fp32"))
@@ -195,16 +199,50 @@ def test_grouped_tile_order_matches_reference(backend, q_ranges, order_chunk, at
     key = b["tile_key"][:total].long()
     first_query = b["csr_query"][b["tile_edge"][:total].long()].long()
     group = torch.div(key, w.num_pages, rounding_mode="floor") * q_ranges + first_query * q_ranges // w.n_tokens
+    rng = b["cta_range"].long().tolist()
     dealt = order_chunk if attn_chunk == 0 else 0
-    if dealt == 0:
+    if phases and attn_chunk == 0:
+        # each CTA's range runs through the groups in order; CTA c's part of group g is the c-th of
+        # C near-equal contiguous cuts of g's tiles (key order inside a group is kept)
+        groups = w.shape.hkv * q_ranges
+        per_cta = [torch.bincount(group[a:e], minlength=groups) for a, e in rng]
+        for (a, e), counts in zip(rng, per_cta):
+            assert bool((group[a:e].diff() >= 0).all())
+        counts = torch.stack(per_cta)                                    # [C, groups]
+        assert int((counts.max(0).values - counts.min(0).values).max()) <= 1
+        by_group = torch.cat([key[a:e][group[a:e] == g] for g in range(groups) for a, e in rng])
+        want = torch.cat([key[group == g] for g in range(groups)])
+        assert torch.equal(torch.sort(want).values, torch.sort(by_group).values)
+        heads = torch.div(by_group, w.num_pages, rounding_mode="floor")
+        assert bool((heads.diff() >= 0).all())                           # parts in group order, heads ascending
+    elif dealt == 0:
         assert bool((group.diff() >= 0).all())
     else:   # CTA c holds chunks c, c + C, ... of the grouped sequence, in that order
-        rng = b["cta_range"].long().tolist()
         dealt_back = torch.cat([group[a:e].view(-1) for a, e in rng])
         chunks = [group[a:e].split(dealt) for a, e in rng]
         rounds = max(len(c) for c in chunks)
         merged = torch.cat([c[r] for r in range(rounds) for c in chunks if r < len(c)])
         assert dealt_back.numel() == total and bool((merged.diff() >= 0).all())
+
+
+def test_phases_keep_key_runs_whole():
+    """A phased order loads each key's K/V at most once per part it is cut into: at q_ranges 1 the runs
+    of equal keys inside the CTAs' ranges exceed the keys by less than the number of parts."""
+    w = workload("random-padded-2req", "fp32")
+    plan = KVOuterBackend(config=KVOuterConfig(num_ctas=3, order_phases=True)).plan(w)
+    plan.run()
+    b = plan.buffers
+    total = int(b["tile_ptr"][-1])
+    key = b["tile_key"][:total].long()
+    runs = sum(int((key[a:e].diff() != 0).sum()) + (e > a) for a, e in b["cta_range"].long().tolist())
+    keys = int(torch.unique(key).numel())
+    assert keys <= runs < keys + 3 * w.shape.hkv
+
+
+def test_phases_and_chunks_are_exclusive():
+    with pytest.raises(ValueError, match="pick one"):
+        KVOuterBackend(config=KVOuterConfig(num_ctas=2, order_chunk=4, order_phases=True)).plan(
+            workload("causal-local", "fp32"))
 
 
 def test_schedule_rejects_bad_order():

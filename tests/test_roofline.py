@@ -110,7 +110,7 @@ def test_l2_capacity_rule_hand_computed():
 
 def test_grouped_tile_order_shrinks_the_live_queries_only_when_ctas_walk_together():
     """q_ranges divides the Q working set of the L2-capacity term when the CTAs walk the grouped order
-    together (a dealt persistent order or chunked launches); contiguous persistent slices keep every
+    together (a persistent order dealt in chunks or in phases, or chunked launches); contiguous persistent slices keep every
     head's queries live whatever q_ranges says."""
     from msa_bench.harness.prediction import model_shape
     from msa_bench.roofline.devices import load_device
@@ -126,5 +126,7 @@ def test_grouped_tile_order_shrinks_the_live_queries_only_when_ctas_walk_togethe
     dealt_1 = q_miss({"attn_chunk": 0, "order_chunk": 8, "q_ranges": 1})
     dealt_4 = q_miss({"attn_chunk": 0, "order_chunk": 8, "q_ranges": 4})
     chunked_4 = q_miss({"attn_chunk": 64, "attn_chunk_grid": 0, "q_ranges": 4})
+    phased_1 = q_miss({"attn_chunk": 0, "order_chunk": 0, "order_phases": True, "q_ranges": 1})
+    phased_4 = q_miss({"attn_chunk": 0, "order_chunk": 0, "order_phases": True, "q_ranges": 4})
     assert slices > dealt_1 > dealt_4 >= 0.0
-    assert chunked_4 == dealt_4
+    assert chunked_4 == dealt_4 and phased_4 == dealt_4 and phased_1 == dealt_1

@@ -81,11 +81,13 @@ class KVStationaryBackend(Backend):
     def resolved_config(self, w: Workload) -> KVOuterConfig:
         """The configuration to plan with, num_ctas resolved for the workload's device. Chunked launches
         run their programs in position order already: they take the grouped order without the
-        round-robin deal (order_chunk 0), which is for persistent CTAs over cta_range."""
+        round-robin deal or phases (order_chunk 0, order_phases off), which are for persistent CTAs over
+        cta_range."""
         cfg = self.config or default_config(w.dtype, w.shape.group)
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device),
-                         order_chunk=cfg.order_chunk if cfg.attn_chunk == 0 else 0)
+                         order_chunk=cfg.order_chunk if cfg.attn_chunk == 0 else 0,
+                         order_phases=cfg.order_phases and cfg.attn_chunk == 0)
 
 
 @register("kv-outer")
@@ -102,7 +104,7 @@ class KVOuterBackend(KVStationaryBackend):
         num_ctas = cfg.num_ctas
         s, dev = w.shape, w.device
         index_map = IndexMap(w.pages, w.num_pages, cfg.tile_q)
-        schedule = Schedule(index_map, num_ctas, cfg.q_ranges, cfg.order_chunk)
+        schedule = Schedule(index_map, num_ctas, cfg.q_ranges, cfg.order_chunk, cfg.order_phases)
         rows = index_map.num_tiles_max * cfg.tile_q * s.group
         buffers = dict(
             csr_ptr=index_map.csr_ptr, csr_query=index_map.csr_query, tile_ptr=index_map.tile_ptr,

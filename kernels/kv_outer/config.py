@@ -26,6 +26,9 @@ class KVOuterConfig:
                                     # tokens) so a group's Q rows fit L2 (scheduler.py); 1: key order
     order_chunk: int = 0            # persistent CTAs: deal the grouped order round-robin in chunks of
                                     # this many tiles so they walk the groups together; 0: contiguous slices
+    order_phases: bool = False      # persistent CTAs: each takes an equal contiguous part of every group,
+                                    # its parts end to end, so they walk the groups together with K/V
+                                    # runs kept whole (scheduler.py); with q_ranges 1: one KV head at a time
     combine_pairs: int = 4          # (query, KV head) pairs per combine program
     combine_num_warps: int = 4
 

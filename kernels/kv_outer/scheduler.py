@@ -18,6 +18,11 @@ Two orders:
   k tiles (chunk j to CTA j mod C) and each CTA's chunks are laid out contiguously, so the
   persistent CTAs walk the groups together; slices then differ by at most k tiles. Chunked Triton
   launches (one program per chunk, in position order) need the grouping only (order_chunk 0).
+  With phases instead, every group is cut into C equal contiguous parts, part c of each group goes to
+  CTA c, and each CTA's parts are laid out end to end in group order: the CTAs still walk the groups
+  together (a KV head's queries at a time with q_ranges 1), but a part keeps its keys' runs whole, so
+  K/V loads grow by at most one per part instead of one per chunk. It needs no sort at q_ranges 1
+  (the index map's tiles are head-major already).
   The combine index is rewritten to positions (a buffer of the schedule's own, so running the stage
   twice gives the same result).
 
@@ -30,17 +35,19 @@ import torch
 
 
 class Schedule:
-    def __init__(self, index_map, num_ctas: int, q_ranges: int = 1, order_chunk: int = 0):
+    def __init__(self, index_map, num_ctas: int, q_ranges: int = 1, order_chunk: int = 0, phases: bool = False):
         if q_ranges < 1 or order_chunk < 0:
             raise ValueError(f"q_ranges must be >= 1 and order_chunk >= 0 (got {q_ranges}, {order_chunk})")
+        if phases and order_chunk:
+            raise ValueError(f"order_phases and order_chunk {order_chunk} are two ways to deal the groups; pick one")
         m = index_map
         dev = m.csr_ptr.device
         self.m = m
         self.csr_ptr, self.tile_ptr = m.csr_ptr, m.tile_ptr
         self.num_keys = m.tile_ptr.numel() - 1
         self.tile_q, self.num_ctas = m.tile_q, num_ctas
-        self.q_ranges, self.order_chunk = q_ranges, order_chunk
-        self.grouped = q_ranges > 1 or order_chunk > 0
+        self.q_ranges, self.order_chunk, self.phases = q_ranges, order_chunk, phases
+        self.grouped = q_ranges > 1 or order_chunk > 0 or phases
         n = m.num_tiles_max
         self.tile_key = torch.empty(n, dtype=torch.int32, device=dev)
         self.tile_edge = torch.empty(n, dtype=torch.int32, device=dev)
@@ -71,8 +78,14 @@ class Schedule:
             key = torch.where(real, key, zero - 1)
             first = torch.where(real, first, zero)
             count = torch.where(real, count, zero)
-            order = self._by_group(kc, first, real)
-            if self.order_chunk:
+            group = self._group(kc, first, real)
+            if self.phases and self.q_ranges == 1:
+                order = self._tiles.long()          # head-major already: each head is one group
+            else:
+                order = self._by_group(group)
+            if self.phases:
+                order = self._phase(order, group[order], total)
+            elif self.order_chunk:
                 order = self._deal(order, total)
             else:
                 self._slices(total)
@@ -94,15 +107,44 @@ class Schedule:
         self.cta_range[:, 0].copy_(bounds[:-1])
         self.cta_range[:, 1].copy_(bounds[1:])
 
-    def _by_group(self, kc, first, real):
-        """Index-map tiles stably sorted by (head, query range of their first query), padding last."""
+    def _group(self, kc, first, real):
+        """Each index-map tile's group: head x q_ranges + query range of its first query; padding
+        tiles form the last group (hkv x q_ranges)."""
         m, s = self.m, self.q_ranges
-        n = kc.numel()
         head = torch.div(kc, m.num_pages, rounding_mode="floor")
         query = m.csr_query[first.long()].long()
         group = head * s + torch.div(query * s, m.n_tokens, rounding_mode="floor")
-        group = torch.where(real, group, torch.full_like(group, m.hkv * s))
+        return torch.where(real, group, torch.full_like(group, m.hkv * s))
+
+    def _by_group(self, group):
+        """Index-map tiles stably sorted by group, padding last."""
+        n = group.numel()
         return torch.remainder(torch.sort(group * n + self._tiles.long()).values, n)   # keys are unique
+
+    def _phase(self, by_group, sorted_group, total):
+        """Part c of every group (an equal contiguous cut of its tiles) goes to CTA c; each CTA's parts
+        lie end to end in group order, and cta_range points at them. Padding keeps its positions."""
+        c = self.num_ctas
+        groups = self.m.hkv * self.q_ranges
+        edges = torch.searchsorted(sorted_group, torch.arange(groups + 1, device=sorted_group.device))
+        size = edges.diff()                                                   # tiles per real group
+        cut = torch.div(self._ctas.view(1, -1) * size.view(-1, 1), c, rounding_mode="floor")   # [groups, C + 1]
+        part = cut.diff(dim=1)                                                # [groups, C]
+        owned = part.sum(0)
+        start = torch.cumsum(owned, 0) - owned
+        before = torch.cumsum(part, 0) - part                                 # earlier groups' parts in CTA c
+        pos = self._tiles.long()
+        g = sorted_group.clamp(max=groups - 1)
+        r = pos - edges[g]
+        n_g = size[g].clamp(min=1)
+        cta = torch.div((r + 1) * c - 1, n_g, rounding_mode="floor").clamp(0, c - 1)
+        dest = start[cta] + before[g, cta] + r - cut[g, cta]
+        dest = torch.where(pos < total.long(), dest, pos)
+        order = torch.empty_like(by_group)
+        order[dest] = by_group
+        self.cta_range[:, 0].copy_(start)
+        self.cta_range[:, 1].copy_(start + owned)
+        return order
 
     def _deal(self, by_group, total):
         """Chunk j of order_chunk tiles of the sorted sequence goes to CTA j mod C; each CTA's chunks

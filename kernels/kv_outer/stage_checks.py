@@ -80,6 +80,8 @@ def check_schedule(plan, w) -> tuple[bool, str]:
     if not covered:
         return False, "cta_range does not cover [0, tiles) with contiguous slices"
     slack = max(1, int(cfg.get("order_chunk") or 0))          # the plan's config, resolved
+    if cfg.get("order_phases"):                                  # one tile of rounding per group part
+        slack = max(slack, w.shape.hkv * int(cfg.get("q_ranges") or 1))
     if total and int(sizes.max() - sizes.min()) > slack:
         return False, f"cta slices unbalanced: {int(sizes.min())}..{int(sizes.max())} tiles"
     return True, f"{total} tiles over {rng.shape[0]} CTAs, {int(sizes.min())}..{int(sizes.max())} per CTA"

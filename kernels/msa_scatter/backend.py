@@ -27,7 +27,7 @@ class MSAScatterBackend(KVStationaryBackend):
         cfg = self.resolved_config(w)
         s, dev = w.shape, w.device
         index_map = SlotIndexMap(w.pages, w.num_pages, cfg.tile_q)
-        schedule = Schedule(index_map, cfg.num_ctas, cfg.q_ranges, cfg.order_chunk)
+        schedule = Schedule(index_map, cfg.num_ctas, cfg.q_ranges, cfg.order_chunk, cfg.order_phases)
         buffers = dict(
             csr_ptr=index_map.csr_ptr, csr_query=index_map.csr_query, tile_ptr=index_map.tile_ptr,
             edge_slot=index_map.edge_slot, tile_key=schedule.tile_key, tile_edge=schedule.tile_edge,
