@@ -257,3 +257,22 @@ def test_chunk_size_shrinks_to_fill_the_gpu_on_short_prefills():
     assert fill_chunk(64, 9000, 132) == 32                  # 141 chunks of 64 -> 282 of 32
     assert fill_chunk(64, 10, 132) == MIN_CHUNK             # never below the floor
     assert fill_chunk(0, 10, 132) == 0                      # persistent mode untouched
+
+
+@pytest.mark.parametrize("case", ["random-padded-2req", "causal-local"])
+@pytest.mark.parametrize("phases,num_ctas", [(False, 3), (True, 3), (True, 5), (False, 7)])
+def test_closed_form_schedule_equals_the_sorted_one(case, phases, num_ctas):
+    """Key order and head phases come from one Triton pass (positions in closed form); the general
+    torch path (sort, deal) lays out the same order, buffer for buffer."""
+    from msa_bench.kernels.kv_outer.index_map import IndexMap
+    from msa_bench.kernels.kv_outer.scheduler import Schedule
+    w = workload(case, "fp32")
+    m = IndexMap(w.pages, w.num_pages, 2)
+    m()
+    fast, general = Schedule(m, num_ctas, phases=phases), Schedule(m, num_ctas, phases=phases)
+    general.closed_form = False
+    assert fast.closed_form
+    fast()
+    general()
+    for name in ("tile_key", "tile_edge", "tile_count", "tile_run_end", "cta_range", "combine_index"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name

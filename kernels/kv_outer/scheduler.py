@@ -28,10 +28,97 @@ Two orders:
 
 Every tile costs one full TILE_Q x G MMA pair whatever its query count, so equal tile counts are
 equal work up to the K/V loads at run boundaries.
+
+Key order and the phased deal at q_ranges 1 need no sort: every position follows from the tile
+pointers in closed form, so one Triton pass (schedule_tiles_kernel) writes the tiles, their run ends
+and the CTA ranges, and a second rewrites the combine index for the phased deal. The other grouped
+orders sort with torch.
 """
 from __future__ import annotations
 
 import torch
+
+from . import triton_mode  # noqa: F401  (before triton: the interpreter on a CPU)
+import triton
+import triton.language as tl
+
+SCHEDULE_BLOCK = 1024       # tiles per program of schedule_tiles_kernel
+REINDEX_BLOCK = 2048        # combine-index entries per program of reindex_kernel
+
+
+@triton.jit
+def schedule_tiles_kernel(tile_ptr, csr_ptr, tile_key, tile_edge, tile_count, tile_run_end, position, cta_range,
+                          n_tiles, num_keys, num_pages, num_ctas, HKV: tl.constexpr, TILE_Q: tl.constexpr,
+                          PHASES: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    """Index-map tile t -> its position: t itself (key order), or, with PHASES, CTA c's slot for it when
+    every KV head's tiles are cut into num_ctas equal contiguous parts, part c of each head going to
+    CTA c, its parts end to end in head order. Part c of head h covers the head's tiles
+    [c T_h // C, (c + 1) T_h // C), so CTA c starts at sum_h c T_h // C."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK + tl.arange(0, BLOCK)
+    live = t < n_tiles
+    total = tl.load(tile_ptr + num_keys)
+    real = t < total
+    lo = tl.zeros([BLOCK], tl.int32)              # key = the last k with tile_ptr[k] <= t
+    hi = tl.zeros([BLOCK], tl.int32) + num_keys
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go = tl.load(tile_ptr + mid, mask=live, other=0) <= t
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    key = lo
+    key_first = tl.load(tile_ptr + key, mask=live, other=0)
+    key_end = tl.load(tile_ptr + key + 1, mask=live, other=0)
+    first = tl.load(csr_ptr + key, mask=live, other=0) + (t - key_first) * TILE_Q
+    count = tl.minimum(tl.load(csr_ptr + key + 1, mask=live, other=0) - first, TILE_Q)
+    C = num_ctas.to(tl.int64)
+    if PHASES:
+        h = key // num_pages
+        head_first = tl.load(tile_ptr + h * num_pages, mask=live, other=0)
+        size = (tl.load(tile_ptr + (h + 1) * num_pages, mask=live, other=1) - head_first).to(tl.int64)
+        r = (t - head_first).to(tl.int64)
+        c = ((r + 1) * C - 1) // tl.maximum(size, 1)
+        start = tl.zeros([BLOCK], tl.int64)
+        before = tl.zeros([BLOCK], tl.int64)
+        for g in tl.static_range(HKV):
+            size_g = (tl.load(tile_ptr + (g + 1) * num_pages) - tl.load(tile_ptr + g * num_pages)).to(tl.int64)
+            start += c * size_g // C
+            before += tl.where(g < h, (c + 1) * size_g // C - c * size_g // C, 0)
+        cut = c * size // C
+        dest = start + before + r - cut
+        run_end = dest + tl.minimum((c + 1) * size // C, (key_end - head_first).to(tl.int64)) - r
+        tl.store(position + t, dest.to(tl.int32), mask=live & real)
+    else:
+        dest = t.to(tl.int64)
+        run_end = key_end.to(tl.int64)
+    dest = tl.where(real, dest, t.to(tl.int64))
+    tl.store(tile_key + dest, tl.where(real, key, -1), mask=live)
+    tl.store(tile_edge + dest, tl.where(real, first, 0), mask=live)
+    tl.store(tile_count + dest, tl.where(real, count, 0), mask=live)
+    tl.store(tile_run_end + dest, tl.where(real, run_end, n_tiles).to(tl.int32), mask=live)
+    if pid == 0:                                   # cta_range[c] = [bound(c), bound(c + 1))
+        cc = tl.arange(0, BLOCK_C).to(tl.int64)
+        if PHASES:
+            bound = tl.zeros([BLOCK_C], tl.int64)
+            for g in tl.static_range(HKV):
+                size_g = (tl.load(tile_ptr + (g + 1) * num_pages) - tl.load(tile_ptr + g * num_pages)).to(tl.int64)
+                bound += cc * size_g // C
+        else:
+            bound = cc * total.to(tl.int64) // C
+        tl.store(cta_range + 2 * cc, bound.to(tl.int32), mask=cc < C)
+        tl.store(cta_range + 2 * cc - 1, bound.to(tl.int32), mask=(cc >= 1) & (cc <= C))
+
+
+@triton.jit
+def reindex_kernel(src, dst, position, n, TILE_Q: tl.constexpr, BLOCK: tl.constexpr):
+    """combine index entry tile * TILE_Q + slot -> position[tile] * TILE_Q + slot (-1 stays -1)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    ci = tl.load(src + i, mask=live, other=-1)
+    tile = tl.maximum(ci, 0) // TILE_Q
+    moved = tl.load(position + tile, mask=live & (ci >= 0), other=0) * TILE_Q + ci % TILE_Q
+    tl.store(dst + i, tl.where(ci >= 0, moved, ci), mask=live)
 
 
 class Schedule:
@@ -59,8 +146,12 @@ class Schedule:
         self.combine_index = torch.empty_like(index) if (self.grouped and index is not None) else index
         self._tiles = torch.arange(n, dtype=torch.int32, device=dev)
         self._ctas = torch.arange(num_ctas + 1, dtype=torch.int64, device=dev)
+        self.closed_form = q_ranges == 1 and order_chunk == 0          # key order or head phases
+        self._position = torch.empty(n, dtype=torch.int32, device=dev) if (self.closed_form and phases) else None
 
     def __call__(self) -> None:
+        if self.closed_form:
+            return self._closed_form()
         t = self._tiles
         total = self.tile_ptr[-1:]
         key = torch.searchsorted(self.tile_ptr, t, right=True, out_int32=True) - 1
@@ -100,6 +191,19 @@ class Schedule:
                 moved = position[tile] * self.tile_q + ci % self.tile_q
                 self.combine_index.copy_(torch.where(ci >= 0, moved, ci))
         self._run_ends()
+
+    def _closed_form(self) -> None:
+        m, n = self.m, self._tiles.numel()
+        position = self._position if self._position is not None else self.tile_key   # unused without phases
+        schedule_tiles_kernel[(triton.cdiv(n, SCHEDULE_BLOCK),)](
+            self.tile_ptr, self.csr_ptr, self.tile_key, self.tile_edge, self.tile_count, self.tile_run_end,
+            position, self.cta_range, n, self.num_keys, m.num_pages, self.num_ctas, HKV=m.hkv,
+            TILE_Q=self.tile_q, PHASES=self.phases, SEARCH_STEPS=max(1, self.num_keys.bit_length()),
+            BLOCK=SCHEDULE_BLOCK, BLOCK_C=triton.next_power_of_2(self.num_ctas + 1))
+        if self.phases and self.combine_index is not None:
+            src = self.m.combine_index
+            reindex_kernel[(triton.cdiv(src.numel(), REINDEX_BLOCK),)](
+                src, self.combine_index, self._position, src.numel(), TILE_Q=self.tile_q, BLOCK=REINDEX_BLOCK)
 
     def _slices(self, total) -> None:
         """CTA c gets positions [c * T // C, (c + 1) * T // C)."""
