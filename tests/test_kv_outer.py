@@ -276,3 +276,23 @@ def test_closed_form_schedule_equals_the_sorted_one(case, phases, num_ctas):
     general()
     for name in ("tile_key", "tile_edge", "tile_count", "tile_run_end", "cta_range", "combine_index"):
         assert torch.equal(getattr(fast, name), getattr(general, name)), name
+
+
+def test_closed_form_phases_when_a_head_has_no_tiles():
+    """With one KV head empty, a key cut between two CTAs' parts lies at adjacent positions and its run
+    continues across the CTA boundary: the run ends must say so, as the sorted path's do."""
+    from msa_bench.kernels.kv_outer.index_map import IndexMap
+    from msa_bench.kernels.kv_outer.scheduler import Schedule
+    g = torch.Generator().manual_seed(0)
+    pages = torch.randint(0, 7, (2, 11, 3), generator=g).int()
+    pages[torch.rand(2, 11, 3, generator=g) < 0.3] = -1
+    pages[1] = -1
+    m = IndexMap(pages, 7, 2)
+    m()
+    for num_ctas in (2, 3, 5):
+        fast, general = Schedule(m, num_ctas, phases=True), Schedule(m, num_ctas, phases=True)
+        general.closed_form = False
+        fast()
+        general()
+        for name in ("tile_key", "tile_edge", "tile_count", "tile_run_end", "cta_range", "combine_index"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), (num_ctas, name)

@@ -30,8 +30,9 @@ Every tile costs one full TILE_Q x G MMA pair whatever its query count, so equal
 equal work up to the K/V loads at run boundaries.
 
 Key order and the phased deal at q_ranges 1 need no sort: every position follows from the tile
-pointers in closed form, so one Triton pass (schedule_tiles_kernel) writes the tiles, their run ends
-and the CTA ranges, and a second rewrites the combine index for the phased deal. The other grouped
+pointers in closed form, so one Triton pass (schedule_tiles_kernel) writes the tiles and the CTA
+ranges (and key order's run ends); for the phased deal the run ends follow from the placed keys and a
+second pass rewrites the combine index. The other grouped
 orders sort with torch.
 """
 from __future__ import annotations
@@ -87,16 +88,16 @@ def schedule_tiles_kernel(tile_ptr, csr_ptr, tile_key, tile_edge, tile_count, ti
             before += tl.where(g < h, (c + 1) * size_g // C - c * size_g // C, 0)
         cut = c * size // C
         dest = start + before + r - cut
-        run_end = dest + tl.minimum((c + 1) * size // C, (key_end - head_first).to(tl.int64)) - r
         tl.store(position + t, dest.to(tl.int32), mask=live & real)
     else:
         dest = t.to(tl.int64)
-        run_end = key_end.to(tl.int64)
+        # key order: a key's run ends with its tiles (phases: runs can join across CTA ranges when a
+        # CTA's other parts are empty, so the caller finds their ends after placement)
+        tl.store(tile_run_end + t, tl.where(real, key_end, n_tiles), mask=live)
     dest = tl.where(real, dest, t.to(tl.int64))
     tl.store(tile_key + dest, tl.where(real, key, -1), mask=live)
     tl.store(tile_edge + dest, tl.where(real, first, 0), mask=live)
     tl.store(tile_count + dest, tl.where(real, count, 0), mask=live)
-    tl.store(tile_run_end + dest, tl.where(real, run_end, n_tiles).to(tl.int32), mask=live)
     if pid == 0:                                   # cta_range[c] = [bound(c), bound(c + 1))
         cc = tl.arange(0, BLOCK_C).to(tl.int64)
         if PHASES:
@@ -200,10 +201,12 @@ class Schedule:
             position, self.cta_range, n, self.num_keys, m.num_pages, self.num_ctas, HKV=m.hkv,
             TILE_Q=self.tile_q, PHASES=self.phases, SEARCH_STEPS=max(1, self.num_keys.bit_length()),
             BLOCK=SCHEDULE_BLOCK, BLOCK_C=triton.next_power_of_2(self.num_ctas + 1))
-        if self.phases and self.combine_index is not None:
-            src = self.m.combine_index
-            reindex_kernel[(triton.cdiv(src.numel(), REINDEX_BLOCK),)](
-                src, self.combine_index, self._position, src.numel(), TILE_Q=self.tile_q, BLOCK=REINDEX_BLOCK)
+        if self.phases:
+            self._run_ends()
+            if self.combine_index is not None:
+                src = self.m.combine_index
+                reindex_kernel[(triton.cdiv(src.numel(), REINDEX_BLOCK),)](
+                    src, self.combine_index, self._position, src.numel(), TILE_Q=self.tile_q, BLOCK=REINDEX_BLOCK)
 
     def _slices(self, total) -> None:
         """CTA c gets positions [c * T // C, (c + 1) * T // C)."""
