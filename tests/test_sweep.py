@@ -265,3 +265,24 @@ def test_empty_unit_folders_are_not_finished_units(smoke_run, tmp_path):
     shutil.copytree(smoke_run["run"], run)
     (run / UNITS_DIR / "reference-0000000000000000").mkdir()        # what a partial copy can leave
     assert len(finished_units(run)) == N_POINTS and len(load_run(run).status) == N_POINTS
+
+
+def test_cute_backend_option_takes_a_tile_order():
+    """kv-outer-cute@v23+phases: generation v23 with the scheduler's phased order; @phases: the
+    defaults' generations with it; anything else after + is one clear error."""
+    from msa_bench.harness.selection import synthetic_workload
+    from msa_bench.harness.workload import AttnShape
+    from msa_bench.kernels.base import get_backend
+    b = get_backend("kv-outer-cute@v23+phases")
+    assert b.name == "kv-outer-cute@v23+phases" and b.variant == "v23" and b.order == "phases"
+    d = get_backend("kv-outer-cute@phases")
+    assert d.variant is None and d.order == "phases"
+    w = synthetic_workload(AttnShape(hq=8, hkv=2, head_dim=64, block=16, topk=2), "fp8", 16, 256, 1.0, seed=0,
+                           device="cpu")
+    cfg = b.resolved_config(w)
+    assert cfg.order_phases and cfg.order_chunk == 0 and cfg.q_ranges == 1
+    assert not get_backend("kv-outer-cute@v23").resolved_config(w).order_phases
+    with pytest.raises(KeyError, match="no tile order 'chunks'"):
+        get_backend("kv-outer-cute@v23+chunks")
+    with pytest.raises(KeyError, match="no kernel generation 'v99'"):
+        get_backend("kv-outer-cute@v99+phases")

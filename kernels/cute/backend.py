@@ -130,26 +130,41 @@ def cute_default_attention(workload, buffers: dict, config):
     return CuteAttentionStage(workload, buffers, config, default_variant(workload.dtype))
 
 
+# kv-outer-cute@...+ORDER: a scheduler tile order instead of key order (docs/perf-log.md, eighth session)
+ORDER_OPTIONS = {"phases": dict(order_phases=True)}
+
+
 @register("kv-outer-cute")
 class KVOuterCuteBackend(KVOuterBackend):
     name = "kv-outer-cute"
     description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
     dtypes = DTYPES
 
-    def __init__(self, config=None, ctas_per_sm: int | None = None, variant: str | None = None):
-        """variant None: each dtype's default generation (DEFAULT_VARIANTS)."""
+    def __init__(self, config=None, ctas_per_sm: int | None = None, variant: str | None = None,
+                 order: str | None = None):
+        """variant None: each dtype's default generation (DEFAULT_VARIANTS); order: a key of ORDER_OPTIONS
+        (None: key order)."""
         if variant is not None and variant not in VARIANTS:
             raise ValueError(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")
+        if order is not None and order not in ORDER_OPTIONS:
+            raise ValueError(f"unknown tile order {order!r} (have {', '.join(ORDER_OPTIONS)})")
         super().__init__(attention_impl=attention_impl_name(variant) if variant else "cute-default", config=config)
         self.variant = variant
+        self.order = order
         self._ctas_per_sm = ctas_per_sm
 
     @classmethod
     def from_option(cls, option: str) -> "KVOuterCuteBackend":
-        """kv-outer-cute@GEN: the kernel generation GEN in every dtype it is built for."""
-        if option not in VARIANTS:
-            raise ValueError(f"kv-outer-cute has no kernel generation {option!r} (have {', '.join(VARIANTS)})")
-        return cls(variant=option)
+        """kv-outer-cute@GEN: the kernel generation GEN in every dtype it is built for; @GEN+phases (or
+        @phases, each dtype's default generation) with the scheduler's phased tile order."""
+        variant, _, order = option.partition("+")
+        if variant in ORDER_OPTIONS and not order:
+            variant, order = "", variant
+        if variant and variant not in VARIANTS:
+            raise ValueError(f"kv-outer-cute has no kernel generation {variant!r} (have {', '.join(VARIANTS)})")
+        if order and order not in ORDER_OPTIONS:
+            raise ValueError(f"kv-outer-cute has no tile order {order!r} (have {', '.join(ORDER_OPTIONS)})")
+        return cls(variant=variant or None, order=order or None)
 
     def variant_for(self, dtype: str) -> str:
         return self.variant or default_variant(dtype)
@@ -165,6 +180,8 @@ class KVOuterCuteBackend(KVOuterBackend):
     def resolved_config(self, w):
         """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size)."""
         cfg = self.config or cute_kv_config(w.dtype, self.ctas_for(w.dtype))
+        if self.order:
+            cfg = cfg.with_(**ORDER_OPTIONS[self.order])
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 
