@@ -93,29 +93,37 @@ def store_zeros(t: torch.Tensor, block: int = 8192) -> None:
     store_zeros_kernel[(triton.cdiv(words.numel(), block),)](words, words.numel(), BLOCK=block)
 
 
-class ColdTimer:
-    """Replays of one callable, the L2 flushed (a 2 x L2 write) before each sample: from a CUDA graph
-    (the harness protocol), or eagerly (graph=False: a graph turns torch's copy_ into a memcpy node
-    that the copy engines run, which is not what a kernel's stores see)."""
+class Repeater:
+    """One callable, run once and then launched again and again: replayed from a CUDA graph captured
+    after that first run (graph=True; the stage's ctypes launch is then one replay), or called eagerly
+    (a graph turns torch's copy_ into a memcpy node that the copy engines run, which is not what a
+    kernel's stores see)."""
 
-    def __init__(self, fn, device, graph: bool = True):
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device)
+    def __init__(self, fn, graph: bool):
         fn()
         torch.cuda.synchronize()
-        self.fn = fn
-        self.graph = None
+        self.fn, self.graph = fn, None
         if graph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 fn()
             torch.cuda.synchronize()
 
-    def _call(self) -> None:
+    def __call__(self) -> None:
         if self.graph is not None:
             self.graph.replay()
         else:
             self.fn()
+
+
+class ColdTimer:
+    """Launches of one callable (Repeater: from a CUDA graph, the harness protocol, or eagerly), the L2
+    flushed (a 2 x L2 write) before each sample."""
+
+    def __init__(self, fn, device, graph: bool = True):
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device)
+        self._call = Repeater(fn, graph)
 
     def median_s(self, reps: int, warmup: int = 3) -> float:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bounds_gpu import PARTIALS, ColdTimer, plan_for, store_zeros  # noqa: E402
+from bounds_gpu import PARTIALS, ColdTimer, Repeater, plan_for, store_zeros  # noqa: E402
 from cute_gpu import PERF, TARGET_TFLOPS, gpu_environment, perf_workload, useful_flops  # noqa: E402
 
 from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
@@ -54,27 +54,6 @@ from msa_bench.roofline.energy import EnergyBudget, above_idle_j  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.01
 MATMUL_N = 8192           # 2 x 8192^3 = 2^40 FLOPs = the perf point's useful FLOPs
-
-
-class Repeater:
-    """One callable launched back to back; from a CUDA graph where graph=True (the stage's ctypes
-    launch is then one replay)."""
-
-    def __init__(self, fn, graph: bool = False):
-        fn()
-        torch.cuda.synchronize()
-        self.fn, self.graph = fn, None
-        if graph:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                fn()
-            torch.cuda.synchronize()
-
-    def __call__(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.fn()
 
 
 def energy_of(call, tel, seconds: float, sync=None) -> dict:
@@ -130,7 +109,6 @@ def dense_matmul(dtype: str, device):
         return lambda: torch.matmul(a, b, out=c)
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)   # b8.t() is the column-major B _scaled_mm wants
     one = torch.ones((), device=device, dtype=torch.float32)
-    del a, b
     return lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
@@ -155,7 +133,7 @@ def build_items(dtype: str, impls: list[str], aliases: list[int], log) -> tuple[
     flops = useful_flops(w)
     items, errors = {}, {}
     mm = dense_matmul(dtype, w.device)
-    items["matmul"] = (Repeater(mm), None)
+    items["matmul"] = (Repeater(mm, graph=False), None)
     first = None
     for impl in impls:
         try:
@@ -177,8 +155,8 @@ def build_items(dtype: str, impls: list[str], aliases: list[int], log) -> tuple[
     if first is not None:
         b = first.buffers
         write = lambda: [store_zeros(b[k]) for k in PARTIALS]  # noqa: E731
-        items["write"] = (Repeater(write), None)
-        items["matmul+write"] = (Repeater(two_streams(mm, write)), None)
+        items["write"] = (Repeater(write, graph=False), None)
+        items["matmul+write"] = (Repeater(two_streams(mm, write), graph=False), None)
         items["_partial_bytes"] = sum(b[k].numel() * b[k].element_size() for k in PARTIALS)
     return items, errors, flops
 

@@ -92,3 +92,15 @@ def test_gpu_environment_exports_the_build_dir(monkeypatch, tmp_path):
     env = cute_gpu.gpu_environment(str(tmp_path), lines.append)
     assert env["build_dir"] == str(tmp_path.resolve()) and cute_gpu.os.environ["MSA_BENCH_CUTE_DIR"] == str(tmp_path.resolve())
     assert len(lines) == 1 and lines[0].startswith("H200 (132 SMs)") and "source hash" in lines[0]
+
+
+def test_repeater_runs_once_then_on_every_call(monkeypatch):
+    """The launcher bounds_gpu and energy_gpu share: one run at construction (before any capture), then
+    one per call; eager here (graph capture needs the GPU, which the GPU runs exercise)."""
+    monkeypatch.setattr(bounds_gpu.torch.cuda, "synchronize", lambda: None)
+    calls = []
+    r = bounds_gpu.Repeater(lambda: calls.append(1), graph=False)
+    assert len(calls) == 1 and r.graph is None
+    r()
+    r()
+    assert len(calls) == 3
