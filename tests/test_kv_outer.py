@@ -278,21 +278,27 @@ def test_closed_form_schedule_equals_the_sorted_one(case, phases, num_ctas):
         assert torch.equal(getattr(fast, name), getattr(general, name)), name
 
 
-def test_closed_form_phases_when_a_head_has_no_tiles():
-    """With one KV head empty, a key cut between two CTAs' parts lies at adjacent positions and its run
-    continues across the CTA boundary: the run ends must say so, as the sorted path's do."""
+def test_closed_form_schedules_fuzzed_against_the_sorted_path():
+    """Random small selections (1-3 KV heads, padding, every third with a KV head that has no tiles,
+    tile_q 1-3, 1-9 CTAs), both closed forms against the sorted path, buffer for buffer. The empty head
+    is the case s8-call8's masked check caught: a key cut between two CTAs' parts then lies at adjacent
+    positions, and its run continues across the CTA boundary."""
     from msa_bench.kernels.kv_outer.index_map import IndexMap
     from msa_bench.kernels.kv_outer.scheduler import Schedule
-    g = torch.Generator().manual_seed(0)
-    pages = torch.randint(0, 7, (2, 11, 3), generator=g).int()
-    pages[torch.rand(2, 11, 3, generator=g) < 0.3] = -1
-    pages[1] = -1
-    m = IndexMap(pages, 7, 2)
-    m()
-    for num_ctas in (2, 3, 5):
-        fast, general = Schedule(m, num_ctas, phases=True), Schedule(m, num_ctas, phases=True)
-        general.closed_form = False
-        fast()
-        general()
-        for name in ("tile_key", "tile_edge", "tile_count", "tile_run_end", "cta_range", "combine_index"):
-            assert torch.equal(getattr(fast, name), getattr(general, name)), (num_ctas, name)
+    g = torch.Generator().manual_seed(2)
+    for trial in range(12):
+        hkv, n, num_pages = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 4), (2, 14), (2, 8)))
+        pages = torch.randint(0, num_pages, (hkv, n, 3), generator=g).int()
+        pages[torch.rand(hkv, n, 3, generator=g) < 0.3] = -1
+        if trial % 3 == 0:
+            pages[int(torch.randint(0, hkv, (1,), generator=g))] = -1
+        m = IndexMap(pages, num_pages, int(torch.randint(1, 4, (1,), generator=g)))
+        m()
+        for num_ctas in (1, 3, 5, 9):
+            for phases in (False, True):
+                fast, general = Schedule(m, num_ctas, phases=phases), Schedule(m, num_ctas, phases=phases)
+                general.closed_form = False
+                fast()
+                general()
+                for name in ("tile_key", "tile_edge", "tile_count", "tile_run_end", "cta_range", "combine_index"):
+                    assert torch.equal(getattr(fast, name), getattr(general, name)), (trial, num_ctas, phases, name)

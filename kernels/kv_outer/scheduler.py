@@ -32,8 +32,8 @@ equal work up to the K/V loads at run boundaries.
 Key order and the phased deal at q_ranges 1 need no sort: every position follows from the tile
 pointers in closed form, so one Triton pass (schedule_tiles_kernel) writes the tiles and the CTA
 ranges (and key order's run ends); for the phased deal the run ends follow from the placed keys and a
-second pass rewrites the combine index. The other grouped
-orders sort with torch.
+second pass rewrites the combine index. The other orders take the general torch path (a stable sort
+by group, then the deal), which lays out every order and is the tests' oracle for the closed forms.
 """
 from __future__ import annotations
 
@@ -171,10 +171,7 @@ class Schedule:
             first = torch.where(real, first, zero)
             count = torch.where(real, count, zero)
             group = self._group(kc, first, real)
-            if self.phases and self.q_ranges == 1:
-                order = self._tiles.long()          # head-major already: each head is one group
-            else:
-                order = self._by_group(group)
+            order = self._by_group(group)
             if self.phases:
                 order = self._phase(order, group[order], total)
             elif self.order_chunk:
