@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -218,35 +219,66 @@ def measure_dtype(dtype: str, impls: list[str], aliases: list[int], rounds: int,
     return rec
 
 
+ENERGY_POLL_S = 0.01       # NVML polls while energy_of runs
+
+
+def energy_of(call, tel, seconds: float = 0.0, sync=None, launches: int | None = None) -> dict:
+    """Joules, seconds, mean power and clocks per launch of `call`, run back to back between two reads
+    of the board's energy counter (NVML) after three warm-up launches: `launches` of them, or as many
+    as fill about `seconds` (timed from three more)."""
+    sync = sync or torch.cuda.synchronize
+    for _ in range(3):
+        call()
+    sync()
+    if launches is None:
+        t0 = time.perf_counter()
+        for _ in range(3):
+            call()
+        sync()
+        per = max((time.perf_counter() - t0) / 3, 1e-6)
+        launches = max(5, math.ceil(seconds / per))
+    poller = Poller(tel.sample, interval_s=ENERGY_POLL_S).start()
+    e0, t0 = tel.energy_j(), time.perf_counter()
+    for _ in range(launches):
+        call()
+    sync()
+    e1, t1 = tel.energy_j(), time.perf_counter()
+    polls = poller.stop()
+    rec = {"launches": launches, "joules_per_launch": (e1 - e0) / launches, "s_per_launch": (t1 - t0) / launches,
+           "mean_power_w": (e1 - e0) / (t1 - t0)}
+    if polls:
+        clocks = [p["sm_clock_mhz"] for p in polls]
+        rec.update(sm_clock_mean_mhz=statistics.fmean(clocks), sm_clock_min_mhz=min(clocks), polls=len(polls),
+                   slowdown_poll_share=sum(is_throttled(int(p["clock_event_reasons"])) for p in polls) / len(polls),
+                   power_max_w=max(p["power_w"] for p in polls))
+    return rec
+
+
 def measure_energy(rec: dict, plans: dict, timers: dict, tel, launches: int, flops: float, log) -> None:
     """Energy per stage launch with the real csr_query: `launches` warm graph replays back to back
-    between two reads of the board's energy counter (NVML), with the SM clock polled meanwhile. At
-    the power cap, time per launch is about energy per launch over the cap's power."""
+    (energy_of). At the power cap, time per launch is about energy per launch over the cap's power."""
     if not tel.available or tel.energy_j() is None:
         rec["energy"] = "unavailable: NVML has no energy counter here"
         log(f"{rec['dtype']:4s} energy: NVML has no energy counter here")
         return
     rec["energy"] = {}
     for impl in plans:
-        timer = timers[impl]
-        for _ in range(3):
-            timer._call()
-        torch.cuda.synchronize()
-        poller = Poller(tel.sample, interval_s=POLL_S).start()
-        e0, t0 = tel.energy_j(), time.perf_counter()
-        for _ in range(launches):
-            timer._call()
-        torch.cuda.synchronize()
-        e1, t1 = tel.energy_j(), time.perf_counter()
-        clocks = [p["sm_clock_mhz"] for p in poller.stop()]
-        joules = (e1 - e0) / launches
-        rec["energy"][impl] = {"launches": launches, "joules_per_launch": joules, "s_per_launch": (t1 - t0) / launches,
-                               "mean_power_w": (e1 - e0) / (t1 - t0), "gflop_per_joule": flops / joules / 1e9,
-                               "sm_clock_mean_mhz": statistics.fmean(clocks) if clocks else None}
-        e = rec["energy"][impl]
-        log(f"{rec['dtype']:4s} energy {impl:14s} {joules:6.3f} J per launch over {launches} warm launches, "
+        e = energy_of(timers[impl]._call, tel, launches=launches)
+        e["gflop_per_joule"] = flops / e["joules_per_launch"] / 1e9
+        rec["energy"][impl] = e
+        log(f"{rec['dtype']:4s} energy {impl:14s} {e['joules_per_launch']:6.3f} J per launch over {launches} warm launches, "
             f"{e['s_per_launch'] * 1e3:.3f} ms each at {e['mean_power_w']:.0f} W mean "
-            f"({e['gflop_per_joule']:.0f} GFLOP/J; SM clock {e['sm_clock_mean_mhz'] or 0:.0f} MHz)")
+            f"({e['gflop_per_joule']:.0f} GFLOP/J; SM clock {e.get('sm_clock_mean_mhz', 0):.0f} MHz)")
+
+
+def parse_aliases(text: str, log) -> list[int] | None:
+    """--alias: comma-separated query index moduli (0: the real csr_query); None after one logged error
+    line. Callers check the range with their other arguments."""
+    try:
+        return [int(a) for a in text.split(",") if a]
+    except ValueError:
+        log(f"error: --alias wants integers, got {text!r}")
+        return None
 
 
 def main(argv=None) -> int:
@@ -265,10 +297,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = Log(out / "bounds_gpu.log")
-    try:
-        aliases = [int(a) for a in args.alias.split(",") if a]
-    except ValueError:
-        log(f"error: --alias wants integers, got {args.alias!r}")
+    aliases = parse_aliases(args.alias, log)
+    if aliases is None:
         return 2
     if any(a < 0 for a in aliases) or args.rounds < 1 or args.reps < 1 or args.energy_launches < 0:
         log("error: --alias values must be >= 0, --rounds and --reps >= 1, --energy-launches >= 0")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bounds_gpu import PARTIALS, ColdTimer, Repeater, plan_for, store_zeros  # noqa: E402
+from bounds_gpu import PARTIALS, ColdTimer, Repeater, energy_of, parse_aliases, plan_for, store_zeros  # noqa: E402
 from cute_gpu import PERF, TARGET_TFLOPS, gpu_environment, perf_workload, useful_flops  # noqa: E402
 
 from msa_bench.harness.tee_log import TeeLog as Log  # noqa: E402
@@ -52,37 +51,8 @@ from msa_bench.harness.telemetry import Poller, is_throttled, open_telemetry  # 
 from msa_bench.roofline.energy import EnergyBudget, above_idle_j  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-POLL_S = 0.01
+BURST_POLL_S = 0.005      # NVML polls during a burst (energy_of polls at bounds_gpu.ENERGY_POLL_S)
 MATMUL_N = 8192           # 2 x 8192^3 = 2^40 FLOPs = the perf point's useful FLOPs
-
-
-def energy_of(call, tel, seconds: float, sync=None) -> dict:
-    """Joules, seconds, mean power and clocks per launch of `call`, run back to back for about `seconds`."""
-    sync = sync or torch.cuda.synchronize
-    for _ in range(3):
-        call()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        call()
-    sync()
-    per = max((time.perf_counter() - t0) / 3, 1e-6)
-    launches = max(5, math.ceil(seconds / per))
-    poller = Poller(tel.sample, interval_s=POLL_S).start()
-    e0, t0 = tel.energy_j(), time.perf_counter()
-    for _ in range(launches):
-        call()
-    sync()
-    e1, t1 = tel.energy_j(), time.perf_counter()
-    polls = poller.stop()
-    rec = {"launches": launches, "joules_per_launch": (e1 - e0) / launches, "s_per_launch": (t1 - t0) / launches,
-           "mean_power_w": (e1 - e0) / (t1 - t0)}
-    if polls:
-        clocks = [p["sm_clock_mhz"] for p in polls]
-        rec.update(sm_clock_mean_mhz=statistics.fmean(clocks), sm_clock_min_mhz=min(clocks), polls=len(polls),
-                   slowdown_poll_share=sum(is_throttled(int(p["clock_event_reasons"])) for p in polls) / len(polls),
-                   power_max_w=max(p["power_w"] for p in polls))
-    return rec
 
 
 def idle_power(tel, seconds: float, settle_s: float = 1.0) -> dict:
@@ -126,12 +96,12 @@ def two_streams(first, second):
     return both
 
 
-def build_items(dtype: str, impls: list[str], aliases: list[int], log) -> tuple[dict, dict, float]:
+def build_items(dtype: str, impls: list[str], aliases: list[int], log) -> tuple[dict, dict, float, int | None]:
     """The callables of one dtype: {name: (Repeater, setup)}, where setup() puts the plan's csr_query in
-    place for an aliased item; also the per-item errors and the useful FLOPs."""
+    place for an aliased item; also the per-item errors, the useful FLOPs and the partials' bytes."""
     w = perf_workload(dtype, "cuda")
     flops = useful_flops(w)
-    items, errors = {}, {}
+    items, errors, partial_bytes = {}, {}, None
     mm = dense_matmul(dtype, w.device)
     items["matmul"] = (Repeater(mm, graph=False), None)
     first = None
@@ -157,15 +127,15 @@ def build_items(dtype: str, impls: list[str], aliases: list[int], log) -> tuple[
         write = lambda: [store_zeros(b[k]) for k in PARTIALS]  # noqa: E731
         items["write"] = (Repeater(write, graph=False), None)
         items["matmul+write"] = (Repeater(two_streams(mm, write), graph=False), None)
-        items["_partial_bytes"] = sum(b[k].numel() * b[k].element_size() for k in PARTIALS)
-    return items, errors, flops
+        partial_bytes = sum(b[k].numel() * b[k].element_size() for k in PARTIALS)
+    return items, errors, flops, partial_bytes
 
 
 def burst_of(timer: ColdTimer, tel, reps: int, rest_s: float) -> dict:
     """The harness protocol after `rest_s` idle: median of `reps` launches, each after an L2 flush."""
     torch.cuda.synchronize()
     time.sleep(rest_s)
-    poller = Poller(tel.sample, interval_s=POLL_S / 2).start()
+    poller = Poller(tel.sample, interval_s=BURST_POLL_S).start()
     s = timer.median_s(reps)
     polls = poller.stop()
     rec = {"s": s}
@@ -177,8 +147,7 @@ def burst_of(timer: ColdTimer, tel, reps: int, rest_s: float) -> dict:
 
 def measure_dtype(dtype: str, impls, aliases, rounds: int, seconds: float, tel, idle_w: float, limit_w: float,
                   log, reps: int = 20, rest_s: float = 0.5) -> dict:
-    items, errors, flops = build_items(dtype, impls, aliases, log)
-    partial_bytes = items.pop("_partial_bytes", None)
+    items, errors, flops, partial_bytes = build_items(dtype, impls, aliases, log)
     rec = {"dtype": dtype, **PERF, "useful_flops": flops, "target_tflops": TARGET_TFLOPS[dtype],
            "partial_bytes": partial_bytes, "errors": errors, "samples": {}}
     timers = {}
@@ -259,10 +228,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = Log(out / "energy_gpu.log")
-    try:
-        aliases = [int(a) for a in args.alias.split(",") if a]
-    except ValueError:
-        log(f"error: --alias wants integers, got {args.alias!r}")
+    aliases = parse_aliases(args.alias, log)
+    if aliases is None:
         return 2
     if any(a < 0 for a in aliases) or args.rounds < 1 or args.reps < 1 or args.seconds <= 0 or args.idle_s <= 0 \
             or args.rest < 0:

@@ -54,8 +54,8 @@ def test_energy_per_launch_from_the_counter(monkeypatch):
             self.reads = iter([100.0, 100.0, 107.0])       # the availability probe, then before and after
         def energy_j(self):
             return next(self.reads)
-        def sample(self):
-            return {"sm_clock_mhz": 1800.0}
+        def sample(self):          # a real NVML sample's keys
+            return {"sm_clock_mhz": 1800.0, "clock_event_reasons": 0x4, "power_w": 690.0}
 
     class FakeTimer:
         calls = 0
