@@ -269,7 +269,7 @@ def sweep(
     context: str = typer.Option(None, help="Override context length in tokens, comma-separated."),
     skew: str = typer.Option(None, help="Override selection skew (Zipf exponent, 0 = uniform), comma-separated."),
     dtype: str = typer.Option(None, help="Override data dtypes, comma-separated: bf16, fp8, fp16, fp32."),
-    backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@GEN runs CuTe kernel generation GEN (e.g. kv-outer-cute@v10) next to the default; @GEN+phases (or @phases) also deals the tiles to the CTAs in phases, one KV head at a time."),
+    backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@GEN runs CuTe kernel generation GEN (e.g. kv-outer-cute@v10) next to the default; @GEN+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles)."),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Override causal (chunked prefill) or not."),
     generator: str = typer.Option(None, help="Override the selection generator."),
     out: str = typer.Option(None, help="Run folder (default results/runs/<scenario>-<UTC time>)."),

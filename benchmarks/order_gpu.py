@@ -50,9 +50,8 @@ def parse_orders(text: str) -> list[tuple[int, int | str]]:
 
 
 def backend_for(impl: str, dtype: str, order: tuple[int, int]):
-    from msa_bench.kernels.kv_outer.config import default_config
-    s, k = order
-    kw = dict(q_ranges=s, order_chunk=0, order_phases=True) if k == "p" else dict(q_ranges=s, order_chunk=k)
+    from msa_bench.kernels.kv_outer.config import default_config, tile_order
+    kw = tile_order(order_label(order))
     if impl == "triton":
         from msa_bench.kernels.kv_outer.backend import KVOuterBackend
         return KVOuterBackend(config=default_config(dtype).with_(**kw))

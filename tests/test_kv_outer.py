@@ -259,17 +259,21 @@ def test_chunk_size_shrinks_to_fill_the_gpu_on_short_prefills():
     assert fill_chunk(0, 10, 132) == 0                      # persistent mode untouched
 
 
+ORDERS = [(1, 0, False), (1, 0, True), (2, 0, False), (2, 0, True), (3, 2, False), (1, 3, False)]   # (S, k, phases)
+
+
 @pytest.mark.parametrize("case", ["random-padded-2req", "causal-local"])
-@pytest.mark.parametrize("phases,num_ctas", [(False, 3), (True, 3), (True, 5), (False, 7)])
-def test_closed_form_schedule_equals_the_sorted_one(case, phases, num_ctas):
-    """Key order and head phases come from one Triton pass (positions in closed form); the general
-    torch path (sort, deal) lays out the same order, buffer for buffer."""
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("num_ctas", [3, 7])
+def test_closed_form_schedule_equals_the_sorted_one(case, order, num_ctas):
+    """Every order comes from the Triton passes (positions in closed form); the general torch path
+    (sort, deal) lays out the same order, buffer for buffer."""
     from msa_bench.kernels.kv_outer.index_map import IndexMap
     from msa_bench.kernels.kv_outer.scheduler import Schedule
     w = workload(case, "fp32")
     m = IndexMap(w.pages, w.num_pages, 2)
     m()
-    fast, general = Schedule(m, num_ctas, phases=phases), Schedule(m, num_ctas, phases=phases)
+    fast, general = Schedule(m, num_ctas, *order), Schedule(m, num_ctas, *order)
     general.closed_form = False
     assert fast.closed_form
     fast()
@@ -280,9 +284,10 @@ def test_closed_form_schedule_equals_the_sorted_one(case, phases, num_ctas):
 
 def test_closed_form_schedules_fuzzed_against_the_sorted_path():
     """Random small selections (1-3 KV heads, padding, every third with a KV head that has no tiles,
-    tile_q 1-3, 1-9 CTAs), both closed forms against the sorted path, buffer for buffer. The empty head
-    is the case s8-call8's masked check caught: a key cut between two CTAs' parts then lies at adjacent
-    positions, and its run continues across the CTA boundary."""
+    tile_q 1-3, 1-9 CTAs), every order against the sorted path, buffer for buffer. The empty head is
+    the case s8-call8's masked check caught: a key cut between two CTAs' parts then lies at adjacent
+    positions, and its run continues across the CTA boundary. With query ranges a key's tiles fall in
+    several groups, and runs can also join across groups."""
     from msa_bench.kernels.kv_outer.index_map import IndexMap
     from msa_bench.kernels.kv_outer.scheduler import Schedule
     g = torch.Generator().manual_seed(2)
@@ -292,13 +297,13 @@ def test_closed_form_schedules_fuzzed_against_the_sorted_path():
         pages[torch.rand(hkv, n, 3, generator=g) < 0.3] = -1
         if trial % 3 == 0:
             pages[int(torch.randint(0, hkv, (1,), generator=g))] = -1
-        m = IndexMap(pages, num_pages, int(torch.randint(1, 4, (1,), generator=g)))
+        m = IndexMap(pages.to(DEVICE), num_pages, int(torch.randint(1, 4, (1,), generator=g)))
         m()
         for num_ctas in (1, 3, 5, 9):
-            for phases in (False, True):
-                fast, general = Schedule(m, num_ctas, phases=phases), Schedule(m, num_ctas, phases=phases)
+            for order in ORDERS:
+                fast, general = Schedule(m, num_ctas, *order), Schedule(m, num_ctas, *order)
                 general.closed_form = False
                 fast()
                 general()
                 for name in ("tile_key", "tile_edge", "tile_count", "tile_run_end", "cta_range", "combine_index"):
-                    assert torch.equal(getattr(fast, name), getattr(general, name)), (trial, num_ctas, phases, name)
+                    assert torch.equal(getattr(fast, name), getattr(general, name)), (trial, num_ctas, order, name)

@@ -269,7 +269,8 @@ def test_empty_unit_folders_are_not_finished_units(smoke_run, tmp_path):
 
 def test_cute_backend_option_takes_a_tile_order():
     """kv-outer-cute@v23+phases: generation v23 with the scheduler's phased order; @phases: the
-    defaults' generations with it; anything else after + is one clear error."""
+    defaults' generations with it; @v23+2:p and @4:8 grouped orders; anything else after + is one clear
+    error."""
     from msa_bench.harness.selection import synthetic_workload
     from msa_bench.harness.workload import AttnShape
     from msa_bench.kernels.base import get_backend
@@ -282,7 +283,11 @@ def test_cute_backend_option_takes_a_tile_order():
     cfg = b.resolved_config(w)
     assert cfg.order_phases and cfg.order_chunk == 0 and cfg.q_ranges == 1
     assert not get_backend("kv-outer-cute@v23").resolved_config(w).order_phases
-    with pytest.raises(KeyError, match="no tile order 'chunks'"):
+    two = get_backend("kv-outer-cute@v23+2:p").resolved_config(w)
+    assert two.q_ranges == 2 and two.order_phases and two.order_chunk == 0
+    four = get_backend("kv-outer-cute@4:8")
+    assert four.variant is None and (four.resolved_config(w).q_ranges, four.resolved_config(w).order_chunk) == (4, 8)
+    with pytest.raises(KeyError, match="tile order 'chunks' is not S:k"):
         get_backend("kv-outer-cute@v23+chunks")
     with pytest.raises(KeyError, match="no kernel generation 'v99'"):
         get_backend("kv-outer-cute@v99+phases")

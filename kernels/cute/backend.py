@@ -11,7 +11,7 @@ import torch
 
 from ..base import BackendUnavailable, register
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
-from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas
+from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas, tile_order
 from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, SUPPORTED_ARCHS, TRACE_VARIANTS,
                        VARIANT_CTAS, VARIANTS, CuteConfig, device_arch, find_library, fp8_v_key_order)
 
@@ -131,9 +131,6 @@ def cute_default_attention(workload, buffers: dict, config):
 
 
 # kv-outer-cute@...+ORDER: a scheduler tile order instead of key order (docs/perf-log.md, eighth session)
-ORDER_OPTIONS = {"phases": dict(order_phases=True)}
-
-
 @register("kv-outer-cute")
 class KVOuterCuteBackend(KVOuterBackend):
     name = "kv-outer-cute"
@@ -142,12 +139,11 @@ class KVOuterCuteBackend(KVOuterBackend):
 
     def __init__(self, config=None, ctas_per_sm: int | None = None, variant: str | None = None,
                  order: str | None = None):
-        """variant None: each dtype's default generation (DEFAULT_VARIANTS); order: a key of ORDER_OPTIONS
-        (None: key order)."""
+        """variant None: each dtype's default generation (DEFAULT_VARIANTS); order: the scheduler's tile
+        order in config.tile_order's notation (None: key order)."""
         if variant is not None and variant not in VARIANTS:
             raise ValueError(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")
-        if order is not None and order not in ORDER_OPTIONS:
-            raise ValueError(f"unknown tile order {order!r} (have {', '.join(ORDER_OPTIONS)})")
+        self._order_fields = tile_order(order) if order else {}
         super().__init__(attention_impl=attention_impl_name(variant) if variant else "cute-default", config=config)
         self.variant = variant
         self.order = order
@@ -155,15 +151,14 @@ class KVOuterCuteBackend(KVOuterBackend):
 
     @classmethod
     def from_option(cls, option: str) -> "KVOuterCuteBackend":
-        """kv-outer-cute@GEN: the kernel generation GEN in every dtype it is built for; @GEN+phases (or
-        @phases, each dtype's default generation) with the scheduler's phased tile order."""
+        """kv-outer-cute@GEN: the kernel generation GEN in every dtype it is built for; @GEN+ORDER (or
+        @ORDER, each dtype's default generation) with the scheduler's tile order ORDER: phases, S:p
+        (S query ranges dealt in phases), S:k (dealt in chunks of k tiles) or S."""
         variant, _, order = option.partition("+")
-        if variant in ORDER_OPTIONS and not order:
+        if not order and variant not in VARIANTS and (variant == "phases" or variant[:1].isdigit()):
             variant, order = "", variant
         if variant and variant not in VARIANTS:
             raise ValueError(f"kv-outer-cute has no kernel generation {variant!r} (have {', '.join(VARIANTS)})")
-        if order and order not in ORDER_OPTIONS:
-            raise ValueError(f"kv-outer-cute has no tile order {order!r} (have {', '.join(ORDER_OPTIONS)})")
         return cls(variant=variant or None, order=order or None)
 
     def variant_for(self, dtype: str) -> str:
@@ -180,8 +175,8 @@ class KVOuterCuteBackend(KVOuterBackend):
     def resolved_config(self, w):
         """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size)."""
         cfg = self.config or cute_kv_config(w.dtype, self.ctas_for(w.dtype))
-        if self.order:
-            cfg = cfg.with_(**ORDER_OPTIONS[self.order])
+        if self._order_fields:
+            cfg = cfg.with_(**self._order_fields)
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 

@@ -66,3 +66,18 @@ def resolve_num_ctas(config: KVOuterConfig, device) -> int:
         return CPU_NUM_CTAS
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     return sms * config.ctas_per_sm
+
+
+def tile_order(text: str) -> dict:
+    """The scheduler's tile order in the benchmarks' notation, as config fields: "S:k" = q_ranges S dealt
+    in chunks of k tiles (k 0: contiguous slices), "S:p" = q_ranges S dealt in phases, "phases" = "1:p",
+    "S" = "S:0". Raises ValueError with the notation on anything else."""
+    ranges, _, deal = ("1:p" if text == "phases" else text).partition(":")
+    try:
+        s = int(ranges)
+        k = 0 if deal == "p" else int(deal or 0)
+    except ValueError:
+        s = k = -1
+    if s < 1 or k < 0:
+        raise ValueError(f"tile order {text!r} is not S:k, S:p or phases (S >= 1 query ranges, k >= 0 tiles per chunk)")
+    return dict(q_ranges=s, order_chunk=k, order_phases=deal == "p")

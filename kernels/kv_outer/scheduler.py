@@ -29,11 +29,14 @@ Two orders:
 Every tile costs one full TILE_Q x G MMA pair whatever its query count, so equal tile counts are
 equal work up to the K/V loads at run boundaries.
 
-Key order and the phased deal at q_ranges 1 need no sort: every position follows from the tile
-pointers in closed form, so one Triton pass (schedule_tiles_kernel) writes the tiles and the CTA
-ranges (and key order's run ends); for the phased deal the run ends follow from the placed keys and a
-second pass rewrites the combine index. The other orders take the general torch path (a stable sort
-by group, then the deal), which lays out every order and is the tests' oracle for the closed forms.
+No order needs a sort: every position follows from the tile pointers in closed form. With one query
+range the index map's head-major tiles are the grouped order already; with S ranges a first pass
+(range_tiles_kernel) counts each key's tiles per range (a binary search in its ascending query list)
+and a prefix sum over those counts, laid out group-major, gives every (group, key) run its first
+position. One more pass (schedule_tiles_kernel) places the tiles, deals them and writes the CTA ranges
+(and key order's run ends); a grouped order's run ends follow from the placed keys and a last pass
+rewrites the combine index. The general torch path (a stable sort by group, then the deal) lays out
+every order too, and is the tests' oracle for the closed forms.
 """
 from __future__ import annotations
 
@@ -48,14 +51,50 @@ REINDEX_BLOCK = 2048        # combine-index entries per program of reindex_kerne
 
 
 @triton.jit
-def schedule_tiles_kernel(tile_ptr, csr_ptr, tile_key, tile_edge, tile_count, tile_run_end, position, cta_range,
-                          n_tiles, num_keys, num_pages, num_ctas, HKV: tl.constexpr, TILE_Q: tl.constexpr,
-                          PHASES: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
+def range_tiles_kernel(csr_ptr, tile_ptr, csr_query, below, count, num_keys, num_pages, n_tokens, q_ranges,
+                       TILE_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per key k = (head h, page) and query range r (query n is in range n * S // N):
+    below[k, r] = k's tiles whose first query lies in an earlier range (its list is ascending, so those
+    tiles come first), and count[(h * S + r) * num_pages + page] = k's tiles in range r: group-major, so
+    its prefix sum is every (group, key) run's first position in the grouped order."""
+    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = k < num_keys
+    lo0 = tl.load(csr_ptr + k, mask=live, other=0)
+    hi0 = tl.load(csr_ptr + k + 1, mask=live, other=0)
+    n_key_tiles = tl.load(tile_ptr + k + 1, mask=live, other=0) - tl.load(tile_ptr + k, mask=live, other=0)
+    h = k // num_pages
+    page = k - h * num_pages
+    prev = tl.zeros([BLOCK], tl.int32)
+    for r in range(1, q_ranges + 1):
+        lo = lo0                                   # first list entry with query * S >= r * N
+        hi = hi0
+        bound = (tl.zeros([BLOCK], tl.int64) + r) * n_tokens
+        for _ in tl.static_range(SEARCH_STEPS):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            q = tl.load(csr_query + mid, mask=live & active, other=0).to(tl.int64)
+            less = q * q_ranges < bound
+            lo = tl.where(active & less, mid + 1, lo)
+            hi = tl.where(active & ~less, mid, hi)
+        cur = tl.where(r < q_ranges, (lo - lo0 + TILE_Q - 1) // TILE_Q, n_key_tiles)
+        tl.store(below + k * q_ranges + r - 1, prev, mask=live)
+        tl.store(count + ((h * q_ranges + r - 1) * num_pages + page), cur - prev, mask=live)
+        prev = cur
+
+
+@triton.jit
+def schedule_tiles_kernel(tile_ptr, csr_ptr, csr_query, group_start, below, tile_key, tile_edge, tile_count,
+                          tile_run_end, position, cta_range, n_tiles, num_keys, num_pages, n_tokens, q_ranges,
+                          num_ctas, order_chunk, HKV: tl.constexpr, TILE_Q: tl.constexpr, GROUPED: tl.constexpr,
+                          DEAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
                           BLOCK_C: tl.constexpr):
-    """Index-map tile t -> its position: t itself (key order), or, with PHASES, CTA c's slot for it when
-    every KV head's tiles are cut into num_ctas equal contiguous parts, part c of each head going to
-    CTA c, its parts end to end in head order. Part c of head h covers the head's tiles
-    [c T_h // C, (c + 1) T_h // C), so CTA c starts at sum_h c T_h // C."""
+    """Index-map tile t -> its position, in two steps.
+    Its place g_pos in the grouped order: t itself with one query range (the index map is head-major),
+    else the (group, key) run start from group_start (range_tiles_kernel's counts, prefix-summed) plus
+    its rank among its key's tiles of that range. Group g = h * S + r starts at group_start[g * num_pages].
+    Then the deal (DEAL): 0 = none (CTA c gets [c T // C, (c + 1) T // C)); 1 = phases (every group cut
+    into C equal contiguous parts, part c of each to CTA c, a CTA's parts end to end in group order);
+    2 = chunks (chunk j of order_chunk tiles to CTA j mod C, a CTA's chunks end to end)."""
     pid = tl.program_id(0)
     t = pid * BLOCK + tl.arange(0, BLOCK)
     live = t < n_tiles
@@ -74,39 +113,62 @@ def schedule_tiles_kernel(tile_ptr, csr_ptr, tile_key, tile_edge, tile_count, ti
     first = tl.load(csr_ptr + key, mask=live, other=0) + (t - key_first) * TILE_Q
     count = tl.minimum(tl.load(csr_ptr + key + 1, mask=live, other=0) - first, TILE_Q)
     C = num_ctas.to(tl.int64)
-    if PHASES:
-        h = key // num_pages
-        head_first = tl.load(tile_ptr + h * num_pages, mask=live, other=0)
-        size = (tl.load(tile_ptr + (h + 1) * num_pages, mask=live, other=1) - head_first).to(tl.int64)
-        r = (t - head_first).to(tl.int64)
+    T = total.to(tl.int64)
+    h = key // num_pages
+    if GROUPED:
+        query = tl.load(csr_query + first, mask=live & real, other=0).to(tl.int64)
+        g = h * q_ranges + (query * q_ranges // n_tokens).to(tl.int32)
+        run_first = tl.load(group_start + g * num_pages + (key - h * num_pages), mask=live & real, other=0)
+        ahead = tl.load(below + key * q_ranges + (g - h * q_ranges), mask=live & real, other=0)
+        g_pos = (run_first + t - key_first - ahead).to(tl.int64)
+    else:
+        g = h
+        g_pos = t.to(tl.int64)
+    groups = HKV * q_ranges
+    if DEAL == 1:
+        g_first = tl.load(group_start + g * num_pages, mask=live & real, other=0)
+        size = (tl.load(group_start + (g + 1) * num_pages, mask=live & real, other=1) - g_first).to(tl.int64)
+        r = g_pos - g_first
         c = ((r + 1) * C - 1) // tl.maximum(size, 1)
         start = tl.zeros([BLOCK], tl.int64)
         before = tl.zeros([BLOCK], tl.int64)
-        for g in tl.static_range(HKV):
-            size_g = (tl.load(tile_ptr + (g + 1) * num_pages) - tl.load(tile_ptr + g * num_pages)).to(tl.int64)
-            start += c * size_g // C
-            before += tl.where(g < h, (c + 1) * size_g // C - c * size_g // C, 0)
-        cut = c * size // C
-        dest = start + before + r - cut
+        for j in range(groups):
+            size_j = (tl.load(group_start + (j + 1) * num_pages) - tl.load(group_start + j * num_pages)).to(tl.int64)
+            start += c * size_j // C
+            before += tl.where(j < g, (c + 1) * size_j // C - c * size_j // C, 0)
+        dest = start + before + r - c * size // C
+    elif DEAL == 2:
+        k = order_chunk.to(tl.int64)
+        full = T // k
+        chunk = g_pos // k
+        c = chunk % C
+        dest = k * ((full // C) * c + tl.minimum(c, full % C)) + tl.where(full % C < c, T % k, 0) \
+            + (chunk // C) * k + g_pos % k
+    else:
+        dest = g_pos
+    if GROUPED or DEAL != 0:
         tl.store(position + t, dest.to(tl.int32), mask=live & real)
     else:
-        dest = t.to(tl.int64)
-        # key order: a key's run ends with its tiles (phases: runs can join across CTA ranges when a
-        # CTA's other parts are empty, so the caller finds their ends after placement)
+        # key order: a key's run ends with its tiles (other orders: runs can join across groups and CTA
+        # ranges, so the caller finds their ends after placement)
         tl.store(tile_run_end + t, tl.where(real, key_end, n_tiles), mask=live)
     dest = tl.where(real, dest, t.to(tl.int64))
     tl.store(tile_key + dest, tl.where(real, key, -1), mask=live)
     tl.store(tile_edge + dest, tl.where(real, first, 0), mask=live)
     tl.store(tile_count + dest, tl.where(real, count, 0), mask=live)
-    if pid == 0:                                   # cta_range[c] = [bound(c), bound(c + 1))
+    if pid == 0:                                   # cta_range[c] = [start(c), start(c) + owned(c))
         cc = tl.arange(0, BLOCK_C).to(tl.int64)
-        if PHASES:
+        if DEAL == 1:
             bound = tl.zeros([BLOCK_C], tl.int64)
-            for g in tl.static_range(HKV):
-                size_g = (tl.load(tile_ptr + (g + 1) * num_pages) - tl.load(tile_ptr + g * num_pages)).to(tl.int64)
-                bound += cc * size_g // C
+            for j in range(groups):
+                size_j = (tl.load(group_start + (j + 1) * num_pages) - tl.load(group_start + j * num_pages)).to(tl.int64)
+                bound += cc * size_j // C
+        elif DEAL == 2:
+            k = order_chunk.to(tl.int64)
+            full = T // k
+            bound = k * ((full // C) * cc + tl.minimum(cc, full % C)) + tl.where(full % C < cc, T % k, 0)
         else:
-            bound = cc * total.to(tl.int64) // C
+            bound = cc * T // C
         tl.store(cta_range + 2 * cc, bound.to(tl.int32), mask=cc < C)
         tl.store(cta_range + 2 * cc - 1, bound.to(tl.int32), mask=(cc >= 1) & (cc <= C))
 
@@ -147,8 +209,12 @@ class Schedule:
         self.combine_index = torch.empty_like(index) if (self.grouped and index is not None) else index
         self._tiles = torch.arange(n, dtype=torch.int32, device=dev)
         self._ctas = torch.arange(num_ctas + 1, dtype=torch.int64, device=dev)
-        self.closed_form = q_ranges == 1 and order_chunk == 0          # key order or head phases
-        self._position = torch.empty(n, dtype=torch.int32, device=dev) if (self.closed_form and phases) else None
+        self.closed_form = True           # False: the sorted torch path (the tests' oracle)
+        self._position = torch.empty(n, dtype=torch.int32, device=dev) if self.grouped else None
+        if q_ranges > 1:                  # range_tiles_kernel's outputs
+            self._below = torch.empty(self.num_keys * q_ranges, dtype=torch.int32, device=dev)
+            self._counts = torch.zeros(self.num_keys * q_ranges + 1, dtype=torch.int32, device=dev)
+            self._group_start = torch.empty_like(self._counts)
 
     def __call__(self) -> None:
         if self.closed_form:
@@ -192,13 +258,25 @@ class Schedule:
 
     def _closed_form(self) -> None:
         m, n = self.m, self._tiles.numel()
-        position = self._position if self._position is not None else self.tile_key   # unused without phases
+        s = self.q_ranges
+        group_start, below = self.tile_ptr, self.tile_ptr               # one range: the heads' tile pointers
+        if s > 1:
+            longest = m.n_tokens * m.topk                                # a key's list is at most every edge
+            range_tiles_kernel[(triton.cdiv(self.num_keys, SCHEDULE_BLOCK),)](
+                self.csr_ptr, self.tile_ptr, m.csr_query, self._below, self._counts[1:], self.num_keys,
+                m.num_pages, m.n_tokens, s, TILE_Q=self.tile_q, SEARCH_STEPS=max(1, longest.bit_length()),
+                BLOCK=SCHEDULE_BLOCK)
+            torch.cumsum(self._counts, 0, dtype=torch.int32, out=self._group_start)
+            group_start, below = self._group_start, self._below
+        position = self._position if self._position is not None else self.tile_key   # unused in key order
+        deal = 1 if self.phases else 2 if self.order_chunk else 0
         schedule_tiles_kernel[(triton.cdiv(n, SCHEDULE_BLOCK),)](
-            self.tile_ptr, self.csr_ptr, self.tile_key, self.tile_edge, self.tile_count, self.tile_run_end,
-            position, self.cta_range, n, self.num_keys, m.num_pages, self.num_ctas, HKV=m.hkv,
-            TILE_Q=self.tile_q, PHASES=self.phases, SEARCH_STEPS=max(1, self.num_keys.bit_length()),
-            BLOCK=SCHEDULE_BLOCK, BLOCK_C=triton.next_power_of_2(self.num_ctas + 1))
-        if self.phases:
+            self.tile_ptr, self.csr_ptr, m.csr_query, group_start, below, self.tile_key, self.tile_edge,
+            self.tile_count, self.tile_run_end, position, self.cta_range, n, self.num_keys, m.num_pages,
+            m.n_tokens, s, self.num_ctas, max(self.order_chunk, 1), HKV=m.hkv, TILE_Q=self.tile_q,
+            GROUPED=s > 1, DEAL=deal, SEARCH_STEPS=max(1, self.num_keys.bit_length()), BLOCK=SCHEDULE_BLOCK,
+            BLOCK_C=triton.next_power_of_2(self.num_ctas + 1))
+        if self.grouped:
             self._run_ends()
             if self.combine_index is not None:
                 src = self.m.combine_index
