@@ -17,7 +17,8 @@ from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS, KVOuterBackend, 
 from msa_bench.kernels.kv_outer.config import KVOuterConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPE = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
+# fp8 MMAs on the GPU reduce over >= 32 elements (check_shape): the same tests there take 32-token blocks
+SHAPE = AttnShape(hq=8, hkv=2, head_dim=32, block=32 if DEVICE == "cuda" else 16, topk=4)
 CPU_DTYPES = ["fp32", "fp16", "fp8"]
 
 CASES = {   # name: (kv_lens, tokens per request, causal, hot, pad, empty)
@@ -307,3 +308,20 @@ def test_closed_form_schedules_fuzzed_against_the_sorted_path():
                 general()
                 for name in ("tile_key", "tile_edge", "tile_count", "tile_run_end", "cta_range", "combine_index"):
                     assert torch.equal(getattr(fast, name), getattr(general, name)), (trial, num_ctas, order, name)
+
+
+def test_run_ends_follow_runs_across_blocks():
+    """run_ends_kernel with 16-position blocks over runs of 1-60 equal keys (padding -1 at the end): the
+    same ends as the sorted path's searchsorted, also for runs that cross one or several blocks."""
+    from msa_bench.kernels.kv_outer.scheduler import run_ends_kernel
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 60, (12,), generator=g).tolist() + [17]
+    key = torch.cat([torch.full((n,), i if i < 12 else -1, dtype=torch.int32) for i, n in enumerate(lengths)])
+    key[lengths[0]:lengths[0] + lengths[1]] = 0                  # runs 0 and 1 share a key: one run
+    key = key.to(DEVICE)
+    out = torch.full_like(key, -7)
+    run_ends_kernel[(-(-key.numel() // 16),)](key, out, key.numel(), BLOCK=16)
+    start = torch.ones_like(key)
+    start[1:] = key[1:] != key[:-1]
+    run = torch.cumsum(start, 0)
+    assert torch.equal(out.long(), torch.searchsorted(run, run, right=True))
