@@ -51,7 +51,7 @@ def test_slot_is_rank_among_valid_blocks():
     buf = plan.buffers
     valid = pages >= 0
     rank = valid.long().cumsum(-1) - 1
-    flat = (torch.arange(pages.shape[0]).view(-1, 1, 1) * w.num_pages + pages.long())
+    flat = (torch.arange(pages.shape[0], device=pages.device).view(-1, 1, 1) * w.num_pages + pages.long())
     for key in torch.unique(flat[valid]).tolist():
         lo, hi = int(buf["csr_ptr"][key]), int(buf["csr_ptr"][key + 1])
         h, page = divmod(key, w.num_pages)

@@ -94,18 +94,40 @@ def range_tiles_kernel(csr_ptr, tile_ptr, csr_query, below, count, num_keys, num
 
 
 @triton.jit
-def schedule_tiles_kernel(tile_ptr, csr_ptr, csr_query, group_start, below, tile_key, tile_edge, tile_count,
-                          tile_run_end, position, cta_range, n_tiles, num_keys, num_pages, n_tokens, q_ranges,
-                          num_ctas, order_chunk, HKV: tl.constexpr, TILE_Q: tl.constexpr, GROUPED: tl.constexpr,
+def phase_table_kernel(group_start, phase_base, cta_range, num_pages, groups, num_ctas, BLOCK_C: tl.constexpr):
+    """The phased deal's offsets, one program: every group g is cut into C equal contiguous parts
+    [c Z_g // C, (c + 1) Z_g // C) and CTA c holds part c of every group end to end, starting at
+    start(c) = sum_g c Z_g // C. A tile at rank r of group g, in part c, lands at phase_base[g, c] + r
+    with phase_base[g, c] = start(c) + (CTA c's parts of the groups before g) - c Z_g // C."""
+    cc = tl.arange(0, BLOCK_C).to(tl.int64)
+    C = num_ctas + tl.zeros([BLOCK_C], tl.int64)
+    start = tl.zeros([BLOCK_C], tl.int64)
+    for j in range(groups):
+        size = (tl.load(group_start + (j + 1) * num_pages) - tl.load(group_start + j * num_pages)).to(tl.int64)
+        start += cc * size // C
+    tl.store(cta_range + 2 * cc, start.to(tl.int32), mask=cc < C)
+    tl.store(cta_range + 2 * cc - 1, start.to(tl.int32), mask=(cc >= 1) & (cc <= C))
+    before = tl.zeros([BLOCK_C], tl.int64)
+    for j in range(groups):
+        size = (tl.load(group_start + (j + 1) * num_pages) - tl.load(group_start + j * num_pages)).to(tl.int64)
+        cut = cc * size // C
+        tl.store(phase_base + j * C + cc, start + before - cut, mask=cc < C)
+        before += (cc + 1) * size // C - cut
+
+
+@triton.jit
+def schedule_tiles_kernel(tile_ptr, csr_ptr, csr_query, group_start, below, phase_base, tile_key, tile_edge,
+                          tile_count, tile_run_end, position, cta_range, n_tiles, num_keys, num_pages, n_tokens,
+                          q_ranges, num_ctas, order_chunk, TILE_Q: tl.constexpr, GROUPED: tl.constexpr,
                           DEAL: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
                           BLOCK_C: tl.constexpr):
     """Index-map tile t -> its position, in two steps.
     Its place g_pos in the grouped order: t itself with one query range (the index map is head-major),
     else the (group, key) run start from group_start (range_tiles_kernel's counts, prefix-summed) plus
     its rank among its key's tiles of that range. Group g = h * S + r starts at group_start[g * num_pages].
-    Then the deal (DEAL): 0 = none (CTA c gets [c T // C, (c + 1) T // C)); 1 = phases (every group cut
-    into C equal contiguous parts, part c of each to CTA c, a CTA's parts end to end in group order);
-    2 = chunks (chunk j of order_chunk tiles to CTA j mod C, a CTA's chunks end to end)."""
+    Then the deal (DEAL): 0 = none (CTA c gets [c T // C, (c + 1) T // C)); 1 = phases (phase_table_kernel's
+    offsets; it writes the CTA ranges); 2 = chunks (chunk j of order_chunk tiles to CTA j mod C, a CTA's
+    chunks end to end)."""
     pid = tl.program_id(0)
     t = pid * BLOCK + tl.arange(0, BLOCK)
     live = t < n_tiles
@@ -123,8 +145,9 @@ def schedule_tiles_kernel(tile_ptr, csr_ptr, csr_query, group_start, below, tile
     key_end = tl.load(tile_ptr + key + 1, mask=live, other=0)
     first = tl.load(csr_ptr + key, mask=live, other=0) + (t - key_first) * TILE_Q
     count = tl.minimum(tl.load(csr_ptr + key + 1, mask=live, other=0) - first, TILE_Q)
-    C = num_ctas.to(tl.int64)
-    T = total.to(tl.int64)
+    # runtime ints may arrive as constexprs (Triton specializes the value 1), hence no .to() on them
+    C = num_ctas + tl.zeros([BLOCK], tl.int64)
+    T = total + tl.zeros([BLOCK], tl.int64)
     h = key // num_pages
     if GROUPED:
         query = tl.load(csr_query + first, mask=live & real, other=0).to(tl.int64)
@@ -135,21 +158,14 @@ def schedule_tiles_kernel(tile_ptr, csr_ptr, csr_query, group_start, below, tile
     else:
         g = h
         g_pos = t.to(tl.int64)
-    groups = HKV * q_ranges
     if DEAL == 1:
         g_first = tl.load(group_start + g * num_pages, mask=live & real, other=0)
         size = (tl.load(group_start + (g + 1) * num_pages, mask=live & real, other=1) - g_first).to(tl.int64)
         r = g_pos - g_first
         c = ((r + 1) * C - 1) // tl.maximum(size, 1)
-        start = tl.zeros([BLOCK], tl.int64)
-        before = tl.zeros([BLOCK], tl.int64)
-        for j in range(groups):
-            size_j = (tl.load(group_start + (j + 1) * num_pages) - tl.load(group_start + j * num_pages)).to(tl.int64)
-            start += c * size_j // C
-            before += tl.where(j < g, (c + 1) * size_j // C - c * size_j // C, 0)
-        dest = start + before + r - c * size // C
+        dest = tl.load(phase_base + g * C + c, mask=live & real, other=0) + r
     elif DEAL == 2:
-        k = order_chunk.to(tl.int64)
+        k = order_chunk + tl.zeros([BLOCK], tl.int64)
         full = T // k
         chunk = g_pos // k
         c = chunk % C
@@ -161,27 +177,25 @@ def schedule_tiles_kernel(tile_ptr, csr_ptr, csr_query, group_start, below, tile
         tl.store(position + t, dest.to(tl.int32), mask=live & real)
     else:
         # key order: a key's run ends with its tiles (other orders: runs can join across groups and CTA
-        # ranges, so the caller finds their ends after placement)
+        # ranges, so run_ends_kernel finds their ends after placement)
         tl.store(tile_run_end + t, tl.where(real, key_end, n_tiles), mask=live)
     dest = tl.where(real, dest, t.to(tl.int64))
     tl.store(tile_key + dest, tl.where(real, key, -1), mask=live)
     tl.store(tile_edge + dest, tl.where(real, first, 0), mask=live)
     tl.store(tile_count + dest, tl.where(real, count, 0), mask=live)
-    if pid == 0:                                   # cta_range[c] = [start(c), start(c) + owned(c))
-        cc = tl.arange(0, BLOCK_C).to(tl.int64)
-        if DEAL == 1:
-            bound = tl.zeros([BLOCK_C], tl.int64)
-            for j in range(groups):
-                size_j = (tl.load(group_start + (j + 1) * num_pages) - tl.load(group_start + j * num_pages)).to(tl.int64)
-                bound += cc * size_j // C
-        elif DEAL == 2:
-            k = order_chunk.to(tl.int64)
-            full = T // k
-            bound = k * ((full // C) * cc + tl.minimum(cc, full % C)) + tl.where(full % C < cc, T % k, 0)
-        else:
-            bound = cc * T // C
-        tl.store(cta_range + 2 * cc, bound.to(tl.int32), mask=cc < C)
-        tl.store(cta_range + 2 * cc - 1, bound.to(tl.int32), mask=(cc >= 1) & (cc <= C))
+    if DEAL != 1:
+        if pid == 0:                               # cta_range[c] = [start(c), start(c + 1))
+            cc = tl.arange(0, BLOCK_C).to(tl.int64)
+            Cc = num_ctas + tl.zeros([BLOCK_C], tl.int64)
+            Tc = total + tl.zeros([BLOCK_C], tl.int64)
+            if DEAL == 2:
+                kc = order_chunk + tl.zeros([BLOCK_C], tl.int64)
+                full_c = Tc // kc
+                bound = kc * ((full_c // Cc) * cc + tl.minimum(cc, full_c % Cc)) + tl.where(full_c % Cc < cc, Tc % kc, 0)
+            else:
+                bound = cc * Tc // Cc
+            tl.store(cta_range + 2 * cc, bound.to(tl.int32), mask=cc < Cc)
+            tl.store(cta_range + 2 * cc - 1, bound.to(tl.int32), mask=(cc >= 1) & (cc <= Cc))
 
 
 @triton.jit
@@ -253,6 +267,8 @@ class Schedule:
         self._ctas = torch.arange(num_ctas + 1, dtype=torch.int64, device=dev)
         self.closed_form = True           # False: the sorted torch path (the tests' oracle)
         self._position = torch.empty(n, dtype=torch.int32, device=dev) if self.grouped else None
+        # phase_table_kernel's offsets (int64, one per group and CTA); a placeholder pointer otherwise
+        self._phase_base = torch.empty(m.hkv * q_ranges * num_ctas if phases else 1, dtype=torch.int64, device=dev)
         if q_ranges > 1:                  # range_tiles_kernel's outputs
             self._below = torch.empty(self.num_keys * q_ranges, dtype=torch.int32, device=dev)
             self._counts = torch.zeros(self.num_keys * q_ranges + 1, dtype=torch.int32, device=dev)
@@ -312,12 +328,16 @@ class Schedule:
             group_start, below = self._group_start, self._below
         position = self._position if self._position is not None else self.tile_key   # unused in key order
         deal = 1 if self.phases else 2 if self.order_chunk else 0
+        block_c = triton.next_power_of_2(self.num_ctas + 1)
+        if deal == 1:
+            phase_table_kernel[(1,)](group_start, self._phase_base, self.cta_range, m.num_pages, m.hkv * s,
+                                     self.num_ctas, BLOCK_C=block_c)
         schedule_tiles_kernel[(triton.cdiv(n, SCHEDULE_BLOCK),)](
-            self.tile_ptr, self.csr_ptr, m.csr_query, group_start, below, self.tile_key, self.tile_edge,
-            self.tile_count, self.tile_run_end, position, self.cta_range, n, self.num_keys, m.num_pages,
-            m.n_tokens, s, self.num_ctas, max(self.order_chunk, 1), HKV=m.hkv, TILE_Q=self.tile_q,
+            self.tile_ptr, self.csr_ptr, m.csr_query, group_start, below, self._phase_base, self.tile_key,
+            self.tile_edge, self.tile_count, self.tile_run_end, position, self.cta_range, n, self.num_keys,
+            m.num_pages, m.n_tokens, s, self.num_ctas, max(self.order_chunk, 1), TILE_Q=self.tile_q,
             GROUPED=s > 1, DEAL=deal, SEARCH_STEPS=max(1, self.num_keys.bit_length()), BLOCK=SCHEDULE_BLOCK,
-            BLOCK_C=triton.next_power_of_2(self.num_ctas + 1))
+            BLOCK_C=block_c)
         if self.grouped:
             self._run_ends()
             if self.combine_index is not None:
