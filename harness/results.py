@@ -31,7 +31,7 @@ SAMPLE_COLUMNS = ["point_key", "backend", "dtype", "stage", "rep", "seconds", "t
 
 def unit_id(point_key: str, backend: str) -> str:
     digest = hashlib.sha1(f"{point_key}|{backend}".encode()).hexdigest()[:16]
-    return f"{backend}-{digest}"
+    return f"{backend.replace(':', '_')}-{digest}"          # a tile order's "2:p": no ':' in a path
 
 
 def grid_digest(unit_ids) -> str:
