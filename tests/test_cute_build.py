@@ -411,9 +411,9 @@ def test_config_for_other_geometry_is_unavailable():
     with pytest.raises(BackendUnavailable, match="TILE_Q \\* G = 128"):
         cute_config_for(W(), 8)
     W.shape = AttnShape()
-    assert cute_config_for(W(), 8) == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v22")   # the default generation
+    assert cute_config_for(W(), 8) == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v23")   # the default generation
     W.dtype = "fp8"
-    assert cute_config_for(W(), 8) == mf.CuteConfig("fp8", ctas_per_sm=1, variant="v18")
+    assert cute_config_for(W(), 8) == mf.CuteConfig("fp8", ctas_per_sm=1, variant="v23")
     W.dtype = "bf16"
     assert cute_config_for(W(), 8, variant="v3") == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v3")
     with pytest.raises(BackendUnavailable, match="CTAs per SM"):
@@ -435,7 +435,7 @@ def test_each_generation_registers_an_attention_impl():
     assert KVOuterCuteBackend(variant="v2").attention_impl == "cute" and KVOuterCuteBackend(variant="v2").ctas_for("fp8") == 2
     default = KVOuterCuteBackend()                    # each dtype's default generation
     assert default.attention_impl == "cute-default" and "cute-default" in ATTENTION_IMPLS
-    assert default.variant_for("bf16") == "v22" and default.variant_for("fp8") == "v18"
+    assert default.variant_for("bf16") == "v23" and default.variant_for("fp8") == "v23"
     assert default.ctas_for("bf16") == default.ctas_for("fp8") == 1
     b4 = KVOuterCuteBackend(variant="v4")
     assert b4.attention_impl == "cute-v4" and b4.ctas_for("bf16") == 1
@@ -495,7 +495,7 @@ def test_default_attention_impl_dispatches_on_the_workload_dtype(monkeypatch):
     monkeypatch.setattr(cb, "CuteAttentionStage", lambda w, b, cfg, variant: made.append((w.dtype, variant)))
     for dtype in ("bf16", "fp8"):
         ATTENTION_IMPLS["cute-default"](SimpleNamespace(dtype=dtype), {}, None)
-    assert made == [("bf16", "v22"), ("fp8", "v18")]
+    assert made == [("bf16", "v23"), ("fp8", "v23")]
 
 
 def test_diagnostic_builds_name_their_base_and_bind_to_its_plan(monkeypatch):
@@ -508,3 +508,26 @@ def test_diagnostic_builds_name_their_base_and_bind_to_its_plan(monkeypatch):
     monkeypatch.setattr(cb, "CuteAttentionStage", lambda w, buffers, config, variant: (w, buffers, config, variant))
     plan = SimpleNamespace(buffers={"o_part": 1}, stages={"attention": SimpleNamespace(config="cfg")})
     assert cb.diagnostic_stage(plan, "w", "v18ko-exp") == ("w", {"o_part": 1}, "cfg", "v18ko-exp")
+
+
+def test_default_tile_order_groups_queries_only_when_a_heads_q_outgrows_its_share_of_l2():
+    """No order given: key order while one KV head's Q rows fit 16 MiB (real prefill's short cases),
+    else the fewest power-of-two query ranges that fit, dealt in phases (N 16384: bf16 4, fp8 2). An
+    order or a config given is kept."""
+    from msa_bench.harness.selection import synthetic_workload
+    from msa_bench.harness.workload import AttnShape
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+    from msa_bench.kernels.kv_outer.config import grouped_tile_order
+    key = dict(q_ranges=1, order_chunk=0, order_phases=False)
+    assert grouped_tile_order(1649, 16, 128, 2) == key                       # 6.4 MiB
+    assert grouped_tile_order(16384, 16, 128, 2) == dict(q_ranges=4, order_chunk=0, order_phases=True)
+    assert grouped_tile_order(16384, 16, 128, 1) == dict(q_ranges=2, order_chunk=0, order_phases=True)
+    assert grouped_tile_order(8192, 16, 128, 1) == key                       # exactly 16 MiB
+    assert grouped_tile_order(8476, 16, 128, 1)["q_ranges"] == 2
+    shape = AttnShape(hq=16, hkv=1, head_dim=128, block=128, topk=2)
+    big = synthetic_workload(shape, "fp8", 12000, 131072, 0.05, seed=0, device="cpu")   # a head's Q 22.5 MiB
+    cfg = KVOuterCuteBackend().resolved_config(big)
+    assert (cfg.q_ranges, cfg.order_phases) == (2, True)
+    assert KVOuterCuteBackend(order="1:0").resolved_config(big).q_ranges == 1
+    small = synthetic_workload(shape, "fp8", 512, 8192, 0.05, seed=0, device="cpu")
+    assert KVOuterCuteBackend().resolved_config(small).q_ranges == 1

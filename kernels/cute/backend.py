@@ -11,15 +11,17 @@ import torch
 
 from ..base import BackendUnavailable, register
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
-from ..kv_outer.config import KVOuterConfig, default_config, resolve_num_ctas, tile_order
+from ...harness.workload import element_bytes
+from ..kv_outer.config import KVOuterConfig, default_config, grouped_tile_order, resolve_num_ctas, tile_order
 from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, SUPPORTED_ARCHS, TRACE_VARIANTS,
                        VARIANT_CTAS, VARIANTS, CuteConfig, device_arch, find_library, fp8_v_key_order)
 
-# the generation per dtype that passed every GPU check and ran fastest (H200 2026-11-29, N 16384,
-# attention stage: fp8 v18 ~565-571 TFLOP/s against v15 ~534 and v21 ~561 (fifth and seventh sessions);
-# bf16 v22 ~400 against v18 ~383 in the same rounds and 6 % less kernel time at ncu's base clocks
-# (seventh session); docs/perf-log.md)
-DEFAULT_VARIANTS = {"bf16": "v22", "fp8": "v18"}
+# the generation per dtype (H200 2026-11-29; docs/perf-log.md). v23 with the grouped tile order
+# (resolved_config) is the fastest measured in both dtypes: at N 16384 attention bf16 465-477 TFLOP/s, fp8
+# 611-614, against v22 448 / v18 569 in key order (results/h200/perf-point-orders, ninth session); in real
+# prefill's short cases (key order) v23 is 2-9 % ahead too; under sustained load it uses 6-7 % less energy
+# per launch (eighth session). Until the ninth session: bf16 v22, fp8 v18.
+DEFAULT_VARIANTS = {"bf16": "v23", "fp8": "v23"}
 DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1,
                        "v21": 1, "v22": 1, "v23": 1, "v24": 1}
 
@@ -173,10 +175,14 @@ class KVOuterCuteBackend(KVOuterBackend):
         return plan
 
     def resolved_config(self, w):
-        """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size)."""
+        """kv-outer's configuration with the CuTe kernel's CTAs per SM (the persistent grid size) and its
+        tile order: the one asked for, else (no config given) grouped_tile_order's for the workload."""
         cfg = self.config or cute_kv_config(w.dtype, self.ctas_for(w.dtype))
         if self._order_fields:
             cfg = cfg.with_(**self._order_fields)
+        elif self.config is None:
+            cfg = cfg.with_(**grouped_tile_order(w.n_tokens, w.shape.group, w.shape.head_dim,
+                                                 element_bytes(w.dtype)))
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 

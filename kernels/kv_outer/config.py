@@ -81,3 +81,22 @@ def tile_order(text: str) -> dict:
     if s < 1 or k < 0:
         raise ValueError(f"tile order {text!r} is not S:k, S:p or phases (S >= 1 query ranges, k >= 0 tiles per chunk)")
     return dict(q_ranges=s, order_chunk=k, order_phases=deal == "p")
+
+
+# The CuTe stage's default tile order: one query range's Q rows of one KV head stay within a quarter of
+# the H200's 60 MiB L2. Measured at N 16384 (results/h200/perf-point-orders, session 9): v23 attention
+# +8-10 % with 2 or 4 ranges dealt in phases, module +2-3 %; in real prefill the cases with N <= 1649
+# (a head's Q 3-7 MiB) lost 6-20 % of the module to the grouped schedule's extra ~35 us, hence key order
+# there.
+GROUP_Q_BYTES = 16 << 20
+
+
+def grouped_tile_order(n_tokens: int, group: int, head_dim: int, elem_bytes: int) -> dict:
+    """Key order when one KV head's Q rows (n_tokens x group x head_dim) fit GROUP_Q_BYTES; otherwise the
+    fewest power-of-two query ranges that make each range fit, dealt to the CTAs in phases."""
+    head_q = n_tokens * group * head_dim * elem_bytes
+    ranges = 1
+    while head_q > ranges * GROUP_Q_BYTES:
+        ranges *= 2
+    return dict(q_ranges=1, order_chunk=0, order_phases=False) if ranges == 1 else \
+        dict(q_ranges=ranges, order_chunk=0, order_phases=True)
