@@ -511,23 +511,27 @@ def test_diagnostic_builds_name_their_base_and_bind_to_its_plan(monkeypatch):
 
 
 def test_default_tile_order_groups_queries_only_when_a_heads_q_outgrows_its_share_of_l2():
-    """No order given: key order while one KV head's Q rows fit 16 MiB (real prefill's short cases),
-    else the fewest power-of-two query ranges that fit, dealt in phases (N 16384: bf16 4, fp8 2). An
-    order or a config given is kept."""
+    """No order given: key order while one KV head's Q rows fit 16 MiB (real prefill's short cases) or
+    the selected blocks average fewer than 32 queries (high reuse: K/V reloads), else the fewest
+    power-of-two query ranges that fit, dealt in phases (N 16384: bf16 4, fp8 2). An order or a config
+    given is kept."""
     from msa_bench.harness.selection import synthetic_workload
     from msa_bench.harness.workload import AttnShape
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.config import grouped_tile_order
     key = dict(q_ranges=1, order_chunk=0, order_phases=False)
-    assert grouped_tile_order(1649, 16, 128, 2) == key                       # 6.4 MiB
-    assert grouped_tile_order(16384, 16, 128, 2) == dict(q_ranges=4, order_chunk=0, order_phases=True)
-    assert grouped_tile_order(16384, 16, 128, 1) == dict(q_ranges=2, order_chunk=0, order_phases=True)
-    assert grouped_tile_order(8192, 16, 128, 1) == key                       # exactly 16 MiB
-    assert grouped_tile_order(8476, 16, 128, 1)["q_ranges"] == 2
+    assert grouped_tile_order(1649, 16, 128, 2, 226.5) == key                # 6.4 MiB
+    assert grouped_tile_order(16384, 16, 128, 2, 256) == dict(q_ranges=4, order_chunk=0, order_phases=True)
+    assert grouped_tile_order(16384, 16, 128, 1, 256) == dict(q_ranges=2, order_chunk=0, order_phases=True)
+    assert grouped_tile_order(8192, 16, 128, 1, 256) == key                  # exactly 16 MiB
+    assert grouped_tile_order(8476, 16, 128, 1, 247.5)["q_ranges"] == 2
+    assert grouped_tile_order(8192, 16, 128, 2, 16) == key                   # nsb/N 1: reloads
     shape = AttnShape(hq=16, hkv=1, head_dim=128, block=128, topk=2)
-    big = synthetic_workload(shape, "fp8", 12000, 131072, 0.05, seed=0, device="cpu")   # a head's Q 22.5 MiB
+    big = synthetic_workload(shape, "fp8", 12000, 131072, 0.05, seed=0, device="cpu")   # Q 22.5 MiB, fan-in 40
     cfg = KVOuterCuteBackend().resolved_config(big)
     assert (cfg.q_ranges, cfg.order_phases) == (2, True)
     assert KVOuterCuteBackend(order="1:0").resolved_config(big).q_ranges == 1
+    spread = synthetic_workload(shape, "fp8", 12000, 131072, 0.08, seed=0, device="cpu")   # fan-in 25
+    assert KVOuterCuteBackend().resolved_config(spread).q_ranges == 1
     small = synthetic_workload(shape, "fp8", 512, 8192, 0.05, seed=0, device="cpu")
     assert KVOuterCuteBackend().resolved_config(small).q_ranges == 1

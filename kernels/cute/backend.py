@@ -11,6 +11,7 @@ import torch
 
 from ..base import BackendUnavailable, register
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
+from ...harness.stats import selected_pairs
 from ...harness.workload import element_bytes
 from ..kv_outer.config import KVOuterConfig, default_config, grouped_tile_order, resolve_num_ctas, tile_order
 from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, SUPPORTED_ARCHS, TRACE_VARIANTS,
@@ -181,8 +182,9 @@ class KVOuterCuteBackend(KVOuterBackend):
         if self._order_fields:
             cfg = cfg.with_(**self._order_fields)
         elif self.config is None:
+            _, fanin = selected_pairs(w)
             cfg = cfg.with_(**grouped_tile_order(w.n_tokens, w.shape.group, w.shape.head_dim,
-                                                 element_bytes(w.dtype)))
+                                                 element_bytes(w.dtype), float(fanin.double().mean())))
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 

@@ -87,16 +87,21 @@ def tile_order(text: str) -> dict:
 # the H200's 60 MiB L2. Measured at N 16384 (results/h200/perf-point-orders, session 9): v23 attention
 # +8-10 % with 2 or 4 ranges dealt in phases, module +2-3 %; in real prefill the cases with N <= 1649
 # (a head's Q 3-7 MiB) lost 6-20 % of the module to the grouped schedule's extra ~35 us, hence key order
-# there.
+# there. A key's K/V block is loaded once per range its queries fall in, so with few queries per
+# selected block the reloads outweigh the Q hits: at N 8192 bf16 with 2 ranges, attention +8-9 % at a
+# mean fan-in of 256 and 64, level at 16, -4 % at 8 and -15 % at 4 (results/h200/default-cute-v22
+# against the first ninth-session run of default-cute, bench/README.md); hence GROUP_MIN_FANIN.
 GROUP_Q_BYTES = 16 << 20
+GROUP_MIN_FANIN = 32
 
 
-def grouped_tile_order(n_tokens: int, group: int, head_dim: int, elem_bytes: int) -> dict:
-    """Key order when one KV head's Q rows (n_tokens x group x head_dim) fit GROUP_Q_BYTES; otherwise the
-    fewest power-of-two query ranges that make each range fit, dealt to the CTAs in phases."""
+def grouped_tile_order(n_tokens: int, group: int, head_dim: int, elem_bytes: int, fanin_mean: float) -> dict:
+    """Key order when one KV head's Q rows (n_tokens x group x head_dim) fit GROUP_Q_BYTES or the selected
+    blocks average fewer than GROUP_MIN_FANIN queries; otherwise the fewest power-of-two query ranges
+    that make each range fit, dealt to the CTAs in phases."""
     head_q = n_tokens * group * head_dim * elem_bytes
     ranges = 1
-    while head_q > ranges * GROUP_Q_BYTES:
+    while head_q > ranges * GROUP_Q_BYTES and fanin_mean >= GROUP_MIN_FANIN:
         ranges *= 2
     return dict(q_ranges=1, order_chunk=0, order_phases=False) if ranges == 1 else \
         dict(q_ranges=ranges, order_chunk=0, order_phases=True)
