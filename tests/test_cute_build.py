@@ -512,7 +512,7 @@ def test_diagnostic_builds_name_their_base_and_bind_to_its_plan(monkeypatch):
 
 def test_default_tile_order_groups_queries_only_when_a_heads_q_outgrows_its_share_of_l2():
     """No order given: key order while one KV head's Q rows fit 16 MiB (real prefill's short cases) or
-    the selected blocks average fewer than 32 queries (high reuse: K/V reloads), else the fewest
+    the selected blocks average fewer than 128 queries (high reuse: K/V reloads), else the fewest
     power-of-two query ranges that fit, dealt in phases (N 16384: bf16 4, fp8 2). An order or a config
     given is kept."""
     from msa_bench.harness.selection import synthetic_workload
@@ -525,13 +525,13 @@ def test_default_tile_order_groups_queries_only_when_a_heads_q_outgrows_its_shar
     assert grouped_tile_order(16384, 16, 128, 1, 256) == dict(q_ranges=2, order_chunk=0, order_phases=True)
     assert grouped_tile_order(8192, 16, 128, 1, 256) == key                  # exactly 16 MiB
     assert grouped_tile_order(8476, 16, 128, 1, 247.5)["q_ranges"] == 2
-    assert grouped_tile_order(8192, 16, 128, 2, 16) == key                   # nsb/N 1: reloads
-    shape = AttnShape(hq=16, hkv=1, head_dim=128, block=128, topk=2)
-    big = synthetic_workload(shape, "fp8", 12000, 131072, 0.05, seed=0, device="cpu")   # Q 22.5 MiB, fan-in 40
+    assert grouped_tile_order(8192, 16, 128, 2, 64) == key                   # nsb/N 1: reloads
+    shape = AttnShape(hq=16, hkv=1, head_dim=128, block=128, topk=16)
+    big = synthetic_workload(shape, "fp8", 12000, 262144, 0.1, seed=0, device="cpu")   # Q 22.5 MiB, fan-in 160
     cfg = KVOuterCuteBackend().resolved_config(big)
     assert (cfg.q_ranges, cfg.order_phases) == (2, True)
     assert KVOuterCuteBackend(order="1:0").resolved_config(big).q_ranges == 1
-    spread = synthetic_workload(shape, "fp8", 12000, 131072, 0.08, seed=0, device="cpu")   # fan-in 25
+    spread = synthetic_workload(shape, "fp8", 12000, 262144, 0.15, seed=0, device="cpu")   # fan-in 107
     assert KVOuterCuteBackend().resolved_config(spread).q_ranges == 1
     small = synthetic_workload(shape, "fp8", 512, 8192, 0.05, seed=0, device="cpu")
     assert KVOuterCuteBackend().resolved_config(small).q_ranges == 1

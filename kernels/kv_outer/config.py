@@ -88,11 +88,12 @@ def tile_order(text: str) -> dict:
 # +8-10 % with 2 or 4 ranges dealt in phases, module +2-3 %; in real prefill the cases with N <= 1649
 # (a head's Q 3-7 MiB) lost 6-20 % of the module to the grouped schedule's extra ~35 us, hence key order
 # there. A key's K/V block is loaded once per range its queries fall in, so with few queries per
-# selected block the reloads outweigh the Q hits: at N 8192 bf16 with 2 ranges, attention +8-9 % at a
-# mean fan-in of 256 and 64, level at 16, -4 % at 8 and -15 % at 4 (results/h200/default-cute-v22
-# against the first ninth-session run of default-cute, bench/README.md); hence GROUP_MIN_FANIN.
+# selected block the reloads outweigh the Q hits: at N 8192 bf16 with 2 ranges against key order,
+# attention +9 % and +8 % at a mean fan-in (queries per selected (KV head, block)) of 1024 and 256,
+# level at 64, -4 % at 32 and -15 % at 16 (results/h200/default-cute-v22 against the ninth session's
+# first default-cute run, bench/README.md); hence GROUP_MIN_FANIN.
 GROUP_Q_BYTES = 16 << 20
-GROUP_MIN_FANIN = 32
+GROUP_MIN_FANIN = 128
 
 
 def grouped_tile_order(n_tokens: int, group: int, head_dim: int, elem_bytes: int, fanin_mean: float) -> dict:
