@@ -90,8 +90,8 @@ def tile_order(text: str) -> dict:
 # there. A key's K/V block is loaded once per range its queries fall in, so with few queries per
 # selected block the reloads outweigh the Q hits: at N 8192 bf16 with 2 ranges against key order,
 # attention +9 % and +8 % at a mean fan-in (queries per selected (KV head, block)) of 1024 and 256,
-# level at 64, -4 % at 32 and -15 % at 16 (results/h200/default-cute-v22 against the ninth session's
-# first default-cute run, bench/README.md); hence GROUP_MIN_FANIN.
+# level at 64, -4 % at 32 and -15 % at 16 (results/h200/default-cute-grouped, every bf16 unit with 2
+# ranges, against default-cute-v22 in key order); hence GROUP_MIN_FANIN.
 GROUP_Q_BYTES = 16 << 20
 GROUP_MIN_FANIN = 128
 
