@@ -70,6 +70,21 @@ def plan_config(plan_info) -> dict | None:
     return cfg if isinstance(cfg, dict) else None
 
 
+def launch_labels(plan_info) -> dict:
+    """What a KV-stationary unit ran, from its plan_info: the scheduler's tile order (kv_outer's
+    notation, "1:0" = key order) and the CuTe kernel generation, where recorded."""
+    import json
+    from ..kernels.kv_outer.config import tile_order_label
+    cfg = plan_config(plan_info)
+    info = json.loads(plan_info) if isinstance(plan_info, str) else plan_info
+    out = {}
+    if cfg is not None and "q_ranges" in cfg:
+        out["tile order"] = tile_order_label(cfg)
+    if isinstance(info, dict) and info.get("cute_variant"):
+        out["kernel"] = info["cute_variant"]
+    return out
+
+
 def device_for_run(meta: dict, override: DeviceProfile | None = None) -> DeviceProfile | None:
     """The device profile matching the run's GPU (None for CPU runs), unless one is given."""
     if override is not None:

@@ -18,7 +18,7 @@ import pandas as pd  # noqa: E402
 
 from ..roofline.devices import DeviceProfile  # noqa: E402
 from ..roofline.model import crossover, crossover_at  # noqa: E402
-from .prediction import device_for_run, model_shape, plan_config, predict_point  # noqa: E402
+from .prediction import device_for_run, launch_labels, model_shape, plan_config, predict_point  # noqa: E402
 from .results import STATUS_OK, Run, load_run  # noqa: E402
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
@@ -115,6 +115,12 @@ def throughput_table(run: Run) -> pd.DataFrame:
     out = t[[c for c in cols if c in t]].rename(columns=cols)
     if "CV converged" in out:
         out["CV converged"] = out["CV converged"].fillna(0).astype(bool)
+    if "plan_info" in t:                          # the tile order and CuTe generation each unit ran
+        labels = pd.DataFrame([launch_labels(p) if isinstance(p, (str, dict)) else {} for p in t["plan_info"]],
+                              index=t.index)
+        for col in ("kernel", "tile order"):
+            if col in labels and labels[col].notna().any():
+                out.insert(2, col, labels[col].fillna(""))
     order = [c for c in ("dtype", "backend", *group_fields(t), "nsb/N") if c in out]
     return out.sort_values(order).reset_index(drop=True)
 

@@ -161,3 +161,17 @@ def test_bytes_table_puts_the_model_next_to_counters(tmp_path, cli):
     assert code == 0, err
     assert (tmp_path / "rep" / "bytes.png").is_file()
     assert "## Bytes moved" in (tmp_path / "rep" / "summary.md").read_text()
+
+
+def test_throughput_table_names_each_units_tile_order_and_kernel():
+    """The committed H200 default-cute run: the CuTe units name generation v23 and the order the
+    workload chose (2 query ranges in phases for bf16 at nsb/N 1/16 and 1/4, key order elsewhere);
+    the Triton units their key order, with no kernel generation."""
+    t = report.throughput_table(load_run(REPO / "results" / "h200" / "default-cute"))
+    cute = t[t["backend"] == "kv-outer-cute"]
+    assert set(cute["kernel"]) == {"v23"}
+    grouped = cute[cute["tile order"] == "2:p"]
+    assert set(grouped["dtype"]) == {"bf16"} and sorted(grouped["nsb/N"]) == [0.0625, 0.25]
+    assert set(cute["tile order"]) == {"1:0", "2:p"}
+    triton = t[t["backend"] == "kv-outer"]
+    assert set(triton["tile order"]) == {"1:0"} and set(triton["kernel"]) == {""}

@@ -106,3 +106,9 @@ def grouped_tile_order(n_tokens: int, group: int, head_dim: int, elem_bytes: int
         ranges *= 2
     return dict(q_ranges=1, order_chunk=0, order_phases=False) if ranges == 1 else \
         dict(q_ranges=ranges, order_chunk=0, order_phases=True)
+
+
+def tile_order_label(config: dict) -> str:
+    """A launch configuration's tile order in tile_order's notation ("1:0" key order, "2:p", "4:8")."""
+    s = int(config.get("q_ranges") or 1)
+    return f"{s}:p" if config.get("order_phases") else f"{s}:{int(config.get('order_chunk') or 0)}"
