@@ -100,6 +100,16 @@ def _softmax_row(s_rc: cute.Tensor, tScS: cute.Tensor, r: cutlass.Constexpr, lim
     return row_max, row_sum
 
 
+def _gather_q_row(dt, q_row: cute.Tensor, tQcQ: cute.Tensor, tQsQ: cute.Tensor, m, copy_atom) -> None:
+    """cp.async of staged Q row m's 16-byte chunks from the global row q_row (a plain Python helper: its
+    loop unrolls while the caller is traced)."""
+    for k in range(cute.size(tQcQ, mode=[2])):
+        col = tQcQ[0, m, k][1]
+        src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(), cute.AddressSpace.gmem,
+                                             assumed_align=16), tQsQ[None, m, k].layout)
+        cute.copy(copy_atom, src, tQsQ[None, m, k])
+
+
 def check_tile(dtype: str, tile_q: int, group: int, head_dim: int, block: int, fixed: str | None = None) -> None:
     """The configuration checks every generation shares: a DSL dtype and 128-row tiles (two 64-row
     warpgroups); `fixed` names a generation written for head_dim = block = 128 only."""
@@ -111,7 +121,23 @@ def check_tile(dtype: str, tile_q: int, group: int, head_dim: int, block: int, f
         raise ValueError(f"the {fixed} kernel is written for head_dim = block = 128, got {head_dim}, {block}")
 
 
-class KvOuterAttentionSm90:
+class AttentionLaunch:
+    """The launcher every generation exports (its C ABI: loader.py packs these arguments in this
+    order). Tracing it runs the generation's `_launch`, which builds the MMAs, layouts and copy atoms
+    and launches its kernel."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCsrQuery: cute.Tensor,
+                 mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
+                 mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
+                 mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
+                 hkv: Int32, num_pages: Int32, scale: Float32, out_scale: Float32,
+                 stream: cuda.CUstream):
+        self._launch(mQ, mK, mV, mCsrQuery, mTileKey, mTileEdge, mTileCount, mCtaRange, mPageBlock, mQLimit,
+                     mO, mM, mL, hkv, num_pages, scale, out_scale, stream)
+
+
+class KvOuterAttentionSm90(AttentionLaunch):
     """One compiled configuration: data dtype, TILE_Q, G (query heads per KV head), D, block."""
 
     num_threads = 256          # two consumer warpgroups, 64 rows each
@@ -139,12 +165,8 @@ class KvOuterAttentionSm90:
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCsrQuery: cute.Tensor,
-                 mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
-                 mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
-                 mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
-                 hkv: Int32, num_pages: Int32, scale: Float32, out_scale: Float32,
-                 stream: cuda.CUstream):
+    def _launch(self, mQ, mK, mV, mCsrQuery, mTileKey, mTileEdge, mTileCount, mCtaRange, mPageBlock, mQLimit,
+                mO, mM, mL, hkv, num_pages, scale, out_scale, stream):
         dt = self.dtype
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, self.block))
@@ -247,12 +269,7 @@ class KvOuterAttentionSm90:
                     slot = cutlass.min(row // G, count - 1)
                     query = mCsrQuery[edge + slot]
                     q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
-                    for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
-                        col = tQcQ[0, m, k][1]
-                        src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
-                                                             cute.AddressSpace.gmem, assumed_align=16),
-                                               tQsQ[None, m, k].layout)
-                        cute.copy(g2s, src, tQsQ[None, m, k])
+                    _gather_q_row(dt, q_row, tQcQ, tQsQ, m, g2s)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_view_async_shared()

@@ -42,7 +42,6 @@ How:
 """
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
@@ -76,12 +75,8 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
 
     # ---- host side ----------------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCsrQuery: cute.Tensor,
-                 mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
-                 mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
-                 mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
-                 hkv: Int32, num_pages: Int32, scale: Float32, out_scale: Float32,
-                 stream: cuda.CUstream):
+    def _launch(self, mQ, mK, mV, mCsrQuery, mTileKey, mTileEdge, mTileCount, mCtaRange, mPageBlock, mQLimit,
+                mO, mM, mL, hkv, num_pages, scale, out_scale, stream):
         dt = self.dtype
         D, BLK, HR = self.head_dim, self.block, self.half_rows
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN

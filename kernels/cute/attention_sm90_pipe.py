@@ -26,7 +26,6 @@ Import this module only with CUTE_DSL_ARCH set (build.py does) when no GPU is pr
 """
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as cutlass_utils
@@ -35,7 +34,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile, check_tile
+from .attention_sm90 import (DSL_DTYPES, LOG2E, AttentionLaunch, _gather_q_row, _rows_cols_view, _softmax_row, _tile,
+                             check_tile)
 from .manifest import P_SHIFT
 
 
@@ -59,7 +59,7 @@ def _acc_to_frg_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, view)
 
 
-class KvOuterAttentionSm90Pipelined:
+class KvOuterAttentionSm90Pipelined(AttentionLaunch):
     """One compiled configuration of the v3 kernel."""
 
     num_threads = 256          # two warpgroups, 64 rows each, decoupled within a key run
@@ -83,12 +83,8 @@ class KvOuterAttentionSm90Pipelined:
 
     # ---- host side ----------------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCsrQuery: cute.Tensor,
-                 mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
-                 mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
-                 mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
-                 hkv: Int32, num_pages: Int32, scale: Float32, out_scale: Float32,
-                 stream: cuda.CUstream):
+    def _launch(self, mQ, mK, mV, mCsrQuery, mTileKey, mTileEdge, mTileCount, mCtaRange, mPageBlock, mQLimit,
+                mO, mM, mL, hkv, num_pages, scale, out_scale, stream):
         dt = self.dtype
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, self.block))
@@ -311,12 +307,7 @@ class KvOuterAttentionSm90Pipelined:
             slot = cutlass.min(row // G, t_count - 1)
             query = mCsrQuery[t_edge + slot]
             q_row = _tile(mQ, cutlass.Int64(query * hq + head * G + row % G) * D, (D,))
-            for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
-                col = tQcQ[0, m, k][1]
-                src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
-                                                     cute.AddressSpace.gmem, assumed_align=16),
-                                       tQsQ[None, m, k].layout)
-                cute.copy(g2s_wg, src, tQsQ[None, m, k])
+            _gather_q_row(dt, q_row, tQcQ, tQsQ, m, g2s_wg)
 
     @cute.jit
     def read_limits(self, tScS: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,

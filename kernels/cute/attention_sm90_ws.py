@@ -65,7 +65,6 @@ Import this module only with CUTE_DSL_ARCH set (build.py does) when no GPU is pr
 """
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as cutlass_utils
@@ -75,7 +74,8 @@ from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .attention_sm90 import DSL_DTYPES, LOG2E, _rows_cols_view, _softmax_row, _tile, check_tile
+from .attention_sm90 import (DSL_DTYPES, LOG2E, AttentionLaunch, _gather_q_row, _rows_cols_view, _softmax_row, _tile,
+                             check_tile)
 from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
 from .manifest import P_SHIFT, TRACE_PHASES
 
@@ -251,7 +251,7 @@ def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift, exp: bo
     return maxes, sums
 
 
-class KvOuterAttentionSm90WarpSpecialized:
+class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
     """One compiled configuration of the v4 kernel (v7, v9 and v10 are subclasses that set the flags)."""
 
     num_threads = 384          # producer warpgroup + two consumer warpgroups
@@ -308,12 +308,8 @@ class KvOuterAttentionSm90WarpSpecialized:
 
     # ---- host side ----------------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCsrQuery: cute.Tensor,
-                 mTileKey: cute.Tensor, mTileEdge: cute.Tensor, mTileCount: cute.Tensor,
-                 mCtaRange: cute.Tensor, mPageBlock: cute.Tensor, mQLimit: cute.Tensor,
-                 mO: cute.Tensor, mM: cute.Tensor, mL: cute.Tensor,
-                 hkv: Int32, num_pages: Int32, scale: Float32, out_scale: Float32,
-                 stream: cuda.CUstream):
+    def _launch(self, mQ, mK, mV, mCsrQuery, mTileKey, mTileEdge, mTileCount, mCtaRange, mPageBlock, mQLimit,
+                mO, mM, mL, hkv, num_pages, scale, out_scale, stream):
         dt = self.dtype
         D, BLK = self.head_dim, self.block
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -543,12 +539,7 @@ class KvOuterAttentionSm90WarpSpecialized:
         for m in range(cute.size(tQcQ, mode=[1])):
             row = tQcQ[0, m, 0][0]
             q_row = _tile(mQ, cutlass.Int64(query_of(m, row) * hq + head * G + row % G) * D, (D,))
-            for k in range(cute.size(tQcQ, mode=[2])):
-                col = tQcQ[0, m, k][1]
-                src = cute.make_tensor(cute.make_ptr(dt, (q_row.iterator + col).toint(),
-                                                     cute.AddressSpace.gmem, assumed_align=16),
-                                       tQsQ[None, m, k].layout)
-                cute.copy(g2s, src, tQsQ[None, m, k])
+            _gather_q_row(dt, q_row, tQcQ, tQsQ, m, g2s)
 
     @cute.jit
     def _producer_loop_prefetch(self, tma_k: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor,
