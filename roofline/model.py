@@ -126,6 +126,12 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     # selection read; CSR query list written and read; combine index (or slot map) written and read
     index = edges * INDEX_BYTES * 5
     hbm["index"] = index
+    if s.q_ranges > 1 and nsb > 0:
+        # a grouped tile order loads a block's K/V once per query range its queries fall in, and one
+        # KV head's blocks outgrow the L2 between two ranges: f queries spread uniformly hit
+        # S (1 - (1 - 1/S)^f) of the S ranges
+        hit = s.q_ranges * (1.0 - (1.0 - 1.0 / s.q_ranges) ** (edges / nsb))
+        hbm["kv_range_reread"] = kv_unique * (hit - 1.0)
     l2.update(hbm)
     q_gather = edges * s.group * s.head_dim * d                             # each query re-read per block
     l2["q_read"] = q_gather

@@ -25,6 +25,17 @@ def test_byte_terms_hand_computed_small_shape():
     assert useful_flops(SMALL, 3) == 4 * 4 * 8 * 2 * 4 * 3
 
 
+def test_grouped_order_reloads_kv_once_per_query_range_hit():
+    """q_ranges S: a block's K/V is read once per range its f queries hit, S (1 - (1 - 1/S)^f) of them
+    for queries spread uniformly (N 3, nsb 4: f = 12 / 4 = 3; S 2 -> 2 (1 - 1/8) = 1.75 ranges)."""
+    from dataclasses import replace
+    hbm, l2 = traffic("kv-outer", replace(SMALL, q_ranges=2), 3, 4)
+    assert hbm["kv_range_reread"] == pytest.approx(512 * 0.75) and l2["kv_range_reread"] == hbm["kv_range_reread"]
+    many, _ = traffic("kv-outer", replace(SMALL, q_ranges=4), 4096, 4)
+    assert many["kv_range_reread"] == pytest.approx(512 * 3)      # every range hit: 3 extra reads per block
+    assert "kv_range_reread" not in traffic("kv-outer", SMALL, 3, 4)[0]
+
+
 @pytest.mark.parametrize("schedule", ["q-outer", "kv-outer", "msa-scatter"])
 def test_monotonic_in_nsb(schedule):
     dev = PRESETS["h200"]
