@@ -75,8 +75,11 @@ def launch_labels(plan_info) -> dict:
     notation, "1:0" = key order) and the CuTe kernel generation, where recorded."""
     import json
     from ..kernels.kv_outer.config import tile_order_label
-    cfg = plan_config(plan_info)
-    info = json.loads(plan_info) if isinstance(plan_info, str) else plan_info
+    try:
+        info = json.loads(plan_info) if isinstance(plan_info, str) else plan_info
+    except json.JSONDecodeError:
+        return {}
+    cfg = plan_config(info)
     out = {}
     if cfg is not None and "q_ranges" in cfg:
         out["tile order"] = tile_order_label(cfg)

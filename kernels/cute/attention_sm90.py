@@ -100,6 +100,17 @@ def _softmax_row(s_rc: cute.Tensor, tScS: cute.Tensor, r: cutlass.Constexpr, lim
     return row_max, row_sum
 
 
+def _row_copy(dt, row_elems: int, threads: int):
+    """A tiled 16-byte cp.async (global -> shared) for `threads` threads, row_elems // (16 B) threads per
+    row of row_elems elements."""
+    vec = 128 // dt.width
+    threads_per_row = row_elems // vec
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt, num_bits_per_copy=128),
+        cute.make_ordered_layout((threads // threads_per_row, threads_per_row), order=(1, 0)),
+        cute.make_layout((1, vec)))
+
+
 def _gather_q_row(dt, q_row: cute.Tensor, tQcQ: cute.Tensor, tQsQ: cute.Tensor, m, copy_atom) -> None:
     """cp.async of staged Q row m's 16-byte chunks from the global row q_row (a plain Python helper: its
     loop unrolls while the caller is traced)."""
@@ -230,14 +241,8 @@ class KvOuterAttentionSm90(AttentionLaunch):
         tSsP = thr_qk.partition_C(sP)                                   # where this thread's P goes
         tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
 
-        # global -> shared: 16-byte cp.async, a row of D (or block) elements per threads_per_row threads
-        vec = 128 // dt.width
-        threads_per_row = D // vec
-        g2s = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                num_bits_per_copy=128),
-            cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
+        # global -> shared: 16-byte cp.async, a row of D (or block) elements per D / 8 (bf16) threads
+        g2s = _row_copy(dt, D, self.num_threads)
         thr_g2s = g2s.get_slice(tidx)
         tQsQ = thr_g2s.partition_D(sQ)
         tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((ROWS, D)))

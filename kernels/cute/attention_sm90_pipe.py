@@ -31,11 +31,11 @@ import cutlass.cute as cute
 import cutlass.utils as cutlass_utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import (DSL_DTYPES, LOG2E, AttentionLaunch, _gather_q_row, _rows_cols_view, _softmax_row, _tile,
-                             check_tile)
+from .attention_sm90 import (DSL_DTYPES, LOG2E, AttentionLaunch, _gather_q_row, _row_copy, _rows_cols_view,
+                             _softmax_row, _tile, check_tile)
 from .manifest import P_SHIFT
 
 
@@ -154,16 +154,8 @@ class KvOuterAttentionSm90Pipelined(AttentionLaunch):
         tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
 
         # cp.async tiled copies: K/V by all 256 threads, Q rows by the owning warpgroup's 128
-        vec = 128 // dt.width
-        threads_per_row = D // vec
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                   num_bits_per_copy=128)
-        g2s = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
-        g2s_wg = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.wg_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
+        g2s = _row_copy(dt, D, self.num_threads)
+        g2s_wg = _row_copy(dt, D, self.wg_threads)
         thr_g2s = g2s.get_slice(tidx)
         thr_q = g2s_wg.get_slice(wg_tidx)
         cQ = cute.local_tile(cute.make_identity_tensor((ROWS, D)), (WGR, D), (warp_group, 0))

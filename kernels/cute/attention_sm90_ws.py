@@ -74,8 +74,8 @@ from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .attention_sm90 import (DSL_DTYPES, LOG2E, AttentionLaunch, _gather_q_row, _rows_cols_view, _softmax_row, _tile,
-                             check_tile)
+from .attention_sm90 import (DSL_DTYPES, LOG2E, AttentionLaunch, _gather_q_row, _row_copy, _rows_cols_view,
+                             _softmax_row, _tile, check_tile)
 from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
 from .manifest import P_SHIFT, TRACE_PHASES
 
@@ -506,13 +506,7 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
-        vec = 128 // dt.width
-        threads_per_row = D // vec
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                   num_bits_per_copy=128)
-        g2s = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.wg_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
+        g2s = _row_copy(dt, D, self.wg_threads)
         thr_q = g2s.get_slice(tidx)
         tQcQ = thr_q.partition_S(cute.make_identity_tensor((q_rows, D)))
         return tKgK, tKsK, tVgV, tVsV, g2s, thr_q, tQcQ
