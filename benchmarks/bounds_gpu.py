@@ -63,12 +63,15 @@ FLOORS = {
 
 
 def backend_for(impl: str):
+    """impl: `triton`, or a CuTe generation or diagnostic build with an optional tile order, GEN[+ORDER]
+    (config.tile_order's notation; without one, the backend's order for the workload)."""
     if impl == "triton":
         from msa_bench.kernels.kv_outer.backend import KVOuterBackend
         return KVOuterBackend()
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.cute.manifest import diagnostic_base
-    return KVOuterCuteBackend(variant=diagnostic_base(impl) or impl)
+    variant, _, order = impl.partition("+")
+    return KVOuterCuteBackend(variant=diagnostic_base(variant) or variant, order=order or None)
 
 
 def plan_for(impl: str, w):
@@ -76,9 +79,10 @@ def plan_for(impl: str, w):
     generation's plan with the attention stage swapped for the knock-out library on the same buffers."""
     from msa_bench.kernels.cute.manifest import diagnostic_base
     plan = backend_for(impl).plan(w)
-    if diagnostic_base(impl):
+    variant = impl.partition("+")[0]
+    if diagnostic_base(variant):
         from msa_bench.kernels.cute.backend import diagnostic_stage
-        plan.stages["attention"] = diagnostic_stage(plan, w, impl)
+        plan.stages["attention"] = diagnostic_stage(plan, w, variant)
     return plan
 
 
@@ -286,7 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/bounds-gpu")
     ap.add_argument("--build-dir", default=os.environ.get("MSA_BENCH_CUTE_DIR") or str(REPO / "build" / "cute"))
     ap.add_argument("--dtypes", default="bf16,fp8")
-    ap.add_argument("--impls", default="v18,triton", help="vN (kv-outer-cute generation) or triton, comma-separated")
+    ap.add_argument("--impls", default="v18,triton", help="vN[+ORDER] (kv-outer-cute generation or knock-out, optional tile order such as 1:0 or 4:p) or triton, comma-separated")
     ap.add_argument("--alias", default="0,2048,256",
                     help="query index moduli; 0 = the real csr_query (A tokens' Q: A x 16 KiB bf16)")
     ap.add_argument("--rounds", type=int, default=3)

@@ -65,8 +65,9 @@ def test_manifest_entries_name_their_kernel_generation(built):
     versions = {e["variant"]: e["kernel_version"] for e in data["configs"]}
     assert set(versions) == set(mf.VARIANTS) | set(mf.KNOCKOUT_VARIANTS) | set(mf.TRACE_VARIANTS)
     assert versions["v22tr"] == f"{versions['v22']}-trace"
-    for piece in mf.KNOCKOUTS:
-        assert versions[f"{mf.KNOCKOUT_BASE}ko-{piece}"] == f"{versions[mf.KNOCKOUT_BASE]}-knockout-{piece}"
+    for base in mf.KNOCKOUT_BASES:
+        for piece in mf.KNOCKOUTS:
+            assert versions[f"{base}ko-{piece}"] == f"{versions[base]}-knockout-{piece}"
     assert versions["v2"].startswith("v2-") and versions["v3"].startswith("v3-")
     assert versions["v4"].startswith("v4-") and versions["v7"].startswith("v7-") and versions["v9"].startswith("v9-")
     assert versions["v10"].startswith("v10-")
@@ -204,11 +205,13 @@ def test_v23_runs_three_consumer_warpgroups_without_pipelining(built, dtype):
 
 @needs_dsl
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_v24_moves_a_quarter_of_the_exponentials_to_the_fma_pipe(built, dtype):
-    """v24 keeps three of every four MUFU exponentials of v22 (fp8: v21) and computes the rest with
-    the shifter, a cubic and an exponent-field add; the MMAs are unchanged."""
+@pytest.mark.parametrize("kernel", ["FmaExp", "ThreeConsumersFmaExp"])     # v24, v26
+def test_v24_v26_move_a_quarter_of_the_exponentials_to_the_fma_pipe(built, dtype, kernel):
+    """v24 keeps three of every four MUFU exponentials of v22 (fp8: v21), v26 of v23, and computes the
+    rest with the shifter, a cubic and an exponent-field add; the MMAs are unchanged."""
     _, dump = built
-    v24, base = _ptx(dump, "FmaExp", dtype), _ptx(dump, "FoldedScale" if dtype == "bf16" else "WarpStore", dtype)
+    bases = {"FmaExp": "FoldedScale" if dtype == "bf16" else "WarpStore", "ThreeConsumersFmaExp": "ThreeConsumers"}
+    v24, base = _ptx(dump, kernel, dtype), _ptx(dump, bases[kernel], dtype)
     assert 4 * v24.count("ex2.approx") == 3 * base.count("ex2.approx") > 0
     assert v24.count("mad.lo.u32") - base.count("mad.lo.u32") == base.count("ex2.approx") // 4
     assert "0f4B400000" in v24 and "0f4B400000" not in base
@@ -245,11 +248,12 @@ def mf_exp2_poly():
 
 @needs_dsl
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_knockouts_remove_only_their_piece(built, dtype):
+@pytest.mark.parametrize("stem", ["ProducerAhead", "ThreeConsumers"])     # v18, v23 (manifest.KNOCKOUT_BASES)
+def test_knockouts_remove_only_their_piece(built, dtype, stem):
     """Each knock-out keeps the base generation's MMAs and staging and loses only its piece."""
     _, dump = built
-    base = _ptx(dump, "ProducerAhead", dtype)
-    ko = {piece: _ptx(dump, f"ProducerAheadKnockOut{piece.title().replace('-', '')}", dtype) for piece in mf.KNOCKOUTS}
+    base = _ptx(dump, stem, dtype)
+    ko = {piece: _ptx(dump, f"{stem}KnockOut{piece.title().replace('-', '')}", dtype) for piece in mf.KNOCKOUTS}
     tma_store, wgmma = "cp.async.bulk.tensor.2d.global.shared", "wgmma.mma_async"
     for text in ko.values():
         assert text.count(wgmma) == base.count(wgmma) and text.count("stmatrix") == base.count("stmatrix")
@@ -373,12 +377,14 @@ def test_knockouts_are_built_but_not_selectable():
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS
     cfgs = [c for c in mf.knockout_configs() if c.variant in mf.KNOCKOUT_VARIANTS]
-    assert len(cfgs) == len(mf.KNOCKOUTS) * len(mf.DTYPES)
     for c in mf.knockout_configs():
         assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", c.name) and c.variant not in mf.VARIANTS
     for c in cfgs:
-        assert mf.knockout_piece(c.variant) == (mf.KNOCKOUT_BASE, c.variant.split("ko-")[1])
+        assert mf.knockout_piece(c.variant) == tuple(c.variant.split("ko-"))
+        assert mf.knockout_piece(c.variant)[0] in mf.KNOCKOUT_BASES
+    assert len(cfgs) == len(mf.KNOCKOUT_BASES) * len(mf.KNOCKOUTS) * len(mf.DTYPES)
     assert mf.knockout_piece("v18") is None and mf.knockout_piece("v18ko-store") is None
+    assert mf.knockout_piece("v22ko-exp") is None             # a generation without knock-out builds
     assert mf.knockout_piece("v99ko-exp") is None
     for v in mf.KNOCKOUT_VARIANTS + mf.TRACE_VARIANTS:
         with pytest.raises(ValueError, match="no kernel generation"):

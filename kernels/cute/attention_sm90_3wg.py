@@ -311,8 +311,12 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             _release(q_empty + qs, lane)
             # softmax step over the warp's 16 rows (one slot: one limit), m and l of live rows
             s_rc = _rows_cols_view(acc_s)
-            _mask_keys(s_rc, tScS, lim, BLK)
-            row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, p_bias)
+            if const_expr(self.knock_out == "softmax"):
+                row_max, row_sum = [Float32(0.0)] * n_rows_acc, [Float32(1.0)] * n_rows_acc
+            else:
+                _mask_keys(s_rc, tScS, lim, BLK)
+                row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, p_bias, exp=self.knock_out != "exp",
+                                                       fma_every=self.exp_fma_every)
             if ctid % 4 == 0:
                 for r in cutlass.range_constexpr(n_rows_acc):
                     row = tScS[r, 0][0]
@@ -340,10 +344,19 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
             if lane == 0:
-                if warp < live:
-                    cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp])
+                if const_expr(self.knock_out != "o-store"):
+                    if warp < live:
+                        cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp])
                 cute.arch.cp_async_bulk_commit_group()
         if run >= 0:
             _release(kv_empty + run % self.kv_stages, lane)   # the producer may reuse this stage two runs on
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)          # O stores complete before the CTA exits
+
+
+class KvOuterAttentionSm90ThreeConsumersFmaExp(KvOuterAttentionSm90ThreeConsumers):
+    """v26: v23 with v24's exponentials (every fourth column of a thread's row on the FMA pipe). v24 on
+    v22 gained at ncu's locked clock and not at boost in back-to-back rounds; v23's three consumer warps
+    per SM sub-partition share one MUFU, and the harness times bursts, which hold 1980 MHz."""
+    kernel_version = "v26-3wg-fma-exp"
+    exp_fma_every = 4

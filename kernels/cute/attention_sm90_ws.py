@@ -1037,6 +1037,7 @@ def trace_class(base: type) -> type:
     """A phase-trace build of `base` (TRACE_PHASES stamps in m_part; l_part and o_part as the base)."""
     return type(f"{base.__name__}Trace", (base,),
                 {"trace_phases": True, "kernel_version": f"{base.kernel_version}-trace",
+                 "__module__": base.__module__,
                  "__doc__": f"{base.kernel_version} with its consumer phases stamped into m_part (diagnostic)."})
 
 
@@ -1044,4 +1045,5 @@ def knock_out_class(base: type, piece: str) -> type:
     """A knock-out build of `base`: the same kernel with `piece` of the per-tile chain removed."""
     return type(f"{base.__name__}KnockOut{piece.title().replace('-', '')}", (base,),
                 {"knock_out": piece, "kernel_version": f"{base.kernel_version}-knockout-{piece}",
+                 "__module__": base.__module__,
                  "__doc__": f"{base.kernel_version} without {piece} (a timing bound; output not attention)."})
