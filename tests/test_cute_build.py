@@ -205,17 +205,34 @@ def test_v23_runs_three_consumer_warpgroups_without_pipelining(built, dtype):
 
 @needs_dsl
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("kernel", ["FmaExp", "ThreeConsumersFmaExp"])     # v24, v26
-def test_v24_v26_move_a_quarter_of_the_exponentials_to_the_fma_pipe(built, dtype, kernel):
-    """v24 keeps three of every four MUFU exponentials of v22 (fp8: v21), v26 of v23, and computes the
-    rest with the shifter, a cubic and an exponent-field add; the MMAs are unchanged."""
+def test_v24_moves_a_quarter_of_the_exponentials_to_the_fma_pipe(built, dtype):
+    """v24 keeps three of every four MUFU exponentials of v22 (fp8: v21) and computes the rest with
+    the shifter, a cubic and an exponent-field add; the MMAs are unchanged."""
     _, dump = built
-    bases = {"FmaExp": "FoldedScale" if dtype == "bf16" else "WarpStore", "ThreeConsumersFmaExp": "ThreeConsumers"}
-    v24, base = _ptx(dump, kernel, dtype), _ptx(dump, bases[kernel], dtype)
+    v24, base = _ptx(dump, "FmaExp", dtype), _ptx(dump, "FoldedScale" if dtype == "bf16" else "WarpStore", dtype)
     assert 4 * v24.count("ex2.approx") == 3 * base.count("ex2.approx") > 0
     assert v24.count("mad.lo.u32") - base.count("mad.lo.u32") == base.count("ex2.approx") // 4
     assert "0f4B400000" in v24 and "0f4B400000" not in base
     assert v24.count("wgmma.mma_async") == base.count("wgmma.mma_async")
+
+
+@needs_dsl
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_v27_v28_mark_their_tma_streams_evict_first(built, dtype):
+    """v27 gives v23's O stores the evict-first L2 policy, v28 its K/V loads too; v23 passes the DSL's
+    default policy operand (0) everywhere, and the MMAs and copies are v23's. The policy is a 64-bit
+    operand of every TMA copy, moved into a register as a decimal constant."""
+    _, dump = built
+    v23, v27, v28 = (_ptx(dump, k, dtype) for k in ("ThreeConsumers", "ThreeConsumersEvictFirstO",
+                                                   "ThreeConsumersEvictFirstOKv"))
+    policy = re.compile(r"mov\.b64\s+%rd\d+, " + str(0x12F0000000000000) + ";")
+    kv_loads = v28.count("cp.async.bulk.tensor.2d.shared::cta.global")
+    assert len(policy.findall(v23)) == 0
+    assert len(policy.findall(v27)) == 1              # one store site (the per-warp O slab)
+    assert len(policy.findall(v28)) == 1 + kv_loads and kv_loads >= 2
+    for text in (v27, v28):
+        assert text.count("wgmma.mma_async") == v23.count("wgmma.mma_async")
+        assert text.count("cp.async.ca") + text.count("cp.async.cg") == v23.count("cp.async.ca") + v23.count("cp.async.cg")
 
 
 def test_fma_exp2_matches_exp2_in_fp32_arithmetic():
@@ -257,10 +274,11 @@ def test_knockouts_remove_only_their_piece(built, dtype, stem):
     tma_store, wgmma = "cp.async.bulk.tensor.2d.global.shared", "wgmma.mma_async"
     for text in ko.values():
         assert text.count(wgmma) == base.count(wgmma) and text.count("stmatrix") == base.count("stmatrix")
-    assert ko["o-store"].count(tma_store) == 0 < base.count(tma_store)
+    assert ko["o-store"].count(tma_store) == ko["bare"].count(tma_store) == 0 < base.count(tma_store)
     assert ko["o-store"].count("ex2.approx") == base.count("ex2.approx") > 0
     assert ko["exp"].count("ex2.approx") == 0 and ko["exp"].count("max.f32") == base.count("max.f32")
-    assert ko["softmax"].count("ex2.approx") == 0 and ko["softmax"].count("max.f32") == 0
+    for piece in ("softmax", "bare"):
+        assert ko[piece].count("ex2.approx") == 0 and ko[piece].count("max.f32") == 0
     assert ko["exp"].count(tma_store) == ko["softmax"].count(tma_store) == base.count(tma_store)
 
 

@@ -311,7 +311,7 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             _release(q_empty + qs, lane)
             # softmax step over the warp's 16 rows (one slot: one limit), m and l of live rows
             s_rc = _rows_cols_view(acc_s)
-            if const_expr(self.knock_out == "softmax"):
+            if const_expr(self.without("softmax")):
                 row_max, row_sum = [Float32(0.0)] * n_rows_acc, [Float32(1.0)] * n_rows_acc
             else:
                 _mask_keys(s_rc, tScS, lim, BLK)
@@ -344,9 +344,10 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
             if lane == 0:
-                if const_expr(self.knock_out != "o-store"):
+                if const_expr(not self.without("o-store")):
                     if warp < live:
-                        cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp])
+                        cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp],
+                                  **self.l2_hint("o"))
                 cute.arch.cp_async_bulk_commit_group()
         if run >= 0:
             _release(kv_empty + run % self.kv_stages, lane)   # the producer may reuse this stage two runs on
@@ -354,9 +355,17 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             cute.arch.cp_async_bulk_wait_group(0)          # O stores complete before the CTA exits
 
 
-class KvOuterAttentionSm90ThreeConsumersFmaExp(KvOuterAttentionSm90ThreeConsumers):
-    """v26: v23 with v24's exponentials (every fourth column of a thread's row on the FMA pipe). v24 on
-    v22 gained at ncu's locked clock and not at boost in back-to-back rounds; v23's three consumer warps
-    per SM sub-partition share one MUFU, and the harness times bursts, which hold 1980 MHz."""
-    kernel_version = "v26-3wg-fma-exp"
-    exp_fma_every = 4
+class KvOuterAttentionSm90ThreeConsumersEvictFirstO(KvOuterAttentionSm90ThreeConsumers):
+    """v27: v23 with its O stores marked L2 evict-first. v20 did this on v18 and changed nothing, but v18
+    was bound by its consumers; v23 in bursts is bound by DRAM (its knock-outs: without the O store
+    +16 %, with Q aliased into L2 +7 % bf16, +15 % fp8), and a grouped order's Q range (16 MiB) would
+    fit in L2 if the partials did not sweep it out."""
+    kernel_version = "v27-3wg-evict-first-o"
+    l2_evict_first = ("o",)
+
+
+class KvOuterAttentionSm90ThreeConsumersEvictFirstOKv(KvOuterAttentionSm90ThreeConsumers):
+    """v28: v27 with the K/V loads evict-first as well (a block is reloaded once per query range, phases
+    apart, so its lines rarely hit anyway)."""
+    kernel_version = "v28-3wg-evict-first-o-kv"
+    l2_evict_first = ("o", "kv")

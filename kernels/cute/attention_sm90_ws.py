@@ -85,6 +85,12 @@ CONSUMER_REGS = 224          # moves registers only within the CTA's own allocat
 # (%globaltimer, read only on that slow path; a legitimate wait here is microseconds) executes `trap`,
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
 WATCHDOG_NS = 10_000_000_000
+# L2 cache policy of a TMA copy (the createpolicy encoding CUTLASS names CacheHintSm90::EVICT_FIRST): lines it
+# brings in or writes are the first to go when L2 needs room (v20 tried it on v18; v27, v28 on v23)
+L2_EVICT_FIRST = 0x12F0000000000000
+# What each knock-out build removes (manifest.KNOCKOUTS): "bare" is "softmax" and "o-store" at once
+KNOCK_OUT_PIECES = {"": (), "o-store": ("o-store",), "exp": ("exp",), "softmax": ("softmax",),
+                    "bare": ("softmax", "o-store")}
 
 
 @dsl_user_op
@@ -268,10 +274,11 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
     prefetch_meta = False      # producer: next tile's metadata read ahead, query indices before the stage wait
     warp_store_o = False       # each consumer warp stores its own slot (no warpgroup barriers around the store)
     fold_out_scale = False     # bf16: out_scale applied to P through the exponent's shift, not to O
+    l2_evict_first = ()        # TMA streams marked L2 evict-first: "kv" (K/V loads), "o" (O stores)
     exp_fma_every = 0          # k > 0: every k-th column's exponential on the FMA pipe (_exp2_fma), not MUFU
     # Knock-out builds (manifest.KNOCKOUTS; benchmarks/bounds_gpu.py): one piece of the consumers' per-tile
     # chain taken away to time the rest. Their outputs are not attention and are never checked or swept.
-    knock_out = ""             # "", "o-store" (no TMA store of O), "exp" (no exp2), "softmax" (P = S)
+    knock_out = ""             # "", "o-store" (no TMA store of O), "exp" (no exp2), "softmax" (P = S), "bare" (both)
     # Phase-trace build (manifest.TRACE_VARIANTS, TRACE_PHASES; benchmarks/trace_gpu.py): each consumer warp
     # writes the SM clock at the TRACE_PHASES points of every pipelined iteration into m_part, in place of
     # the row maxima.
@@ -303,7 +310,7 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
         self.fold_out_scale = self.fold_out_scale and dtype == "bf16"
         if self.warp_store_o and not (self.stmatrix_o and self.joint_rows):
             raise ValueError("the per-warp O store needs stmatrix staging and one slot per warp (v17 and later)")
-        if self.knock_out not in ("", "o-store", "exp", "softmax"):
+        if self.knock_out not in KNOCK_OUT_PIECES:
             raise ValueError(f"unknown knock-out {self.knock_out!r}")
 
     # ---- host side ----------------------------------------------------------------------------
@@ -520,8 +527,17 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             _wait(kv_empty + kv_idx, kv_phase)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
-            cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
-            cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+            cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx, **self.l2_hint("kv"))
+            cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx, **self.l2_hint("kv"))
+
+    def without(self, piece: str) -> bool:
+        """Whether this build is a knock-out that removes `piece` of the per-tile chain."""
+        return piece in KNOCK_OUT_PIECES[self.knock_out]
+
+    def l2_hint(self, stream: str) -> dict:
+        """cute.copy's cache-policy argument for a TMA stream ("kv" loads, "o" stores): evict-first where
+        l2_evict_first names it, else nothing (the default policy)."""
+        return {"cache_policy": cutlass.Int64(L2_EVICT_FIRST)} if stream in self.l2_evict_first else {}
 
     def _gather_q(self, g2s, thr_q, tQcQ: cute.Tensor, sQ: cute.Tensor, q_idx, mQ: cute.Tensor, hq, head,
                   query_of):
@@ -858,7 +874,7 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
         if const_expr(self.joint_rows):
             # every row a thread holds is in its warp's 16-row band, one slot (G % 16 == 0): one limit,
             # one warp-uniform mask branch, then the rows' reductions interleaved in straight-line code
-            if const_expr(self.knock_out == "softmax"):
+            if const_expr(self.without("softmax")):
                 row_max, row_sum = [Float32(0.0)] * n_rows_acc, [Float32(1.0)] * n_rows_acc
             else:
                 _mask_keys(s_rc, tScS, lim[0], self.block)
@@ -931,7 +947,7 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
             if lane == 0:
-                if const_expr(self.knock_out != "o-store"):
+                if const_expr(not self.without("o-store")):
                     if slot * G < live_rows:
                         cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
                 cute.arch.cp_async_bulk_commit_group()
@@ -948,7 +964,7 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
             if ctid % self.wg_threads == 0:
-                for j in cutlass.range_constexpr(0 if const_expr(self.knock_out == "o-store") else slots_per_wg):
+                for j in cutlass.range_constexpr(0 if const_expr(self.without("o-store")) else slots_per_wg):
                     slot = cwg * slots_per_wg + j
                     if slot * G < live_rows:
                         cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
