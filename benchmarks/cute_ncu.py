@@ -6,7 +6,7 @@
 For each (implementation, dtype) an `ncu` process profiles a child of this script that builds the
 benchmarks/cute_gpu.py perf workload (N 16384, 1024 blocks per KV head, top-16 uniform picks), plans
 the stage (`triton` = the kv-outer Triton stage on 8-token tiles, vN = kv-outer-cute generation N; a
-suffix @S:k sets the scheduler's tile order, q_ranges S and order_chunk k, see order_gpu.py; a knock-out
+suffix @S:k or @S:p sets the scheduler's tile order (config.tile_order's notation, see order_gpu.py); a knock-out
 build such as v18ko-exp swaps its library into the base generation's plan, see bounds_gpu.py; a suffix ~A
 replaces every query index by its value mod A after the first run, bounds_gpu.py's alias), runs
 it once unprofiled, then once inside the NVTX range `msa-ncu`, the only launch profiled. Sections
@@ -47,8 +47,8 @@ def plan_stage(spec: str, dtype: str):
     from cute_gpu import perf_workload
     spec, _, alias = spec.partition("~")
     impl, _, order = spec.partition("@")
-    s, _, k = (order or "1:0").partition(":")
-    order_kw = dict(q_ranges=int(s), order_chunk=int(k or 0))
+    from msa_bench.kernels.kv_outer.config import tile_order
+    order_kw = tile_order(order or "1:0")          # S:k, S:p or phases, as in order_gpu.py
     w = perf_workload(dtype, "cuda")
     if impl == "triton":
         from msa_bench.kernels.kv_outer.backend import KVOuterBackend
