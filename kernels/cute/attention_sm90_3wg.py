@@ -355,17 +355,12 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             cute.arch.cp_async_bulk_wait_group(0)          # O stores complete before the CTA exits
 
 
-class KvOuterAttentionSm90ThreeConsumersEvictFirstO(KvOuterAttentionSm90ThreeConsumers):
-    """v27: v23 with its O stores marked L2 evict-first. v20 did this on v18 and changed nothing, but v18
-    was bound by its consumers; v23 in bursts is bound by DRAM (its knock-outs: without the O store
-    +16 %, with Q aliased into L2 +7 % bf16, +15 % fp8), and a grouped order's Q range (16 MiB) would
-    fit in L2 if the partials did not sweep it out."""
-    kernel_version = "v27-3wg-evict-first-o"
-    l2_evict_first = ("o",)
-
-
-class KvOuterAttentionSm90ThreeConsumersEvictFirstOKv(KvOuterAttentionSm90ThreeConsumers):
-    """v28: v27 with the K/V loads evict-first as well (a block is reloaded once per query range, phases
-    apart, so its lines rarely hit anyway)."""
-    kernel_version = "v28-3wg-evict-first-o-kv"
+class KvOuterAttentionSm90ThreeConsumersEvictFirst(KvOuterAttentionSm90ThreeConsumers):
+    """v28: v23 with its O stores and K/V loads marked L2 evict-first, so the partials (4.4 GB per launch
+    at the perf point) and the K/V blocks (reloaded once per query range, phases apart) leave L2 to the
+    gathered Q rows; with a grouped tile order one range's Q (16 MiB) then stays resident. v20 did this
+    on v18 and changed nothing, but v18 was bound by its consumers; v23 in bursts is bound by DRAM (its
+    knock-outs: without the O store +16 %, with Q aliased into L2 +7 % bf16, +15 % fp8). v27, the O
+    stores alone, gave most of the gain (docs/perf-log.md, tenth session)."""
+    kernel_version = "v28-3wg-evict-first"
     l2_evict_first = ("o", "kv")

@@ -86,7 +86,7 @@ CONSUMER_REGS = 224          # moves registers only within the CTA's own allocat
 # so a pipeline bug surfaces as a launch error (unspecified launch failure) instead of a hung GPU.
 WATCHDOG_NS = 10_000_000_000
 # L2 cache policy of a TMA copy (the createpolicy encoding CUTLASS names CacheHintSm90::EVICT_FIRST): lines it
-# brings in or writes are the first to go when L2 needs room (v20 tried it on v18; v27, v28 on v23)
+# brings in or writes are the first to go when L2 needs room (v20 tried it on v18; v28 on v23)
 L2_EVICT_FIRST = 0x12F0000000000000
 # What each knock-out build removes (manifest.KNOCKOUTS): "bare" is "softmax" and "o-store" at once
 KNOCK_OUT_PIECES = {"": (), "o-store": ("o-store",), "exp": ("exp",), "softmax": ("softmax",),
