@@ -434,7 +434,7 @@ def test_config_for_other_geometry_is_unavailable():
     W.shape = AttnShape()
     assert cute_config_for(W(), 8) == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v23")   # the default generation
     W.dtype = "fp8"
-    assert cute_config_for(W(), 8) == mf.CuteConfig("fp8", ctas_per_sm=1, variant="v23")
+    assert cute_config_for(W(), 8) == mf.CuteConfig("fp8", ctas_per_sm=1, variant="v28")
     W.dtype = "bf16"
     assert cute_config_for(W(), 8, variant="v3") == mf.CuteConfig("bf16", ctas_per_sm=1, variant="v3")
     with pytest.raises(BackendUnavailable, match="CTAs per SM"):
@@ -456,7 +456,7 @@ def test_each_generation_registers_an_attention_impl():
     assert KVOuterCuteBackend(variant="v2").attention_impl == "cute" and KVOuterCuteBackend(variant="v2").ctas_for("fp8") == 2
     default = KVOuterCuteBackend()                    # each dtype's default generation
     assert default.attention_impl == "cute-default" and "cute-default" in ATTENTION_IMPLS
-    assert default.variant_for("bf16") == "v23" and default.variant_for("fp8") == "v23"
+    assert default.variant_for("bf16") == "v23" and default.variant_for("fp8") == "v28"
     assert default.ctas_for("bf16") == default.ctas_for("fp8") == 1
     b4 = KVOuterCuteBackend(variant="v4")
     assert b4.attention_impl == "cute-v4" and b4.ctas_for("bf16") == 1
@@ -516,7 +516,7 @@ def test_default_attention_impl_dispatches_on_the_workload_dtype(monkeypatch):
     monkeypatch.setattr(cb, "CuteAttentionStage", lambda w, b, cfg, variant: made.append((w.dtype, variant)))
     for dtype in ("bf16", "fp8"):
         ATTENTION_IMPLS["cute-default"](SimpleNamespace(dtype=dtype), {}, None)
-    assert made == [("bf16", "v23"), ("fp8", "v23")]
+    assert made == [("bf16", "v23"), ("fp8", "v28")]
 
 
 def test_diagnostic_builds_name_their_base_and_bind_to_its_plan(monkeypatch):

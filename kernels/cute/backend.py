@@ -17,13 +17,14 @@ from ..kv_outer.config import KVOuterConfig, default_config, grouped_tile_order,
 from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, SUPPORTED_ARCHS, TRACE_VARIANTS,
                        VARIANT_CTAS, VARIANTS, CuteConfig, device_arch, find_library, fp8_v_key_order)
 
-# the generation per dtype (H200 2026-11-29; docs/perf-log.md). v28 (v23 with L2 evict-first O stores and K/V
-# loads) with the grouped tile order (resolved_config) is the fastest measured in bursts, the harness's
-# protocol: at N 16384 attention bf16 476 TFLOP/s, fp8 655, against v23's 465 / 613 in five interleaved
-# rounds at 1980 MHz (tenth session, s10-call4), and fp8 real prefill +2-5 % on the long cases. In
-# throttled back-to-back rounds v23 was ahead (s10-call3): for sustained load compare both. Until the
-# ninth session: bf16 v22, fp8 v18; in the ninth: v23.
-DEFAULT_VARIANTS = {"bf16": "v28", "fp8": "v28"}
+# the generation per dtype (H200 2026-11-29; docs/perf-log.md), with the grouped tile order where Q outgrows
+# L2 (resolved_config). fp8: v28 (v23 with L2 evict-first O stores and K/V loads), at N 16384 attention 655
+# TFLOP/s against v23's 613 in five interleaved burst rounds at 1980 MHz (s10-call4), +5-6 % in the harness
+# and on real prefill's long cases, level at high reuse. bf16: v23 stays; v28 was +2.5 % in those bursts
+# but -3 to -9 % in two other same-call A/Bs and at nsb/N >= 2 (results/h200/*-cute-v28). In throttled
+# back-to-back rounds v23 was ahead in both dtypes (s10-call3). Until the eighth session: bf16 v22, fp8 v18;
+# in the ninth: v23 in both.
+DEFAULT_VARIANTS = {"bf16": "v23", "fp8": "v28"}
 DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1,
                        "v21": 1, "v22": 1, "v23": 1, "v24": 1, "v28": 1}
 
