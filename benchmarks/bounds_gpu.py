@@ -5,8 +5,9 @@ time the GPU needs just to write the partials the contract asks for.
         [--impls v18,triton] [--alias 0,2048,256] [--rounds 3] [--reps 20]
 
 Workload: cute_gpu.py's perf point (N 16384, 1024 blocks per KV head, uniform top-16). For each dtype
-and implementation (vN = kv-outer-cute generation N, `triton` = the kv-outer Triton stage with its
-tuned configuration) the module runs once, then the attention stage alone is timed with the harness
+and implementation (vN = kv-outer-cute generation N or a knock-out build such as v23ko-bare, with an
+optional tile order vN+ORDER, e.g. v23+1:0; `triton` = the kv-outer Triton stage with its tuned
+configuration) the module runs once, then the attention stage alone is timed with the harness
 protocol (CUDA graph replay, L2 flushed before every sample) with the index map's csr_query as
 computed (alias 0) and with every query index replaced by its value mod A (alias A). An aliased stage
 walks the same tiles, issues the same MMAs and softmax, and stores the same partials at the same rows;

@@ -2,7 +2,7 @@
 board's power limit.
 
     source scripts/gpu-setup.sh && python3 benchmarks/energy_gpu.py [--out DIR] [--dtypes bf16,fp8]
-        [--impls v18,v22,v23,v18ko-softmax,v18ko-exp,v18ko-o-store] [--alias 0,256] [--seconds 2]
+        [--impls v23,v28,v23ko-softmax,v23ko-o-store,v23ko-bare] [--alias 0,256] [--seconds 2]
         [--rounds 2] [--idle-s 2]
 
 Workload: cute_gpu.py's perf point (N 16384, 1024 blocks per KV head, uniform top-16), whose useful
@@ -14,7 +14,8 @@ with the SM clock, power and slowdown reasons polled meanwhile:
 - `write`: the stage's partials (o_part, m_part, l_part) written once by a plain Triton store kernel:
   the energy of the bytes the contract makes the stage write;
 - `matmul+write`: both at once on two streams (each launch = one of each);
-- each stage implementation (vN = kv-outer-cute generation N, a knock-out such as v18ko-softmax,
+- each stage implementation (vN = kv-outer-cute generation N, a knock-out such as v23ko-softmax, either
+  with an optional tile order such as v23+1:0 (default: the backend's order for the workload),
   `triton` = the Triton stage), with the real csr_query (alias 0) and with every query index taken
   mod A (Q gathers from A tokens, L2-resident at A 256), as bounds_gpu.py does.
 Each item is also timed in bursts, as the harness times a unit (after --rest seconds idle: median of
@@ -216,8 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/energy-gpu")
     ap.add_argument("--build-dir", default=os.environ.get("MSA_BENCH_CUTE_DIR") or str(REPO / "build" / "cute"))
     ap.add_argument("--dtypes", default="bf16,fp8")
-    ap.add_argument("--impls", default="v18,v22,v23,v18ko-softmax,v18ko-exp,v18ko-o-store",
-                    help="vN (kv-outer-cute generation or knock-out build) or triton, comma-separated")
+    ap.add_argument("--impls", default="v23,v28,v23ko-softmax,v23ko-o-store,v23ko-bare",
+                    help="vN[+ORDER] (kv-outer-cute generation or knock-out build, optional tile order) or triton, "
+                         "comma-separated")
     ap.add_argument("--alias", default="0,256", help="query index moduli; 0 = the real csr_query")
     ap.add_argument("--seconds", type=float, default=2.0, help="back-to-back run per item and round (s)")
     ap.add_argument("--rounds", type=int, default=2)

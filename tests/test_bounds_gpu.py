@@ -104,3 +104,14 @@ def test_repeater_runs_once_then_on_every_call(monkeypatch):
     r()
     r()
     assert len(calls) == 3
+
+
+def test_backend_for_takes_a_generation_or_knock_out_with_a_tile_order():
+    """GEN[+ORDER]: the knock-out's base generation and the order in config.tile_order's notation;
+    without an order the backend picks one per workload; a bad order is one clear error."""
+    b = bounds_gpu.backend_for("v23ko-bare+4:p")
+    assert b.variant == "v23" and b.order == "4:p"
+    b = bounds_gpu.backend_for("v28")
+    assert b.variant == "v28" and b.order is None
+    with pytest.raises(ValueError):
+        bounds_gpu.backend_for("v23+4:x")
