@@ -232,19 +232,6 @@ def test_v28_marks_its_tma_streams_evict_first(built, dtype):
     assert v28.count("cp.async.ca") + v28.count("cp.async.cg") == v23.count("cp.async.ca") + v23.count("cp.async.cg")
 
 
-@needs_dsl
-def test_v29_double_stages_o_for_fp8(built):
-    """v29 (fp8 only) waits for the store of two half tiles ago (bulk wait_group.read 1) where v28 waits
-    for the last one (0), and keeps v28's MMAs and cache policy; it is not built for bf16."""
-    _, dump = built
-    v28, v29 = _ptx(dump, "ThreeConsumersEvictFirst", "fp8"), _ptx(dump, "ThreeConsumersOStaged", "fp8")
-    wait = re.compile(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);")
-    assert set(wait.findall(v28)) == {"0"} and "1" in wait.findall(v29)
-    assert v29.count("wgmma.mma_async") == v28.count("wgmma.mma_async")
-    assert v29.count(str(0x12F0000000000000)) == v28.count(str(0x12F0000000000000))
-    assert mf.VARIANT_CTAS[("v29", "bf16")] == ()
-
-
 def test_fma_exp2_matches_exp2_in_fp32_arithmetic():
     """_exp2_fma's steps replayed in float32 numpy (clamp, 1.5 x 2^23 shifter, cubic, exponent add):
     relative error under 2e-4 from -126 to 12, finite and non-negative below (masked keys)."""

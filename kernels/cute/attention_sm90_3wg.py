@@ -64,7 +64,6 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
     num_consumer_wgs = 3
     num_consumer_warps = 12
     q_stages_by_dtype = {"bf16": 3, "fp8": 6}       # per consumer warpgroup one (bf16: shared memory) or two
-    o_stages_by_dtype = {"bf16": 1, "fp8": 1}       # O staging slots per consumer warp
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -73,7 +72,6 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         if self.half_rows != 64 or self.group != 16:
             raise ValueError(f"v23 needs 64-row half tiles of 16-row slots, got TILE_Q {self.tile_q}, G {self.group}")
         self.lim_extra = 2                           # after the half's 4 limits: live slots, key-run ordinal
-        self.o_stages = self.o_stages_by_dtype[self.dtype_name]
 
     # ---- host side ----------------------------------------------------------------------------
     @cute.jit
@@ -93,7 +91,7 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(tma_op, mK, cute.slice_(sK_layout, (None, None, 0)), (BLK, D))
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(tma_op, mV, cute.slice_(sV_layout, (None, None, 0)), v_tile)
         # O staging: one (G, D) slot per consumer warp, stored by TMA slot by slot
-        sO_layout = _staged_smem_layout(cutlass.BFloat16, self.group, D, self.num_consumer_warps * self.o_stages)
+        sO_layout = _staged_smem_layout(cutlass.BFloat16, self.group, D, self.num_consumer_warps)
         tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
 
@@ -267,9 +265,8 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
         tScS = _rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((HR, BLK))))
         # O staging: this warpgroup's four slots (G rows each) as a (64, D) view, written by stmatrix
-        sO_all = cute.composition(sO, cute.make_layout(((G, self.num_consumer_warps * self.o_stages), D),
-                                                        stride=((1, G * D), G)))
-        sO_wg = cute.local_tile(sO_all, (HR, D), (None, 0))                  # (64, D, 3 x o_stages)
+        sO_all = cute.composition(sO, cute.make_layout(((G, self.num_consumer_warps), D), stride=((1, G * D), G)))
+        sO_wg = cute.local_tile(sO_all, (HR, D), (None, 0))                  # (64, D, 3)
         st_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), pv_mma)
         tRsO = st_copy.get_slice(ctid).partition_D(sO_wg)
@@ -286,7 +283,6 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
         p_bias, l_scale = self._p_scales(out_scale)
         n_rows_acc = const_expr(cute.size(tScS, mode=[0]))
         o_slot = cwg * (self.num_consumer_warps // self.num_consumer_wgs) + warp   # this warp's staging slot
-        o_buf = Int32(0)                  # with two O stages: which of this warpgroup's two staging sets
 
         run = Int32(-1)                   # the key run whose K/V this warpgroup has waited for
         for h in cutlass.range(cwg, 2 * n_tiles, self.num_consumer_wgs, unroll=1):
@@ -342,27 +338,17 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             # O: v21's per-warp store (attention_sm90_ws._store_o), into this warp's own staging slot
             r_o = self._o_bf16(acc_o, out_scale)
             if lane == 0:
-                # this warp's store from o_stages half tiles ago has read the slot it is about to refill
-                cute.arch.cp_async_bulk_wait_group(self.o_stages - 1, read=True)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)   # this warp's previous store has read its slot
             cute.arch.sync_warp()
-            if const_expr(self.o_stages == 1):
-                cute.copy(st_copy, st_copy.retile(r_o), tRsO[None, None, None, cwg])
-            else:
-                cute.copy(st_copy, st_copy.retile(r_o), tRsO[None, None, None, cwg + self.num_consumer_wgs * o_buf])
+            cute.copy(st_copy, st_copy.retile(r_o), tRsO[None, None, None, cwg])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
             if lane == 0:
                 if const_expr(not self.without("o-store")):
                     if warp < live:
-                        if const_expr(self.o_stages == 1):
-                            cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp],
-                                      **self.l2_hint("o"))
-                        else:
-                            cute.copy(tma_o, tOsO[None, o_slot + self.num_consumer_warps * o_buf],
-                                      tOgO[None, t * self.tile_q + HQ * j + warp], **self.l2_hint("o"))
+                        cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp],
+                                  **self.l2_hint("o"))
                 cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.o_stages > 1):
-                o_buf = 1 - o_buf
         if run >= 0:
             _release(kv_empty + run % self.kv_stages, lane)   # the producer may reuse this stage two runs on
         if lane == 0:
@@ -378,13 +364,3 @@ class KvOuterAttentionSm90ThreeConsumersEvictFirst(KvOuterAttentionSm90ThreeCons
     stores alone, gave most of the gain (docs/perf-log.md, tenth session)."""
     kernel_version = "v28-3wg-evict-first"
     l2_evict_first = ("o", "kv")
-
-
-class KvOuterAttentionSm90ThreeConsumersOStaged(KvOuterAttentionSm90ThreeConsumersEvictFirst):
-    """v29 (fp8 only): v28 with two O staging slots per consumer warp, so a warp refills the slot its
-    store of two half tiles ago read, not the one it has just committed. The v23 knock-outs put 16 % of
-    the stage on the O store, and a warp that waits for its last store to leave shared memory waits on
-    the write path's back-pressure. bf16 has no shared memory for a second set (224 KiB in use); fp8
-    has (160 + 48 KiB)."""
-    kernel_version = "v29-3wg-o-double-staged"
-    o_stages_by_dtype = {"bf16": 1, "fp8": 2}
