@@ -53,18 +53,11 @@ def plan_stage(spec: str, dtype: str):
     if impl == "triton":
         from msa_bench.kernels.kv_outer.backend import KVOuterBackend
         from msa_bench.kernels.kv_outer.config import default_config
-        backend = KVOuterBackend(config=default_config(dtype).with_(tile_q=8, attn_chunk=0, attn_chunk_grid=0,
-                                                                    attn_maxnreg=0, **order_kw))
+        plan = KVOuterBackend(config=default_config(dtype).with_(tile_q=8, attn_chunk=0, attn_chunk_grid=0,
+                                                                 attn_maxnreg=0, **order_kw)).plan(w)
     else:
-        from msa_bench.kernels.cute.backend import DEFAULT_CTAS_PER_SM, KVOuterCuteBackend, cute_kv_config
-        from msa_bench.kernels.cute.manifest import diagnostic_base
-        base = diagnostic_base(impl) or impl
-        cfg = cute_kv_config(dtype, DEFAULT_CTAS_PER_SM[base]).with_(**order_kw)
-        backend = KVOuterCuteBackend(config=cfg, variant=base)
-    plan = backend.plan(w)
-    if impl != "triton" and base != impl:
-        from msa_bench.kernels.cute.backend import diagnostic_stage
-        plan.stages["attention"] = diagnostic_stage(plan, w, impl)
+        from bounds_gpu import plan_for          # a knock-out's library swapped into its base's plan
+        plan = plan_for(f"{impl}+{order or '1:0'}", w)
     plan.run()
     if alias:
         q = plan.buffers["csr_query"]
