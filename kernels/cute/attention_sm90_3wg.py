@@ -315,7 +315,7 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
                 row_max, row_sum = [Float32(0.0)] * n_rows_acc, [Float32(1.0)] * n_rows_acc
             else:
                 _mask_keys(s_rc, tScS, lim, BLK)
-                row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, p_bias, exp=self.knock_out != "exp",
+                row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, p_bias, exp=not self.without("exp"),
                                                        fma_every=self.exp_fma_every)
             if ctid % 4 == 0:
                 for r in cutlass.range_constexpr(n_rows_acc):

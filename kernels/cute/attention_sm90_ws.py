@@ -77,7 +77,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .attention_sm90 import (DSL_DTYPES, LOG2E, AttentionLaunch, _gather_q_row, _row_copy, _rows_cols_view,
                              _softmax_row, _tile, check_tile)
 from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
-from .manifest import P_SHIFT, TRACE_PHASES
+from .manifest import KNOCKOUT_REMOVES, P_SHIFT, TRACE_PHASES
 
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168 (the launch allocation): setmaxnreg
 CONSUMER_REGS = 224          # moves registers only within the CTA's own allocation
@@ -88,9 +88,6 @@ WATCHDOG_NS = 10_000_000_000
 # L2 cache policy of a TMA copy (the createpolicy encoding CUTLASS names CacheHintSm90::EVICT_FIRST): lines it
 # brings in or writes are the first to go when L2 needs room (v20 tried it on v18; v28 on v23)
 L2_EVICT_FIRST = 0x12F0000000000000
-# What each knock-out build removes (manifest.KNOCKOUTS): "bare" is "softmax" and "o-store" at once
-KNOCK_OUT_PIECES = {"": (), "o-store": ("o-store",), "exp": ("exp",), "softmax": ("softmax",),
-                    "bare": ("softmax", "o-store")}
 
 
 @dsl_user_op
@@ -310,7 +307,7 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
         self.fold_out_scale = self.fold_out_scale and dtype == "bf16"
         if self.warp_store_o and not (self.stmatrix_o and self.joint_rows):
             raise ValueError("the per-warp O store needs stmatrix staging and one slot per warp (v17 and later)")
-        if self.knock_out not in KNOCK_OUT_PIECES:
+        if self.knock_out and self.knock_out not in KNOCKOUT_REMOVES:
             raise ValueError(f"unknown knock-out {self.knock_out!r}")
 
     # ---- host side ----------------------------------------------------------------------------
@@ -531,8 +528,9 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx, **self.l2_hint("kv"))
 
     def without(self, piece: str) -> bool:
-        """Whether this build is a knock-out that removes `piece` of the per-tile chain."""
-        return piece in KNOCK_OUT_PIECES[self.knock_out]
+        """Whether this build is a knock-out that removes `piece` of the per-tile chain
+        (manifest.KNOCKOUT_REMOVES)."""
+        return piece in KNOCKOUT_REMOVES.get(self.knock_out, ())
 
     def l2_hint(self, stream: str) -> dict:
         """cute.copy's cache-policy argument for a TMA stream ("kv" loads, "o" stores): evict-first where
@@ -878,7 +876,7 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
                 row_max, row_sum = [Float32(0.0)] * n_rows_acc, [Float32(1.0)] * n_rows_acc
             else:
                 _mask_keys(s_rc, tScS, lim[0], self.block)
-                row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, v["p_bias"], exp=self.knock_out != "exp",
+                row_max, row_sum = _softmax_rows_joint(s_rc, scale_log2, v["p_bias"], exp=not self.without("exp"),
                                                        fma_every=self.exp_fma_every)
             if ctid % 4 == 0:
                 for r in cutlass.range_constexpr(n_rows_acc):
