@@ -232,31 +232,6 @@ def test_v28_marks_its_tma_streams_evict_first(built, dtype):
     assert v28.count("cp.async.ca") + v28.count("cp.async.cg") == v23.count("cp.async.ca") + v23.count("cp.async.cg")
 
 
-def _consumer_order(ptx: str) -> str:
-    """The kernel's wgmma issues (M), commits (C), exponentials (E) and 64-bit clock reads (K) in program
-    order, each run of one kind written once: v23's consumer reads M C E M C."""
-    kinds = {"wgmma.mma_async": "M", "wgmma.commit_group": "C", "ex2.approx": "E", "%clock64": "K"}
-    tokens = "".join(kinds[m.group(0)] for m in re.finditer("|".join(re.escape(k) for k in kinds), ptx))
-    return re.sub(r"(.)\1+", r"\1", tokens)
-
-
-@needs_dsl
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_v30_to_v32_issue_p_v_in_parts_between_the_exponentials(built, dtype):
-    """v30 (v23), v31 (v28) and v32 (v28, fp8) compute P and issue its P V in 2, 2 and 4 parts of the
-    keys, a commit group each, with a clock read after every part but the last that keeps the next
-    part's exponentials below its MMAs; the MMAs and exponentials are v23's, only regrouped."""
-    _, dump = built
-    v23 = _ptx(dump, "ThreeConsumers", dtype)
-    assert _consumer_order(v23) == "MCEMC"
-    splits = [("SplitPv", 2), ("SplitPvEvictFirst", 2)] + ([("QuarterPvEvictFirst", 4)] if dtype == "fp8" else [])
-    for stem, parts in splits:
-        ptx = _ptx(dump, stem, dtype)
-        assert _consumer_order(ptx) == "MC" + "K".join(["EMC"] * parts), (stem, _consumer_order(ptx))
-        assert ptx.count("wgmma.mma_async") == v23.count("wgmma.mma_async")
-        assert ptx.count("ex2.approx") == v23.count("ex2.approx")
-        assert ptx.count("%clock64") == parts - 1
-
 def test_fma_exp2_matches_exp2_in_fp32_arithmetic():
     """_exp2_fma's steps replayed in float32 numpy (clamp, 1.5 x 2^23 shifter, cubic, exponent add):
     relative error under 2e-4 from -126 to 12, finite and non-negative below (masked keys)."""

@@ -50,8 +50,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .attention_sm90 import LOG2E, _rows_cols_view
 from .attention_sm90_pipe import _acc_to_frg_a, _staged_smem_layout
-from .attention_sm90_ws import (KvOuterAttentionSm90FoldedScale, _exp_columns, _mask_keys, _pairwise, _release,
-                                _row_max_shifts, _softmax_rows_joint, _wait)
+from .attention_sm90_ws import (KvOuterAttentionSm90FoldedScale, _mask_keys, _release, _softmax_rows_joint,
+                                _wait)
 
 PRODUCER_REGS = 72           # two tiles of metadata in flight
 CONSUMER_REGS = 144          # 128 x 72 + 384 x 144 = 64512 <= 512 x 128, the launch's allocation
@@ -64,7 +64,6 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
     num_consumer_wgs = 3
     num_consumer_warps = 12
     q_stages_by_dtype = {"bf16": 3, "fp8": 6}       # per consumer warpgroup one (bf16: shared memory) or two
-    pv_parts = 1                                     # v30-v32: exponentials and P V in this many parts of the keys
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -236,44 +235,6 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
                     q_phase ^= 1
         cute.arch.cp_async_wait_group(0)
 
-    def _split_softmax_pv(self, pv, s_rc: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor, r_p: cute.Tensor,
-                          tOrV: cute.Tensor, kv, scale_log2: Float32, p_bias):
-        """v30: the exponentials and P V in pv_parts parts of the keys. After the row maxima, the first
-        part's P is computed, summed and converted and its k blocks of P V issued (a commit group); the
-        next part's exponentials run while those MMAs do, and so on. Each part is summed before it is
-        issued, so its fp32 P is dead by then (with all of it live to the end, ptxas runs short of
-        registers and serializes every wgmma). Plain Python, traced inline; returns the row maxima and
-        sums."""
-        n_c, n_kb, n_r = cute.size(s_rc, mode=[1]), cute.size(r_p, mode=[2]), cute.size(s_rc, mode=[0])
-        maxes, shifts = _row_max_shifts(s_rc, scale_log2, p_bias)
-        sums = [None] * n_r
-        parts = self.pv_parts
-        for part in range(parts):
-            cols = range(part * n_c // parts, (part + 1) * n_c // parts)
-            _exp_columns(s_rc, shifts, scale_log2, cols)
-            for r in range(n_r):
-                half = _pairwise([s_rc[r, c] for c in cols], lambda a, b: a + b)
-                sums[r] = half if part == 0 else sums[r] + half
-            kbs = range(part * n_kb // parts, (part + 1) * n_kb // parts)
-            frg = self._fp8_p_regs(acc_s, r_p, kbs) if const_expr(self.fp8_reg_p) else _acc_to_frg_a(acc_s)
-            for kb in kbs:
-                r_p[None, None, kb].store(frg[None, None, kb].load().to(self.dtype))
-            warpgroup.fence()
-            for kb in kbs:
-                pv.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(pv, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv], acc_o)
-            warpgroup.commit_group()
-            if part < parts - 1:
-                # ptxas would hoist the next part's exponentials above this part's MMAs (they do not
-                # depend on them); a shift that reads the clock after the issue keeps them below. It
-                # adds 0 unless the 64-bit cycle counter has passed 2^62 (about 70 years at 2 GHz).
-                late = Float32(Int32(cute.arch.clock64() >> 62))
-                shifts = [sh + late for sh in shifts]
-        for offset in (1, 2):
-            other = [cute.arch.shuffle_sync_bfly(x, offset=offset) for x in sums]
-            sums = [x + o for x, o in zip(sums, other)]
-        return maxes, sums
-
     @cute.jit
     def _advance2(self, idx: Int32, phase: Int32):
         idx += 1
@@ -350,11 +311,7 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             _release(q_empty + qs, lane)
             # softmax step over the warp's 16 rows (one slot: one limit), m and l of live rows
             s_rc = _rows_cols_view(acc_s)
-            pv = pv_mma.__new_from_mlir_values__(pv_mma.__extract_mlir_values__())
-            if const_expr(self.pv_parts > 1):
-                _mask_keys(s_rc, tScS, lim, BLK)
-                row_max, row_sum = self._split_softmax_pv(pv, s_rc, acc_s, acc_o, r_p, tOrV, kv, scale_log2, p_bias)
-            elif const_expr(self.without("softmax")):
+            if const_expr(self.without("softmax")):
                 row_max, row_sum = [Float32(0.0)] * n_rows_acc, [Float32(1.0)] * n_rows_acc
             else:
                 _mask_keys(s_rc, tScS, lim, BLK)
@@ -366,17 +323,17 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
                     if row < live * G:
                         mM[t * ROWS + HR * j + row] = row_max[r] * scale
                         mL[t * ROWS + HR * j + row] = row_sum[r] * l_scale
-            if const_expr(self.pv_parts == 1):
-                if const_expr(self.fp8_reg_p):
-                    r_p.store(self._fp8_p_regs(acc_s, r_p).load().to(self.dtype))
-                else:
-                    r_p.store(_acc_to_frg_a(acc_s).load().to(self.dtype))
-                # O = P V
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(cute.size(r_p, mode=[2])):
-                    pv.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(pv, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv], acc_o)
-                warpgroup.commit_group()
+            if const_expr(self.fp8_reg_p):
+                r_p.store(self._fp8_p_regs(acc_s, r_p).load().to(self.dtype))
+            else:
+                r_p.store(_acc_to_frg_a(acc_s).load().to(self.dtype))
+            # O = P V
+            pv = pv_mma.__new_from_mlir_values__(pv_mma.__extract_mlir_values__())
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(r_p, mode=[2])):
+                pv.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(pv, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv], acc_o)
+            warpgroup.commit_group()
             warpgroup.wait_group(0)
             # O: v21's per-warp store (attention_sm90_ws._store_o), into this warp's own staging slot
             r_o = self._o_bf16(acc_o, out_scale)
@@ -407,26 +364,3 @@ class KvOuterAttentionSm90ThreeConsumersEvictFirst(KvOuterAttentionSm90ThreeCons
     stores alone, gave most of the gain (docs/perf-log.md, tenth session)."""
     kernel_version = "v28-3wg-evict-first"
     l2_evict_first = ("o", "kv")
-
-
-class KvOuterAttentionSm90SplitPv(KvOuterAttentionSm90ThreeConsumers):
-    """v30: v23 with each consumer's exponentials and P V split in two halves of the keys, so the second
-    half's exponentials and the row sums run under the first half's MMAs (v23's consumer runs its whole
-    softmax, then all of P V, then waits). The knock-outs say the softmax alone holds v23 to 550 / 705
-    TFLOP/s bf16 / fp8 in bursts (no O store) against 653 / 1033 without it; this shortens its part of
-    each consumer's chain, not its instructions."""
-    kernel_version = "v30-3wg-split-pv"
-    pv_parts = 2
-
-
-class KvOuterAttentionSm90SplitPvEvictFirst(KvOuterAttentionSm90ThreeConsumersEvictFirst):
-    """v31: v30's split on v28 (evict-first O stores and K/V loads), the fp8 default's base."""
-    kernel_version = "v31-3wg-split-pv-evict-first"
-    pv_parts = 2
-
-
-class KvOuterAttentionSm90QuarterPvEvictFirst(KvOuterAttentionSm90ThreeConsumersEvictFirst):
-    """v32: v31 in four parts of the keys, one k block of P V each (fp8 only: in bf16 ptxas runs short of
-    registers and serializes every wgmma)."""
-    kernel_version = "v32-3wg-quarter-pv-evict-first"
-    pv_parts = 4

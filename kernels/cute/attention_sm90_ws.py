@@ -231,14 +231,6 @@ def _softmax_rows_joint(s_rc: cute.Tensor, scale_log2: Float32, p_shift, exp: bo
     what the exponentials cost; its output is not attention). fma_every k > 0: every k-th column of a
     thread's row takes _exp2_fma instead of MUFU.EX2. Returns the lists of row maxima and sums, reduced
     over the four threads of a row."""
-    maxes, shifts = _row_max_shifts(s_rc, scale_log2, p_shift)
-    _exp_columns(s_rc, shifts, scale_log2, range(cute.size(s_rc, mode=[1])), exp, fma_every)
-    return maxes, _row_sums(s_rc)
-
-
-def _row_max_shifts(s_rc: cute.Tensor, scale_log2: Float32, p_shift):
-    """_softmax_rows_joint's first part: the row maxima (reduced over a row's four threads) and each
-    row's exponent shift."""
     n_r = cute.size(s_rc, mode=[0])
     maxes = [_pairwise(_row(s_rc, r), cute.arch.fmax) for r in range(n_r)]
     for offset in (1, 2):
@@ -246,14 +238,8 @@ def _row_max_shifts(s_rc: cute.Tensor, scale_log2: Float32, p_shift):
         maxes = [cute.arch.fmax(m, o) for m, o in zip(maxes, other)]
     shifts = [Float32(cutlass.select_(m != -Float32.inf, m * scale_log2 - p_shift, Float32(-p_shift)))
               for m in maxes]
-    return maxes, shifts
-
-
-def _exp_columns(s_rc: cute.Tensor, shifts: list, scale_log2: Float32, columns, exp: bool = True,
-                 fma_every: int = 0):
-    """P in place for the thread's columns `columns` of every row (see _softmax_rows_joint)."""
-    for r in range(cute.size(s_rc, mode=[0])):
-        for c in columns:
+    for r in range(n_r):
+        for c in range(cute.size(s_rc, mode=[1])):
             x = s_rc[r, c] * scale_log2 - shifts[r]
             if not exp:
                 s_rc[r, c] = x
@@ -261,15 +247,11 @@ def _exp_columns(s_rc: cute.Tensor, shifts: list, scale_log2: Float32, columns, 
                 s_rc[r, c] = _exp2_fma(x)
             else:
                 s_rc[r, c] = cute.arch.exp2(x)
-
-
-def _row_sums(s_rc: cute.Tensor) -> list:
-    """Each row's sum of P, reduced over the row's four threads."""
-    sums = [_pairwise(_row(s_rc, r), lambda a, b: a + b) for r in range(cute.size(s_rc, mode=[0]))]
+    sums = [_pairwise(_row(s_rc, r), lambda a, b: a + b) for r in range(n_r)]
     for offset in (1, 2):
         other = [cute.arch.shuffle_sync_bfly(x, offset=offset) for x in sums]
         sums = [x + o for x, o in zip(sums, other)]
-    return sums
+    return maxes, sums
 
 
 class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
@@ -929,16 +911,15 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1 + cwg, number_of_threads=self.wg_threads)
 
-    def _fp8_p_regs(self, acc_s: cute.Tensor, r_p: cute.Tensor, kbs=None) -> cute.Tensor:
+    def _fp8_p_regs(self, acc_s: cute.Tensor, r_p: cute.Tensor) -> cute.Tensor:
         """v15: the S accumulator's values regrouped (fp32, a register renaming) into the fp8 A-operand
         fragment of m64nNk32: per thread, acc_s is ((2 cols, 2 row halves, 16 col groups of 8)) and
         the A fragment ((4 k, 2 row halves, 2 k halves), k blocks of 32). Byte i of A's register (h,
         kh) in k block kb takes column 32 kb + 16 kh + 8 (i // 2) + 2 q + i % 2 (q = lane % 4) where the
         MMA reads k = 32 kb + 16 kh + 4 q + i: no shuffles or byte permutes, and the keys of V are
-        stored in that order instead (manifest.fp8_v_key_order, applied to the d-major V copy). kbs:
-        only those k blocks (v30), the rest of the returned fragment left unwritten."""
+        stored in that order instead (manifest.fp8_v_key_order, applied to the d-major V copy)."""
         tmp = cute.make_rmem_tensor_like(r_p, Float32)
-        for kb in (range(cute.size(r_p, mode=[2])) if kbs is None else kbs):   # plain Python: unrolled while tracing
+        for kb in range(cute.size(r_p, mode=[2])):               # plain Python: unrolled while tracing
             for kh in range(2):
                 for h in range(2):
                     for i in range(4):

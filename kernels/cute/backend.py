@@ -26,8 +26,7 @@ from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, S
 # in the ninth: v23 in both.
 DEFAULT_VARIANTS = {"bf16": "v23", "fp8": "v28"}
 DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1,
-                       "v21": 1, "v22": 1, "v23": 1, "v24": 1, "v28": 1,
-                       "v30": 1, "v31": 1, "v32": 1}
+                       "v21": 1, "v22": 1, "v23": 1, "v24": 1, "v28": 1}
 
 
 def attention_impl_name(variant: str) -> str:

@@ -144,11 +144,9 @@ def kernel_class(variant: str):
     if knock_out:
         from .attention_sm90_ws import knock_out_class
         return knock_out_class(kernel_class(knock_out[0]), knock_out[1])
-    if variant in ("v23", "v28", "v30", "v31", "v32"):
+    if variant in ("v23", "v28"):
         from . import attention_sm90_3wg as wg3
-        return {"v23": wg3.KvOuterAttentionSm90ThreeConsumers, "v28": wg3.KvOuterAttentionSm90ThreeConsumersEvictFirst,
-                "v30": wg3.KvOuterAttentionSm90SplitPv, "v31": wg3.KvOuterAttentionSm90SplitPvEvictFirst,
-                "v32": wg3.KvOuterAttentionSm90QuarterPvEvictFirst}[variant]
+        return {"v23": wg3.KvOuterAttentionSm90ThreeConsumers, "v28": wg3.KvOuterAttentionSm90ThreeConsumersEvictFirst}[variant]
     if variant in ("v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22", "v24"):
         from . import attention_sm90_ws as ws
         return {"v4": ws.KvOuterAttentionSm90WarpSpecialized, "v7": ws.KvOuterAttentionSm90TmaStore,

@@ -62,13 +62,11 @@ CTAS_PER_SM = (1, 2)
 # output scale folded into P (bf16 only); v23 = v22's steps on three consumer warpgroups, each walking
 # its own 64-row half tiles without pipelining (attention_sm90_3wg.py); v24 = v22 (fp8: v21) with every
 # fourth exponential computed on the FMA pipe instead of MUFU; v28 = v23 with its O stores and K/V loads
-# marked L2 evict-first; v30 = v23 with each consumer's exponentials and P V in two halves of the keys,
-# the second half's exponentials under the first half's MMAs; v31 = v30 on v28; v32 = v31 in four parts
-# of the keys (docs/perf-log.md has each one's numbers,
-# and v5, v6, v8, v11, v12, v13, v14, v19, v20, v25, v26, v27, v29, measured and dropped).
+# marked L2 evict-first (docs/perf-log.md has each one's numbers,
+# and v5, v6, v8, v11, v12, v13, v14, v19, v20, v25, v26, v27, v29, v30-v32, measured and dropped).
 # CTAs per SM each generation builds:
 VARIANTS = ("v2", "v3", "v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22", "v23", "v24",
-            "v28", "v30", "v31", "v32")
+            "v28")
 VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (1,), ("v3", "fp8"): (1, 2),
                 ("v4", "bf16"): (1,), ("v4", "fp8"): (1,), ("v7", "bf16"): (1,), ("v7", "fp8"): (1,),
                 ("v9", "bf16"): (1,), ("v9", "fp8"): (1,), ("v10", "bf16"): (1,), ("v10", "fp8"): (1,),
@@ -77,8 +75,7 @@ VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (
                 ("v18", "bf16"): (1,), ("v18", "fp8"): (1,), ("v21", "bf16"): (1,), ("v21", "fp8"): (1,),
                 ("v22", "bf16"): (1,), ("v22", "fp8"): (),        # v22 changes bf16 only
                 ("v23", "bf16"): (1,), ("v23", "fp8"): (1,), ("v24", "bf16"): (1,), ("v24", "fp8"): (1,),
-                ("v28", "bf16"): (1,), ("v28", "fp8"): (1,), ("v30", "bf16"): (1,), ("v30", "fp8"): (1,),
-                ("v31", "bf16"): (1,), ("v31", "fp8"): (1,), ("v32", "bf16"): (), ("v32", "fp8"): (1,)}   # v32 bf16: ptxas serializes its wgmmas (registers)
+                ("v28", "bf16"): (1,), ("v28", "fp8"): (1,)}
 
 # Knock-out builds: a generation of KNOCKOUT_BASES with a piece of the consumers' per-tile chain removed
 # ("o-store": O is staged but never stored to o_part; "exp": P is the exponent's argument, no exp2;
@@ -122,7 +119,7 @@ def diagnostic_base(variant: str) -> str | None:
 
 # Generations whose fp8 P V takes P from registers in the S accumulator's column order: they read V's
 # keys permuted within every 16 (attention_sm90_ws._fp8_p_regs).
-FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v21", "v22", "v23", "v24", "v28", "v30", "v31", "v32") + KNOCKOUT_VARIANTS + TRACE_VARIANTS
+FP8_V_KEY_PERMUTED = ("v15", "v16", "v17", "v18", "v21", "v22", "v23", "v24", "v28") + KNOCKOUT_VARIANTS + TRACE_VARIANTS
 
 
 def fp8_v_key_order() -> list[int]:
