@@ -346,8 +346,13 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             if lane == 0:
                 if const_expr(not self.without("o-store")):
                     if warp < live:
-                        cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp],
-                                  **self.l2_hint("o"))
+                        if const_expr(self.without("o-half")):
+                            if warp % 2 == 0:
+                                cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp],
+                                          **self.l2_hint("o"))
+                        else:
+                            cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp],
+                                      **self.l2_hint("o"))
                 cute.arch.cp_async_bulk_commit_group()
         if run >= 0:
             _release(kv_empty + run % self.kv_stages, lane)   # the producer may reuse this stage two runs on

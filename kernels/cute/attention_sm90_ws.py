@@ -275,7 +275,8 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
     exp_fma_every = 0          # k > 0: every k-th column's exponential on the FMA pipe (_exp2_fma), not MUFU
     # Knock-out builds (manifest.KNOCKOUTS; benchmarks/bounds_gpu.py): one piece of the consumers' per-tile
     # chain taken away to time the rest. Their outputs are not attention and are never checked or swept.
-    knock_out = ""             # "", "o-store" (no TMA store of O), "exp" (no exp2), "softmax" (P = S), "bare" (both)
+    knock_out = ""             # "", "o-store" (no TMA store of O), "exp" (no exp2), "softmax" (P = S), "bare" (both),
+                               # "o-half" (every other slot's O store: half the partial bytes)
     # Phase-trace build (manifest.TRACE_VARIANTS, TRACE_PHASES; benchmarks/trace_gpu.py): each consumer warp
     # writes the SM clock at the TRACE_PHASES points of every pipelined iteration into m_part, in place of
     # the row maxima.
@@ -947,7 +948,11 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             if lane == 0:
                 if const_expr(not self.without("o-store")):
                     if slot * G < live_rows:
-                        cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
+                        if const_expr(self.without("o-half")):
+                            if slot % 2 == 0:
+                                cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
+                        else:
+                            cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
                 cute.arch.cp_async_bulk_commit_group()
         elif const_expr(self.tma_store_o):
             wg_barrier = 1 + cwg
@@ -963,9 +968,10 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
             if ctid % self.wg_threads == 0:
                 for j in cutlass.range_constexpr(0 if const_expr(self.without("o-store")) else slots_per_wg):
-                    slot = cwg * slots_per_wg + j
-                    if slot * G < live_rows:
-                        cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
+                    if const_expr(not (self.without("o-half") and j % 2 == 1)):
+                        slot = cwg * slots_per_wg + j
+                        if slot * G < live_rows:
+                            cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
                 cute.arch.cp_async_bulk_commit_group()
         else:
             cute.autovec_copy(r_o, v["thr_pv"].partition_C(_tile(mO, cutlass.Int64(t) * (ROWS * D), (ROWS, D))))

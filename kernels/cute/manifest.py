@@ -80,12 +80,14 @@ VARIANT_CTAS = {("v2", "bf16"): (1, 2), ("v2", "fp8"): (1, 2), ("v3", "bf16"): (
 # Knock-out builds: a generation of KNOCKOUT_BASES with a piece of the consumers' per-tile chain removed
 # ("o-store": O is staged but never stored to o_part; "exp": P is the exponent's argument, no exp2;
 # "softmax": P = S, no mask, max, exp or sum; "bare": neither softmax nor O store, so the MMAs, the Q
-# gather and the K/V loads are what is left). They bound what the rest of the chain runs at
-# (benchmarks/bounds_gpu.py, energy_gpu.py); their outputs are not attention, so the harness cannot select
-# them (not in VARIANTS) and nothing checks them.
-KNOCKOUT_REMOVES = {"o-store": ("o-store",), "exp": ("exp",), "softmax": ("softmax",), "bare": ("softmax", "o-store")}
+# gather and the K/V loads are what is left; "o-half": only every other slot's O is stored, half the
+# partial bytes, what partials of 8 bits per element would write). They bound what the rest of the chain
+# runs at (benchmarks/bounds_gpu.py, energy_gpu.py); their outputs are not attention, so the harness
+# cannot select them (not in VARIANTS) and nothing checks them.
+KNOCKOUT_REMOVES = {"o-store": ("o-store",), "exp": ("exp",), "softmax": ("softmax",), "bare": ("softmax", "o-store"),
+                    "o-half": ("o-half",)}
 KNOCKOUTS = tuple(KNOCKOUT_REMOVES)
-KNOCKOUT_BASES = ("v18", "v23")     # two consumer warpgroups pipelined; three not pipelined
+KNOCKOUT_BASES = ("v18", "v23", "v28")     # two consumer warpgroups pipelined; three not pipelined; fp8's default
 KNOCKOUT_VARIANTS = tuple(f"{base}ko-{piece}" for base in KNOCKOUT_BASES for piece in KNOCKOUTS)
 
 
