@@ -15,7 +15,9 @@ the pipelined consumers (v9 and later) change phase:
 - store_o: the O conversion, staging and TMA store, up to `UTMACMDFLUSH`;
 - after_store: P(t+1) into the operand registers and the loop's bookkeeping.
 A kernel without one of the cut points (fp8 P V without register P has no separate issue group) simply
-has fewer regions. Each region's share is of all the kernel's samples; with the producer warpgroup
+has fewer regions. A consumer that is not pipelined (v23, v28: no wait for all but one group) is cut at
+its own points instead: top (Q and K/V waits), S issue, wait S (the one waiting instruction), softmax
+(up to P V's first wgmma, so P's conversion included), P V issue, wait P V, store_o, after_store. Each region's share is of all the kernel's samples; with the producer warpgroup
 sampled alongside, the consumer loop holds about two thirds of them.
 """
 from __future__ import annotations
@@ -80,7 +82,32 @@ def consumer_loop(ins: list[dict]) -> list[dict]:
     return best
 
 
+def _serial_regions(loop: list[dict]) -> list[tuple[str, list[dict]]] | None:
+    """v23's consumer (not pipelined: S, wait, softmax, P V, wait, store), or None for another loop. The
+    two waits for a wgmma group are regions of one instruction each, so their samples read apart."""
+    def find(hit, start):
+        return next((k for k in range(start, len(loop)) if hit(loop[k]["text"])), None)
+    wait0 = lambda t: "WARPGROUP.DEPBAR.LE gsb0, 0x0" in t
+    if find(lambda t: "WARPGROUP.DEPBAR.LE gsb0, 0x1" in t, 0) is not None:
+        return None
+    s_issue = find(is_wgmma, 0)
+    s_wait = find(wait0, s_issue + 1) if s_issue is not None else None
+    pv_issue = find(is_wgmma, s_wait + 1) if s_wait is not None else None
+    pv_wait = find(wait0, pv_issue + 1) if pv_issue is not None else None
+    if pv_wait is None:
+        return None
+    flush = find(lambda t: "UTMACMDFLUSH" in t, pv_wait + 1)
+    cuts = [("top", 0), ("S issue", s_issue), ("wait S", s_wait), ("softmax", s_wait + 1),
+            ("P V issue", pv_issue), ("wait P V", pv_wait), ("store_o", pv_wait + 1)]
+    if flush is not None:
+        cuts.append(("after_store", flush + 1))
+    return [(name, loop[k:(cuts[j + 1][1] if j + 1 < len(cuts) else len(loop))]) for j, (name, k) in enumerate(cuts)]
+
+
 def regions(loop: list[dict]) -> list[tuple[str, list[dict]]]:
+    serial = _serial_regions(loop)
+    if serial is not None:
+        return serial
     cuts, start = [("top", 0)], 0
     for name, hit in CUTS:
         at = next((k for k in range(start, len(loop)) if hit(loop[k]["text"])), None)
