@@ -17,8 +17,9 @@ the pipelined consumers (v9 and later) change phase:
 A kernel without one of the cut points (fp8 P V without register P has no separate issue group) simply
 has fewer regions. A consumer that is not pipelined (v23, v28: no wait for all but one group) is cut at
 its own points instead: top (Q and K/V waits), S issue, wait S (the one waiting instruction), softmax
-(up to P V's first wgmma, so P's conversion included), P V issue, wait P V, store_o, after_store. Each region's share is of all the kernel's samples; with the producer warpgroup
-sampled alongside, the consumer loop holds about two thirds of them.
+(up to P V's first wgmma, so P's conversion included), P V issue, wait P V, store_o, after_store.
+Each region's share is of all the kernel's samples; with the producer warpgroup sampled alongside,
+the consumer loop holds about two thirds of them.
 """
 from __future__ import annotations
 

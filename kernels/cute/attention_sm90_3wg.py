@@ -346,11 +346,7 @@ class KvOuterAttentionSm90ThreeConsumers(KvOuterAttentionSm90FoldedScale):
             if lane == 0:
                 if const_expr(not self.without("o-store")):
                     if warp < live:
-                        if const_expr(self.without("o-half")):
-                            if warp % 2 == 0:
-                                cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp],
-                                          **self.l2_hint("o"))
-                        else:
+                        if self.stores_slot(warp):
                             cute.copy(tma_o, tOsO[None, o_slot], tOgO[None, t * self.tile_q + HQ * j + warp],
                                       **self.l2_hint("o"))
                 cute.arch.cp_async_bulk_commit_group()

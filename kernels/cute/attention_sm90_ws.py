@@ -533,6 +533,12 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
         (manifest.KNOCKOUT_REMOVES)."""
         return piece in KNOCKOUT_REMOVES.get(self.knock_out, ())
 
+    def stores_slot(self, slot):
+        """Whether the O store of a tile slot is issued: always (Python True, so no branch is traced),
+        or, in the o-half knock-out, for even slots (a Python bool for an unrolled slot, else a runtime
+        test)."""
+        return slot % 2 == 0 if self.without("o-half") else True
+
     def l2_hint(self, stream: str) -> dict:
         """cute.copy's cache-policy argument for a TMA stream ("kv" loads, "o" stores): evict-first where
         l2_evict_first names it, else nothing (the default policy)."""
@@ -948,10 +954,7 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             if lane == 0:
                 if const_expr(not self.without("o-store")):
                     if slot * G < live_rows:
-                        if const_expr(self.without("o-half")):
-                            if slot % 2 == 0:
-                                cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
-                        else:
+                        if self.stores_slot(slot):
                             cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
                 cute.arch.cp_async_bulk_commit_group()
         elif const_expr(self.tma_store_o):
@@ -968,9 +971,9 @@ class KvOuterAttentionSm90WarpSpecialized(AttentionLaunch):
             cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=self.wg_threads)
             if ctid % self.wg_threads == 0:
                 for j in cutlass.range_constexpr(0 if const_expr(self.without("o-store")) else slots_per_wg):
-                    if const_expr(not (self.without("o-half") and j % 2 == 1)):
-                        slot = cwg * slots_per_wg + j
-                        if slot * G < live_rows:
+                    slot = cwg * slots_per_wg + j
+                    if slot * G < live_rows:
+                        if self.stores_slot(j):
                             cute.copy(tma_o, v["tOsO"][None, slot], v["tOgO"][None, t * self.tile_q + slot])
                 cute.arch.cp_async_bulk_commit_group()
         else:
