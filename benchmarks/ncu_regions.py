@@ -83,26 +83,34 @@ def consumer_loop(ins: list[dict]) -> list[dict]:
     return best
 
 
+def _find(loop: list[dict], hit, start: int) -> int | None:
+    """Index of the first instruction at or after `start` whose text `hit` accepts."""
+    return next((k for k in range(start, len(loop)) if hit(loop[k]["text"])), None)
+
+
+def _split(loop: list[dict], cuts: list[tuple[str, int]]) -> list[tuple[str, list[dict]]]:
+    """The loop cut into named regions, each from its start index to the next one's."""
+    return [(name, loop[k:(cuts[j + 1][1] if j + 1 < len(cuts) else len(loop))]) for j, (name, k) in enumerate(cuts)]
+
+
 def _serial_regions(loop: list[dict]) -> list[tuple[str, list[dict]]] | None:
     """v23's consumer (not pipelined: S, wait, softmax, P V, wait, store), or None for another loop. The
     two waits for a wgmma group are regions of one instruction each, so their samples read apart."""
-    def find(hit, start):
-        return next((k for k in range(start, len(loop)) if hit(loop[k]["text"])), None)
     wait0 = lambda t: "WARPGROUP.DEPBAR.LE gsb0, 0x0" in t
-    if find(lambda t: "WARPGROUP.DEPBAR.LE gsb0, 0x1" in t, 0) is not None:
+    if _find(loop, lambda t: "WARPGROUP.DEPBAR.LE gsb0, 0x1" in t, 0) is not None:
         return None
-    s_issue = find(is_wgmma, 0)
-    s_wait = find(wait0, s_issue + 1) if s_issue is not None else None
-    pv_issue = find(is_wgmma, s_wait + 1) if s_wait is not None else None
-    pv_wait = find(wait0, pv_issue + 1) if pv_issue is not None else None
+    s_issue = _find(loop, is_wgmma, 0)
+    s_wait = _find(loop, wait0, s_issue + 1) if s_issue is not None else None
+    pv_issue = _find(loop, is_wgmma, s_wait + 1) if s_wait is not None else None
+    pv_wait = _find(loop, wait0, pv_issue + 1) if pv_issue is not None else None
     if pv_wait is None:
         return None
-    flush = find(lambda t: "UTMACMDFLUSH" in t, pv_wait + 1)
+    flush = _find(loop, lambda t: "UTMACMDFLUSH" in t, pv_wait + 1)
     cuts = [("top", 0), ("S issue", s_issue), ("wait S", s_wait), ("softmax", s_wait + 1),
             ("P V issue", pv_issue), ("wait P V", pv_wait), ("store_o", pv_wait + 1)]
     if flush is not None:
         cuts.append(("after_store", flush + 1))
-    return [(name, loop[k:(cuts[j + 1][1] if j + 1 < len(cuts) else len(loop))]) for j, (name, k) in enumerate(cuts)]
+    return _split(loop, cuts)
 
 
 def regions(loop: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -111,13 +119,13 @@ def regions(loop: list[dict]) -> list[tuple[str, list[dict]]]:
         return serial
     cuts, start = [("top", 0)], 0
     for name, hit in CUTS:
-        at = next((k for k in range(start, len(loop)) if hit(loop[k]["text"])), None)
+        at = _find(loop, hit, start)
         if at is not None:
             cuts.append((name, at))
             start = at + 1
     if any(name == "after_store" for name, _ in cuts):
         cuts = [(n, k + 1) if n == "after_store" else (n, k) for n, k in cuts]
-    return [(name, loop[k:(cuts[j + 1][1] if j + 1 < len(cuts) else len(loop))]) for j, (name, k) in enumerate(cuts)]
+    return _split(loop, cuts)
 
 
 def summary(path: Path) -> str:
