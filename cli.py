@@ -55,10 +55,10 @@ def workload(
     """Generate one workload's selection and print its statistics: reuse nsb/N, fan-in of queries per selected
     (KV head, block), visible selected tokens, useful FLOPs and the roofline's predicted time per schedule."""
     import json
-    from .harness.errors import UserError
-    from .harness.scenarios import GENERATORS, Point, make_workload
-    from .harness.stats import prediction_rows, stat_rows, workload_stats
-    from .harness.workload import DATA_DTYPES, AttnShape
+    from .errors import UserError
+    from .scenarios.grid import GENERATORS, Point, make_workload
+    from .scenarios.stats import prediction_rows, stat_rows, workload_stats
+    from .scenarios.workload import DATA_DTYPES, AttnShape
 
     if generator not in GENERATORS:
         raise UserError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
@@ -66,7 +66,7 @@ def workload(
         raise UserError(f"--dtype must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
     shape = AttnShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk)
     if generator == "real-prefill":
-        from .harness.prefill_cases import get_case
+        from .scenarios.prefill_cases import get_case
         if not case:
             raise UserError("--generator real-prefill needs --case CASE_ID (e.g. prefill_c17ccf7fbbb5d1ee5648; "
                             "`msa-bench scenarios` -> real-prefill lists the representative cases)")
@@ -106,8 +106,8 @@ def scenarios():
     their one-line descriptions. Run one with `msa-bench sweep --scenario NAME`."""
     from rich.console import Console
     from rich.table import Table
-    from .harness.scenarios import list_scenarios, load_scenario
-    from .harness.errors import UserError
+    from .scenarios.grid import list_scenarios, load_scenario
+    from .errors import UserError
 
     table = Table(title="shipped scenarios")
     for col in ("name", "points (workload x dtype)", "description"):
@@ -142,8 +142,8 @@ def check(
     and print per-stage checks; the maximum relative error is printed last. Exit 0 only within tolerance
     (fp32 1e-5, fp16/bf16 1e-2, fp8 5e-2). Without a GPU the Triton kernels run in the CPU interpreter."""
     from .harness.check import CPU_SHAPE, default_request, run_check
-    from .harness.errors import UserError
-    from .harness.workload import DATA_DTYPES, AttnShape
+    from .errors import UserError
+    from .scenarios.workload import DATA_DTYPES, AttnShape
 
     import torch
     dtype = dtype or ("bf16" if torch.cuda.is_available() else "fp16")
@@ -193,7 +193,7 @@ def roofline(
     token), per-query-token bytes per schedule and memory level, and the binding resource (hbm, l2 or mma)
     at a few reuse points. Bandwidths in TB/s, bytes per query token, times in microseconds."""
     import json
-    from .harness.errors import UserError
+    from .errors import UserError
     from .roofline.devices import load_device
     from .roofline.model import DTYPE_BYTES, ModelShape
     from .roofline.summary import roofline_summary
@@ -230,7 +230,7 @@ def build_kernels(
     link one shared library per configuration and write manifest.json (config, DSL/CUDA versions, arch,
     source hash). Carry the directory to the GPU host; backend kv-outer-cute loads it there."""
     from pathlib import Path
-    from .harness.errors import UserError
+    from .errors import UserError
     from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, SUPPORTED_ARCHS, knockout_configs, sweep_configs
 
     if arch not in SUPPORTED_ARCHS:
@@ -250,7 +250,7 @@ def _split(text: str | None, name: str, kind=str) -> list | None:
     """'0.25,1,4' -> [0.25, 1.0, 4.0]; None stays None."""
     if text is None:
         return None
-    from .harness.errors import UserError
+    from .errors import UserError
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise UserError(f"--{name} is empty")
@@ -384,7 +384,7 @@ def calibrate(
     matmul peaks, then write a device profile for `msa-bench roofline --device PROFILE.json` and a PNG of
     bandwidth versus working set. Needs a CUDA GPU; about a minute on an H200."""
     from pathlib import Path
-    from .harness.errors import require_cuda
+    from .errors import require_cuda
     require_cuda("msa-bench calibrate")
     from .roofline.calibrate import calibrate as run
     import torch
@@ -398,7 +398,7 @@ def calibrate(
 
 def main() -> None:
     """Console entry point: user errors become one line on stderr and a non-zero exit."""
-    from .harness.errors import BackendUnavailable, UserError
+    from .errors import BackendUnavailable, UserError
     try:
         code = app(standalone_mode=False)
     except typer.Exit as exc:

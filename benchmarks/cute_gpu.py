@@ -62,7 +62,7 @@ def masked_padded_workload(dtype: str, seed: int, device):
     """64 queries over a 1000-token request (8 blocks, the last partial): each (head, query) keeps 3..8
     distinct random blocks (-1 padded to top-16), and each query sees keys up to a random limit, so
     blocks are partly or wholly masked (wholly masked partials must come out m = -inf, l = 0)."""
-    from msa_bench.harness.workload import AttnShape, build_workload
+    from msa_bench.scenarios.workload import AttnShape, build_workload
     shape = AttnShape(**SHAPE_KW)
     n, kv_len = 64, 1000
     nb = math.ceil(kv_len / shape.block)
@@ -80,8 +80,8 @@ def masked_padded_workload(dtype: str, seed: int, device):
 
 def workloads(dtype: str, device, quick: bool):
     """(label, workload factory) pairs for the checks, smallest first."""
-    from msa_bench.harness.selection import synthetic_workload
-    from msa_bench.harness.workload import AttnShape
+    from msa_bench.scenarios.selection import synthetic_workload
+    from msa_bench.scenarios.workload import AttnShape
     shape = AttnShape(**SHAPE_KW)
     cases = [
         ("small pool N64 ctx2048", lambda: synthetic_workload(shape, dtype, 64, 2048, 1.0, seed=1, device=device)),
@@ -98,8 +98,8 @@ def workloads(dtype: str, device, quick: bool):
 
 
 def perf_workload(dtype: str, device):
-    from msa_bench.harness.selection import synthetic_workload
-    from msa_bench.harness.workload import AttnShape
+    from msa_bench.scenarios.selection import synthetic_workload
+    from msa_bench.scenarios.workload import AttnShape
     n, nb = PERF["tokens"], PERF["blocks_per_head"]
     shape = AttnShape(**SHAPE_KW)
     # reuse nsb/N = Hkv * pool / N gives a pool of nb blocks per KV head, picks uniform and distinct
@@ -124,7 +124,7 @@ def live_rows(plan, w) -> torch.Tensor:
 
 
 def compare_with_triton(pc, pt, w) -> dict:
-    from msa_bench.harness.reference import relative_error
+    from msa_bench.scenarios.reference import relative_error
     rows = live_rows(pt, w)
     bc, bt = pc.buffers, pt.buffers
     out = {"live_rows": int(rows.numel())}
@@ -181,7 +181,7 @@ def graph_summary(g: dict) -> str:
 def check_case(label, make, dtype, log, configs: list[tuple[str, int]]) -> list[dict]:
     """Every CuTe configuration of `dtype` on one workload: vs the Triton stage, vs the float64
     reference, and CUDA-graph replay (also run on the Triton stage, as a control of the check)."""
-    from msa_bench.harness.reference import reference_attention, relative_error
+    from msa_bench.scenarios.reference import reference_attention, relative_error
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.backend import KVOuterBackend
     from msa_bench.kernels.kv_outer.stage_checks import check_partials

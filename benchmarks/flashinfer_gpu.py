@@ -30,9 +30,9 @@ import torch
 
 from msa_bench.harness.tee_log import TeeLog as Log
 
-from msa_bench.harness.reference import reference_attention, relative_error
+from msa_bench.scenarios.reference import reference_attention, relative_error
 from msa_bench.harness.timing import TimingConfig, summarize, time_plan
-from msa_bench.harness.workload import AttnShape, Workload, build_workload
+from msa_bench.scenarios.workload import AttnShape, Workload, build_workload
 from msa_bench.kernels.flashinfer_q_outer import VARIANTS, FlashInferQOuter, import_flashinfer
 
 SHAPE = AttnShape()                        # Hq 64, Hkv 4, D 128, block 128, top-16

@@ -45,7 +45,7 @@ _import_package()
 import torch  # noqa: E402
 
 from msa_bench.harness.check import check_backend, edge_case_workload, sample_rows  # noqa: E402
-from msa_bench.harness.workload import AttnShape  # noqa: E402
+from msa_bench.scenarios.workload import AttnShape  # noqa: E402
 from msa_bench.kernels.base import get_backend  # noqa: E402
 from msa_bench.kernels.kv_outer.config import KVOuterConfig, default_config  # noqa: E402
 
@@ -78,14 +78,14 @@ class Log:
 
 def study_workload(dtype: str, tokens: int = STUDY_TOKENS, seed: int = 0):
     """Each KV head's pool is all 1024 blocks; each query picks 16 distinct ones (nsb/N = 0.25)."""
-    from msa_bench.harness.selection import synthetic_workload
+    from msa_bench.scenarios.selection import synthetic_workload
     return synthetic_workload(STUDY, dtype, tokens, STUDY_CONTEXT, STUDY_REUSE * STUDY_TOKENS / tokens,
                               seed=seed, device="cuda")
 
 
 def useful_flops(w) -> float:
     try:
-        from msa_bench.harness.stats import useful_flops as stats_flops
+        from msa_bench.scenarios.stats import useful_flops as stats_flops
         return stats_flops(w)
     except ImportError:       # 4 x G x D x visible selected tokens, summed over queries and KV heads
         s = w.shape
@@ -384,7 +384,7 @@ def time_module(log: Log, backend: str, w, config: KVOuterConfig | None, flops: 
                combine_gbps=cbytes / med["combine"] / 1e9, combine_bytes=cbytes,
                overhead_share=overhead / stage_sum, useful_flops=flops)
     try:
-        from msa_bench.harness.stats import workload_stats
+        from msa_bench.scenarios.stats import workload_stats
         st = workload_stats(w, "h200")
         rec["predicted_s"] = st.get(f"pred_{backend}_s")
         rec["predicted_binding"] = st.get(f"pred_{backend}_binding")

@@ -81,7 +81,7 @@ def kv_loads(plan) -> int:
 
 
 def check(dtype, impl, order, label, make, log) -> dict:
-    from msa_bench.harness.reference import reference_attention, relative_error
+    from msa_bench.scenarios.reference import reference_attention, relative_error
     from msa_bench.kernels.kv_outer.stage_checks import stage_checks
     rec = {"dtype": dtype, "impl": impl, "order": order_label(order), "case": label, "tol": TOL[dtype]}
     try:

@@ -6,7 +6,7 @@
 The KV-outer stages write one partial per (query, selected block): o (bf16, raw: not divided by l), m
 and l (fp32). Those bf16 partials are most of the stage's DRAM traffic, so a contract with 8-bit
 partials is one way to a faster stage. This script takes the float64 reference's exact partials of a
-study-shaped workload (harness/reference.py, Q/K/V drawn as the harness draws them), rounds o to each
+study-shaped workload (scenarios/reference.py, Q/K/V drawn as the harness draws them), rounds o to each
 candidate format, merges with the reference combine, and prints the relative error of the output
 against the exact output, next to the harness tolerance of the data dtype. Only the rounding of the
 partials is emulated; a stage's own arithmetic (P cast to the data dtype, fp32 accumulation) adds its
@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from msa_bench.harness.check import tolerance
-from msa_bench.harness.reference import combine_partials, reference_partials, relative_error
-from msa_bench.harness.selection import synthetic_workload
+from msa_bench.scenarios.reference import combine_partials, reference_partials, relative_error
+from msa_bench.scenarios.selection import synthetic_workload
 from msa_bench.harness.tee_log import TeeLog as Log
-from msa_bench.harness.workload import AttnShape, WorkloadError
+from msa_bench.scenarios.workload import AttnShape, WorkloadError
 
 REPO = Path(__file__).resolve().parents[1]
 E4M3_MAX = 448.0

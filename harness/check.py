@@ -15,9 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .errors import UserError
-from .reference import reference_attention, relative_error
-from .workload import AttnShape, Workload, WorkloadError, build_workload
+from ..errors import UserError
+from ..scenarios.reference import reference_attention, relative_error
+from ..scenarios.workload import AttnShape, Workload, WorkloadError, build_workload
 
 TOLERANCE = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8": 5e-2}
 SAMPLED_ROWS = 512          # rows compared with the reference when the workload is bigger than this
@@ -119,7 +119,7 @@ def random_workload(shape: AttnShape, dtype: str, tokens: int, context: int, reu
     """Synthetic selection at the requested reuse (harness.selection) when available, else
     edge_case_workload's plain random one (one request)."""
     try:
-        from .selection import synthetic_workload
+        from ..scenarios.selection import synthetic_workload
     except ImportError:
         synthetic_workload = None
     if synthetic_workload is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.stats import mannwhitneyu
 
-from .errors import UserError
+from ..errors import UserError
 from .results import STATUS_FAILED, STATUS_OK, Run
 
 TIMED_STAGES = ("module", "attention")

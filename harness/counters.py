@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 
-from .errors import UserError, one_line
+from ..errors import UserError, one_line
 
 RANGE = "msa-counters"
 MARKER = "msa_counters_marker"
@@ -242,8 +242,8 @@ def point_from_dict(d: dict):
     """Rebuild a scenarios.Point from its as_dict() columns (what the sweep passes to the child)."""
     from dataclasses import fields
 
-    from .scenarios import SHAPE_KEYS, Point
-    from .workload import AttnShape
+    from ..scenarios.grid import SHAPE_KEYS, Point
+    from ..scenarios.workload import AttnShape
     names = [f.name for f in fields(Point) if f.name != "shape"]
     missing = [n for n in names + list(SHAPE_KEYS) if n not in d]
     if missing:
@@ -271,7 +271,7 @@ def _child(spec_path: str, manifest_path: str) -> None:
     import torch
 
     from ..kernels.base import get_backend
-    from .scenarios import make_workload
+    from ..scenarios.grid import make_workload
 
     if not torch.cuda.is_available():
         raise UserError("counters need a CUDA GPU")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import UserError
+from ..errors import UserError
 
 SCHEMA_VERSION = 1
 RUN_FILE = "run.json"

@@ -17,7 +17,7 @@ import torch
 
 from . import counters as ncu_counters
 from . import provenance, results
-from .errors import UserError, one_line
+from ..errors import UserError, one_line
 from .prediction import model_shape, plan_config, predict_point, schedule_of
 from .telemetry import Poller, open_telemetry, point_telemetry
 from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
@@ -76,7 +76,7 @@ def _device() -> torch.device:
 
 
 def resolve_scenario(req: SweepRequest, device: torch.device, notes: list[str]):
-    from .scenarios import load_scenario, with_overrides
+    from ..scenarios.grid import load_scenario, with_overrides
     name = req.scenario
     if name is None:
         name = "default" if device.type == "cuda" else "smoke"
@@ -268,8 +268,8 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    from .scenarios import make_workload
-    from .stats import workload_stats
+    from ..scenarios.grid import make_workload
+    from ..scenarios.stats import workload_stats
 
     console = console or Console(stderr=True)
     notes: list[str] = []

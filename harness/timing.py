@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"

@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from ..harness.errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
-from ..harness.workload import Workload
+from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
+from ..scenarios.workload import Workload
 
 STAGE_NAMES = ("index_map", "schedule", "attention", "combine")
 

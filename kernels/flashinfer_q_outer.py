@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..harness.workload import Workload
+from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 
 VARIANTS = ("prefill-fa2", "decode-tc", "prefill-fa3")

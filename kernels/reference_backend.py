@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..harness.reference import combine_partials, reference_partials
-from ..harness.workload import DATA_DTYPES, Workload
+from ..scenarios.reference import combine_partials, reference_partials
+from ..scenarios.workload import DATA_DTYPES, Workload
 from .base import Backend, Plan, register
 
 

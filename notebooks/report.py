@@ -31,7 +31,7 @@ if "ipykernel" not in sys.modules:
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from msa_bench.harness import report
+from msa_bench.harness import plots, report, tables
 from msa_bench.harness.prediction import device_for_run
 from msa_bench.harness.results import load_run
 
@@ -66,7 +66,7 @@ def show(figures):
 # as `failed` and never timed; one that cannot run here (no GPU, package missing, dtype) as `unavailable`.
 
 # %%
-print(report.markdown_table(report.status_table(run)))
+print(report.markdown_table(tables.status_table(run)))
 
 # %% [markdown]
 # ## Throughput against reuse
@@ -76,11 +76,11 @@ print(report.markdown_table(report.status_table(run)))
 # on the log reuse axis.
 
 # %%
-print(report.markdown_table(report.throughput_table(run)))
-for c in report.crossovers(run, device):
+print(report.markdown_table(tables.throughput_table(run)))
+for c in tables.crossovers(run, device):
     print(f"{c.group} {c.dtype}: {c.kv_backend} vs {c.q_backend}: measured {c.measured} ({c.measured_note}), "
           f"predicted {c.predicted}")
-show(report.throughput_figures(run, device))
+show(plots.throughput_figures(run, device))
 
 # %% [markdown]
 # ## Where the time goes
@@ -88,17 +88,17 @@ show(report.throughput_figures(run, device))
 # whole-module graph as a black tick: the gap between the stack and the tick is launch overlap.
 
 # %%
-print(report.markdown_table(report.stage_table(run)))
-show(report.stage_figures(run))
+print(report.markdown_table(tables.stage_table(run)))
+show(plots.stage_figures(run))
 
 # %% [markdown]
 # ## Bytes moved: Nsight Compute against the model
 # Only for runs with `--counters`: DRAM and L2 bytes per module next to the roofline's HBM and L2 terms.
 
 # %%
-bytes_table = report.bytes_table(run, device)
+bytes_table = tables.bytes_table(run, device)
 print(report.markdown_table(bytes_table) if not bytes_table.empty else "no counters in this run")
-show(report.bytes_figure(run, device))
+show(plots.bytes_figure(run, device))
 
 # %% [markdown]
 # ## Real prefill cases
@@ -106,9 +106,9 @@ show(report.bytes_figure(run, device))
 # per case whether the roofline picked the schedule that was measured faster.
 
 # %%
-if report.is_prefill_run(run):
-    print(report.markdown_table(report.prefill_aggregate(run)))
-    picks, summary = report.roofline_picks(run, device)
+if tables.is_prefill_run(run):
+    print(report.markdown_table(tables.prefill_aggregate(run)))
+    picks, summary = tables.roofline_picks(run, device)
     print(summary or "roofline picks need a device profile and two schedules per case")
 else:
     print("not a real-prefill run")

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..harness.errors import UserError
+from ..errors import UserError
 
 TB = 1e12
 MIB = 1 << 20

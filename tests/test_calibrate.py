@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from msa_bench.harness.errors import UserError
+from msa_bench.errors import UserError
 from msa_bench.roofline.calibrate import (MIB, build_profile, find_plateaus, l2_and_hbm_plateaus, l2_window,
                                           plot_sweep, write_profile)
 from msa_bench.roofline.devices import load_device

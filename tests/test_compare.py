@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from msa_bench.harness.compare import IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, judge_samples, parse_threshold
-from msa_bench.harness.errors import UserError
+from msa_bench.errors import UserError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "results" / "fixtures" / "smoke-run"
 

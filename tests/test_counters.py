@@ -100,7 +100,7 @@ def test_point_round_trips_through_the_child_json():
     import json
 
     from msa_bench.harness.counters import point_from_dict
-    from msa_bench.harness.scenarios import load_scenario
+    from msa_bench.scenarios.grid import load_scenario
     for p in load_scenario("smoke").points[:3] + load_scenario("real-prefill").points[:1]:
         assert point_from_dict(json.loads(json.dumps(p.as_dict()))) == p
 
@@ -158,7 +158,7 @@ def test_collect_maps_the_child_manifest_back_to_units(tmp_path):
     import stat
 
     from msa_bench.harness.counters import collect
-    from msa_bench.harness.scenarios import load_scenario
+    from msa_bench.scenarios.grid import load_scenario
     ncu = tmp_path / "ncu"
     ncu.write_text(FAKE_NCU)
     ncu.chmod(ncu.stat().st_mode | stat.S_IEXEC)

@@ -432,7 +432,7 @@ def test_backend_reports_unavailable_without_gpu():
 
 
 def test_config_for_other_geometry_is_unavailable():
-    from msa_bench.harness.workload import AttnShape
+    from msa_bench.scenarios.workload import AttnShape
     from msa_bench.kernels.cute.backend import cute_config_for
 
     class W:
@@ -493,9 +493,9 @@ def test_build_kernels_bad_input_is_one_line(args, msg):
 def test_cute_stage_matches_reference_on_gpu(variant):
     """Small end-to-end check of each kernel generation, and of the default dispatch (variant None: each
     dtype's default generation), where a GPU and a build (or the DSL) are present."""
-    from msa_bench.harness.reference import reference_attention, relative_error
-    from msa_bench.harness.selection import synthetic_workload
-    from msa_bench.harness.workload import AttnShape
+    from msa_bench.scenarios.reference import reference_attention, relative_error
+    from msa_bench.scenarios.selection import synthetic_workload
+    from msa_bench.scenarios.workload import AttnShape
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     b = KVOuterCuteBackend(variant=variant)
     reasons = []
@@ -545,8 +545,8 @@ def test_default_tile_order_groups_queries_only_when_a_heads_q_outgrows_its_shar
     the selected blocks average fewer than 128 queries (high reuse: K/V reloads), else the fewest
     power-of-two query ranges that fit, dealt in phases (N 16384: bf16 4, fp8 2). An order or a config
     given is kept."""
-    from msa_bench.harness.selection import synthetic_workload
-    from msa_bench.harness.workload import AttnShape
+    from msa_bench.scenarios.selection import synthetic_workload
+    from msa_bench.scenarios.workload import AttnShape
     from msa_bench.kernels.cute.backend import KVOuterCuteBackend
     from msa_bench.kernels.kv_outer.config import grouped_tile_order
     key = dict(q_ranges=1, order_chunk=0, order_phases=False)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from msa_bench.harness.reference import reference_attention, relative_error
-from msa_bench.harness.workload import AttnShape, build_workload
+from msa_bench.scenarios.reference import reference_attention, relative_error
+from msa_bench.scenarios.workload import AttnShape, build_workload
 from msa_bench.kernels.base import BackendUnavailable, get_backend
 from msa_bench.kernels.flashinfer_q_outer import FoldError, fold_requests, folded_views
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from msa_bench.harness.check import check_backend, edge_case_workload, tolerance  # sets TRITON_INTERPRET first
-from msa_bench.harness.reference import reference_attention, relative_error
-from msa_bench.harness.workload import AttnShape
+from msa_bench.scenarios.reference import reference_attention, relative_error
+from msa_bench.scenarios.workload import AttnShape
 from msa_bench.kernels.base import BackendUnavailable, get_backend
 from msa_bench.kernels.kv_outer import stage_checks
 from msa_bench.kernels.kv_outer.backend import ATTENTION_IMPLS, KVOuterBackend, register_attention_impl

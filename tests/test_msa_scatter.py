@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from msa_bench.harness.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
-from msa_bench.harness.reference import reference_attention, relative_error
-from msa_bench.harness.workload import AttnShape
+from msa_bench.scenarios.reference import reference_attention, relative_error
+from msa_bench.scenarios.workload import AttnShape
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.kv_outer import stage_checks
 

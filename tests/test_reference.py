@@ -1,15 +1,15 @@
-"""The float64 oracle (harness/reference.py) against a naive dense masked attention, and the split
+"""The float64 oracle (scenarios/reference.py) against a naive dense masked attention, and the split
 (per-block partials) against the whole, on small shapes: causal, non-causal, -1 padding, multi-request."""
 import math
 
 import pytest
 import torch
 
-from msa_bench.harness.prefill_cases import PrefillCase, prefill_workload
-from msa_bench.harness.reference import (combine_partials, dense_masked_attention, reference_attention,
+from msa_bench.scenarios.prefill_cases import PrefillCase, prefill_workload
+from msa_bench.scenarios.reference import (combine_partials, dense_masked_attention, reference_attention,
                                          reference_partials, relative_error)
-from msa_bench.harness.selection import assemble, scattered_page_table, synthetic_workload
-from msa_bench.harness.workload import AttnShape
+from msa_bench.scenarios.selection import assemble, scattered_page_table, synthetic_workload
+from msa_bench.scenarios.workload import AttnShape
 
 SHAPE = AttnShape(hq=4, hkv=2, head_dim=16, block=8, topk=3)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from msa_bench.harness import report
+from msa_bench.harness import report, tables
 from msa_bench.harness.results import load_run
 from msa_bench.roofline.devices import load_device
 from msa_bench.roofline.model import ModelShape, predict
@@ -46,23 +46,23 @@ def test_measured_crossover_interpolates_on_log_reuse():
     x = np.array([1.0, 4.0, 16.0])
     kv = np.array([1.0, 3.0, 9.0])        # KV-outer latency
     q = np.array([2.0, 1.5, 2.0])         # Q-outer latency
-    value, how = report.measured_crossover(x, kv, q)
+    value, how = tables.measured_crossover(x, kv, q)
     # d = log(kv/q): log(0.5) at 1, log(2) at 4 -> halfway on the log axis between 1 and 4
     assert how == "interpolated" and value == pytest.approx(2.0)
-    assert report.measured_crossover(x, q / 4, q)[0] is None
-    assert "KV-outer faster" in report.measured_crossover(x, q / 4, q)[1]
-    assert "Q-outer faster" in report.measured_crossover(x, q * 4, q)[1]
+    assert tables.measured_crossover(x, q / 4, q)[0] is None
+    assert "KV-outer faster" in tables.measured_crossover(x, q / 4, q)[1]
+    assert "Q-outer faster" in tables.measured_crossover(x, q * 4, q)[1]
 
 
 def test_model_time_is_the_roofline_prediction_for_the_point():
     run = load_run(FIXTURE)
     dev = load_device("h200")
-    row = report.ok_units(run).query("schedule == 'kv-outer'").iloc[0]
+    row = tables.ok_units(run).query("schedule == 'kv-outer'").iloc[0]
     shape = ModelShape(hq=int(row["hq"]), hkv=int(row["hkv"]), head_dim=int(row["head_dim"]), block=int(row["block"]),
                        topk=int(row["topk"]), dtype=row["dtype"])
     want = predict("kv-outer", shape, row["wl_n_tokens"], row["wl_nsb"], dev,
                    selected_per_query=row["wl_selected_blocks_per_query"], flops=row["wl_useful_flops"]).time_s
-    assert report.model_time(row, "kv-outer", dev) == pytest.approx(want)
+    assert tables.model_time(row, "kv-outer", dev) == pytest.approx(want)
 
 
 def test_roofline_picks_compare_kv_outer_with_q_outer(tmp_path):
@@ -71,7 +71,7 @@ def test_roofline_picks_compare_kv_outer_with_q_outer(tmp_path):
     with both is a case, and `agree` says whether the model's faster schedule was measured faster."""
     import shutil
     dev = load_device("h200")
-    table, summary = report.roofline_picks(load_run(FIXTURE), dev)
+    table, summary = tables.roofline_picks(load_run(FIXTURE), dev)
     assert table.empty and summary == {}
     run_dir = tmp_path / "relabelled"
     shutil.copytree(FIXTURE, run_dir)
@@ -80,13 +80,13 @@ def test_roofline_picks_compare_kv_outer_with_q_outer(tmp_path):
         status["schedule"] = "q-outer"
         (unit / "status.json").write_text(json.dumps(status))
     run = load_run(run_dir)
-    table, summary = report.roofline_picks(run, dev)
-    t = report.ok_units(run)
+    table, summary = tables.roofline_picks(run, dev)
+    t = tables.ok_units(run)
     both = t.groupby("point_key")["schedule"].nunique()
     assert summary["cases"] == int((both == 2).sum()) > 0
     for case in table.itertuples():
         g = t[t["point_key"] == case.case]
-        model = {s: report.model_time(g[g["schedule"] == s].iloc[0], s, dev) for s in ("kv-outer", "q-outer")}
+        model = {s: tables.model_time(g[g["schedule"] == s].iloc[0], s, dev) for s in ("kv-outer", "q-outer")}
         measured = g.loc[g["module.median_s"].idxmin(), "schedule"]
         assert case.predicted == min(model, key=model.get)
         assert case.agree == (case.predicted == measured)
@@ -109,9 +109,9 @@ def prefill_run(tmp_path_factory, cli):
 
 def test_call_weighted_aggregate_follows_the_source_formulas(prefill_run, cli, tmp_path):
     run = load_run(prefill_run)
-    assert report.is_prefill_run(run)
-    agg = report.prefill_aggregate(run).set_index("backend").loc["reference"]
-    t = report.ok_units(run)
+    assert tables.is_prefill_run(run)
+    agg = tables.prefill_aggregate(run).set_index("backend").loc["reference"]
+    t = tables.ok_units(run)
     w, lat, fl = t["weight"].to_numpy(float), t["module.median_s"].to_numpy(float), t["wl_useful_flops"].to_numpy(float)
     assert sorted(w) == [611.0, 1325.0]               # representative_weight of the two cases
     assert agg["weighted mean latency_s"] == pytest.approx((w * lat).sum() / w.sum())
@@ -150,11 +150,11 @@ def test_bytes_table_puts_the_model_next_to_counters(tmp_path, cli):
     planted["value"] = [1.0e6, 3.0e6]
     pd.concat([stats, planted]).to_parquet(unit / "stats.parquet", index=False)
     dev = load_device("h200")
-    table = report.bytes_table(load_run(run_dir), dev)
+    table = tables.bytes_table(load_run(run_dir), dev)
     assert len(table) == 1
     row = table.iloc[0]
-    units = report.ok_units(load_run(run_dir))
-    pred = report._predict_row(units[units["unit"] == unit.name].iloc[0], "kv-outer", dev)
+    units = tables.ok_units(load_run(run_dir))
+    pred = tables._predict_row(units[units["unit"] == unit.name].iloc[0], "kv-outer", dev)
     assert row["hbm model"] == pytest.approx(pred.hbm_bytes) and row["l2 model"] == pytest.approx(pred.l2_bytes)
     assert row["hbm measured/model"] == pytest.approx(1.0e6 / pred.hbm_bytes)
     code, _, err = cli("report", run_dir, "--out", tmp_path / "rep", "--device", "h200")
@@ -168,7 +168,7 @@ def test_throughput_table_names_each_units_tile_order_and_kernel():
     v23, fp8 v28) and the order the
     workload chose (2 query ranges in phases for bf16 at nsb/N 1/16 and 1/4, key order elsewhere);
     the Triton units their key order, with no kernel generation."""
-    t = report.throughput_table(load_run(REPO / "results" / "h200" / "default-cute"))
+    t = tables.throughput_table(load_run(REPO / "results" / "h200" / "default-cute"))
     cute = t[t["backend"] == "kv-outer-cute"]
     assert dict(zip(cute["dtype"], cute["kernel"])) == {"bf16": "v23", "fp8": "v28"}
     grouped = cute[cute["tile order"] == "2:p"]

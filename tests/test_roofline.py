@@ -89,7 +89,7 @@ def test_profile_roundtrip_and_errors(tmp_path):
     PRESETS["h200"].to_json(path)
     assert load_device(str(path)) == PRESETS["h200"]
     assert profile_for_gpu("NVIDIA H200") is PRESETS["h200"]
-    from msa_bench.harness.errors import UserError
+    from msa_bench.errors import UserError
     with pytest.raises(UserError, match="unknown device"):
         load_device("tpu")
     bad = tmp_path / "bad.json"

@@ -9,12 +9,12 @@ import torch
 from typer.testing import CliRunner
 
 from msa_bench.cli import app
-from msa_bench.harness.errors import UserError
-from msa_bench.harness.scenarios import (Point, list_scenarios, load_scenario, make_workload,
+from msa_bench.errors import UserError
+from msa_bench.scenarios.grid import (Point, list_scenarios, load_scenario, make_workload,
                                          with_overrides)
-from msa_bench.harness.selection import check_selection
-from msa_bench.harness.stats import workload_stats
-from msa_bench.harness.workload import AttnShape
+from msa_bench.scenarios.selection import check_selection
+from msa_bench.scenarios.stats import workload_stats
+from msa_bench.scenarios.workload import AttnShape
 
 SHIPPED = {"default", "smoke", "reuse-sweep", "skew", "real-prefill", "long-context"}
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from msa_bench.harness.errors import UserError
-from msa_bench.harness.indexer import indexer_workload
-from msa_bench.harness.prefill_cases import (PrefillCase, benchmark_selection, get_case, load_cases,
+from msa_bench.errors import UserError
+from msa_bench.scenarios.indexer import indexer_workload
+from msa_bench.scenarios.prefill_cases import (PrefillCase, benchmark_selection, get_case, load_cases,
                                              prefill_selection, prefill_workload, representative_cases)
-from msa_bench.harness.selection import (check_selection, distinct_picks, synthetic_selection,
+from msa_bench.scenarios.selection import (check_selection, distinct_picks, synthetic_selection,
                                          synthetic_workload)
-from msa_bench.harness.stats import selected_pairs, useful_flops, workload_stats
-from msa_bench.harness.workload import AttnShape, WorkloadError
+from msa_bench.scenarios.stats import selected_pairs, useful_flops, workload_stats
+from msa_bench.scenarios.workload import AttnShape, WorkloadError
 
 
 def assert_contract(sel: torch.Tensor, q_limit: torch.Tensor, block: int, causal: bool):

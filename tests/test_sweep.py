@@ -271,8 +271,8 @@ def test_cute_backend_option_takes_a_tile_order():
     """kv-outer-cute@v23+phases: generation v23 with the scheduler's phased order; @phases: the
     defaults' generations with it; @v23+2:p and @4:8 grouped orders; anything else after + is one clear
     error."""
-    from msa_bench.harness.selection import synthetic_workload
-    from msa_bench.harness.workload import AttnShape
+    from msa_bench.scenarios.selection import synthetic_workload
+    from msa_bench.scenarios.workload import AttnShape
     from msa_bench.kernels.base import get_backend
     b = get_backend("kv-outer-cute@v23+phases")
     assert b.name == "kv-outer-cute@v23+phases" and b.variant == "v23" and b.order == "phases"

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...harness.errors import UserError
+from ...errors import UserError
 from .manifest import (DEFAULT_ARCH, SUPPORTED_ARCHS, CuteConfig, config_entry, knockout_piece, trace_base,
                        write_manifest)
 

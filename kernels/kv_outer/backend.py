@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..base import Backend, BackendUnavailable, Plan, register
-from ...harness.workload import Workload
+from ...scenarios.workload import Workload
 from .config import KVOuterConfig, default_config, resolve_num_ctas
 from .triton_mode import triton_unavailable_reason
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ...harness.reference import reference_partials, relative_error
+from ...scenarios.reference import reference_partials, relative_error
 
 
 def _edges(w):

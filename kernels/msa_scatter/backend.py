@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..base import Plan, register
-from ...harness.workload import Workload
+from ...scenarios.workload import Workload
 from ..kv_outer.backend import KVStationaryBackend, partial_dtype
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 from .workload import DATA_DTYPES, AttnShape, Workload, WorkloadError
 
 GENERATORS = ("synthetic", "real-prefill", "indexer")

@@ -18,7 +18,7 @@ from importlib import resources
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 from .selection import append_local, assemble, local_blocks, scattered_page_table
 from .workload import AttnShape, Workload
 
@@ -74,7 +74,7 @@ class PrefillCase:
 
 
 def _read_jsonl(name: str) -> list[dict]:
-    text = resources.files("msa_bench.data").joinpath(name).read_text()
+    text = resources.files("msa_bench.scenarios.data").joinpath(name).read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

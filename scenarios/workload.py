@@ -27,7 +27,7 @@ DATA_DTYPES = ("bf16", "fp8", "fp16", "fp32")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-from .errors import UserError
+from ..errors import UserError
 
 
 class WorkloadError(UserError, ValueError):

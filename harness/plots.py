@@ -1,0 +1,149 @@
+"""The figures of a run: throughput against reuse with the roofline, stacked stage latency, ncu bytes
+against the model. Each function returns (file name, figure) pairs; `save_png` writes them small."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ..roofline.devices import DeviceProfile  # noqa: E402
+from .prediction import predict_point  # noqa: E402
+from .results import Run  # noqa: E402
+from .tables import (KV_OUTER, STAGE_ORDER, group_label, groups, row_model_shape, slug, bytes_table,  # noqa: E402
+                     crossovers, group_fields, ok_units)
+
+# ---- figures ------------------------------------------------------------------------------------
+
+def _title(run: Run, what: str) -> str:
+    timer = run.timer
+    tag = "CPU TIMINGS, NOT GPU" if timer == "cpu" else run.device_name
+    return f"{what} — {run.meta.get('scenario')} on {tag}"
+
+
+def throughput_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str, plt.Figure]]:
+    """TFLOP/s vs nsb/N per backend, one panel per dtype, one figure per group, with roofline curves
+    per schedule and the predicted crossover (vertical line) and measured crossover (marker)."""
+    t = ok_units(run)
+    figs = []
+    if t.empty or "module.tflops" not in t:
+        return figs
+    cross = {(c.group, c.dtype): c for c in crossovers(run, device)}
+    for group, g in groups(t):
+        dtypes = sorted(g["dtype"].unique())
+        fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.6), squeeze=False)
+        for ax, dtype in zip(axes[0], dtypes):
+            gd = g[g["dtype"] == dtype]
+            for backend, gb in gd.groupby("backend"):
+                gb = gb.groupby("x")["module.tflops"].median()
+                ax.plot(gb.index, gb.values, "o-", label=f"{backend} (measured)")
+            if device is not None and gd["x"].notna().any():
+                kv_rows = gd[gd["schedule"] == KV_OUTER]
+                row = (kv_rows if len(kv_rows) else gd).iloc[0]
+                shape = row_model_shape(row)
+                n = float(gd["wl_n_tokens"].median())
+                lo, hi = np.nanmin(gd["x"]) / 1.5, np.nanmax(gd["x"]) * 1.5
+                xs = np.geomspace(max(lo, 1e-4), max(hi, lo * 2), 60)
+                for sched in sorted(s for s in gd["schedule"].unique() if s != "none"):
+                    ys = []
+                    for r in xs:
+                        p = predict_point(sched, shape, n, r * n, device)
+                        ys.append(p.flops / p.time_s / 1e12)
+                    ax.plot(xs, ys, "--", alpha=0.7, label=f"{sched} roofline ({device.name})")
+                c = cross.get((group_label(group), dtype))
+                if c and c.predicted:
+                    ax.axvline(c.predicted, color="grey", ls=":", label=f"predicted crossover {c.predicted:.3g}")
+            c = cross.get((group_label(group), dtype))
+            if c and c.measured:
+                ax.axvline(c.measured, color="black", ls="-.", label=f"measured crossover {c.measured:.3g}")
+            ax.set_xscale("log")
+            ax.set_xlabel("reuse nsb/N (measured)")
+            ax.set_ylabel("useful TFLOP/s (module)")
+            ax.set_title(f"{dtype}, {group_label(group)}", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(_title(run, "Throughput vs reuse"), fontsize=10)
+        fig.tight_layout()
+        figs.append((f"throughput_{slug(group)}.png", fig))
+    return figs
+
+
+def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]]:
+    """Stacked per-stage median latency per backend (one panel per backend, one figure per dtype)."""
+    t = ok_units(run)
+    figs = []
+    if t.empty:
+        return figs
+    stages = [s for s in STAGE_ORDER if f"{s}.median_s" in t]
+    for dtype, gd in t.groupby("dtype"):
+        backends = sorted(gd["backend"].unique())
+        fig, axes = plt.subplots(1, len(backends), figsize=(5.5 * len(backends), 5.2), squeeze=False)
+        for ax, backend in zip(axes[0], backends):
+            gb = gd[gd["backend"] == backend].sort_values("x")
+            if len(gb) > max_points:
+                gb = gb.iloc[np.linspace(0, len(gb) - 1, max_points).round().astype(int)]
+            pos = np.arange(len(gb))
+            bottom = np.zeros(len(gb))
+            for stage in stages:
+                v = gb[f"{stage}.median_s"].fillna(0).to_numpy() * 1e6
+                ax.bar(pos, v, bottom=bottom, label=stage)
+                bottom += v
+            if "module.median_s" in gb:
+                ax.plot(pos, gb["module.median_s"].to_numpy() * 1e6, "k_", markersize=14, mew=2,
+                        label="module (one graph)")
+            fields = group_fields(gd)
+            labels = [f"{r['x']:.3g}" + "".join(f" {f}={r[f]}" for f in fields) for _, r in gb.iterrows()]
+            ax.set_xticks(pos, labels, rotation=60, ha="right", fontsize=6)
+            ax.set_xlabel("nsb/N (and what else varies)")
+            ax.set_ylabel("median latency (µs)")
+            ax.set_title(backend, fontsize=9)
+            ax.legend(fontsize=7)
+        fig.suptitle(_title(run, f"Per-stage latency, {dtype}"), fontsize=10)
+        fig.tight_layout()
+        figs.append((f"stages_{dtype}.png", fig))
+    return figs
+
+
+def bytes_figure(run: Run, device: DeviceProfile | None) -> list[tuple[str, plt.Figure]]:
+    bt = bytes_table(run, device)
+    if bt.empty or "hbm model" not in bt:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
+    for ax, level in zip(axes, ("hbm", "l2")):
+        for backend, g in bt.groupby("backend"):
+            dots = ax.scatter(g[f"{level} model"], g[f"{level} measured"], label=backend)
+            if level == "l2" and g["l2 from SMs"].notna().any():
+                ax.scatter(g["l2 model"], g["l2 from SMs"], marker="x", color=dots.get_facecolor()[0],
+                           label=f"{backend}, from SMs only")
+        lim = [bt[[f"{level} model", f"{level} measured"]].min().min() * 0.8,
+               bt[[f"{level} model", f"{level} measured"]].max().max() * 1.25]
+        ax.plot(lim, lim, "k--", lw=1, label="measured = model")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"{level.upper()} bytes, roofline model")
+        ax.set_ylabel(f"{level.upper()} bytes, ncu measured")
+        ax.legend(fontsize=7)
+    fig.suptitle(_title(run, "Bytes moved: measured vs model"), fontsize=10)
+    fig.tight_layout()
+    return [("bytes.png", fig)]
+
+
+
+def save_png(fig, path: Path, dpi: int = 110) -> None:
+    """The figure as a 256-colour palette PNG: plots of a few flat colours lose nothing visible and
+    take about a third of matplotlib's RGBA bytes (results travel with the repository)."""
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    buf.seek(0)
+    shrink_png(Image.open(buf), path)
+
+
+def shrink_png(image, path: Path) -> None:
+    from PIL import Image
+    image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, "PNG", optimize=True)

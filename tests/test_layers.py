@@ -1,0 +1,67 @@
+"""The package's layers import only downward: errors <- roofline <- scenarios <- kernels <- harness <- cli.
+
+Every import counts, also one made inside a function: a lazy import is still a dependency.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"errors": 0, "roofline": 1, "scenarios": 2, "kernels": 3, "harness": 4, "cli": 5}
+
+
+def _layer_of(parts: tuple[str, ...]) -> str | None:
+    head = parts[0] if parts else ""
+    head = head[:-3] if head.endswith(".py") else head
+    return head if head in LAYERS else None
+
+
+def _imported_layers(path: Path):
+    """(line, layer) of every msa_bench module the file imports, relative imports resolved."""
+    rel = path.relative_to(ROOT).parts
+    package = rel[:-1]
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+                target = base + tuple((node.module or "").split(".")) if node.module else base
+                names = [target + (a.name,) for a in node.names] if not node.module else [target]
+            elif node.module and node.module.startswith("msa_bench"):
+                names = [tuple(node.module.split(".")[1:])]
+            else:
+                continue
+        elif isinstance(node, ast.Import):
+            names = [tuple(a.name.split(".")[1:]) for a in node.names if a.name.startswith("msa_bench.")]
+        else:
+            continue
+        for target in names:
+            layer = _layer_of(tuple(p for p in target if p))
+            if layer:
+                yield node.lineno, layer
+
+
+def _package_files():
+    for layer in LAYERS:
+        if layer in ("errors", "cli"):
+            yield ROOT / f"{layer}.py"
+        else:
+            yield from sorted((ROOT / layer).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", list(_package_files()), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_import_points_upward(path):
+    own = _layer_of(path.relative_to(ROOT).parts)
+    upward = [f"line {line}: {own} imports {layer}" for line, layer in _imported_layers(path)
+              if LAYERS[layer] > LAYERS[own]]
+    assert not upward, f"{path.relative_to(ROOT)}: " + "; ".join(upward)
+
+
+def test_the_walker_sees_an_upward_import(tmp_path, monkeypatch):
+    bad = ROOT / "roofline" / "_probe_upward.py"
+    try:
+        bad.write_text("def f():\n    from ..harness.sweep import run_sweep\n")
+        assert [layer for _, layer in _imported_layers(bad)] == ["harness"]
+    finally:
+        bad.unlink()
