@@ -1,0 +1,66 @@
+"""The q-packed backend: schedule (tile unions on the GPU) -> attention (one Triton program per tile).
+
+`q-packed` takes 8 tokens per tile (128 rows with G = 16); `q-packed@p16` takes 16.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..base import Backend, Plan, register
+from ..kv_outer.backend import check_shape, partial_dtype
+from ..kv_outer.triton_mode import triton_unavailable_reason
+from ...scenarios.workload import Workload
+from . import TILE_TOKENS
+
+DEFAULT_TILE_TOKENS = 8
+
+
+def parse_option(option: str) -> int:
+    """'p8' / 'p16' -> tokens per tile."""
+    if option.startswith("p") and option[1:].isdigit() and int(option[1:]) in TILE_TOKENS:
+        return int(option[1:])
+    raise ValueError(f"q-packed takes @p8 or @p16 (tokens per tile), got @{option}")
+
+
+@register("q-packed")
+class QPackedBackend(Backend):
+    name = "q-packed"
+    description = ("token-packed Q-outer: P tokens x G heads share a tile that walks the union of their "
+                   "selected blocks with an online softmax; O written once, no partials, no combine")
+    dtypes = ("bf16", "fp8", "fp16", "fp32")
+
+    def __init__(self, tokens_per_tile: int = DEFAULT_TILE_TOKENS):
+        self.tokens_per_tile = tokens_per_tile
+
+    @classmethod
+    def from_option(cls, option: str) -> "QPackedBackend":
+        return cls(parse_option(option))
+
+    def unavailable_reason(self, dtype, device):
+        reason = super().unavailable_reason(dtype, device) or triton_unavailable_reason(device)
+        if reason is None and dtype == "bf16" and torch.device(device).type == "cpu":
+            reason = (f"{self.name}: bf16 tl.dot gives wrong results in Triton's CPU interpreter; "
+                      "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
+        return reason
+
+    def _plan(self, w: Workload) -> Plan:
+        from .attention import PackedAttention
+        from .schedule import PackedSchedule
+        check_shape(w, self.tokens_per_tile, self.name)
+        s, dev = w.shape, w.device
+        out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
+        lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
+        schedule = PackedSchedule(w, self.tokens_per_tile)
+        rows = self.tokens_per_tile * s.group
+        attention = PackedAttention(w, schedule, out, lse, num_warps=8 if rows <= 128 else 16)
+        schedule()
+        executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
+        selected = float((w.selection >= 0).sum())
+        info = dict(schedule="q-packed", tile_tokens=self.tokens_per_tile, tiles=schedule.num_tiles,
+                    union_capacity=schedule.union_cap,
+                    executed_union_ratio=executed / selected if selected else 1.0,
+                    attention=attention.describe(),
+                    quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major copy made in plan)" if w.dtype == "fp8"
+                                  else f"{w.dtype} Q/K/V and MMA, fp32 softmax"))
+        return Plan(backend=self.name, stages={"schedule": schedule, "attention": attention}, output=out, lse=lse,
+                    buffers=dict(schedule.buffers), info=info)

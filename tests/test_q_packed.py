@@ -1,0 +1,126 @@
+"""q-packed: the token tiles, the GPU-stage unions and limits against a plain oracle, and the module output
+against the float64 reference (CPU interpreter for fp32/fp16/fp8; bf16 and graph replay on a GPU)."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from msa_bench.harness.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
+from msa_bench.kernels.base import get_backend
+from msa_bench.kernels.q_packed.schedule import NO_KEY, PackedSchedule, token_tiles
+from msa_bench.scenarios.reference import reference_attention, relative_error
+from msa_bench.scenarios.workload import AttnShape
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPE = AttnShape(hq=8, hkv=2, head_dim=32, block=32 if DEVICE == "cuda" else 16, topk=4)
+CASES = {   # name: (kv_lens, tokens per request, causal, hot, pad, empty)
+    "random-padded-2req": ([200, 120], [21, 16], False, 0.0, 0.4, 2),
+    "causal-3req-unaligned": ([300, 77, 150], [29, 11, 40], True, 0.0, 0.2, 0),
+    "skewed-hot-block": ([256], [40], False, 0.9, 0.0, 0),
+}
+
+
+def workload(case: str, dtype: str, shape=SHAPE, seed=0):
+    kv_lens, tokens, causal, hot, pad, empty = CASES[case]
+    return edge_case_workload(shape, dtype, kv_lens, tokens, causal, hot, pad, empty, seed=seed, device=DEVICE)
+
+
+def test_token_tiles_follow_positions_and_requests():
+    # request 0: positions 5..20 (causal), request 1: positions 0..9
+    q_request = torch.tensor([0] * 16 + [1] * 10)
+    q_limit = torch.cat([torch.arange(5, 21), torch.arange(0, 10)])
+    tok0, ntok = token_tiles(q_request, q_limit, 8, causal=True)
+    assert tok0.tolist() == [0, 3, 11, 16, 24]           # windows [5,8) [8,16) [16,21) | [0,8) [8,10)
+    assert ntok.tolist() == [3, 8, 5, 8, 2]
+    tok0, ntok = token_tiles(q_request, q_limit, 8, causal=False)
+    assert tok0.tolist() == [0, 8, 16, 24] and ntok.tolist() == [8, 8, 8, 2]
+
+
+def oracle(w, P):
+    """Per (head, tile): sorted union, its pages, and each token's limit per union block, by Python loops."""
+    tok0, ntok = token_tiles(w.q_request, w.q_limit, P, w.causal)
+    sel, lim, table, req = w.selection.cpu(), w.q_limit.cpu(), w.page_table.cpu(), w.q_request.cpu()
+    out = []
+    for h in range(w.shape.hkv):
+        for t0, n in zip(tok0.tolist(), ntok.tolist()):
+            toks = range(t0, t0 + n)
+            union = sorted({int(b) for q in toks for b in sel[h, q] if b >= 0})
+            limits = [[(min(int(lim[q]) - b * w.shape.block, w.shape.block - 1) if b in sel[h, q].tolist()
+                        else NO_KEY) for q in toks] + [NO_KEY] * (P - n) for b in union]
+            out.append((union, [int(table[int(req[t0]), b]) for b in union], limits))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), P=st.sampled_from([1, 8, 16]), causal=st.booleans(),
+       pad=st.sampled_from([0.0, 0.5]), hot=st.sampled_from([0.0, 0.8]),
+       reqs=st.lists(st.tuples(st.integers(20, 140), st.integers(1, 19)), min_size=1, max_size=3))
+def test_schedule_matches_oracle(seed, P, causal, pad, hot, reqs):
+    shape = AttnShape(hq=4, hkv=2, head_dim=16, block=16, topk=4)
+    kv_lens = [max(kv, n) for kv, n in reqs]
+    w = edge_case_workload(shape, "fp32", kv_lens, [n for _, n in reqs], causal, hot, pad, seed=seed)
+    sch = PackedSchedule(w, P)
+    sch.tile_page.fill_(123)
+    sch.tile_count.fill_(77)
+    sch()
+    U = sch.union_cap
+    limit = sch.tile_limit[:-1].view(-1, U, P)
+    for i, (union, pages, limits) in enumerate(oracle(w, P)):
+        c = len(union)
+        assert int(sch.tile_count[i]) == c
+        assert sch.tile_page[i, :c].tolist() == pages and (sch.tile_page[i, c:] == -1).all()
+        assert limit[i, :c].tolist() == limits
+        assert (limit[i, c:] == NO_KEY).all()
+
+
+def assert_matches(plan, w, tol):
+    ref_out, ref_lse = reference_attention(w)
+    assert relative_error(plan.output, ref_out) <= tol
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(plan.lse) & (plan.lse < 0), empty)
+    assert relative_error(plan.lse[~empty], ref_lse[~empty]) <= tol
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "fp8"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_output_matches_reference(case, dtype, poisoned_run):
+    w = workload(case, dtype)
+    plan = get_backend("q-packed").plan(w)
+    poisoned_run(plan)
+    assert_matches(plan, w, tolerance(dtype))
+
+
+def test_sixteen_token_tiles_and_union_ratio(poisoned_run):
+    w = workload("causal-3req-unaligned", "fp32")
+    plan = get_backend("q-packed@p16").plan(w)
+    poisoned_run(plan)
+    assert_matches(plan, w, tolerance("fp32"))
+    assert plan.info["tile_tokens"] == 16 and plan.info["executed_union_ratio"] >= 1.0
+
+
+def test_plan_twice_is_bitwise_equal():
+    w = workload("random-padded-2req", "fp16")
+    a, b = get_backend("q-packed").plan(w), get_backend("q-packed").plan(w)
+    a.run()
+    b.run()
+    b.run()
+    assert torch.equal(a.output, b.output) and torch.equal(a.lse, b.lse)
+
+
+def test_bad_option_is_one_line():
+    with pytest.raises(KeyError, match="@p8 or @p16"):
+        get_backend("q-packed@p5")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poisoned_run):
+    w = workload("causal-3req-unaligned", dtype)
+    plan = get_backend("q-packed").plan(w)
+    poisoned_run(plan)
+    assert_matches(plan, w, tolerance(dtype))
+    graph_replay_equals_eager(plan)
+    assert math.isfinite(plan.output.float().abs().sum().item())
