@@ -110,8 +110,11 @@ def test_plan_twice_is_bitwise_equal():
 
 
 def test_bad_option_is_one_line():
-    with pytest.raises(KeyError, match="@p8 or @p16"):
-        get_backend("q-packed@p5")
+    for bad in ("p5", "p8+x2", "w3"):
+        with pytest.raises(KeyError, match="p8|p16"):
+            get_backend(f"q-packed@{bad}")
+    b = get_backend("q-packed@p16+w16+s3")
+    assert (b.tokens_per_tile, b.num_warps, b.num_stages) == (16, 16, 3)
 
 
 @pytest.mark.cuda

@@ -1,6 +1,8 @@
 """The q-packed backend: schedule (tile unions on the GPU) -> attention (one Triton program per tile).
 
-`q-packed` takes 8 tokens per tile (128 rows with G = 16); `q-packed@p16` takes 16.
+`q-packed` takes 8 tokens per tile (128 rows with G = 16). Options, joined by '+': `p8` / `p16` tokens per
+tile, `w4` / `w8` / `w16` warps per program, `s1` .. `s4` pipeline stages of the K/V loads
+(`q-packed@p16+w16`).
 """
 from __future__ import annotations
 
@@ -15,11 +17,20 @@ from . import TILE_TOKENS
 DEFAULT_TILE_TOKENS = 8
 
 
-def parse_option(option: str) -> int:
-    """'p8' / 'p16' -> tokens per tile."""
-    if option.startswith("p") and option[1:].isdigit() and int(option[1:]) in TILE_TOKENS:
-        return int(option[1:])
-    raise ValueError(f"q-packed takes @p8 or @p16 (tokens per tile), got @{option}")
+OPTION_VALUES = {"p": TILE_TOKENS, "w": (4, 8, 16), "s": (1, 2, 3, 4)}
+OPTION_NAMES = {"p": "tokens_per_tile", "w": "num_warps", "s": "num_stages"}
+
+
+def parse_option(option: str) -> dict:
+    """'p16+w16+s3' -> {'tokens_per_tile': 16, 'num_warps': 16, 'num_stages': 3}."""
+    out = {}
+    for part in option.split("+"):
+        key, value = part[:1], part[1:]
+        if key not in OPTION_VALUES or not value.isdigit() or int(value) not in OPTION_VALUES[key]:
+            raise ValueError(f"q-packed options are p8|p16 (tokens per tile), w4|w8|w16 (warps), s1..s4 "
+                             f"(stages), joined by '+'; got @{option}")
+        out[OPTION_NAMES[key]] = int(value)
+    return out
 
 
 @register("q-packed")
@@ -29,12 +40,15 @@ class QPackedBackend(Backend):
                    "selected blocks with an online softmax; O written once, no partials, no combine")
     dtypes = ("bf16", "fp8", "fp16", "fp32")
 
-    def __init__(self, tokens_per_tile: int = DEFAULT_TILE_TOKENS):
+    def __init__(self, tokens_per_tile: int = DEFAULT_TILE_TOKENS, num_warps: int | None = None,
+                 num_stages: int = 2):
         self.tokens_per_tile = tokens_per_tile
+        self.num_warps = num_warps
+        self.num_stages = num_stages
 
     @classmethod
     def from_option(cls, option: str) -> "QPackedBackend":
-        return cls(parse_option(option))
+        return cls(**parse_option(option))
 
     def unavailable_reason(self, dtype, device):
         reason = super().unavailable_reason(dtype, device) or triton_unavailable_reason(device)
@@ -52,7 +66,8 @@ class QPackedBackend(Backend):
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         schedule = PackedSchedule(w, self.tokens_per_tile)
         rows = self.tokens_per_tile * s.group
-        attention = PackedAttention(w, schedule, out, lse, num_warps=8 if rows <= 128 else 16)
+        warps = self.num_warps or (8 if rows <= 128 else 16)
+        attention = PackedAttention(w, schedule, out, lse, num_warps=warps, num_stages=self.num_stages)
         schedule()
         executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
         selected = float((w.selection >= 0).sum())
