@@ -1,15 +1,21 @@
 """The q-packed schedule: token tiles (plan time) and their block unions and key limits (a GPU stage).
 
 Token tiles depend only on q_request and q_limit, so plan() cuts them on the host. The unions depend
-on the selection, so they are built on the device by `PackedSchedule()`, inside the module's graph:
-sort each tile's P x topk selected ids, keep the first of each run, and scatter every selected entry's
-key limit to its union slot. Fixed shapes, no host reads.
+on the selection, so stage `schedule` builds them on the device, inside the module's graph: one Triton
+program per (KV head, token tile) loads its P x topk selected ids, ranks each distinct id among the
+tile's distinct ids (sort the (id, entry) pairs, open a slot at the first entry of each id), and writes
+the union in ascending order, its pages, and every token's key limit per union slot. Fixed shapes, no
+host reads.
 """
 from __future__ import annotations
 
 import torch
 
-NO_KEY = -1                      # a token's limit for a union block it did not select
+from ..kv_outer import triton_mode  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
+import triton
+import triton.language as tl
+
+NO_KEY: tl.constexpr = -1       # a token's limit for a union block it did not select
 
 
 def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile: int,
@@ -35,6 +41,44 @@ def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile:
     return tok0, ntok
 
 
+@triton.jit
+def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_tok0_ptr, tile_ntok_ptr,
+                     tile_count_ptr, tile_page_ptr, tile_limit_ptr, n_tokens, n_token_tiles, table_stride,
+                     P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    tile = tl.program_id(0)                       # head * n_token_tiles + token tile
+    head = tile // n_token_tiles
+    tt = tile % n_token_tiles
+    tok0 = tl.load(tile_tok0_ptr + tt)
+    ntok = tl.load(tile_ntok_ptr + tt)
+    i = tl.arange(0, U_P2)                        # entry i: token i // TOPK, rank i % TOPK
+    ok = (i < U) & (i // TOPK < ntok)
+    blk = tl.load(sel_ptr + (head.to(tl.int64) * n_tokens + tok0 + i // TOPK) * TOPK + i % TOPK, mask=ok, other=-1)
+    # sort (block id, entry) pairs; padding sorts last. The first entry of each id run opens a union slot.
+    big = 2147483647
+    key = tl.sort(tl.where(blk >= 0, blk * U_P2 + i, big))
+    valid = key != big
+    blk_s = tl.where(valid, key // U_P2, -1)
+    entry = key % U_P2
+    prev = tl.gather(blk_s, tl.maximum(i - 1, 0), 0)
+    first = valid & ((i == 0) | (blk_s != prev))
+    rank = tl.cumsum(first.to(tl.int32), 0) - 1
+    count = tl.sum(first.to(tl.int32), 0)
+    tl.store(tile_count_ptr + tile, count)
+    req = tl.load(q_request_ptr + tok0)
+    page = tl.load(page_table_ptr + req.to(tl.int64) * table_stride + blk_s, mask=first, other=-1)
+    base = tile.to(tl.int64) * U
+    tl.store(tile_page_ptr + base + rank, page, mask=first)
+    tl.store(tile_page_ptr + base + i, tl.full([U_P2], -1, tl.int32), mask=(i >= count) & (i < U))
+    # limits [U, P]: NO_KEY everywhere, then each selected entry's limit at (its slot, its token)
+    cell = tl.arange(0, U_P2 * P)
+    tl.store(tile_limit_ptr + base * P + cell, tl.full([U_P2 * P], NO_KEY, tl.int32), mask=cell < U * P)
+    tl.debug_barrier()
+    token = entry // TOPK
+    limit = tl.minimum(tl.load(q_limit_ptr + tok0 + token, mask=valid, other=0) - blk_s * BLOCK, BLOCK - 1)
+    tl.store(tile_limit_ptr + (base + rank) * P + token, limit, mask=valid)
+
+
 class PackedSchedule:
     """Stage `schedule`: per (KV head, token tile) the sorted union of selected blocks, its pages and the
     per-token key limits, written into buffers allocated here."""
@@ -44,53 +88,27 @@ class PackedSchedule:
         self.w, self.P = w, tokens_per_tile
         tok0, ntok = token_tiles(w.q_request, w.q_limit, tokens_per_tile, w.causal)
         dev = w.device
-        self.n_token_tiles = tt = tok0.numel()
+        self.n_token_tiles = tok0.numel()
         self.union_cap = u = tokens_per_tile * s.topk
-        slot = torch.arange(tokens_per_tile)
-        tok = tok0.view(-1, 1) + slot.view(1, -1)
-        self.tok_valid = (slot.view(1, -1) < ntok.view(-1, 1)).to(dev)                   # [Tt, P]
-        self.tok_index = torch.where(self.tok_valid.cpu(), tok, torch.zeros_like(tok)).to(dev)
-        self.tile_request = w.q_request.long()[tok0.to(dev)] if tt else torch.zeros(0, dtype=torch.long, device=dev)
         self.tile_tok0 = tok0.to(torch.int32).to(dev)
         self.tile_ntok = ntok.to(torch.int32).to(dev)
-        tiles = s.hkv * tt
+        tiles = s.hkv * self.n_token_tiles
         self.tile_count = torch.zeros(tiles, dtype=torch.int32, device=dev)
         self.tile_page = torch.full((tiles, u), -1, dtype=torch.int32, device=dev)
-        self.tile_limit = torch.full((tiles * u * tokens_per_tile + 1,), NO_KEY, dtype=torch.int32, device=dev)
+        self.tile_limit = torch.full((tiles * u * tokens_per_tile,), NO_KEY, dtype=torch.int32, device=dev)
         self.buffers = dict(tile_tok0=self.tile_tok0, tile_ntok=self.tile_ntok, tile_count=self.tile_count,
                             tile_page=self.tile_page, tile_limit=self.tile_limit)
+        self.consts = dict(P=tokens_per_tile, TOPK=s.topk, U=u, U_P2=triton.next_power_of_2(u), BLOCK=s.block)
 
     @property
     def num_tiles(self) -> int:
         return self.w.shape.hkv * self.n_token_tiles
 
     def __call__(self) -> None:
-        w, s, P, U, tt = self.w, self.w.shape, self.P, self.union_cap, self.n_token_tiles
-        if tt == 0:
+        if self.num_tiles == 0:
             return
-        sel = w.selection.long()[:, self.tok_index]                                      # [Hkv, Tt, P, topk]
-        sel = torch.where(self.tok_valid.view(1, tt, P, 1), sel, torch.full_like(sel, -1))
-        flat = sel.view(s.hkv, tt, U)
-        srt = flat.sort(dim=-1).values
-        first = srt >= 0
-        first[..., 1:] &= srt[..., 1:] != srt[..., :-1]
-        pos = first.cumsum(-1) - 1
-        big = torch.iinfo(torch.int64).max
-        union = torch.full((s.hkv, tt, U + 1), big, dtype=torch.long, device=srt.device)
-        union.scatter_(-1, torch.where(first, pos, torch.full_like(pos, U)), srt)
-        union = union[..., :U].contiguous()
-        self.tile_count.copy_(first.sum(-1).view(-1))
-        have = union != big
-        table = w.page_table.long()
-        page = table[self.tile_request.view(1, tt, 1), torch.where(have, union, torch.zeros_like(union))]
-        self.tile_page.copy_(torch.where(have, page, torch.full_like(page, -1)).view(-1, U))
-        # every selected entry's limit, scattered to (tile, union slot, token); padding to the spare last slot
-        slot = torch.searchsorted(union, flat)                                           # [Hkv, Tt, U]
-        limit = (w.q_limit.long()[self.tok_index].view(1, tt, P, 1) - sel * s.block).clamp(max=s.block - 1)
-        tile = torch.arange(s.hkv * tt, device=srt.device).view(s.hkv, tt, 1, 1)
-        token = torch.arange(P, device=srt.device).view(1, 1, P, 1)
-        dest = (tile * U + slot.view(s.hkv, tt, P, -1)) * P + token
-        dest = torch.where(sel >= 0, dest, torch.full_like(dest, self.tile_limit.numel() - 1))
-        self.tile_limit.fill_(NO_KEY)
-        self.tile_limit.scatter_(0, dest.view(-1), limit.view(-1).to(torch.int32))
-        self.tile_limit[-1:].fill_(NO_KEY)
+        w = self.w
+        pack_tile_kernel[(self.num_tiles,)](
+            w.selection, w.q_limit, w.q_request, w.page_table, self.tile_tok0, self.tile_ntok, self.tile_count,
+            self.tile_page, self.tile_limit, w.n_tokens, self.n_token_tiles, w.page_table.stride(0),
+            num_warps=4, **self.consts)
