@@ -1,6 +1,6 @@
 """The workload contract every backend consumes: tensors plus a top-k block selection.
 
-Layout (fixed, see README "Workload contract"):
+Layout (fixed; this docstring is the contract, docs/architecture.md shows where it sits):
   q         [N, Hq, D]                      data dtype (fp8: e4m3 with q_scale)
   k_cache   [num_pages, Hkv, block, D]      head-major paged cache; a
   v_cache   [num_pages, Hkv, block, D]      [num_pages * Hkv, 1, block, D] view folds the head into the page

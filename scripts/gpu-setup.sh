@@ -1,6 +1,6 @@
 # Set up the offline GPU host for msa-bench. Source it from anywhere:
 #     source scripts/gpu-setup.sh
-# - installs the FlashInfer wheelhouse (.whl-gpu/, built by shared/tools/gpu-wheelhouse.sh) into
+# - installs the FlashInfer wheelhouse (.whl-gpu/, built by scripts/gpu-wheelhouse.sh) into
 #   $MSA_WHEEL_SITE (default /tmp/site), once per wheelhouse content;
 # - installs this checkout as the package msa_bench into $MSA_PKG_SITE (default /tmp/msa-site),
 #   afresh on every source (about 2 s, offline, setuptools from the host), so re-source after
@@ -33,10 +33,10 @@
 # - The cache only hits on the same paths (HOME or FLASHINFER_WORKSPACE_BASE, MSA_WHEEL_SITE, CUDA home),
 #   the same FlashInfer version and the same flags; otherwise ninja rebuilds, which is correct, just slow.
 #   After restoring, `ninja -n` is asked for each cached module and the count that is up to date is printed.
-# - The tarball reaches the host only when the device run carries it: run(..., carry=[".fi-cache"])
-#   (.fi-cache/ is ignored by git via .git/info/exclude).
-# - The run folders' provenance names the sender's commit when the call carries .gpu-commit/ (written
-#   by scripts/stamp-commit.sh just before the call; ignored by git too).
+# - The tarball reaches the host only if .fi-cache/ is copied there with the checkout (.fi-cache/ is
+#   ignored by git via .git/info/exclude).
+# - The run folders' provenance names the sender's commit when .gpu-commit/ is copied along (written
+#   by scripts/stamp-commit.sh just before the copy; ignored by git too).
 
 _msa_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _msa_wheels=${MSA_WHEEL_SITE:-/tmp/site}
@@ -103,20 +103,14 @@ _msa_setup() {
     fi
     _msa_fi_settle
     echo "gpu-setup: installing msa_bench from $_msa_repo into $_msa_pkg"
-    [ -L "$_msa_pkg/msa_bench" ] && rm -f "$_msa_pkg/msa_bench"      # an earlier fallback link
-    if ! "${_msa_pip[@]}" --no-build-isolation --upgrade --target "$_msa_pkg" "$_msa_repo"; then
-        # no usable setuptools/bdist_wheel on the host: link the checkout as the package instead
-        echo "gpu-setup: pip build failed; linking $_msa_repo as $_msa_pkg/msa_bench" >&2
-        rm -rf "$_msa_pkg/msa_bench" && mkdir -p "$_msa_pkg/bin" && ln -s "$_msa_repo" "$_msa_pkg/msa_bench" \
-            && printf '#!/usr/bin/env python3\nimport sys\nfrom msa_bench.cli import main\nsys.exit(main())\n' \
-                > "$_msa_pkg/bin/msa-bench" && chmod +x "$_msa_pkg/bin/msa-bench" \
-            || { echo "gpu-setup: error: could not install msa_bench" >&2; return 1; }
-    fi
+    [ -L "$_msa_pkg/msa_bench" ] && rm -f "$_msa_pkg/msa_bench"      # a link left by an older version of this script
+    "${_msa_pip[@]}" --no-build-isolation --upgrade --target "$_msa_pkg" "$_msa_repo" \
+        || { echo "gpu-setup: error: could not install msa_bench (pip needs setuptools on the host)" >&2; return 1; }
     case ":${PYTHONPATH:-}:" in *":$_msa_wheels:"*) ;; *) export PYTHONPATH="$_msa_wheels${PYTHONPATH:+:$PYTHONPATH}";; esac
     case ":$PYTHONPATH:" in *":$_msa_pkg:"*) ;; *) export PYTHONPATH="$_msa_pkg:$PYTHONPATH";; esac
     case ":$PATH:" in *":$_msa_pkg/bin:"*) ;; *) export PATH="$_msa_pkg/bin:$_msa_wheels/bin:$PATH";; esac
     export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
-    # the host has no git: scripts/stamp-commit.sh wrote the sender's commit into .gpu-commit/ (carried)
+    # the host has no git: scripts/stamp-commit.sh wrote the sender's commit into .gpu-commit/ (copied along)
     if [ -f "$_msa_repo/.gpu-commit/commit" ]; then
         read -r MSA_BENCH_GIT_COMMIT MSA_BENCH_GIT_DIRTY < "$_msa_repo/.gpu-commit/commit"
         export MSA_BENCH_GIT_COMMIT MSA_BENCH_GIT_DIRTY

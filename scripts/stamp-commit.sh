@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Write the checkout's commit and dirty flag into .gpu-commit/commit (ignored by git), for a device
-# call to carry: the GPU host has no git, and gpu-setup.sh exports them for the runs' provenance.
+# Write the checkout's commit and dirty flag into .gpu-commit/commit (ignored by git), to copy to the
+# GPU host with the checkout: that host has no git, and gpu-setup.sh exports them for the runs'
+# provenance.
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 mkdir -p .gpu-commit
 dirty=false

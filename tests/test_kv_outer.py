@@ -286,7 +286,7 @@ def test_closed_form_schedule_equals_the_sorted_one(case, order, num_ctas):
 def test_closed_form_schedules_fuzzed_against_the_sorted_path():
     """Random small selections (1-3 KV heads, padding, every third with a KV head that has no tiles,
     tile_q 1-3, 1-9 CTAs), every order against the sorted path, buffer for buffer. The empty head is
-    the case s8-call8's masked check caught: a key cut between two CTAs' parts then lies at adjacent
+    the case a masked check on the H200 caught: a key cut between two CTAs' parts then lies at adjacent
     positions, and its run continues across the CTA boundary. With query ranges a key's tiles fall in
     several groups, and runs can also join across groups."""
     from msa_bench.kernels.kv_outer.index_map import IndexMap
