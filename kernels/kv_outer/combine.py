@@ -1,6 +1,9 @@
 """Stage 4, combine: gather each (query, KV head)'s <= topk raw partials through combine_index and
 merge them by log-sum-exp into out [N, Hq, D] and lse [N, Hq] (natural log).
 
+With `extra` = (o [N, Hq, D], lse [N, Hq]), a normalized output and its LSE (the packed part of the
+hybrid schedule) is merged as one more partial: m = lse, l = 1.
+
 A partial of (query, head, rank) is G consecutive rows of o_part (rows slot * G + g of its tile), so
 each gather is one contiguous G x D chunk: wide vector loads. A program handles PAIRS (query, head)
 pairs; the rank loop is unrolled so all of a pair's loads can be in flight together.
@@ -16,9 +19,9 @@ import triton.language as tl
 
 @triton.jit
 def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, out_ptr, lse_ptr,
-                         n_pairs,
+                         extra_o_ptr, extra_lse_ptr, n_pairs,
                          HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
-                         TOPK_P2: tl.constexpr, PAIRS: tl.constexpr):
+                         TOPK_P2: tl.constexpr, PAIRS: tl.constexpr, EXTRA: tl.constexpr):
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     r = tl.arange(0, TOPK_P2)
@@ -30,10 +33,18 @@ def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, 
             m = tl.load(m_part_ptr + rows[:, None] + g[None, :], mask=(idx >= 0)[:, None],
                         other=float("-inf"))                                            # [TOPK_P2, G]
             l = tl.load(l_part_ptr + rows[:, None] + g[None, :], mask=(idx >= 0)[:, None], other=0.0)
+            base = pair.to(tl.int64) * G             # out [N, Hq, D] = [N * Hkv * G, D]
             big_m = tl.max(m, 0)
+            if EXTRA:
+                m_x = tl.load(extra_lse_ptr + base + g)
+                big_m = tl.maximum(big_m, m_x)
             big_m = tl.where(big_m == float("-inf"), 0.0, big_m)
             big_l = tl.sum(tl.exp(m - big_m[None, :]) * l, 0)                            # [G]
             acc = tl.zeros([G, D], dtype=tl.float32)
+            if EXTRA:
+                w_x = tl.exp(m_x - big_m)
+                big_l += w_x
+                acc += w_x[:, None] * tl.load(extra_o_ptr + (base + g)[:, None] * D + d[None, :]).to(tl.float32)
             for k in tl.static_range(TOPK):
                 idx_k = tl.load(combine_index_ptr + pair * TOPK + k)
                 row_k = idx_k.to(tl.int64) * G + g
@@ -45,24 +56,24 @@ def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, 
             safe_l = tl.where(seen, big_l, 1.0)
             out = tl.where(seen[:, None], acc / safe_l[:, None], 0.0)
             lse = tl.where(seen, big_m + tl.log(safe_l), float("-inf"))
-            base = pair.to(tl.int64) * G             # out [N, Hq, D] = [N * Hkv * G, D]
             tl.store(out_ptr + (base + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty))
             tl.store(lse_ptr + base + g, lse)
 
 
 class Combine:
     def __init__(self, workload, buffers: dict, out: torch.Tensor, lse: torch.Tensor, pairs: int = 4,
-                 num_warps: int = 4):
+                 num_warps: int = 4, extra: tuple[torch.Tensor, torch.Tensor] | None = None):
         s = workload.shape
         self.b, self.out, self.lse = buffers, out, lse
+        self.extra = extra or (out, lse)
         self.n_pairs = workload.n_tokens * s.hkv
         self.pairs, self.num_warps = pairs, num_warps
         self.consts = dict(HKV=s.hkv, G=s.group, D=s.head_dim, TOPK=s.topk,
-                           TOPK_P2=triton.next_power_of_2(s.topk), PAIRS=pairs)
+                           TOPK_P2=triton.next_power_of_2(s.topk), PAIRS=pairs, EXTRA=extra is not None)
 
     def __call__(self) -> None:
         b = self.b
         grid = (triton.cdiv(self.n_pairs, self.pairs),)
         combine_tiles_kernel[grid](b["o_part"], b["m_part"], b["l_part"], b["combine_index"],
-                                   self.out, self.lse, self.n_pairs, num_warps=self.num_warps,
+                                   self.out, self.lse, *self.extra, self.n_pairs, num_warps=self.num_warps,
                                    **self.consts)

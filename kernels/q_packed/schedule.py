@@ -43,9 +43,9 @@ def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile:
 
 @triton.jit
 def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_tok0_ptr, tile_ntok_ptr,
-                     tile_count_ptr, tile_page_ptr, tile_limit_ptr, n_tokens, n_token_tiles, table_stride,
-                     P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     tile_count_ptr, tile_page_ptr, tile_limit_ptr, residual_ptr, n_tokens, n_token_tiles,
+                     table_stride, P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
+                     BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr):
     tile = tl.program_id(0)                       # head * n_token_tiles + token tile
     head = tile // n_token_tiles
     tt = tile % n_token_tiles
@@ -53,7 +53,8 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
     ntok = tl.load(tile_ntok_ptr + tt)
     i = tl.arange(0, U_P2)                        # entry i: token i // TOPK, rank i % TOPK
     ok = (i < U) & (i // TOPK < ntok)
-    blk = tl.load(sel_ptr + (head.to(tl.int64) * n_tokens + tok0 + i // TOPK) * TOPK + i % TOPK, mask=ok, other=-1)
+    row0 = (head.to(tl.int64) * n_tokens + tok0) * TOPK      # the tile's first entry in [Hkv, N, topk]
+    blk = tl.load(sel_ptr + row0 + i, mask=ok, other=-1)
     # sort (block id, entry) pairs; padding sorts last. The first entry of each id run opens a union slot.
     big = 2147483647
     key = tl.sort(tl.where(blk >= 0, blk * U_P2 + i, big))
@@ -63,28 +64,43 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
     prev = tl.gather(blk_s, tl.maximum(i - 1, 0), 0)
     first = valid & ((i == 0) | (blk_s != prev))
     rank = tl.cumsum(first.to(tl.int32), 0) - 1
-    count = tl.sum(first.to(tl.int32), 0)
+    # tokens per id (the run's length): the next run's start minus this run's start
+    starts = tl.sort(tl.where(first, i, U_P2))
+    n_valid = tl.sum(valid.to(tl.int32), 0)
+    slot = tl.maximum(rank, 0)
+    nxt = tl.where(slot + 1 < U_P2, tl.gather(starts, tl.minimum(slot + 1, U_P2 - 1), 0), U_P2)
+    shared = tl.minimum(nxt, n_valid) - tl.gather(starts, slot, 0)
+    keep = valid & (shared >= MIN_SHARE)           # ids fewer tokens select go to the KV-outer residual
+    kept_first = first & keep
+    rank = tl.cumsum(kept_first.to(tl.int32), 0) - 1
+    count = tl.sum(kept_first.to(tl.int32), 0)
     tl.store(tile_count_ptr + tile, count)
     req = tl.load(q_request_ptr + tok0)
-    page = tl.load(page_table_ptr + req.to(tl.int64) * table_stride + blk_s, mask=first, other=-1)
+    page = tl.load(page_table_ptr + req.to(tl.int64) * table_stride + blk_s, mask=valid, other=-1)
     base = tile.to(tl.int64) * U
-    tl.store(tile_page_ptr + base + rank, page, mask=first)
+    tl.store(tile_page_ptr + base + rank, page, mask=kept_first)
     tl.store(tile_page_ptr + base + i, tl.full([U_P2], -1, tl.int32), mask=(i >= count) & (i < U))
-    # limits [U, P]: NO_KEY everywhere, then each selected entry's limit at (its slot, its token)
+    # limits [U, P]: NO_KEY everywhere, then each kept entry's limit at (its slot, its token)
     cell = tl.arange(0, U_P2 * P)
     tl.store(tile_limit_ptr + base * P + cell, tl.full([U_P2 * P], NO_KEY, tl.int32), mask=cell < U * P)
     tl.debug_barrier()
     token = entry // TOPK
     limit = tl.minimum(tl.load(q_limit_ptr + tok0 + token, mask=valid, other=0) - blk_s * BLOCK, BLOCK - 1)
-    tl.store(tile_limit_ptr + (base + rank) * P + token, limit, mask=valid)
+    tl.store(tile_limit_ptr + (base + rank) * P + token, limit, mask=keep)
+    if RESIDUAL:      # pages [Hkv, N, topk] of the entries left to KV-outer, -1 elsewhere
+        tl.store(residual_ptr + row0 + entry, tl.where(keep, -1, page), mask=valid)
+        tl.store(residual_ptr + row0 + i, tl.full([U_P2], -1, tl.int32), mask=ok & (blk < 0))
 
 
 class PackedSchedule:
     """Stage `schedule`: per (KV head, token tile) the sorted union of selected blocks, its pages and the
-    per-token key limits, written into buffers allocated here."""
+    per-token key limits, written into buffers allocated here. With min_share > 1 only blocks that at
+    least min_share of the tile's tokens select are packed; the other entries' pages go to
+    residual_pages [Hkv, N, topk] (-1 elsewhere), the selection a KV-outer stack runs."""
 
-    def __init__(self, workload, tokens_per_tile: int):
+    def __init__(self, workload, tokens_per_tile: int, min_share: int = 1):
         w, s = workload, workload.shape
+        self.min_share = min_share
         self.w, self.P = w, tokens_per_tile
         tok0, ntok = token_tiles(w.q_request, w.q_limit, tokens_per_tile, w.causal)
         dev = w.device
@@ -98,7 +114,12 @@ class PackedSchedule:
         self.tile_limit = torch.full((tiles * u * tokens_per_tile,), NO_KEY, dtype=torch.int32, device=dev)
         self.buffers = dict(tile_tok0=self.tile_tok0, tile_ntok=self.tile_ntok, tile_count=self.tile_count,
                             tile_page=self.tile_page, tile_limit=self.tile_limit)
-        self.consts = dict(P=tokens_per_tile, TOPK=s.topk, U=u, U_P2=triton.next_power_of_2(u), BLOCK=s.block)
+        # with a share threshold, the pages of the entries it leaves out: a KV-outer stack takes them
+        self.residual_pages = torch.full_like(w.pages, -1) if min_share > 1 else None
+        if self.residual_pages is not None:
+            self.buffers["residual_pages"] = self.residual_pages
+        self.consts = dict(P=tokens_per_tile, TOPK=s.topk, U=u, U_P2=triton.next_power_of_2(u), BLOCK=s.block,
+                           MIN_SHARE=min_share, RESIDUAL=self.residual_pages is not None)
 
     @property
     def num_tiles(self) -> int:
@@ -110,5 +131,7 @@ class PackedSchedule:
         w = self.w
         pack_tile_kernel[(self.num_tiles,)](
             w.selection, w.q_limit, w.q_request, w.page_table, self.tile_tok0, self.tile_ntok, self.tile_count,
-            self.tile_page, self.tile_limit, w.n_tokens, self.n_token_tiles, w.page_table.stride(0),
+            self.tile_page, self.tile_limit,
+            self.tile_count if self.residual_pages is None else self.residual_pages,
+            w.n_tokens, self.n_token_tiles, w.page_table.stride(0),
             num_warps=4, **self.consts)

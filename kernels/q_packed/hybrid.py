@@ -1,0 +1,141 @@
+"""The hybrid schedule: blocks that enough of a tile's tokens share go to the packed kernel, the rest to KV-outer.
+
+Stage `schedule` builds the packed tiles keeping only union blocks at least `min_share` of the tile's
+tokens select (roofline/hybrid.py predicts where packing gets cheaper) and writes the other entries'
+pages as the residual selection; KV-outer's index map and scheduler then plan that residual. Stage
+`attention` runs the packed kernel and KV-outer's attention; stage `combine` merges each (token, head)'s
+KV-outer partials with the packed output as one more partial. With every token of a tile sharing its
+blocks this is pure packed; with no sharing, pure KV-outer.
+
+`hybrid` runs the KV-outer part on the CuTe stage where its libraries are built, else on Triton.
+Options, joined by '+': `p8` / `p16` tokens per tile, `m1` .. `m16` the share threshold instead of the
+model's, `triton` / `cute` the KV-outer attention stage.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..base import Backend, BackendUnavailable, Plan, get_backend, register
+from ..kv_outer.backend import partial_dtype
+from ..kv_outer.combine import Combine
+from ..kv_outer.triton_mode import triton_unavailable_reason
+from ...roofline.devices import load_device, profile_for_gpu
+from ...roofline.hybrid import min_shared_tokens
+from ...roofline.model import ModelShape
+from ...scenarios.workload import Workload
+from . import TILE_TOKENS
+from .attention import PackedAttention
+from .schedule import PackedSchedule
+
+KV_STAGES = {"triton": "kv-outer", "cute": "kv-outer-cute"}
+
+
+def parse_option(option: str) -> dict:
+    out = {}
+    for part in option.split("+"):
+        if part in KV_STAGES:
+            out["kv_stage"] = part
+        elif part[:1] == "p" and part[1:].isdigit() and int(part[1:]) in TILE_TOKENS:
+            out["tokens_per_tile"] = int(part[1:])
+        elif part[:1] == "m" and part[1:].isdigit() and 1 <= int(part[1:]) <= max(TILE_TOKENS):
+            out["min_share"] = int(part[1:])
+        else:
+            raise ValueError(f"hybrid options are p8|p16 (tokens per tile), m1..m16 (share threshold), "
+                             f"triton|cute (KV-outer attention), joined by '+'; got @{option}")
+    return out
+
+
+def device_profile(device) -> object:
+    """The roofline profile of the workload's GPU; the H200 preset on a CPU or an unknown GPU."""
+    if torch.device(device).type == "cuda":
+        return profile_for_gpu(torch.cuda.get_device_name(device)) or load_device("h200")
+    return load_device("h200")
+
+
+@register("hybrid")
+class HybridBackend(Backend):
+    name = "hybrid"
+    description = ("token-packed tiles for the blocks a tile's tokens share, KV-outer for the rest; the "
+                   "combine merges the packed output as one more partial")
+    dtypes = ("bf16", "fp8", "fp16", "fp32")
+
+    def __init__(self, tokens_per_tile: int = 8, min_share: int | None = None, kv_stage: str | None = None):
+        self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
+
+    @classmethod
+    def from_option(cls, option: str) -> "HybridBackend":
+        return cls(**parse_option(option))
+
+    def kv_backend(self, dtype: str, device) -> Backend:
+        """The KV-outer backend of the residual: the asked one, else CuTe where it can run, else Triton."""
+        if self.kv_stage:
+            return get_backend(KV_STAGES[self.kv_stage])
+        cute = get_backend("kv-outer-cute")
+        return cute if cute.unavailable_reason(dtype, device) is None else get_backend("kv-outer")
+
+    def unavailable_reason(self, dtype, device):
+        reason = super().unavailable_reason(dtype, device) or triton_unavailable_reason(device)
+        if reason is None and dtype == "bf16" and torch.device(device).type == "cpu":
+            reason = (f"{self.name}: bf16 tl.dot gives wrong results in Triton's CPU interpreter; "
+                      "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
+        if reason is None:
+            kv = self.kv_backend(dtype, device)
+            inner = kv.unavailable_reason(dtype, device)
+            reason = f"{self.name}: its KV-outer part ({kv.name}): {inner}" if inner else None
+        return reason
+
+    def threshold(self, w: Workload) -> tuple[int, str]:
+        if self.min_share is not None:
+            return self.min_share, "option"
+        s = w.shape
+        dev = device_profile(w.device)
+        shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk,
+                           dtype=w.dtype if w.dtype in ("bf16", "fp8") else "bf16")
+        return min_shared_tokens(shape, dev, self.tokens_per_tile), f"roofline ({dev.name})"
+
+    def _plan(self, w: Workload) -> Plan:
+        s, dev = w.shape, w.device
+        share, source = self.threshold(w)
+        packed = PackedSchedule(w, self.tokens_per_tile, min_share=max(share, 2))
+        packed()                                            # the residual selection KV-outer plans from
+        w_res = replace(w, pages=packed.residual_pages)
+        kv = self.kv_backend(w.dtype, dev)
+        kv_plan = kv.plan(w_res)
+        if set(kv_plan.stages) != {"index_map", "schedule", "attention", "combine"}:
+            raise BackendUnavailable(f"{self.name}: {kv.name} has stages {list(kv_plan.stages)}")
+        o_packed = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
+        lse_packed = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
+        attention = PackedAttention(w, packed, o_packed, lse_packed)
+        out = torch.empty_like(o_packed)
+        lse = torch.empty_like(lse_packed)
+        cfg = kv_plan.info.get("config", {})
+        combine = Combine(w_res, kv_plan.buffers, out, lse, cfg.get("combine_pairs", 4),
+                          cfg.get("combine_num_warps", 4), extra=(o_packed, lse_packed))
+        kvs = kv_plan.stages
+
+        def schedule():
+            packed()
+            kvs["index_map"]()
+            kvs["schedule"]()
+
+        def attend():
+            attention()
+            kvs["attention"]()
+
+        selected = float((w.selection >= 0).sum())
+        residual = float((packed.residual_pages >= 0).sum())
+        executed = float(packed.tile_count.double() @ packed.tile_ntok.double().repeat(s.hkv))
+        info = dict(schedule="hybrid", tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
+                    packed_entry_share=1.0 - residual / selected if selected else 0.0,
+                    packed_executed_blocks_per_selected=executed / selected if selected else 0.0,
+                    kv_outer=kv.name, kv_outer_info=kv_plan.info, attention=attention.describe(),
+                    quantization=kv_plan.info.get("quantization", ""))
+        # the KV-outer part's buffers under "kv." names: its stage checks hold for the full selection only
+        buffers = {**{f"kv.{k}": v for k, v in kv_plan.buffers.items()}, **packed.buffers,
+                   "o_packed": o_packed, "lse_packed": lse_packed}
+        plan = Plan(backend=self.name, stages={"schedule": schedule, "attention": attend, "combine": combine},
+                    output=out, lse=lse, buffers=buffers, info=info)
+        plan._parts = (kv_plan, packed)          # keep the KV-outer plan's state alive with this one
+        return plan

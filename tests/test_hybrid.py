@@ -1,0 +1,94 @@
+"""hybrid: the split covers every selected (token, block) pair exactly once, the threshold comes from the
+model, and the module output matches the float64 reference (CPU interpreter; bf16 on a GPU)."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from msa_bench.harness.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
+from msa_bench.kernels.base import get_backend
+from msa_bench.kernels.q_packed.schedule import NO_KEY, PackedSchedule
+from msa_bench.roofline.devices import load_device
+from msa_bench.roofline.hybrid import kv_outer_token_seconds, min_shared_tokens, packed_block_seconds
+from msa_bench.roofline.model import ModelShape
+from msa_bench.scenarios.reference import reference_attention, relative_error
+from msa_bench.scenarios.workload import AttnShape
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPE = AttnShape(hq=8, hkv=2, head_dim=32, block=32 if DEVICE == "cuda" else 16, topk=4)
+
+
+def split_pairs(w, sch):
+    """(packed, residual) sets of (head, token, block) from the schedule's tile lists and residual pages."""
+    s, P, U = w.shape, sch.P, sch.union_cap
+    page_block = w.page_block.cpu()
+    limit = sch.tile_limit.view(-1, U, P).cpu()
+    packed = set()
+    for tile in range(sch.num_tiles):
+        head, tt = divmod(tile, sch.n_token_tiles)
+        tok0 = int(sch.tile_tok0[tt])
+        for j in range(int(sch.tile_count[tile])):
+            block = int(page_block[int(sch.tile_page[tile, j])])
+            packed |= {(head, tok0 + p, block) for p in range(P) if int(limit[tile, j, p]) != NO_KEY}
+    res = sch.residual_pages.cpu()
+    residual = {(h, q, int(page_block[int(res[h, q, k])])) for h, q, k in (res >= 0).nonzero().tolist()}
+    return packed, residual
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), P=st.sampled_from([8, 16]), share=st.integers(2, 16), causal=st.booleans(),
+       hot=st.sampled_from([0.0, 0.5, 0.95]), pad=st.sampled_from([0.0, 0.4]),
+       reqs=st.lists(st.tuples(st.integers(40, 160), st.integers(1, 30)), min_size=1, max_size=3))
+def test_split_covers_every_pair_once(seed, P, share, causal, hot, pad, reqs):
+    shape = AttnShape(hq=4, hkv=2, head_dim=16, block=16, topk=4)
+    w = edge_case_workload(shape, "fp32", [max(kv, n) for kv, n in reqs], [n for _, n in reqs], causal, hot, pad,
+                           seed=seed)
+    sch = PackedSchedule(w, P, min_share=share)
+    sch()
+    packed, residual = split_pairs(w, sch)
+    sel = w.selection.cpu()
+    selected = {(h, q, int(sel[h, q, k])) for h, q, k in (sel >= 0).nonzero().tolist()}
+    assert not packed & residual
+    assert packed | residual == selected
+    # a packed block is one at least `share` of its tile's tokens select; a residual one fewer
+    for tile in range(sch.num_tiles):
+        lim = sch.tile_limit.view(-1, sch.union_cap, P)[tile, :int(sch.tile_count[tile])]
+        assert ((lim != NO_KEY).sum(1) >= min(share, P)).all() or share > P
+
+
+def test_threshold_from_the_roofline_by_hand():
+    h200 = load_device("h200")
+    s = ModelShape(dtype="bf16")
+    packed = 4 * 8 * 16 * 128 * 128 / h200.peak_flops("bf16")        # MMA of 128 rows x one block
+    assert packed_block_seconds(s, h200, 8) == pytest.approx(max(packed, 2 * 128 * 128 * 2 / h200.l2_bytes_per_s))
+    one = (4 * 16 * 128 * 128 / h200.peak_flops("bf16") + 2 * 16 * (128 * 2 + 8) / h200.hbm_bytes_per_s
+           + 16 * 128 * 2 / h200.l2_bytes_per_s)
+    assert kv_outer_token_seconds(s, h200) == pytest.approx(one)
+    assert min_shared_tokens(s, h200, 8) == math.ceil(packed_block_seconds(s, h200, 8) / one) == 3
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "fp8"])
+@pytest.mark.parametrize("option", ["", "@m1", "@m3", "@m16+p16"])
+def test_output_matches_reference(option, dtype, poisoned_run):
+    w = edge_case_workload(SHAPE, dtype, [300, 140], [29, 40], True, 0.6, 0.2, seed=1, device=DEVICE)
+    plan = get_backend(f"hybrid{option}").plan(w)
+    poisoned_run(plan)
+    ref_out, ref_lse = reference_attention(w)
+    tol = tolerance(dtype)
+    assert relative_error(plan.output, ref_out) <= tol
+    assert relative_error(plan.lse, ref_lse) <= tol
+    assert plan.info["min_share"] >= 1 and 0.0 <= plan.info["packed_entry_share"] <= 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poisoned_run):
+    w = edge_case_workload(SHAPE, dtype, [300, 140], [29, 40], True, 0.6, 0.2, seed=1, device=DEVICE)
+    plan = get_backend("hybrid@triton").plan(w)
+    poisoned_run(plan)
+    ref_out, _ = reference_attention(w)
+    assert relative_error(plan.output, ref_out) <= tolerance(dtype)
+    graph_replay_equals_eager(plan)
