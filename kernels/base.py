@@ -15,7 +15,7 @@ import torch
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
 from ..scenarios.workload import Workload
 
-STAGE_NAMES = ("index_map", "schedule", "attention", "combine")
+STAGE_NAMES = ("index_map", "schedule", "gather", "attention", "combine", "output")
 
 
 @dataclass
@@ -107,7 +107,8 @@ def _load_all():
     # Importing a backend module registers it; a module whose optional dependency is missing still
     # registers and reports itself unavailable instead of failing the import.
     import importlib
-    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "cute.backend", "q_packed.backend", "q_packed.hybrid", "reference_backend"):
+    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "flashinfer_packed", "dense_gather",
+                "cute.backend", "q_packed.backend", "q_packed.hybrid", "reference_backend"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as exc:

@@ -20,13 +20,13 @@ through the decode API, "heads"), prefill-fa3 (BatchPrefillWithPagedKVCacheWrapp
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
+from .flashinfer_common import MIB, import_flashinfer, workspace_sizes  # noqa: F401  (import_flashinfer: re-exported)
 
 VARIANTS = ("prefill-fa2", "decode-tc", "prefill-fa3")
 FOLD_OF_VARIANT = {"prefill-fa2": "heads", "decode-tc": "heads", "prefill-fa3": "rows"}
@@ -37,7 +37,6 @@ FOLD_OF_VARIANT = {"prefill-fa2": "heads", "decode-tc": "heads", "prefill-fa3": 
 # benchmarks/flashinfer_gpu.py.
 DEFAULT_VARIANT = "prefill-fa2"
 
-MIB = 1 << 20
 
 
 class FoldError(ValueError):
@@ -115,27 +114,6 @@ def folded_views(w: Workload, fold: str):
     k = w.k_cache.view(w.num_pages * s.hkv, 1, s.block, s.head_dim)
     v = w.v_cache.view(w.num_pages * s.hkv, 1, s.block, s.head_dim)
     return q, k, v
-
-
-_IMPORT: dict = {}
-
-
-def import_flashinfer():
-    """The flashinfer module, or raise BackendUnavailable with the import error as the reason."""
-    if "module" in _IMPORT:
-        return _IMPORT["module"]
-    if "error" in _IMPORT:
-        raise BackendUnavailable(_IMPORT["error"])
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-        os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
-    try:
-        import flashinfer
-    except Exception as exc:  # ImportError, or a broken install failing at import time
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        _IMPORT["error"] = f"flashinfer is not importable ({msg}); install flashinfer-python 0.7.2.post1"
-        raise BackendUnavailable(_IMPORT["error"]) from None
-    _IMPORT["module"] = flashinfer
-    return flashinfer
 
 
 class FlashInferQOuter(Backend):
@@ -226,7 +204,7 @@ class FlashInferQOuter(Backend):
             args = (host["qo_indptr"], host["kv_indptr"], kv_indices, host["last_page_len"],
                     fold.qo_heads, 1, s.head_dim, s.block)
             plan_kw["causal"] = False      # one token per request: masking is all in last_page_len
-        ws_float, ws_int, ws_source = self._workspace_sizes(wrapper, args, plan_kw, R)
+        ws_float, ws_int, ws_source = workspace_sizes(wrapper, args, plan_kw, R)
         wrapper.reset_workspace_buffer(torch.empty(ws_float, dtype=torch.uint8, device=dev),
                                        torch.empty(ws_int, dtype=torch.uint8, device=dev))
         wrapper.plan(*args, **plan_kw)
@@ -250,15 +228,6 @@ class FlashInferQOuter(Backend):
                     buffers=buffers, info=info)
         plan._wrapper = wrapper         # keep FlashInfer's planned state alive with the plan
         return plan
-
-    @staticmethod
-    def _workspace_sizes(wrapper, args, plan_kw, requests: int) -> tuple[int, int, str]:
-        """FlashInfer's own workspace query, with headroom; generous fixed sizes if it has none."""
-        try:
-            f, i = wrapper.workspace_size(*args, **plan_kw)
-            return int(f * 1.25) + 16 * MIB, int(i * 1.25) + 8 * MIB, "wrapper.workspace_size"
-        except Exception as exc:  # backend without a size query: size by the request count
-            return 1024 * MIB, max(64 * MIB, 512 * requests), f"fixed ({type(exc).__name__})"
 
 
 @register("flashinfer")

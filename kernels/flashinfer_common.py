@@ -1,0 +1,57 @@
+"""What every FlashInfer backend shares: the import, the GPU gate, workspace sizing, fp8 Q."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..scenarios.workload import Workload
+from .base import BackendUnavailable
+
+MIB = 1 << 20
+
+_IMPORT: dict = {}
+
+
+def import_flashinfer():
+    """The flashinfer module, or raise BackendUnavailable with the import error as the reason."""
+    if "module" in _IMPORT:
+        return _IMPORT["module"]
+    if "error" in _IMPORT:
+        raise BackendUnavailable(_IMPORT["error"])
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    try:
+        import flashinfer
+    except Exception as exc:  # ImportError, or a broken install failing at import time
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _IMPORT["error"] = f"flashinfer is not importable ({msg}); install flashinfer-python 0.7.2.post1"
+        raise BackendUnavailable(_IMPORT["error"]) from None
+    _IMPORT["module"] = flashinfer
+    return flashinfer
+
+
+def gpu_reason(name: str, device, what: str = "FlashInfer kernels") -> str | None:
+    """One line when `device` is no CUDA GPU of sm_80 or newer, else None (same line for every dtype)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return f"{name} needs a CUDA GPU ({what}); the workload is on {torch.device(device).type}"
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    if major < 8:
+        return f"{name} needs sm_80 or newer (this GPU is sm_{major}{minor})"
+    return None
+
+
+def workspace_sizes(wrapper, args, plan_kw, requests: int) -> tuple[int, int, str]:
+    """FlashInfer's own workspace query, with headroom; generous fixed sizes if it has none."""
+    try:
+        f, i = wrapper.workspace_size(*args, **plan_kw)
+        return int(f * 1.25) + 16 * MIB, int(i * 1.25) + 8 * MIB, "wrapper.workspace_size"
+    except Exception as exc:  # backend without a size query: size by the request count
+        return 1024 * MIB, max(64 * MIB, 512 * requests), f"fixed ({type(exc).__name__})"
+
+
+def bf16_query(w: Workload) -> torch.Tensor:
+    """Q as FA2 reads it: the bf16 data, or for fp8 q * q_scale in bf16 (exact: q_scale is a power of two)."""
+    if w.dtype == "fp8":
+        return (w.q.to(torch.float32) * w.q_scale).to(torch.bfloat16)
+    return w.q
