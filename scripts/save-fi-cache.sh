@@ -24,7 +24,7 @@ tmp="$dest.tmp.$$"
 trap 'rm -f "$tmp"' EXIT
 # lock files and gpu-setup's restore stamp are host state, not cache
 tar -C "$base/.cache" --format=posix --exclude='*.lock' --exclude='flashinfer/.msa-restored' -cf - flashinfer \
-    | xz -9 -c > "$tmp"
+    | xz -9 -T0 -c > "$tmp"
 mv "$tmp" "$dest"
 trap - EXIT
 modules=$(find "$src" -path '*/cached_ops/*' -name '*.so' | wc -l)
