@@ -151,7 +151,7 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poison
     assert math.isfinite(plan.output.float().abs().sum().item())
 
 
-ATTENTION_VARIANTS = {   # name: (tile_q, Attention keyword arguments)
+ATTENTION_LAUNCHES = {   # name: (tile_q, Attention keyword arguments)
     "chunk2-per-program": (8, dict(chunk=2, chunk_grid=0)),
     "chunk3-strided": (8, dict(chunk=3, chunk_grid=1)),
     "tile64-chunk4": (4, dict(chunk=4, chunk_grid=0)),
@@ -160,12 +160,12 @@ ATTENTION_VARIANTS = {   # name: (tile_q, Attention keyword arguments)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS))
-def test_attention_variants_match_reference(variant, dtype, poisoned_run):
-    """Every launch variant benchmarks/kernels_gpu.py compares (chunked grids, 64-row tiles) writes
-    the same partials as the reference, checked stage by stage and end to end."""
+@pytest.mark.parametrize("launch", list(ATTENTION_LAUNCHES))
+def test_attention_launches_match_reference(launch, dtype, poisoned_run):
+    """Every launch configuration of the Triton attention stage the GPU tuning compared (chunked grids,
+    64-row tiles) writes the same partials as the reference, checked stage by stage and end to end."""
     from msa_bench.kernels.kv_outer.attention import STORE_TILES, Attention
-    tile_q, kw = ATTENTION_VARIANTS[variant]
+    tile_q, kw = ATTENTION_LAUNCHES[launch]
     w = workload("skewed-hot-block", dtype)
     cfg = KVOuterConfig(tile_q=tile_q, num_ctas=3)
     plan = KVOuterBackend(config=cfg).plan(w)
@@ -286,7 +286,7 @@ def test_closed_form_schedule_equals_the_sorted_one(case, order, num_ctas):
 def test_closed_form_schedules_fuzzed_against_the_sorted_path():
     """Random small selections (1-3 KV heads, padding, every third with a KV head that has no tiles,
     tile_q 1-3, 1-9 CTAs), every order against the sorted path, buffer for buffer. The empty head is
-    the case s8-call8's masked check caught: a key cut between two CTAs' parts then lies at adjacent
+    the case a masked GPU check caught (2026-11-29): a key cut between two CTAs' parts then lies at adjacent
     positions, and its run continues across the CTA boundary. With query ranges a key's tiles fall in
     several groups, and runs can also join across groups."""
     from msa_bench.kernels.kv_outer.index_map import IndexMap

@@ -1,7 +1,7 @@
 """The scheduler's Triton kernels compiled for sm_90 on this CPU machine (Triton's own ptxas), with the
 runtime ints Triton specializes to constexprs when they equal 1 (one CTA, chunks of one tile, one query
 range, one group). The interpreter runs every other test and does not specialize, so a `.to()` on such
-an argument passed every CPU test and failed only on the GPU (found in this way, session 9).
+an argument passed every CPU test and failed only on the GPU (found in this way on the H200, 2026-11-29).
 
 A child process: the interpreter decides at decoration time, and the test session's kernels are
 interpreted ones.

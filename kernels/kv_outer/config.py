@@ -1,7 +1,5 @@
-"""Launch configuration of the KV-stationary stages, with the defaults the GPU tuning picked.
-
-benchmarks/kernels_gpu.py sweeps these knobs on the H200 and prints the best; write the winner into
-TUNED below (per data dtype) to make it the default.
+"""Launch configuration of the KV-stationary stages, with the defaults the GPU tuning picked (TUNED, per
+data dtype).
 """
 from __future__ import annotations
 
@@ -36,8 +34,9 @@ class KVOuterConfig:
         return replace(self, **changes)
 
 
-# Winners of benchmarks/kernels_gpu.py on the H200 (results/h200/bench/2026-11-29-call3): bf16 286 TFLOP/s
-# (64-row tiles in 64-tile chunks, 2 CTAs/SM by registers), fp8 444 TFLOP/s (persistent, 2 CTAs/SM).
+# Winners of the attention-stage tuning on the H200 (2026-11-29; the tuning script was removed after commit
+# 9821365, docs/perf-log.md has its table): bf16 286 TFLOP/s (64-row tiles in 64-tile chunks, 2 CTAs/SM by
+# registers), fp8 444 TFLOP/s (persistent, 2 CTAs/SM).
 TUNED: dict[str, KVOuterConfig] = {
     "bf16": KVOuterConfig(tile_q=4, attn_num_warps=4, attn_num_stages=3, attn_chunk=64),
     "fp16": KVOuterConfig(tile_q=4, attn_num_warps=4, attn_num_stages=3, attn_chunk=64),  # bf16's (same MMA rate), not measured
@@ -69,7 +68,7 @@ def resolve_num_ctas(config: KVOuterConfig, device) -> int:
 
 
 def tile_order(text: str) -> dict:
-    """The scheduler's tile order in the benchmarks' notation, as config fields: "S:k" = q_ranges S dealt
+    """The scheduler's tile order in the backends' option notation, as config fields: "S:k" = q_ranges S dealt
     in chunks of k tiles (k 0: contiguous slices), "S:p" = q_ranges S dealt in phases, "phases" = "1:p",
     "S" = "S:0". Raises ValueError with the notation on anything else."""
     ranges, _, deal = ("1:p" if text == "phases" else text).partition(":")
@@ -84,14 +83,14 @@ def tile_order(text: str) -> dict:
 
 
 # The CuTe stage's default tile order: one query range's Q rows of one KV head stay within a quarter of
-# the H200's 60 MiB L2. Measured at N 16384 (results/h200/perf-point-orders, session 9): v23 attention
+# the H200's 60 MiB L2. Measured at N 16384 (H200, 2026-11-29; docs/perf-log.md): v23 attention
 # +8-10 % with 2 or 4 ranges dealt in phases, module +2-3 %; in real prefill the cases with N <= 1649
 # (a head's Q 3-7 MiB) lost 6-20 % of the module to the grouped schedule's extra ~35 us, hence key order
 # there. A key's K/V block is loaded once per range its queries fall in, so with few queries per
 # selected block the reloads outweigh the Q hits: at N 8192 bf16 with 2 ranges against key order,
 # attention +9 % and +8 % at a mean fan-in (queries per selected (KV head, block)) of 1024 and 256,
-# level at 64, -4 % at 32 and -15 % at 16 (results/h200/default-cute-grouped, every bf16 unit with 2
-# ranges, against default-cute-v22 in key order); hence GROUP_MIN_FANIN.
+# level at 64, -4 % at 32 and -15 % at 16 (every bf16 unit of a default-scenario run with 2 ranges, against
+# one in key order; both run folders are at commit 9821365 under results/h200/); hence GROUP_MIN_FANIN.
 GROUP_Q_BYTES = 16 << 20
 GROUP_MIN_FANIN = 128
 
