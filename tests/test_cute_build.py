@@ -211,6 +211,15 @@ def test_missing_build_and_missing_library(tmp_path):
     assert path is None and "missing" in reason
 
 
+def test_build_of_an_older_manifest_format_refused(tmp_path):
+    """A build made before the kernels table (format 1: one entry per generation) asks for a rebuild."""
+    _fake_build(tmp_path)
+    data = json.loads((tmp_path / mf.MANIFEST_NAME).read_text())
+    (tmp_path / mf.MANIFEST_NAME).write_text(json.dumps({**data, "format": 1}))
+    path, reason = mf.find_library(BF16, tmp_path, "sm_90a")
+    assert path is None and "format 1, expected 2" in reason and "build-kernels" in reason
+
+
 def test_altered_library_refused(tmp_path):
     _fake_build(tmp_path)
     (tmp_path / FP8.library).write_bytes(b"something else")
