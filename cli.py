@@ -223,24 +223,27 @@ def build_kernels(
     arch: str = typer.Option("sm_90a", help="Target GPU architecture (the CuTe attention stage supports sm_90a)."),
     out: str = typer.Option("", help="Output directory for the libraries and manifest.json (default: build/cute in the checkout)."),
     dtype: list[str] = typer.Option([], help="Data dtype(s) to build: bf16, fp8 (repeatable; default: all)."),
-    knockouts: bool = typer.Option(True, help="Also build the knock-out kernels benchmarks/bounds_gpu.py times "
-                                               "(diagnostic: never swept or checked)."),
+    kernel: list[str] = typer.Option([], help="CuTe kernel(s) to build, e.g. v23 (repeatable; default: all, "
+                                              "one library per kernel and dtype)."),
 ):
-    """Compile the CuTe DSL attention stage for every configuration the sweep can ask for (no GPU needed),
-    link one shared library per configuration and write manifest.json (config, DSL/CUDA versions, arch,
-    source hash). Carry the directory to the GPU host; backend kv-outer-cute loads it there."""
+    """Compile the CuTe DSL attention stage for every configuration the sweep can ask for (no GPU needed):
+    each kernel of kernels/cute/manifest.KERNELS in each of its dtypes, one shared library per
+    configuration, and write manifest.json (configs, DSL/CUDA/C++ versions, arch, source hash). Carry the
+    directory to the GPU host; backend kv-outer-cute loads it there."""
     from pathlib import Path
     from .errors import UserError
-    from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, SUPPORTED_ARCHS, knockout_configs, sweep_configs
+    from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, KERNELS, SUPPORTED_ARCHS, library_configs
 
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"--arch must be one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
     bad = [d for d in dtype if d not in DTYPES]
     if bad:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {bad[0]!r}")
+    bad = [k for k in kernel if k not in KERNELS]
+    if bad:
+        raise UserError(f"--kernel must be one of {', '.join(KERNELS)}, got {bad[0]!r}")
     from .kernels.cute.build import build_all
-    dtypes = tuple(dtype) or DTYPES
-    configs = sweep_configs(dtypes) + (knockout_configs(dtypes) if knockouts else [])
+    configs = library_configs(tuple(dtype) or DTYPES, tuple(kernel) or None)
     summary = build_all(configs, Path(out) if out else DEFAULT_BUILD_DIR, arch, log=typer.echo)
     typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
 
@@ -269,7 +272,7 @@ def sweep(
     context: str = typer.Option(None, help="Override context length in tokens, comma-separated."),
     skew: str = typer.Option(None, help="Override selection skew (Zipf exponent, 0 = uniform), comma-separated."),
     dtype: str = typer.Option(None, help="Override data dtypes, comma-separated: bf16, fp8, fp16, fp32."),
-    backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@GEN runs CuTe kernel generation GEN (e.g. kv-outer-cute@v10) next to the default; @GEN+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles)."),
+    backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@KERNEL runs that CuTe kernel (e.g. kv-outer-cute@v23) in every dtype instead of each dtype's default; @KERNEL+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles)."),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Override causal (chunked prefill) or not."),
     generator: str = typer.Option(None, help="Override the selection generator."),
     out: str = typer.Option(None, help="Run folder (default results/runs/<scenario>-<UTC time>)."),

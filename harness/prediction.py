@@ -12,7 +12,7 @@ from ..roofline.model import SCHEDULE_OF_BACKEND, ModelShape, Prediction, predic
 
 
 def schedule_of(backend: str) -> str | None:
-    """The schedule a backend runs; BASE@OPTION runs BASE's ("kv-outer-cute@v10" is KV-outer)."""
+    """The schedule a backend runs; BASE@OPTION runs BASE's ("kv-outer-cute@v23" is KV-outer)."""
     from ..kernels.base import split_name
     return SCHEDULE_OF_BACKEND.get(split_name(backend)[0])
 
@@ -72,7 +72,8 @@ def plan_config(plan_info) -> dict | None:
 
 def launch_labels(plan_info) -> dict:
     """What a KV-stationary unit ran, from its plan_info: the scheduler's tile order (kv_outer's
-    notation, "1:0" = key order) and the CuTe kernel generation, where recorded."""
+    notation, "1:0" = key order) and the CuTe kernel, where recorded (runs made before 2026-12-01 record it
+    as cute_variant)."""
     import json
     from ..kernels.kv_outer.config import tile_order_label
     try:
@@ -83,8 +84,8 @@ def launch_labels(plan_info) -> dict:
     out = {}
     if cfg is not None and "q_ranges" in cfg:
         out["tile order"] = tile_order_label(cfg)
-    if isinstance(info, dict) and info.get("cute_variant"):
-        out["kernel"] = info["cute_variant"]
+    if isinstance(info, dict) and (info.get("cute_kernel") or info.get("cute_variant")):
+        out["kernel"] = info.get("cute_kernel") or info["cute_variant"]
     return out
 
 

@@ -107,7 +107,7 @@ def throughput_table(run: Run) -> pd.DataFrame:
     out = t[[c for c in cols if c in t]].rename(columns=cols)
     if "CV converged" in out:
         out["CV converged"] = out["CV converged"].fillna(0).astype(bool)
-    if "plan_info" in t:                          # the tile order and CuTe generation each unit ran
+    if "plan_info" in t:                          # the tile order and CuTe kernel each unit ran
         labels = pd.DataFrame([launch_labels(p) if isinstance(p, (str, dict)) else {} for p in t["plan_info"]],
                               index=t.index)
         for col in ("kernel", "tile order"):

@@ -73,18 +73,18 @@ def backend_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-OPTION_SEP = "@"     # "kv-outer-cute@v10": a registered backend with one option (its from_option())
+OPTION_SEP = "@"     # "kv-outer-cute@v23": a registered backend with one option (its from_option())
 
 
 def split_name(name: str) -> tuple[str, str | None]:
-    """'kv-outer-cute@v10' -> ('kv-outer-cute', 'v10'); a plain name -> (name, None)."""
+    """'kv-outer-cute@v23' -> ('kv-outer-cute', 'v23'); a plain name -> (name, None)."""
     base, sep, option = name.partition(OPTION_SEP)
     return base, (option if sep else None)
 
 
 def get_backend(name: str) -> Backend:
     """The backend registered as `name`, or, for BASE@OPTION, BASE's from_option(OPTION) (e.g. one CuTe
-    kernel generation), named with the whole string so its results rows say which one ran."""
+    kernel), named with the whole string so its results rows say which one ran."""
     _load_all()
     base, option = split_name(name)
     if base not in _REGISTRY:

@@ -33,8 +33,8 @@ FOLD_OF_VARIANT = {"prefill-fa2": "heads", "decode-tc": "heads", "prefill-fa3": 
 
 # The registered "flashinfer" default: the faster of prefill-fa2 and decode-tc on the H200
 # (shared/measured/h200.json, bf16, random top-16: prefill-fa2 112 TFLOP/s vs decode-tc 93 at
-# N 2048 / 256 blocks per head; equal at N 16384 / 1024 blocks). The lead updates this from
-# benchmarks/flashinfer_gpu.py.
+# N 2048 / 256 blocks per head; equal at N 16384 / 1024 blocks; measured 2026-11-29 by the FlashInfer
+# benchmark script removed after commit 9821365).
 DEFAULT_VARIANT = "prefill-fa2"
 
 

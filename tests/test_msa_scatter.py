@@ -99,7 +99,7 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poison
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp8"])
 def test_chunked_grid_and_64_row_tiles(dtype, poisoned_run):
-    """msa-scatter with the attention launch variants of kv-outer (chunked grid, 64-row tiles)."""
+    """msa-scatter with the attention launch configurations of kv-outer (chunked grid, 64-row tiles)."""
     from msa_bench.kernels.kv_outer.config import KVOuterConfig
     w = workload("causal-skewed", dtype)
     plan = get_backend("msa-scatter").__class__(config=KVOuterConfig(tile_q=4, attn_chunk=3)).plan(w)

@@ -163,10 +163,19 @@ def test_bytes_table_puts_the_model_next_to_counters(tmp_path, cli):
     assert "## Bytes moved" in (tmp_path / "rep" / "summary.md").read_text()
 
 
+def test_launch_labels_read_the_kernel_under_either_key():
+    """A CuTe unit's plan_info names its kernel as cute_kernel (runs before 2026-12-01: cute_variant)."""
+    from msa_bench.harness.prediction import launch_labels
+    cfg = {"q_ranges": 2, "order_chunk": 0, "order_phases": True}
+    assert launch_labels({"config": cfg, "cute_kernel": "v28"}) == {"tile order": "2:p", "kernel": "v28"}
+    assert launch_labels({"config": cfg, "cute_variant": "v23"})["kernel"] == "v23"
+    assert "kernel" not in launch_labels({"config": cfg})
+
+
 def test_throughput_table_names_each_units_tile_order_and_kernel():
-    """The committed H200 default run: the CuTe units name their dtype's default generation (bf16
-    v23, fp8 v28) and the order the workload chose (2 query ranges in phases for bf16 at nsb/N 1/16
-    and 1/4, key order elsewhere); the Triton units their key order, with no kernel generation."""
+    """The committed H200 default run: the CuTe units name their dtype's default kernel (bf16 v23, fp8
+    v28) and the order the workload chose (2 query ranges in phases for bf16 at nsb/N 1/16 and 1/4, key
+    order elsewhere); the Triton units their key order, with no kernel."""
     t = tables.throughput_table(load_run(REPO / "results" / "h200" / "default"))
     cute = t[t["backend"] == "kv-outer-cute"]
     assert dict(zip(cute["dtype"], cute["kernel"])) == {"bf16": "v23", "fp8": "v28"}

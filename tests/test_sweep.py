@@ -102,7 +102,7 @@ def test_existing_run_needs_resume_and_same_grid(smoke_run, cli, one_error_line)
 
 @pytest.mark.parametrize("args, needle", [
     (["--backend", "no-such-backend"], "unknown backend 'no-such-backend'"),
-    (["--backend", "kv-outer-cute@v99"], "kv-outer-cute has no kernel generation 'v99'"),
+    (["--backend", "kv-outer-cute@v99"], "kv-outer-cute has no kernel 'v99'"),
     (["--backend", "kv-outer@fast"], "backend 'kv-outer' takes no @option"),
     (["--scenario", "no-such-scenario"], "unknown scenario 'no-such-scenario'"),
     (["--reuse", ","], "--reuse is empty"),
@@ -156,21 +156,20 @@ def test_unavailable_backend_is_recorded_and_the_sweep_goes_on(tmp_path, cli):
 
 
 def test_backend_option_names_its_rows_and_keeps_its_schedule(tmp_path, cli):
-    """kv-outer-cute@v10 is one CuTe kernel generation as its own backend: its units, status rows and
-    report carry the whole name, and the roofline treats it as KV-outer (on a CPU it is unavailable,
-    with the reason recorded)."""
+    """kv-outer-cute@v23 is one CuTe kernel as its own backend: its units, status rows and report carry
+    the whole name, and the roofline treats it as KV-outer (on a CPU it is unavailable, with the reason
+    recorded)."""
     out = tmp_path / "r"
-    code, text, err = cli("sweep", "--scenario", "smoke", "--backend", "reference,kv-outer-cute@v10", "--dtype", "fp32",
+    code, text, err = cli("sweep", "--scenario", "smoke", "--backend", "reference,kv-outer-cute@v23", "--dtype", "fp32",
                           "--reuse", "0.5", "--generator", "synthetic", "--no-causal", "--reps", "1", "--out", out)
     assert code == 0, err
     st = load_run(out).status
-    cute = st[st["backend"] == "kv-outer-cute@v10"]
+    cute = st[st["backend"] == "kv-outer-cute@v23"]
     assert len(cute) > 0 and (cute["status"] == "unavailable").all()
     assert (cute["schedule"] == "kv-outer").all()
     from msa_bench.kernels.base import get_backend
-    b = get_backend("kv-outer-cute@v10")
-    assert b.name == "kv-outer-cute@v10" and b.variant_for("bf16") == b.variant_for("fp8") == "v10"
-    assert "not built for bf16" in get_backend("kv-outer-cute@v15").unavailable_reason("bf16", "cpu")
+    b = get_backend("kv-outer-cute@v23")
+    assert b.name == "kv-outer-cute@v23" and b.kernel_for("bf16") == b.kernel_for("fp8") == "v23"
 
 
 @pytest.mark.cuda
@@ -268,16 +267,16 @@ def test_empty_unit_folders_are_not_finished_units(smoke_run, tmp_path):
 
 
 def test_cute_backend_option_takes_a_tile_order():
-    """kv-outer-cute@v23+phases: generation v23 with the scheduler's phased order; @phases: the
-    defaults' generations with it; @v23+2:p and @4:8 grouped orders; anything else after + is one clear
+    """kv-outer-cute@v23+phases: kernel v23 with the scheduler's phased order; @phases: the defaults'
+    kernels with it; @v23+2:p and @4:8 grouped orders; anything else after + is one clear
     error."""
     from msa_bench.scenarios.selection import synthetic_workload
     from msa_bench.scenarios.workload import AttnShape
     from msa_bench.kernels.base import get_backend
     b = get_backend("kv-outer-cute@v23+phases")
-    assert b.name == "kv-outer-cute@v23+phases" and b.variant == "v23" and b.order == "phases"
+    assert b.name == "kv-outer-cute@v23+phases" and b.kernel == "v23" and b.order == "phases"
     d = get_backend("kv-outer-cute@phases")
-    assert d.variant is None and d.order == "phases"
+    assert d.kernel is None and d.order == "phases"
     w = synthetic_workload(AttnShape(hq=8, hkv=2, head_dim=64, block=16, topk=2), "fp8", 16, 256, 1.0, seed=0,
                            device="cpu")
     cfg = b.resolved_config(w)
@@ -286,8 +285,8 @@ def test_cute_backend_option_takes_a_tile_order():
     two = get_backend("kv-outer-cute@v23+2:p").resolved_config(w)
     assert two.q_ranges == 2 and two.order_phases and two.order_chunk == 0
     four = get_backend("kv-outer-cute@4:8")
-    assert four.variant is None and (four.resolved_config(w).q_ranges, four.resolved_config(w).order_chunk) == (4, 8)
+    assert four.kernel is None and (four.resolved_config(w).q_ranges, four.resolved_config(w).order_chunk) == (4, 8)
     with pytest.raises(KeyError, match="tile order 'chunks' is not S:k"):
         get_backend("kv-outer-cute@v23+chunks")
-    with pytest.raises(KeyError, match="no kernel generation 'v99'"):
+    with pytest.raises(KeyError, match="no kernel 'v99'"):
         get_backend("kv-outer-cute@v99+phases")

@@ -1,9 +1,13 @@
 """kv-outer-cute: the kv-outer stages (index_map, schedule, combine) with the CuTe DSL attention stage.
 
-The attention stage is registered as kv-outer's attention implementation "cute"; it reads the plan's
-buffers (kernels/kv_outer/__init__.py) and writes o_part, m_part, l_part exactly as the Triton stage
-does, so the combine is shared. It needs a CUDA GPU of a built arch and a prebuilt library (see
-kernels/cute/manifest.py, `msa-bench build-kernels`), or the DSL installed to compile on the spot.
+The attention stage reads the plan's buffers (kernels/kv_outer/__init__.py) and writes o_part, m_part,
+l_part exactly as the Triton stage does, so the combine is shared. It needs a CUDA GPU of a built arch and
+a prebuilt library (manifest.py, `msa-bench build-kernels`), or the DSL installed to compile on the spot.
+
+Backend options (`kv-outer-cute@OPTION`): a kernel of manifest.KERNELS (`@v28`: that kernel in every
+dtype), a scheduler tile order in config.tile_order's notation (`@2:p`, `@4:8`, `@phases`: each dtype's
+default kernel with that order), or both (`@v23+2:p`). Without an order the backend picks
+grouped_tile_order's for the workload.
 """
 from __future__ import annotations
 
@@ -14,28 +18,13 @@ from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_i
 from ...scenarios.stats import selected_pairs
 from ...scenarios.workload import element_bytes
 from ..kv_outer.config import KVOuterConfig, default_config, grouped_tile_order, resolve_num_ctas, tile_order
-from .manifest import (DTYPES, FP8_V_KEY_PERMUTED, KNOCKOUT_VARIANTS, P_SHIFT, SUPPORTED_ARCHS, TRACE_VARIANTS,
-                       VARIANT_CTAS, VARIANTS, CuteConfig, device_arch, find_library, fp8_v_key_order)
-
-# the generation per dtype (H200 2026-11-29; docs/perf-log.md), with the grouped tile order where Q outgrows
-# L2 (resolved_config). fp8: v28 (v23 with L2 evict-first O stores and K/V loads), at N 16384 attention 655
-# TFLOP/s against v23's 613 in five interleaved burst rounds at 1980 MHz (s10-call4), +5-6 % in the harness
-# and on real prefill's long cases, level at high reuse. bf16: v23 stays; v28 was +2.5 % in those bursts
-# but -3 to -9 % in two other same-call A/Bs and at nsb/N >= 2 (results/h200/*-cute-v28). In throttled
-# back-to-back rounds v23 was ahead in both dtypes (s10-call3). Until the eighth session: bf16 v22, fp8 v18;
-# in the ninth: v23 in both.
-DEFAULT_VARIANTS = {"bf16": "v23", "fp8": "v28"}
-DEFAULT_CTAS_PER_SM = {"v2": 2, "v3": 1, "v4": 1, "v7": 1, "v9": 1, "v10": 1, "v15": 1, "v16": 1, "v17": 1, "v18": 1,
-                       "v21": 1, "v22": 1, "v23": 1, "v24": 1, "v28": 1}
+from .manifest import (DTYPES, KERNELS, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, default_kernel, device_arch,
+                       find_library, fp8_v_key_order)
 
 
-def attention_impl_name(variant: str) -> str:
-    return "cute" if variant == "v2" else f"cute-{variant}"
-
-
-def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, variant: str | None = None) -> CuteConfig:
-    """The library configuration a workload needs (variant None: its dtype's default generation), or
-    BackendUnavailable if the kernel has none."""
+def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, kernel: str | None = None) -> CuteConfig:
+    """The library configuration a workload needs (kernel None: its dtype's default), or BackendUnavailable
+    if there is none."""
     s = workload.shape
     if workload.dtype not in DTYPES:
         raise BackendUnavailable(f"the CuTe attention stage supports {', '.join(DTYPES)}, not {workload.dtype}")
@@ -43,20 +32,15 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, varia
         raise BackendUnavailable(
             f"the CuTe attention stage is built for TILE_Q * G = 128, D = 128, block = 128 "
             f"(got TILE_Q {tile_q}, G {s.group}, D {s.head_dim}, block {s.block})")
-    variant = variant or default_variant(workload.dtype)
-    if variant in KNOCKOUT_VARIANTS + TRACE_VARIANTS:   # diagnostic scripts bind these; the harness cannot
-        return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, 1, variant)
-    if variant not in VARIANTS:
-        raise BackendUnavailable(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")
-    if ctas_per_sm is None:
-        ctas_per_sm = DEFAULT_CTAS_PER_SM[variant]
-    allowed = VARIANT_CTAS[(variant, workload.dtype)]
-    if not allowed:
-        raise BackendUnavailable(f"the CuTe attention stage {variant} is not built for {workload.dtype}")
-    if ctas_per_sm not in allowed:
-        raise BackendUnavailable(f"the CuTe attention stage {variant} {workload.dtype} is built for {allowed} "
-                                 f"CTAs per SM, not {ctas_per_sm}")
-    return CuteConfig(workload.dtype, tile_q, s.group, s.head_dim, s.block, ctas_per_sm, variant)
+    kernel = kernel or default_kernel(workload.dtype)
+    if kernel not in KERNELS:
+        raise BackendUnavailable(f"unknown CuTe kernel {kernel!r} (have {', '.join(KERNELS)})")
+    k = KERNELS[kernel]
+    if workload.dtype not in k.dtypes:
+        raise BackendUnavailable(f"the CuTe kernel {kernel} is not built for {workload.dtype}")
+    if ctas_per_sm not in (None, k.ctas_per_sm):
+        raise BackendUnavailable(f"the CuTe kernel {kernel} runs {k.ctas_per_sm} CTAs per SM, not {ctas_per_sm}")
+    return CuteConfig(kernel, workload.dtype, tile_q, s.group, s.head_dim, s.block, k.ctas_per_sm)
 
 
 def cute_kv_config(dtype: str, ctas_per_sm: int) -> KVOuterConfig:
@@ -71,18 +55,19 @@ class CuteAttentionStage:
     """Binds a loaded library to a plan's buffers; calling it launches one persistent grid on the
     current CUDA stream (CUDA-graph capturable: no host sync, no allocation)."""
 
-    def __init__(self, workload, buffers: dict, config, variant: str | None = None):
+    def __init__(self, workload, buffers: dict, config, kernel: str | None = None):
         from .loader import resolve_library
         w = workload
         self.config = config
-        self.cfg = cute_config_for(w, config.tile_q, config.ctas_per_sm, variant)
+        self.cfg = cute_config_for(w, config.tile_q, config.ctas_per_sm, kernel)
         self.library = resolve_library(self.cfg, w.device)
         # one-time setup before any capture: module load + the >48 KiB dynamic smem attribute (the
         # exported module sets it at load); a launch is then only cudaLaunchKernelEx on the given stream
         self.library.load_module()
-        # fp8 wgmma wants K-major operands: V d-major ([pages, Hkv, D, block]), made once here.
+        # fp8 wgmma wants K-major operands: V d-major ([pages, Hkv, D, block]), made once here, its keys
+        # permuted within every 16 as the kernel's P registers hold them (manifest.fp8_v_key_order).
         self.v = w.v_cache.transpose(-1, -2).contiguous() if w.dtype == "fp8" else w.v_cache
-        if w.dtype == "fp8" and self.cfg.variant in FP8_V_KEY_PERMUTED:
+        if w.dtype == "fp8":
             order = torch.tensor(fp8_v_key_order(), device=w.device)
             blk = self.v.shape[-1]
             self.v = self.v.view(*self.v.shape[:-1], blk // 16, 16)[..., order].reshape(self.v.shape).contiguous()
@@ -108,73 +93,48 @@ class CuteAttentionStage:
         self.library.launch(self.packed, self.hkv, self.num_pages, self.scale, self.out_scale, stream)
 
 
-def diagnostic_stage(plan, workload, variant: str) -> CuteAttentionStage:
-    """A diagnostic build's attention stage (manifest.diagnostic_base) on a plan of its base generation:
-    the same buffers and configuration, so it can replace the plan's stage or run beside it. For
-    benchmark scripts only; its outputs are not attention."""
-    return CuteAttentionStage(workload, plan.buffers, plan.stages["attention"].config, variant)
+@register_attention_impl("cute")
+def cute_attention(workload, buffers: dict, config):
+    """kv-outer's attention stage "cute": the default kernel of the workload's dtype."""
+    return CuteAttentionStage(workload, buffers, config)
 
 
-def default_variant(dtype: str) -> str:
-    return DEFAULT_VARIANTS.get(dtype, DEFAULT_VARIANTS["bf16"])
-
-
-def _register_variant(variant: str) -> None:
-    @register_attention_impl(attention_impl_name(variant))
-    def cute_attention(workload, buffers: dict, config):
-        return CuteAttentionStage(workload, buffers, config, variant)
-
-
-for _variant in VARIANTS:
-    _register_variant(_variant)
-
-
-@register_attention_impl("cute-default")
-def cute_default_attention(workload, buffers: dict, config):
-    """The default generation of the workload's dtype (DEFAULT_VARIANTS)."""
-    return CuteAttentionStage(workload, buffers, config, default_variant(workload.dtype))
-
-
-# kv-outer-cute@...+ORDER: a scheduler tile order instead of key order (docs/perf-log.md, eighth session)
 @register("kv-outer-cute")
 class KVOuterCuteBackend(KVOuterBackend):
     name = "kv-outer-cute"
     description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
     dtypes = DTYPES
 
-    def __init__(self, config=None, ctas_per_sm: int | None = None, variant: str | None = None,
-                 order: str | None = None):
-        """variant None: each dtype's default generation (DEFAULT_VARIANTS); order: the scheduler's tile
-        order in config.tile_order's notation (None: key order)."""
-        if variant is not None and variant not in VARIANTS:
-            raise ValueError(f"unknown CuTe kernel variant {variant!r} (have {', '.join(VARIANTS)})")
+    def __init__(self, config=None, kernel: str | None = None, order: str | None = None):
+        """kernel None: each dtype's default (manifest.default_kernel); order: the scheduler's tile order
+        in config.tile_order's notation (None: grouped_tile_order's for the workload, or config's)."""
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"kv-outer-cute has no kernel {kernel!r} (have {', '.join(KERNELS)})")
         self._order_fields = tile_order(order) if order else {}
-        super().__init__(attention_impl=attention_impl_name(variant) if variant else "cute-default", config=config)
-        self.variant = variant
+        super().__init__(attention_impl="cute", config=config)
+        self.kernel = kernel
         self.order = order
-        self._ctas_per_sm = ctas_per_sm
 
     @classmethod
     def from_option(cls, option: str) -> "KVOuterCuteBackend":
-        """kv-outer-cute@GEN: the kernel generation GEN in every dtype it is built for; @GEN+ORDER (or
-        @ORDER, each dtype's default generation) with the scheduler's tile order ORDER: phases, S:p
-        (S query ranges dealt in phases), S:k (dealt in chunks of k tiles) or S."""
-        variant, _, order = option.partition("+")
-        if not order and variant not in VARIANTS and (variant == "phases" or variant[:1].isdigit()):
-            variant, order = "", variant
-        if variant and variant not in VARIANTS:
-            raise ValueError(f"kv-outer-cute has no kernel generation {variant!r} (have {', '.join(VARIANTS)})")
-        return cls(variant=variant or None, order=order or None)
+        """KERNEL, KERNEL+ORDER or ORDER (module docstring)."""
+        kernel, _, order = option.partition("+")
+        if not order and kernel not in KERNELS and (kernel == "phases" or kernel[:1].isdigit()):
+            kernel, order = "", kernel
+        return cls(kernel=kernel or None, order=order or None)
 
-    def variant_for(self, dtype: str) -> str:
-        return self.variant or default_variant(dtype)
+    def kernel_for(self, dtype: str) -> str:
+        return self.kernel or default_kernel(dtype)
 
     def ctas_for(self, dtype: str) -> int:
-        return DEFAULT_CTAS_PER_SM[self.variant_for(dtype)] if self._ctas_per_sm is None else self._ctas_per_sm
+        return KERNELS[self.kernel_for(dtype)].ctas_per_sm
+
+    def attention_stage(self, w, buffers: dict, cfg: KVOuterConfig):
+        return CuteAttentionStage(w, buffers, cfg, self.kernel_for(w.dtype))
 
     def _plan(self, w):
         plan = super()._plan(w)
-        plan.info["cute_variant"] = plan.stages["attention"].cfg.variant
+        plan.info["cute_kernel"] = plan.stages["attention"].cfg.kernel
         return plan
 
     def resolved_config(self, w):
@@ -193,8 +153,8 @@ class KVOuterCuteBackend(KVOuterBackend):
     def unavailable_reason(self, dtype, device):
         if dtype not in self.dtypes:
             return f"{self.name} does not support dtype {dtype} (supports {', '.join(self.dtypes)})"
-        if not VARIANT_CTAS[(self.variant_for(dtype), dtype)]:
-            return f"{self.name}: kernel generation {self.variant_for(dtype)} is not built for {dtype}"
+        if dtype not in KERNELS[self.kernel_for(dtype)].dtypes:
+            return f"{self.name}: kernel {self.kernel_for(dtype)} is not built for {dtype}"
         if torch.device(device).type != "cuda" or not torch.cuda.is_available():
             return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
         arch = device_arch(device)
@@ -205,7 +165,7 @@ class KVOuterCuteBackend(KVOuterBackend):
             return reason
         from .build import dsl_unavailable_reason
         from .loader import build_dir
-        cfg = CuteConfig(dtype, ctas_per_sm=self.ctas_for(dtype), variant=self.variant_for(dtype))
+        cfg = CuteConfig(self.kernel_for(dtype), dtype, ctas_per_sm=self.ctas_for(dtype))
         _, why = find_library(cfg, build_dir(), arch)
         if why and dsl_unavailable_reason() is not None:
             return why

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 from ...errors import UserError
-from .manifest import (DEFAULT_ARCH, SUPPORTED_ARCHS, CuteConfig, config_entry, knockout_piece, trace_base,
-                       write_manifest)
+from .manifest import DEFAULT_ARCH, KERNELS, SUPPORTED_ARCHS, CuteConfig, config_entry, write_manifest
 
 DSL_PIP = 'pip install "nvidia-cutlass-dsl[cu13]==4.8.1"'
 TENSOR_ARGS = ("mQ", "mK", "mV", "mCsrQuery", "mTileKey", "mTileEdge", "mTileCount", "mCtaRange",
@@ -86,7 +85,7 @@ def _fake_args(cfg: CuteConfig):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor as fake
 
-    from .attention_sm90 import DSL_DTYPES
+    from .layouts import DSL_DTYPES
     dt, D = DSL_DTYPES[cfg.dtype], cfg.head_dim
     v_cols = cfg.block if cfg.dtype == "fp8" else D        # fp8: V d-major, rows of `block` keys
 
@@ -113,14 +112,11 @@ def _check_header(header: Path, name: str) -> None:
 
 
 def _link(cfg: CuteConfig, obj_dir: Path, out: Path) -> None:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise BuildError("no C++ compiler found (g++ or $CXX) to link the CuTe libraries")
     from .shim_template import SHIM_CPP as template
     shim = obj_dir / f"{cfg.name}_shim.cpp"
     shim.write_text(template.replace("KVO_NAME", cfg.name))
     cuda = cuda_home()
-    cmd = [cxx, "-shared", "-fPIC", "-O2", "-o", str(out), str(shim), str(obj_dir / f"{cfg.name}.o"),
+    cmd = [cxx(), "-shared", "-fPIC", "-O2", "-o", str(out), str(shim), str(obj_dir / f"{cfg.name}.o"),
            str(dsl_runtime_lib()), f"-I{obj_dir}", f"-I{cuda / 'include'}", f"-L{cuda / 'lib64'}",
            "-lcudart", "-Wl,--no-undefined", "-Wl,--exclude-libs,ALL"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -129,37 +125,27 @@ def _link(cfg: CuteConfig, obj_dir: Path, out: Path) -> None:
         raise BuildError(f"linking {out.name} failed: {first}")
 
 
-def kernel_class(variant: str):
-    """The DSL kernel class of a kernel generation (manifest.VARIANTS)."""
-    if variant == "v2":
-        from .attention_sm90 import KvOuterAttentionSm90
-        return KvOuterAttentionSm90
-    if variant == "v3":
-        from .attention_sm90_pipe import KvOuterAttentionSm90Pipelined
-        return KvOuterAttentionSm90Pipelined
-    if trace_base(variant):
-        from .attention_sm90_ws import trace_class
-        return trace_class(kernel_class(trace_base(variant)))
-    knock_out = knockout_piece(variant)
-    if knock_out:
-        from .attention_sm90_ws import knock_out_class
-        return knock_out_class(kernel_class(knock_out[0]), knock_out[1])
-    if variant in ("v23", "v28"):
-        from . import attention_sm90_3wg as wg3
-        return {"v23": wg3.KvOuterAttentionSm90ThreeConsumers, "v28": wg3.KvOuterAttentionSm90ThreeConsumersEvictFirst}[variant]
-    if variant in ("v4", "v7", "v9", "v10", "v15", "v16", "v17", "v18", "v21", "v22", "v24"):
-        from . import attention_sm90_ws as ws
-        return {"v4": ws.KvOuterAttentionSm90WarpSpecialized, "v7": ws.KvOuterAttentionSm90TmaStore,
-                "v9": ws.KvOuterAttentionSm90Pipelined, "v10": ws.KvOuterAttentionSm90TreeSoftmax,
-                "v15": ws.KvOuterAttentionSm90Fp8RegP, "v16": ws.KvOuterAttentionSm90JointRows,
-                "v17": ws.KvOuterAttentionSm90Stmatrix,
-                "v18": ws.KvOuterAttentionSm90ProducerAhead, "v21": ws.KvOuterAttentionSm90WarpStore,
-                "v22": ws.KvOuterAttentionSm90FoldedScale, "v24": ws.KvOuterAttentionSm90FmaExp}[variant]
-    raise BuildError(f"unknown CuTe kernel variant {variant!r}")
+def cxx() -> str:
+    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not found:
+        raise BuildError("no C++ compiler found (g++ or $CXX) to link the CuTe libraries")
+    return found
 
 
-def kernel_version(variant: str) -> str:
-    return kernel_class(variant).kernel_version
+def cxx_version() -> str:
+    proc = subprocess.run([cxx(), "--version"], capture_output=True, text=True)
+    return (proc.stdout.strip().splitlines() or ["unknown"])[0]
+
+
+def make_kernel(cfg: CuteConfig):
+    """The DSL kernel object of a configuration: its KERNELS class with the kernel's options."""
+    import importlib
+    if cfg.kernel not in KERNELS:
+        raise BuildError(f"unknown CuTe kernel {cfg.kernel!r} (have {', '.join(KERNELS)})")
+    k = KERNELS[cfg.kernel]
+    module, _, cls = k.cls.rpartition(".")
+    kernel_cls = getattr(importlib.import_module(f".{module}", __package__), cls)
+    return kernel_cls(cfg.dtype, cfg.tile_q, cfg.group, cfg.head_dim, cfg.block, **k.options, symbol=k.symbol)
 
 
 def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Path:
@@ -172,8 +158,7 @@ def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Pa
     with tempfile.TemporaryDirectory(prefix=f"{cfg.name}_") as tmp:
         tmp = Path(tmp)
         try:
-            kernel = kernel_class(cfg.variant)(cfg.dtype, cfg.tile_q, cfg.group, cfg.head_dim, cfg.block,
-                                               cfg.ctas_per_sm)
+            kernel = make_kernel(cfg)
             compiled = cute.compile(kernel, *_fake_args(cfg))
             compiled.export_to_c(file_path=str(tmp), file_name=cfg.name, function_prefix=cfg.name)
         except Exception as exc:  # a DSL compile error: report its first line
@@ -193,9 +178,9 @@ def build_all(configs: list[CuteConfig], out_dir: Path, arch: str = DEFAULT_ARCH
     for cfg in configs:
         t0 = time.perf_counter()
         lib = build_config(cfg, out_dir, arch)
-        entries.append(config_entry(cfg, lib, kernel_version(cfg.variant)))
+        entries.append(config_entry(cfg, lib))
         log(f"built {lib} ({lib.stat().st_size // 1024} KiB, {time.perf_counter() - t0:.1f} s)")
-    versions = " + ".join(dict.fromkeys(kernel_version(c.variant) for c in configs))
-    manifest = write_manifest(out_dir, arch, dsl_version(), cuda_version(), versions, entries)
+    toolchain = dict(dsl_version=dsl_version(), cuda_version=cuda_version(), cxx_version=cxx_version())
+    manifest = write_manifest(out_dir, arch, toolchain, entries)
     return dict(manifest=str(manifest), libraries=[e["library"] for e in entries],
                 seconds=round(time.perf_counter() - start, 1))

@@ -10,7 +10,7 @@ SHIM_CPP = r"""// C entry points of one compiled CuTe DSL attention configuratio
 // The launch does no allocation, sync or attribute setting (the module load did those), so it is
 // legal inside stream capture.
 // ptrs[i] / rows[i] are the data pointer and the dynamic leading extent of tensor argument i, in
-// the order of KvOuterAttentionSm90.__call__ (q, k, v, csr_query, tile_key, tile_edge, tile_count,
+// the order of the kernel's __call__ (q, k, v, csr_query, tile_key, tile_edge, tile_count,
 // cta_range, page_block, q_limit, o_part, m_part, l_part).
 #include "KVO_NAME.h"
 

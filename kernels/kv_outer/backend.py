@@ -5,7 +5,8 @@ ATTENTION_IMPLS. A factory is `factory(workload, buffers, config) -> stage` (con
 `buffers` is the plan's dict (inputs csr_query, tile_key, tile_edge, tile_count, tile_ptr, cta_range; outputs o_part,
 m_part, l_part, layouts in kv_outer/__init__.py) and `stage()` launches the work on the current
 stream with no host sync. Another implementation (e.g. a CuTe DSL kernel) registers itself with
-`register_attention_impl("cute")(factory)` and is compared stage-for-stage with the Triton one.
+`register_attention_impl("cute")(factory)` and is compared stage-for-stage with the Triton one; a
+subclass whose stage needs more than the factory's arguments overrides attention_stage().
 """
 from __future__ import annotations
 
@@ -96,6 +97,9 @@ class KVOuterBackend(KVStationaryBackend):
     description = ("KV-stationary: each selected (KV head, block) loaded once per CTA visit, raw partial "
                    "tiles stored contiguously, gathered and merged in a separate combine")
 
+    def attention_stage(self, w: Workload, buffers: dict, cfg: KVOuterConfig):
+        return ATTENTION_IMPLS[self.attention_impl](w, buffers, cfg)
+
     def _plan(self, w: Workload) -> Plan:
         from .combine import Combine
         from .index_map import IndexMap
@@ -117,7 +121,7 @@ class KVOuterBackend(KVStationaryBackend):
         )
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
-        attention = ATTENTION_IMPLS[self.attention_impl](w, buffers, cfg)
+        attention = self.attention_stage(w, buffers, cfg)
         combine = Combine(w, buffers, out, lse, cfg.combine_pairs, cfg.combine_num_warps)
         stages = {"index_map": index_map, "schedule": schedule, "attention": attention, "combine": combine}
         info = dict(attention_impl=self.attention_impl, config=dict(cfg.__dict__),

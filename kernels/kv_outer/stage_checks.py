@@ -1,8 +1,8 @@
 """Checks of each KV-stationary stage's own output, independent of the stage code.
 
 Each check reads the plan's buffers after a run and returns (ok, one-line message). Used by the
-tests, by `msa-bench check` and by benchmarks/kernels_gpu.py. Partials are compared with
-harness.reference.reference_partials on the given query rows.
+tests and by `msa-bench check`. Partials are compared with scenarios.reference.reference_partials on
+the given query rows.
 """
 from __future__ import annotations
 
