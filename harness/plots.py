@@ -55,11 +55,16 @@ def throughput_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str
                 lo, hi = np.nanmin(gd["x"]) / 1.5, np.nanmax(gd["x"]) * 1.5
                 xs = np.geomspace(max(lo, 1e-4), max(hi, lo * 2), 60)
                 for sched in sorted(s for s in gd["schedule"].unique() if s != "none"):
+                    # q-packed's roofline needs a co-selection: the group's median union_ratio at P 8
+                    union = float(gd[UNION].median()) if UNION in gd and gd[UNION].notna().any() else None
+                    if sched == PACKED and union is None:
+                        continue
                     ys = []
                     for r in xs:
-                        p = predict_point(sched, shape, n, r * n, device)
+                        p = predict_point(sched, shape, n, r * n, device, union_ratio=union)
                         ys.append(p.flops / p.time_s / 1e12)
-                    ax.plot(xs, ys, "--", alpha=0.7, label=f"{sched} roofline ({device.name})")
+                    at = f", union_ratio {union:.3g}" if sched == PACKED else ""
+                    ax.plot(xs, ys, "--", alpha=0.7, label=f"{sched} roofline ({device.name}{at})")
                 c = cross.get((group_label(group), dtype))
                 if c and c.predicted:
                     ax.axvline(c.predicted, color="grey", ls=":", label=f"predicted crossover {c.predicted:.3g}")

@@ -24,8 +24,8 @@ import math
 
 import torch
 
-from .selection import (_geometry, assemble, distinct_picks, local_blocks, reuse_range, scattered_page_table,
-                        split_pools)
+from .selection import (assemble, distinct_picks, local_blocks, reuse_range, scattered_page_table, split_pools,
+                        synthetic_geometry)
 from .workload import AttnShape, Workload, WorkloadError
 
 DEFAULT_GROUP = 8
@@ -62,7 +62,7 @@ def plan_coselection(shape: AttnShape, tokens: int, context: int, reuse: float, 
     """Pools and shared count for a (reuse, share) target; raises WorkloadError (one line) naming the
     feasible ranges when the combination cannot be met."""
     _check_args(share, group)
-    geo = _geometry(shape, tokens, context, reuse, causal)
+    geo = synthetic_geometry(shape, tokens, context, reuse, causal)
     k, available = geo["picks"], geo["available"]
     pools = split_pools(shape, tokens, reuse, geo)
 

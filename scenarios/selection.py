@@ -122,7 +122,7 @@ def assemble(shape: AttnShape, dtype: str, selection: torch.Tensor, page_table: 
 
 # ---- synthetic generator -----------------------------------------------------------------------
 
-def _geometry(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool) -> dict:
+def synthetic_geometry(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool) -> dict:
     """What a synthetic selection can draw from: `available` pool blocks per KV head, `n_local` local
     blocks, `picks` pool entries per query, `fixed` (KV head, local block) pairs; raises WorkloadError
     on a non-positive size or reuse."""
@@ -159,7 +159,7 @@ def split_pools(shape: AttnShape, tokens: int, reuse: float, geo: dict) -> list[
 
 def _plan_synthetic(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool) -> dict:
     """Pool sizes for a synthetic target; raises WorkloadError (one line) when it cannot be met."""
-    geo = _geometry(shape, tokens, context, reuse, causal)
+    geo = synthetic_geometry(shape, tokens, context, reuse, causal)
     picks, available = geo["picks"], geo["available"]
     lo_pool, hi_pool = picks, min(available, tokens * picks)
     lo_r, hi_r = reuse_range(shape, tokens, geo, lo_pool, hi_pool)

@@ -177,15 +177,13 @@ def stat_rows(st: dict) -> list[tuple[str, str]]:
         ("selected blocks per (query, KV head)", num(st["selected_blocks_per_query"], ".3g")),
         ("fan-in (queries per selected pair): mean / p50 / p90 / p99 / max",
          " / ".join(num(st[f"fanin_{k}"], ".4g") for k in ("mean", "p50", "p90", "p99", "max"))),
+        *([(f"co-selection: share / union_ratio at P = {st['share_group']} (target)",
+             f"{st['share']:g} / {st['target_union_ratio']:.3f}")] if "share" in st else []),
         ("union_ratio at P = 8 / 16 tokens (1: a tile's tokens select alike)",
          " / ".join(num(st.get(f"union_ratio_p{p}"), ".3f") for p in UNION_TILES)),
         ("visible selected key tokens per (query, KV head)", num(st["selected_tokens_per_query"], ".5g")),
         ("useful work (GFLOP)", num(st["useful_flops"] / 1e9, ",.2f")),
     ]
-    if "share" in st:
-        rows.insert(rows.index(next(r for r in rows if r[0].startswith("union_ratio"))),
-                    (f"co-selection: share / union_ratio at P = {st['share_group']} (target)",
-                     f"{st['share']:g} / {st['target_union_ratio']:.3f}"))
     if "crossover_nsb_per_n" in st:
         rows.append((f"predicted crossover nsb/N on {st['device']} (KV-outer faster below)",
                      num(st["crossover_nsb_per_n"], ".4g") if st["crossover_nsb_per_n"] is not None else "none"))

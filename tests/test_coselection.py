@@ -382,3 +382,7 @@ def test_roofline_picks_take_q_packed_at_its_union_ratio(co_run, tmp_path):
                        selected_per_query=row["wl_selected_blocks_per_query"], union_ratio=row["wl_union_ratio_p8"])
         assert model["q-packed"] == pytest.approx(want.time_s)
         assert case.predicted == min(model, key=model.get)
+    from msa_bench.harness.report import write_report
+    summary_md = write_report(run_dir, tmp_path / "rep", dev).read_text()     # q-packed curves in every figure
+    assert "## Roofline picks" in summary_md and "| q-packed |" in summary_md
+    assert list((tmp_path / "rep").glob("throughput_*.png")) and list((tmp_path / "rep").glob("coselection_*.png"))
