@@ -37,6 +37,10 @@ def workload(
     tokens: int = typer.Option(16384, help="N query tokens (synthetic, indexer)."),
     context: int = typer.Option(131072, help="Context length in tokens, i.e. context / --block blocks (synthetic, indexer)."),
     skew: float = typer.Option(0.0, help="Zipf exponent of block popularity for synthetic (0: uniform)."),
+    share: float = typer.Option(None, help="Co-selection for synthetic: the fraction (0 to 1) of its top-k each group "
+                                           "of --share-group consecutive tokens shares; the rest each token draws on "
+                                           "its own (sets union_ratio at P = group). Default: not co-selected."),
+    share_group: int = typer.Option(8, help="Tokens per co-selection group (with --share)."),
     causal: bool = typer.Option(False, "--causal", help="Chunked causal prefill: the N queries are the context's last N "
                                                         "tokens and each query's own block is its last selected block."),
     case: str = typer.Option(None, "--case", help="MSA prefill case id for real-prefill, e.g. prefill_c17ccf7fbbb5d1ee5648 "
@@ -53,7 +57,9 @@ def workload(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (achieved reuse under nsb_per_n)."),
 ):
     """Generate one workload's selection and print its statistics: reuse nsb/N, fan-in of queries per selected
-    (KV head, block), visible selected tokens, useful FLOPs and the roofline's predicted time per schedule."""
+    (KV head, block), co-selection (union_ratio: distinct blocks of a tile of P consecutive tokens over one
+    token's, at P = 8 and 16), visible selected tokens, useful FLOPs and the roofline's predicted time per
+    schedule."""
     import json
     from .errors import UserError
     from .scenarios.grid import GENERATORS, Point, make_workload
@@ -75,8 +81,11 @@ def workload(
     else:
         if case:
             raise UserError("--case applies only to --generator real-prefill")
-        point = Point(generator, tokens, context, reuse if generator == "synthetic" else None, skew, causal, dtype,
-                      seed, None, 1.0, shape)
+        if share is not None and generator != "synthetic":
+            raise UserError("--share applies only to --generator synthetic")
+        synthetic = generator == "synthetic"
+        point = Point(generator, tokens, context, reuse if synthetic else None, skew, causal, dtype, seed, None, 1.0,
+                      shape, share if synthetic else None, share_group if share is not None else None)
     from .roofline.devices import load_device
     profile = load_device(device)
     stats = workload_stats(make_workload(point, with_tensors=False), profile)
@@ -187,11 +196,14 @@ def roofline(
     block: int = typer.Option(128, help="KV block size (tokens per block)."),
     topk: int = typer.Option(16, help="Blocks each query keeps per KV head."),
     tokens: int = typer.Option(16384, help="N query tokens, for the per-launch predictions and the L2-capacity-aware crossover."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (key crossover_nsb_per_n holds the crossover)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (key crossover_nsb_per_n holds the "
+                                                       "crossover, co_selection the winner table)."),
 ):
     """Predicted KV-outer vs Q-outer crossover (in nsb/N: distinct selected (KV head, block) pairs per query
     token), per-query-token bytes per schedule and memory level, and the binding resource (hbm, l2 or mma)
-    at a few reuse points. Bandwidths in TB/s, bytes per query token, times in microseconds."""
+    at a few reuse points; then the predicted winner of KV-outer, Q-outer and token-packed Q-outer (q-packed)
+    with its useful TFLOP/s over reuse x co-selection (union_ratio at P = 8 tokens), and the union_ratio
+    below which q-packed beats KV-outer. Bandwidths in TB/s, bytes per query token, times in microseconds."""
     import json
     from .errors import UserError
     from .roofline.devices import load_device
@@ -213,8 +225,9 @@ def roofline(
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
         return
-    from .roofline.render import print_roofline
+    from .roofline.render import print_co_selection, print_roofline
     print_roofline(summary)
+    print_co_selection(summary)
 
 
 # ---- cute (ahead-of-time CuTe DSL kernels) -----------------------------------------------------

@@ -1,5 +1,6 @@
-"""The figures of a run: throughput against reuse with the roofline, stacked stage latency, ncu bytes
-against the model. Each function returns (file name, figure) pairs; `save_png` writes them small."""
+"""The figures of a run: throughput against reuse with the roofline, throughput against co-selection with
+the three schedules' rooflines, stacked stage latency, ncu bytes against the model. Each function returns
+(file name, figure) pairs; `save_png` writes them small."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,10 +12,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..roofline.devices import DeviceProfile  # noqa: E402
+from ..roofline.model import PACKED, packed_crossover  # noqa: E402
 from .prediction import predict_point  # noqa: E402
 from .results import Run  # noqa: E402
-from .tables import (KV_OUTER, STAGE_ORDER, group_label, groups, row_model_shape, slug, bytes_table,  # noqa: E402
-                     crossovers, group_fields, ok_units)
+from .tables import (KV_OUTER, PICK_SCHEDULES, STAGE_ORDER, UNION, group_label, groups, row_model_shape,  # noqa: E402
+                     slug, bytes_table, crossovers, group_fields, ok_units)
+
+SCHEDULE_COLORS = {"kv-outer": "tab:blue", "q-outer": "tab:orange", PACKED: "tab:green", "msa-scatter": "tab:purple"}
+MEASURED_STYLES = [("tab:red", "o"), ("tab:brown", "s"), ("black", "^"), ("tab:pink", "D"), ("tab:olive", "v"),
+                   ("tab:cyan", "P"), ("tab:gray", "X")]      # backends: apart from the schedules' colours
+UNION_TICKS = (1, 1.5, 2, 3, 4, 6, 8, 16)
 
 # ---- figures ------------------------------------------------------------------------------------
 
@@ -48,11 +55,16 @@ def throughput_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str
                 lo, hi = np.nanmin(gd["x"]) / 1.5, np.nanmax(gd["x"]) * 1.5
                 xs = np.geomspace(max(lo, 1e-4), max(hi, lo * 2), 60)
                 for sched in sorted(s for s in gd["schedule"].unique() if s != "none"):
+                    # q-packed's roofline needs a co-selection: the group's median union_ratio at P 8
+                    union = float(gd[UNION].median()) if UNION in gd and gd[UNION].notna().any() else None
+                    if sched == PACKED and union is None:
+                        continue
                     ys = []
                     for r in xs:
-                        p = predict_point(sched, shape, n, r * n, device)
+                        p = predict_point(sched, shape, n, r * n, device, union_ratio=union)
                         ys.append(p.flops / p.time_s / 1e12)
-                    ax.plot(xs, ys, "--", alpha=0.7, label=f"{sched} roofline ({device.name})")
+                    at = f", union_ratio {union:.3g}" if sched == PACKED else ""
+                    ax.plot(xs, ys, "--", alpha=0.7, label=f"{sched} roofline ({device.name}{at})")
                 c = cross.get((group_label(group), dtype))
                 if c and c.predicted:
                     ax.axvline(c.predicted, color="grey", ls=":", label=f"predicted crossover {c.predicted:.3g}")
@@ -69,6 +81,82 @@ def throughput_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str
         fig.tight_layout()
         figs.append((f"throughput_{slug(group)}.png", fig))
     return figs
+
+
+def _bands(ax, xs, schedules, y0: float, y1: float) -> None:
+    """Colour the strip y0..y1 (axes fraction) by the schedule that wins at each x (split at midpoints)."""
+    edges = np.concatenate([[xs[0]], np.sqrt(xs[1:] * xs[:-1]), [xs[-1]]]) if len(xs) > 1 else [xs[0] / 1.05,
+                                                                                               xs[0] * 1.05]
+    for lo, hi, s in zip(edges[:-1], edges[1:], schedules):
+        ax.axvspan(lo, hi, ymin=y0, ymax=y1, color=SCHEDULE_COLORS.get(s, "grey"), alpha=0.6, lw=0)
+
+
+def co_selection_figures(run: Run, device: DeviceProfile | None, tile: int = 8) -> list[tuple[str, plt.Figure]]:
+    """Module TFLOP/s against co-selection (union_ratio at P = 8) per backend, one panel per dtype, one
+    figure per group and target reuse where union_ratio varies; with the KV-outer, Q-outer and q-packed
+    rooflines at the group's reuse and N, the union_ratio below which q-packed beats KV-outer, and two
+    strips of where each schedule wins: predicted (bottom) and measured (top, the fastest backend's)."""
+    t = ok_units(run)
+    if t.empty or "module.tflops" not in t or UNION not in t:
+        return []
+    t = t[t[UNION].notna()]
+    figs = []
+    for group, g in groups(t):
+        by_reuse = g.groupby(g["reuse"].fillna(-1.0) if "reuse" in g else np.zeros(len(g)))
+        for reuse, gr in by_reuse:
+            if gr[UNION].round(3).nunique() < 2:
+                continue
+            dtypes = sorted(gr["dtype"].unique())
+            fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.8), squeeze=False)
+            for ax, dtype in zip(axes[0], dtypes):
+                gd = gr[gr["dtype"] == dtype]
+                for i, (backend, gb) in enumerate(gd.groupby("backend")):
+                    color, marker = MEASURED_STYLES[i % len(MEASURED_STYLES)]
+                    m = gb.groupby(UNION)["module.tflops"].median()
+                    ax.plot(m.index, m.values, "-", marker=marker, color=color,
+                            label=f"{backend} ({gb['schedule'].iloc[0]}, measured)")
+                timed = gd[gd["schedule"] != "none"]
+                strips = []
+                if len(timed):
+                    best = timed.loc[timed.groupby(UNION)["module.tflops"].idxmax()].sort_values(UNION)
+                    _bands(ax, best[UNION].to_numpy(float), list(best["schedule"]), 0.95, 1.0)
+                    strips = list(best["schedule"])
+                if device is not None:
+                    strips += _co_selection_rooflines(ax, gd, device, tile)
+                for s in dict.fromkeys(strips):
+                    ax.plot([], [], "s", color=SCHEDULE_COLORS.get(s, "grey"), alpha=0.6, label=f"strip: {s} fastest")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks([u for u in UNION_TICKS if u <= tile], [f"{u:g}" for u in UNION_TICKS if u <= tile])
+                ax.set_xlabel(f"co-selection: union_ratio at P = {tile} tokens (measured; 1 = a tile selects alike)")
+                ax.set_ylabel("useful TFLOP/s (module)")
+                ax.set_title(f"{dtype}, nsb/N {gd['x'].median():.3g}, {group_label(group)}; strips: fastest "
+                             "schedule measured (top), predicted (bottom)", fontsize=8)
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=7)
+            fig.suptitle(_title(run, "Throughput vs co-selection"), fontsize=10)
+            fig.tight_layout()
+            figs.append((f"coselection_{slug(group, f'reuse{reuse:g}')}.png", fig))
+    return figs
+
+
+def _co_selection_rooflines(ax, gd, device: DeviceProfile, tile: int) -> list[str]:
+    """The three rooflines over union_ratio 1..P and the predicted-winner strip; returns the winners."""
+    kv_rows = gd[gd["schedule"] == KV_OUTER]
+    row = (kv_rows if len(kv_rows) else gd).iloc[0]
+    shape = row_model_shape(row)
+    n, r = float(gd["wl_n_tokens"].median()), float(gd["x"].median())
+    us = np.geomspace(1.0, float(tile), 80)
+    preds = {s: [predict_point(s, shape, n, r * n, device, union_ratio=u, tile=tile) for u in us]
+             for s in PICK_SCHEDULES}
+    for s, ps in preds.items():
+        ax.plot(us, [p.flops / p.time_s / 1e12 for p in ps], "--", color=SCHEDULE_COLORS[s], alpha=0.8,
+                label=f"{s} roofline ({device.name}, nsb/N {r:.3g})")
+    winners = [min(PICK_SCHEDULES, key=lambda s: preds[s][i].time_s) for i in range(len(us))]
+    _bands(ax, us, winners, 0.0, 0.05)
+    cross = packed_crossover(shape, device, n, r, tile)
+    if cross is not None and np.isfinite(cross):
+        ax.axvline(cross, color="grey", ls=":", label=f"predicted: q-packed beats kv-outer below {cross:.3g}")
+    return winners
 
 
 def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]]:

@@ -8,13 +8,50 @@ from __future__ import annotations
 import math
 
 from ..roofline.devices import DeviceProfile, profile_for_gpu
-from ..roofline.model import SCHEDULE_OF_BACKEND, ModelShape, Prediction, predict
+from ..roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, PACKED, SCHEDULE_OF_BACKEND, ModelShape, Prediction, predict
 
 
-def schedule_of(backend: str) -> str | None:
-    """The schedule a backend runs; BASE@OPTION runs BASE's ("kv-outer-cute@v23" is KV-outer)."""
+def schedule_of(backend: str, plan_info=None) -> str | None:
+    """The schedule a backend runs; BASE@OPTION runs BASE's ("kv-outer-cute@v23" is KV-outer). A backend
+    that picks its schedule per workload (`auto`) names it in its plan_info under "schedule"."""
     from ..kernels.base import split_name
-    return SCHEDULE_OF_BACKEND.get(split_name(backend)[0])
+    base = split_name(backend)[0]
+    recorded = _info(plan_info).get("schedule")
+    if base == "auto" or (base not in SCHEDULE_OF_BACKEND and recorded):
+        return recorded if recorded in ALL_SCHEDULES else None
+    return SCHEDULE_OF_BACKEND.get(base)
+
+
+def _info(plan_info) -> dict:
+    import json
+    if isinstance(plan_info, str):
+        try:
+            plan_info = json.loads(plan_info)
+        except json.JSONDecodeError:
+            return {}
+    return plan_info if isinstance(plan_info, dict) else {}
+
+
+def tile_tokens(plan_info) -> int:
+    """The token tile P a q-packed plan records under "tile_tokens" (default 8)."""
+    value = _info(plan_info).get("tile_tokens")
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1 \
+        else DEFAULT_TILE_TOKENS
+
+
+def union_ratio_for(stats, tile: int) -> float | None:
+    """The workload's union_ratio at tile size `tile` from its statistics (workload_stats keys, or a result
+    row's wl_ columns); None when not measured at that P."""
+    for key in (f"union_ratio_p{tile}", f"wl_union_ratio_p{tile}"):
+        value = stats.get(key) if hasattr(stats, "get") else None
+        if _usable(value):
+            return float(value)
+    return None
+
+
+def quantization(plan_info) -> str:
+    """What the unit quantized, as its backend states it in plan.info["quantization"] ("" if unstated)."""
+    return str(_info(plan_info).get("quantization") or "")
 
 
 def q_live_heads(hkv: int, dtype: str, config: dict | None = None) -> int:
@@ -60,13 +97,7 @@ def model_shape(hq: int, hkv: int, head_dim: int, block: int, topk: int, dtype: 
 
 def plan_config(plan_info) -> dict | None:
     """The launch configuration recorded in a unit's plan_info (JSON text or dict), if any."""
-    import json
-    if isinstance(plan_info, str):
-        try:
-            plan_info = json.loads(plan_info)
-        except json.JSONDecodeError:
-            return None
-    cfg = plan_info.get("config") if isinstance(plan_info, dict) else None
+    cfg = _info(plan_info).get("config")
     return cfg if isinstance(cfg, dict) else None
 
 
@@ -102,11 +133,28 @@ def _usable(v) -> bool:
 
 
 def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
-                  flops: float | None = None, selected_per_query: float | None = None) -> Prediction | None:
-    """predict() for one measured point; `flops` and `selected_per_query` from the workload's stats
-    (harness.stats) when known, so causal masking and padding count as the workload has them."""
+                  flops: float | None = None, selected_per_query: float | None = None,
+                  union_ratio: float | None = None, tile: int = DEFAULT_TILE_TOKENS) -> Prediction | None:
+    """predict() for one measured point; `flops`, `selected_per_query` and `union_ratio` (at P = tile) from
+    the workload's stats (scenarios.stats) when known, so causal masking and padding count as the workload
+    has them. None for q-packed without a union_ratio: its cost is set by co-selection, never assumed."""
     if schedule is None or not _usable(n_tokens) or nsb is None or not math.isfinite(nsb):
+        return None
+    if schedule == PACKED and not _usable(union_ratio):
         return None
     return predict(schedule, shape, n_tokens, nsb, device,
                    selected_per_query=selected_per_query if _usable(selected_per_query) else None,
-                   flops=flops if _usable(flops) else None)
+                   flops=flops if _usable(flops) else None,
+                   union_ratio=float(union_ratio) if schedule == PACKED else None, tile_tokens=tile)
+
+
+def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile, plan_info=None) -> Prediction | None:
+    """predict_point() from a workload's statistics: workload_stats() keys or a result row's wl_ columns;
+    q-packed at the tile size the plan records (plan_info "tile_tokens", default 8)."""
+    def get(key):
+        value = stats.get(key) if key in stats else stats.get(f"wl_{key}")
+        return value if _usable(value) or value == 0 else None
+    tile = tile_tokens(plan_info)
+    return predict_point(schedule, shape, get("n_tokens") or float("nan"), get("nsb"), device,
+                         flops=get("useful_flops"), selected_per_query=get("selected_blocks_per_query"),
+                         union_ratio=union_ratio_for(stats, tile), tile=tile)

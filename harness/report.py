@@ -12,11 +12,11 @@ import numpy as np
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile
-from .plots import bytes_figure, plt, save_png, stage_figures, throughput_figures
+from .plots import bytes_figure, co_selection_figures, plt, save_png, stage_figures, throughput_figures
 from .prediction import device_for_run
 from .results import STATUS_OK, Run, load_run
-from .tables import (bytes_table, crossovers, is_prefill_run, prefill_aggregate, roofline_picks, stage_table,
-                     status_table, throughput_table)
+from .tables import (accuracy_table, bytes_table, crossovers, is_prefill_run, prefill_aggregate, roofline_picks,
+                     stage_table, status_table, throughput_table)
 
 
 # ---- Markdown -----------------------------------------------------------------------------------
@@ -67,7 +67,13 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
         n = int(run.status["throttled"].fillna(False).astype(bool).sum())
         out += [f"**{n} unit(s) were measured while the GPU reported a thermal/power slowdown** "
                 "(column `throttled`).", ""]
-    out += ["## Throughput", "", markdown_table(throughput_table(run))]
+    out += ["## Throughput", "", "union_ratio P8: co-selection of the workload (distinct blocks of an 8-token tile "
+            "over one token's); max rel err: the unit's measured error against the float64 reference; "
+            "quantization: what the backend states it quantizes.", "", markdown_table(throughput_table(run))]
+    acc = accuracy_table(run)
+    if not acc.empty:
+        out += ["## Accuracy: what each backend quantizes, and its error against the float64 reference", "",
+                markdown_table(acc)]
     cr = crossovers(run, device)
     if cr:
         out += ["## Crossover (nsb/N where KV-outer and Q-outer meet)", "",
@@ -80,15 +86,19 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
     bt = bytes_table(run, device)
     if not bt.empty:
         out += ["## Bytes moved: ncu vs roofline", "", markdown_table(bt)]
+    picks, summ = roofline_picks(run, device)
     if is_prefill_run(run):
         out += ["## Real prefill: call-weighted aggregate", "", markdown_table(prefill_aggregate(run))]
-        picks, summ = roofline_picks(run, device)
         if summ:
-            out += [f"The roofline picked the measured-faster schedule (KV-outer vs Q-outer) in {summ['agree_cases']} of "
-                    f"{summ['cases']} cases ({summ['agree_weight_share']:.1%} of the call weight).", "",
-                    markdown_table(picks)]
+            out += [f"The roofline picked the measured-faster schedule (KV-outer, Q-outer or q-packed) in "
+                    f"{summ['agree_cases']} of {summ['cases']} cases ({summ['agree_weight_share']:.1%} of the call "
+                    "weight).", "", markdown_table(picks)]
         else:
             out += ["Roofline picks: no device profile or fewer than two schedules per case.", ""]
+    elif summ:
+        out += ["## Roofline picks: predicted fastest schedule against the measured fastest backend", "",
+                f"The roofline picked the measured-faster schedule (KV-outer, Q-outer or q-packed) at "
+                f"{summ['agree_cases']} of {summ['cases']} points.", "", markdown_table(picks)]
     out += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
     return "\n".join(out)
 
@@ -102,7 +112,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
     out = Path(out_dir) if out_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     names = []
-    for name, fig in throughput_figures(run, dev) + stage_figures(run) + bytes_figure(run, dev):
+    for name, fig in (throughput_figures(run, dev) + co_selection_figures(run, dev) + stage_figures(run)
+                      + bytes_figure(run, dev)):
         save_png(fig, out / name)
         plt.close(fig)
         names.append(name)

@@ -9,14 +9,15 @@ import numpy as np
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile
-from ..roofline.model import crossover, crossover_at
-from .prediction import launch_labels, model_shape, plan_config, predict_point
+from ..roofline.model import PACKED, crossover, crossover_at
+from .prediction import launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
 from .results import STATUS_OK, Run
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
 GROUP_FIELDS = ("generator", "tokens", "context", "skew", "causal")
 MAX_GROUP_VALUES = 6           # a field with more distinct values varies along x, not per figure
 KV_OUTER, Q_OUTER = "kv-outer", "q-outer"
+UNION = "wl_union_ratio_p8"    # co-selection of a unit's workload (scenarios.stats.union_ratio at P = 8)
 SHAPE_DEFAULTS = {"hq": 64, "hkv": 4, "head_dim": 128, "block": 128, "topk": 16}
 
 
@@ -33,6 +34,9 @@ def unit_table(run: Run) -> pd.DataFrame:
         st["x"] = st["wl_nsb"] / st["wl_n_tokens"]
     else:
         st["x"] = st.get("reuse", np.nan)
+    if {"plan_info", "schedule", "backend"} <= set(st):      # `auto` units: the schedule their plan chose
+        st["schedule"] = [s if s != "none" else (schedule_of(b, p) or "none")
+                          for s, b, p in zip(st["schedule"], st["backend"], st["plan_info"])]
     if run.stats.empty:
         return st
     wide = run.stats.pivot_table(index=["point_key", "backend"], columns=["stage", "statistic"],
@@ -60,10 +64,9 @@ def row_model_shape(row):
 
 
 def _predict_row(row, schedule: str, device: DeviceProfile):
-    shape = row_model_shape(row)
-    return predict_point(schedule, shape, row.get("wl_n_tokens", np.nan),
-                         row.get("wl_nsb", np.nan), device, flops=row.get("wl_useful_flops"),
-                         selected_per_query=row.get("wl_selected_blocks_per_query"))
+    """The roofline for a unit row: its workload's statistics (wl_ columns, union_ratio included) and, for
+    q-packed, the tile size its plan records."""
+    return predict_stats(schedule, row_model_shape(row), row, device, row.get("plan_info"))
 
 
 def group_fields(table: pd.DataFrame) -> list[str]:
@@ -102,19 +105,46 @@ def throughput_table(run: Run) -> pd.DataFrame:
     if t.empty:
         return t
     cols = {"backend": "backend", "dtype": "dtype", **{f: f for f in group_fields(t)}, "x": "nsb/N",
-            "wl_n_tokens": "N", "module.median_s": "module_s", "module.cv": "cv", "module.tflops": "TFLOP/s",
-            "attention.tflops": "attention TFLOP/s", "module.converged": "CV converged", "throttled": "throttled"}
+            UNION: "union_ratio P8", "wl_n_tokens": "N", "module.median_s": "module_s", "module.cv": "cv",
+            "module.tflops": "TFLOP/s", "max_rel_err": "max rel err", "attention.tflops": "attention TFLOP/s",
+            "module.converged": "CV converged", "throttled": "throttled"}
     out = t[[c for c in cols if c in t]].rename(columns=cols)
     if "CV converged" in out:
         out["CV converged"] = out["CV converged"].fillna(0).astype(bool)
+    if "plan_info" in t:                          # what each unit quantized, next to its measured error
+        stated = pd.Series([quantization(p) for p in t["plan_info"]], index=t.index)
+        if (stated != "").any():
+            at = list(out.columns).index("max rel err") + 1 if "max rel err" in out else len(out.columns)
+            out.insert(at, "quantization", stated)
     if "plan_info" in t:                          # the tile order and CuTe kernel each unit ran
         labels = pd.DataFrame([launch_labels(p) if isinstance(p, (str, dict)) else {} for p in t["plan_info"]],
                               index=t.index)
         for col in ("kernel", "tile order"):
             if col in labels and labels[col].notna().any():
                 out.insert(2, col, labels[col].fillna(""))
-    order = [c for c in ("dtype", "backend", *group_fields(t), "nsb/N") if c in out]
+    order = [c for c in ("dtype", "backend", *group_fields(t), "nsb/N", "union_ratio P8") if c in out]
     return out.sort_values(order).reset_index(drop=True)
+
+
+def accuracy_table(run: Run) -> pd.DataFrame:
+    """Per backend and dtype: what the backend states it quantizes (plan.info "quantization"), and the
+    measured max relative error of its checked units against the float64 reference (worst and median)
+    next to the tolerance; fp8 backends that quantize different operands are compared like for like."""
+    st = run.status
+    if st.empty or "max_rel_err" not in st:
+        return pd.DataFrame()
+    st = st[st["max_rel_err"].notna()].copy()
+    if st.empty:
+        return pd.DataFrame()
+    st["quantization"] = [quantization(p) for p in st["plan_info"]] if "plan_info" in st else ""
+    rows = []
+    for (backend, dtype), g in st.groupby(["backend", "dtype"]):
+        stated = sorted(set(g["quantization"]) - {""})
+        err = g["max_rel_err"].astype(float)
+        rows.append({"backend": backend, "dtype": dtype, "quantization": "; ".join(stated) or "(not stated)",
+                     "checked units": len(g), "max rel err (worst)": err.max(), "max rel err (median)": err.median(),
+                     "tol": float(g["tol"].max()) if "tol" in g else float("nan")})
+    return pd.DataFrame(rows).sort_values(["dtype", "backend"]).reset_index(drop=True)
 
 
 def stage_table(run: Run) -> pd.DataFrame:
@@ -249,27 +279,36 @@ def prefill_aggregate(run: Run) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def roofline_picks(run: Run, device: DeviceProfile | None) -> tuple[pd.DataFrame, dict]:
-    """Per case: KV-outer or Q-outer, which the roofline predicts faster vs which was measured faster.
+PICK_SCHEDULES = (KV_OUTER, Q_OUTER, PACKED)
 
-    The decision the model exists for is the schedule (KV-outer against Q-outer); the MSA-style scatter
-    differs from KV-outer only by a store path whose cost is latency, not bytes, so it is left out here.
-    Returns (per-case table, {"cases", "agree_cases", "agree_weight_share"})."""
+
+def roofline_picks(run: Run, device: DeviceProfile | None) -> tuple[pd.DataFrame, dict]:
+    """Per case: the schedule (KV-outer, Q-outer or token-packed q-packed) the roofline predicts fastest
+    vs the backend measured fastest, over the schedules the case ran.
+
+    The decision the model exists for is the schedule; the MSA-style scatter differs from KV-outer only
+    by a store path whose cost is latency, not bytes, so it is left out here. q-packed takes part where
+    the unit's workload has a union_ratio. Returns (per-case table, {"cases", "agree_cases",
+    "agree_weight_share"})."""
     t = ok_units(run)
     if device is None or t.empty or "module.median_s" not in t:
         return pd.DataFrame(), {}
-    t = t[t["schedule"].isin(["kv-outer", "q-outer"])]
+    t = t[t["schedule"].isin(PICK_SCHEDULES)]
     rows = []
     for (key, dtype), g in t.groupby(["point_key", "dtype"]):
-        if g["schedule"].nunique() < 2:
-            continue
         predicted = {s: model_time(g[g["schedule"] == s].iloc[0], s, device) for s in g["schedule"].unique()}
+        predicted = {s: v for s, v in predicted.items() if math.isfinite(v)}
+        g = g[g["schedule"].isin(predicted)]
+        if len(predicted) < 2:
+            continue
         fastest = g.loc[g["module.median_s"].idxmin()]
         pick = min(predicted, key=predicted.get)
         case_id = g["case_id"].iloc[0] if "case_id" in g else None
         rows.append({"case": case_id if isinstance(case_id, str) and case_id else key, "dtype": dtype,
                      "weight": float(g["weight"].iloc[0]) if "weight" in g and pd.notna(g["weight"].iloc[0]) else 1.0,
-                     "nsb/N": g["x"].iloc[0], "predicted": pick, "measured fastest": fastest["backend"],
+                     "nsb/N": g["x"].iloc[0],
+                     **({"union_ratio P8": g[UNION].iloc[0]} if UNION in g and g[UNION].notna().any() else {}),
+                     "predicted": pick, "measured fastest": fastest["backend"],
                      "agree": pick == fastest["schedule"]})
     table = pd.DataFrame(rows)
     if table.empty:

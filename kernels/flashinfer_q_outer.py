@@ -222,6 +222,8 @@ class FlashInferQOuter(Backend):
                 "num_qo_heads": fold.qo_heads, "num_kv_heads": 1, "rows_per_request": fold.rows_per_request,
                 "requests": R, "pages": int(fold.kv_indices.numel()), "page_size": s.block,
                 "kv_layout": "HND", "dropped_blocks": fold.dropped_blocks, "dtype_path": scale_path,
+                "quantization": ("none (bf16 Q/K/V/P)" if not fp8 else "e4m3 Q/K/V/P on fp8 MMA"
+                                 if self.variant == "prefill-fa3" else "fp8 K/V, bf16 Q and compute"),
                 "float_workspace_bytes": ws_float, "int_workspace_bytes": ws_int, "workspace_source": ws_source,
                 "kv_tokens": int(fold.kv_lens(s.block).sum()), "cuda_graph_wrapper": True}
         plan = Plan(backend=self.name, stages={"attention": attention}, output=out.view(w.n_tokens, s.hq, s.head_dim),

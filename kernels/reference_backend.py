@@ -43,4 +43,4 @@ class ReferenceBackend(Backend):
 
         return Plan(backend=self.name, stages={"attention": attention, "combine": combine}, output=output,
                     lse=lse, buffers={"partial_o": o, "partial_m": m, "partial_l": l},
-                    info={"compute_dtype": "float32"})
+                    info={"compute_dtype": "float32", "quantization": "none (float32 compute on the stored values)"})

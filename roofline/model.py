@@ -1,7 +1,15 @@
-"""The one byte/FLOP model of the three schedules, per memory level.
+"""The one byte/FLOP model of the schedules, per memory level.
 
 HBM traffic is deduplicated (each tensor crosses HBM once); L2 traffic counts every re-read.
-Predicted time = max(HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, FLOPs / MMA peak).
+Predicted time = max(HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, executed FLOPs / MMA peak).
+
+Schedules: Q-outer (each query token alone: its blocks re-read per token), KV-outer (each block loaded
+once, per-block partials merged by a combine), the MSA-style scatter (KV-outer with a slot store), and
+the token-packed Q-outer `q-packed` (tiles of P consecutive tokens walk the union of their blocks with
+one online softmax: no partials, no combine, but every token of a tile computes over every union
+block, masked or not). q-packed's cost depends on co-selection, union_ratio (scenarios/stats.py): the
+union blocks summed over tiles are union_ratio x (query, KV head, block) triples / P, and the FLOPs it
+executes are the useful ones x union_ratio.
 
 Beyond the pure bandwidth roofline (the design study's), `l2_capacity=True` adds the caveat the
 study states in words: a gathered operand whose working set exceeds the L2 misses with probability
@@ -17,9 +25,15 @@ from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
 
-SCHEDULES = ("q-outer", "kv-outer", "msa-scatter")
+SCHEDULES = ("q-outer", "kv-outer", "msa-scatter")       # bytes and FLOPs independent of co-selection
+PACKED = "q-packed"                                        # token-packed Q-outer: needs union_ratio
+ALL_SCHEDULES = (*SCHEDULES, PACKED)
+DEFAULT_TILE_TOKENS = 8                                    # P of q-packed unless a plan records its own
+# `auto` picks a schedule per workload; its unit's plan records which (harness/prediction.py)
 SCHEDULE_OF_BACKEND = {"kv-outer": "kv-outer", "kv-outer-cute": "kv-outer", "flashinfer": "q-outer",
-                       "flashinfer-fa3": "q-outer", "msa-scatter": "msa-scatter", "reference": None}
+                       "flashinfer-fa3": "q-outer", "msa-scatter": "msa-scatter", "reference": None,
+                       "flashinfer-packed": PACKED, "dense-gather": PACKED, "q-packed": PACKED, "auto": None}
+MASK_BITS = 1                  # q-packed: membership of each tile token in each union block
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 INDEX_BYTES = 4
 STAT_BYTES = 4
@@ -70,6 +84,7 @@ class Prediction:
     mma_s: float
     hbm_terms: dict = field(default_factory=dict)
     l2_terms: dict = field(default_factory=dict)
+    executed_flops: float | None = None   # what the MMAs run (q-packed: flops x union_ratio); flops is useful work
 
 
 def useful_flops(shape: ModelShape, n_tokens: float, selected_per_query: float | None = None) -> float:
@@ -92,9 +107,11 @@ def _miss_rate(working_set: float, device: DeviceProfile | None, share: float = 
 
 
 def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selected_per_query: float | None = None,
-            device: DeviceProfile | None = None) -> tuple[dict, dict]:
-    """Byte terms (hbm_terms, l2_terms) for one launch. `device` given -> L2-capacity misses included."""
-    if schedule not in SCHEDULES:
+            device: DeviceProfile | None = None, union_ratio: float | None = None,
+            tile_tokens: int = DEFAULT_TILE_TOKENS) -> tuple[dict, dict]:
+    """Byte terms (hbm_terms, l2_terms) for one launch. `device` given -> L2-capacity misses included.
+    union_ratio (default 1: a tile's tokens select alike) and tile_tokens P apply to q-packed only."""
+    if schedule not in ALL_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}")
     s = shape
     n = float(n_tokens)
@@ -116,6 +133,19 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
         miss = _miss_rate(kv_unique, device)
         if miss:
             hbm["kv_l2_miss_reread"] = max(0.0, kv_rereads - kv_unique) * miss
+        return hbm, l2
+
+    if schedule == PACKED:
+        union = edges * (1.0 if union_ratio is None else union_ratio) / tile_tokens   # (tile, KV head, block)
+        kv_tiles = union * s.kv_block_bytes                 # each tile loads each of its union blocks once
+        l2["kv_read"] = kv_tiles
+        # tile lists: a block id per union entry, a pointer per (tile, KV head), and per union entry a
+        # membership mask of the tile's P tokens (the tokens that did not select it are masked out)
+        index = union * INDEX_BYTES + n / tile_tokens * s.hkv * INDEX_BYTES + union * tile_tokens * MASK_BITS / 8
+        hbm["index"] = l2["index"] = index
+        miss = _miss_rate(kv_unique, device)
+        if miss:
+            hbm["kv_l2_miss_reread"] = max(0.0, kv_tiles - kv_unique) * miss
         return hbm, l2
 
     part_row = s.group * s.head_dim * DTYPE_BYTES[s.partial_dtype]        # one (query, head, block) partial
@@ -145,17 +175,53 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
 
 def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
             selected_per_query: float | None = None, flops: float | None = None,
-            l2_capacity: bool = True) -> Prediction:
+            l2_capacity: bool = True, union_ratio: float | None = None,
+            tile_tokens: int = DEFAULT_TILE_TOKENS) -> Prediction:
+    """`flops`: the useful FLOPs (default: every query sees all its selected keys); q-packed executes
+    them x union_ratio (masked positions still cost MMA work)."""
     hbm_terms, l2_terms = traffic(schedule, shape, n_tokens, nsb, selected_per_query,
-                                  device if l2_capacity else None)
+                                  device if l2_capacity else None, union_ratio, tile_tokens)
     fl = useful_flops(shape, n_tokens, selected_per_query) if flops is None else flops
+    executed = fl * (1.0 if union_ratio is None else union_ratio) if schedule == PACKED else fl
     hbm_b, l2_b = sum(hbm_terms.values()), sum(l2_terms.values())
     times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
-             "mma": fl / device.peak_flops(shape.dtype)}
+             "mma": executed / device.peak_flops(shape.dtype)}
     binding = max(times, key=times.get)
     return Prediction(schedule=schedule, time_s=times[binding], binding=binding, hbm_bytes=hbm_b, l2_bytes=l2_b,
                       flops=fl, hbm_s=times["hbm"], l2_s=times["l2"], mma_s=times["mma"],
-                      hbm_terms=hbm_terms, l2_terms=l2_terms)
+                      hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed)
+
+
+def union_ratio_floor(shape: ModelShape, nsb_per_n: float, tile_tokens: int = DEFAULT_TILE_TOKENS,
+                      selected_per_query: float | None = None) -> float:
+    """The least union_ratio a reuse allows: the nsb distinct blocks must fit in the tiles' union
+    lists (nsb <= union_ratio x N x Hkv x selected / P), and union_ratio >= 1."""
+    sel = shape.topk if selected_per_query is None else selected_per_query
+    return max(1.0, nsb_per_n * tile_tokens / (shape.hkv * sel))
+
+
+def packed_crossover(shape: ModelShape, device: DeviceProfile, n_tokens: float, nsb_per_n: float,
+                     tile_tokens: int = DEFAULT_TILE_TOKENS, rival: str = "kv-outer",
+                     l2_capacity: bool = True) -> float | None:
+    """The union_ratio below which q-packed is predicted faster than `rival` at this reuse (bisection:
+    q-packed's time never falls as union_ratio grows). None when q-packed loses even where the reuse
+    allows the least union_ratio; math.inf when it still wins at union_ratio = P (the most a tile has)."""
+    nsb = nsb_per_n * n_tokens
+    t_rival = predict(rival, shape, n_tokens, nsb, device, l2_capacity=l2_capacity).time_s
+
+    def packed_wins(u: float) -> bool:
+        return predict(PACKED, shape, n_tokens, nsb, device, l2_capacity=l2_capacity, union_ratio=u,
+                       tile_tokens=tile_tokens).time_s < t_rival
+
+    lo, hi = union_ratio_floor(shape, nsb_per_n, tile_tokens), float(tile_tokens)
+    if lo > hi or not packed_wins(lo):
+        return None
+    if packed_wins(hi):
+        return math.inf
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if packed_wins(mid) else (lo, mid)
+    return hi
 
 
 def _lines(schedule: str, shape: ModelShape, device: DeviceProfile) -> list[tuple[float, float]]:

@@ -53,3 +53,32 @@ def print_roofline(summary: dict, console: Console | None = None) -> None:
                         f"{p['tflops']:.0f}", p["binding"], "fastest" if row["faster"] == s else "",
                         end_section=(i == len(SCHEDULES) - 1))
     con.print(pts)
+
+
+SHORT = {"kv-outer": "KV", "q-outer": "Q", "q-packed": "QP"}
+
+
+def print_co_selection(summary: dict, console: Console | None = None) -> None:
+    """The predicted winner per (reuse, co-selection) cell with its useful TFLOP/s, within 80 columns."""
+    from rich import box
+    con = console or Console()
+    co = summary["co_selection"]
+    p = co["tile_tokens"]
+    table = Table(box=box.SIMPLE_HEAD, title=f"Predicted winner at N = {co['n_tokens']}: schedule and useful TFLOP/s",
+                  caption=f"u: union_ratio at P = {p} tokens per tile (distinct blocks a tile selects over "
+                          "the blocks one token selects; 1: its tokens select alike). KV = kv-outer, "
+                          "Q = q-outer, QP = q-packed (token-packed Q-outer); -: this reuse needs a larger u. "
+                          "QP < u: q-packed beats kv-outer below this u.")
+    table.add_column("nsb/N", justify="right")
+    for u in co["union_ratios"]:
+        table.add_column(f"u {u:g}", justify="right")
+    table.add_column("QP < u", justify="right")
+    for row in co["rows"]:
+        cells = [f"{SHORT.get(c['winner'], c['winner'])} {c['tflops']:.0f}" if c["feasible"] else "-"
+                 for c in row["cells"]]
+        verdict = row["q_packed_beats_kv_outer"]
+        cross = (f"{row['q_packed_beats_kv_outer_below_union_ratio']:.2f}" if verdict == "below"
+                 else "never" if verdict == "never" else f"all <= {p}")
+        table.add_row(f"{row['nsb_per_n']:g}", *cells, cross)
+    con.print(table)
+

@@ -12,6 +12,8 @@ A scenario file (scenarios/*.toml) holds:
     context = [131072, 262144]                   # context tokens          (synthetic, indexer)
     reuse = [0.25, 1.0]                          # target nsb / N          (synthetic)
     skew = 0.0                                   # Zipf exponent           (synthetic)
+    share = [0.0, 0.5, 1.0]                      # fraction of the top-k a token group shares (synthetic;
+    share_group = 8                              #   see coselection.py), tokens per group (default 8)
     causal = false                               # chunked prefill at the context's end (synthetic, indexer)
     cases = ["prefill_..."] or "representative"  # MSA prefill case ids   (real-prefill)
     dtypes = ["bf16", "fp8"]
@@ -30,6 +32,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import UserError
+from .coselection import DEFAULT_GROUP
 from .workload import DATA_DTYPES, AttnShape, Workload, WorkloadError
 
 GENERATORS = ("synthetic", "real-prefill", "indexer")
@@ -43,6 +46,8 @@ AXES = {
     "context": (int, ("synthetic", "indexer"), None),
     "reuse": (float, ("synthetic",), None),
     "skew": (float, ("synthetic",), [0.0]),
+    "share": (float, ("synthetic",), [None]),
+    "share_group": (int, ("synthetic",), None),
     "causal": (bool, ("synthetic", "indexer"), [False]),
     "cases": (str, ("real-prefill",), None),
     "dtypes": (str, GENERATORS, ["bf16"]),
@@ -69,6 +74,8 @@ class Point:
     case_id: str | None
     weight: float
     shape: AttnShape
+    share: float | None = None        # co-selection axis (synthetic); None: the plain synthetic generator
+    share_group: int | None = None
 
     def key(self) -> str:
         """Stable, human-readable unique id (matches points across runs; resume)."""
@@ -82,6 +89,8 @@ class Point:
                 parts.append(f"reuse{_num(self.reuse)}")
             if self.generator == "synthetic":
                 parts.append(f"skew{_num(self.skew)}")
+                if self.share is not None:
+                    parts.append(f"share{_num(self.share)}-G{self.share_group}")
             parts.append("causal" if self.causal else "noncausal")
         parts += [self.dtype, f"seed{self.seed}",
                   f"hq{s.hq}-hkv{s.hkv}-d{s.head_dim}-b{s.block}-top{s.topk}"]
@@ -177,9 +186,14 @@ def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
             continue
         reuses = ax("reuse") if gen == "synthetic" else [None]
         skews = ax("skew") if gen == "synthetic" else [0.0]
-        for n, t, r, z, causal, dt, seed in itertools.product(ax("tokens"), ax("context"), reuses, skews,
-                                                              ax("causal"), ax("dtypes"), ax("seed")):
-            p = Point(gen, n, t, r, z, causal, dt, seed, None, 1.0, shape)
+        if "share_group" in grid and "share" not in grid:
+            raise UserError(f"{src}: {where}.share_group needs share (the fraction of the top-k a group shares)")
+        shares = ax("share") if gen == "synthetic" else [None]
+        share_groups = grid.get("share_group", [DEFAULT_GROUP]) if gen == "synthetic" and "share" in grid else [None]
+        for n, t, r, z, sh, sg, causal, dt, seed in itertools.product(
+                ax("tokens"), ax("context"), reuses, skews, shares, share_groups, ax("causal"), ax("dtypes"),
+                ax("seed")):
+            p = Point(gen, n, t, r, z, causal, dt, seed, None, 1.0, shape, sh, sg)
             _check_point(src, where, p)
             points.append(p)
     return points
@@ -200,7 +214,13 @@ def _check_point(src: str, where: str, p: Point) -> None:
     for key, bad, why in problems:
         if bad:
             raise UserError(f"{src}: {where}.{key}: {why}")
-    if p.generator == "synthetic":
+    if p.generator == "synthetic" and p.share is not None:
+        from .coselection import check_coselection
+        try:
+            check_coselection(s, p.tokens, p.context, p.reuse, p.share, p.share_group, p.causal)
+        except WorkloadError as exc:
+            raise UserError(f"{src}: {where}.share: {exc}") from None
+    elif p.generator == "synthetic":
         try:
             check_synthetic(s, p.tokens, p.context, p.reuse, p.causal)
         except WorkloadError as exc:
@@ -305,14 +325,14 @@ def load_scenario(name_or_path: str) -> Scenario:
 
 
 def with_overrides(s: Scenario, *, reuse=None, tokens=None, context=None, skew=None, dtypes=None, backends=None,
-                   causal=None, generator=None) -> Scenario:
+                   causal=None, generator=None, share=None, share_group=None) -> Scenario:
     """The scenario with grid axes replaced (lists replace an axis; a scalar is a one-element list).
 
     An override applies to every grid whose generators use that axis; one that applies to none is an error.
     """
     src = f"{s.source} (with overrides)"
     given = {"reuse": reuse, "tokens": tokens, "context": context, "skew": skew, "dtypes": dtypes,
-             "causal": causal, "generator": generator}
+             "causal": causal, "generator": generator, "share": share, "share_group": share_group}
     given = {k: v for k, v in given.items() if v is not None}
     grids = [dict(g) for g in s.grids]
     if "generator" in given:
@@ -344,7 +364,11 @@ def with_overrides(s: Scenario, *, reuse=None, tokens=None, context=None, skew=N
 def make_workload(point: Point, device="cpu", with_tensors: bool = True) -> Workload:
     """Build the point's workload (selection-only when with_tensors=False, except the indexer, which
     derives its selection from the tensors and so always draws them)."""
-    if point.generator == "synthetic":
+    if point.generator == "synthetic" and point.share is not None:
+        from .coselection import coselected_workload
+        w = coselected_workload(point.shape, point.dtype, point.tokens, point.context, point.reuse, point.share,
+                                point.share_group, point.skew, point.causal, point.seed, device, with_tensors)
+    elif point.generator == "synthetic":
         from .selection import synthetic_workload
         w = synthetic_workload(point.shape, point.dtype, point.tokens, point.context, point.reuse, point.skew,
                                point.causal, point.seed, device, with_tensors)

@@ -122,39 +122,57 @@ def assemble(shape: AttnShape, dtype: str, selection: torch.Tensor, page_table: 
 
 # ---- synthetic generator -----------------------------------------------------------------------
 
-def _plan_synthetic(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool) -> dict:
-    """Pool sizes for a synthetic target; raises WorkloadError (one line) when it cannot be met."""
+def synthetic_geometry(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool) -> dict:
+    """What a synthetic selection can draw from: `available` pool blocks per KV head, `n_local` local
+    blocks, `picks` pool entries per query, `fixed` (KV head, local block) pairs; raises WorkloadError
+    on a non-positive size or reuse."""
     if tokens <= 0 or context <= 0:
         raise WorkloadError(f"tokens and context must be positive, got tokens={tokens}, context={context}")
     if not (reuse > 0 and math.isfinite(reuse)):
         raise WorkloadError(f"reuse (nsb/N) must be a positive number, got {reuse}")
     b, hkv = shape.block, shape.hkv
-    nsb = round(reuse * tokens)
     if causal:
         if context < tokens:
             raise WorkloadError(f"causal: context ({context} tokens) must hold the {tokens} query tokens")
         prefix = context - tokens
         available = prefix // b                                  # complete prefix blocks: visible to all
         n_local = (context - 1) // b - prefix // b + 1
-        picks = shape.topk - 1
-        fixed = hkv * n_local
-        what = f"{n_local} local blocks + a history pool per KV head from the {available} complete prefix blocks"
-    else:
-        available = math.ceil(context / b)
-        n_local, picks, fixed = 0, shape.topk, 0
-        what = f"a pool per KV head from the {available} context blocks"
-    pool_total = nsb - fixed
+        return {"available": available, "n_local": n_local, "picks": shape.topk - 1, "fixed": hkv * n_local,
+                "what": f"{n_local} local blocks + a history pool per KV head from the {available} complete "
+                        "prefix blocks"}
+    available = math.ceil(context / b)
+    return {"available": available, "n_local": 0, "picks": shape.topk, "fixed": 0,
+            "what": f"a pool per KV head from the {available} context blocks"}
+
+
+def reuse_range(shape: AttnShape, tokens: int, geo: dict, lo_pool: int, hi_pool: int) -> tuple[float, float]:
+    """The nsb/N reached by pools of lo_pool and hi_pool blocks per KV head."""
+    return ((geo["fixed"] + shape.hkv * lo_pool) / tokens, (geo["fixed"] + shape.hkv * hi_pool) / tokens)
+
+
+def split_pools(shape: AttnShape, tokens: int, reuse: float, geo: dict) -> list[int]:
+    """Pool size per KV head for nsb = round(reuse x N): the pairs beyond the local ones, split evenly."""
+    pool_total = round(reuse * tokens) - geo["fixed"]
+    hkv = shape.hkv
+    return [pool_total // hkv + (h < pool_total % hkv) for h in range(hkv)] if pool_total > 0 else [0] * hkv
+
+
+def _plan_synthetic(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool) -> dict:
+    """Pool sizes for a synthetic target; raises WorkloadError (one line) when it cannot be met."""
+    geo = synthetic_geometry(shape, tokens, context, reuse, causal)
+    picks, available = geo["picks"], geo["available"]
     lo_pool, hi_pool = picks, min(available, tokens * picks)
-    lo_r, hi_r = (fixed + hkv * lo_pool) / tokens, (fixed + hkv * hi_pool) / tokens
+    lo_r, hi_r = reuse_range(shape, tokens, geo, lo_pool, hi_pool)
     if picks == 0 or hi_pool < lo_pool:
         raise WorkloadError(f"no reuse is feasible for tokens={tokens}, context={context}, topk={shape.topk}"
-                            f"{', causal' if causal else ''}: {what} cannot fill top-{shape.topk}")
-    pools = [pool_total // hkv + (h < pool_total % hkv) for h in range(hkv)] if pool_total > 0 else [0] * hkv
+                            f"{', causal' if causal else ''}: {geo['what']} cannot fill top-{shape.topk}")
+    pools = split_pools(shape, tokens, reuse, geo)
     if min(pools) < lo_pool or max(pools) > hi_pool:
         raise WorkloadError(f"reuse {reuse:g} is infeasible for tokens={tokens}, context={context}, "
-                            f"Hkv={hkv}, top-{shape.topk}{', causal' if causal else ''} ({what}); "
+                            f"Hkv={shape.hkv}, top-{shape.topk}{', causal' if causal else ''} ({geo['what']}); "
                             f"feasible reuse is {lo_r:.4g} to {hi_r:.4g}")
-    return {"nsb": nsb, "pools": pools, "available": available, "n_local": n_local, "picks": picks}
+    return {"nsb": round(reuse * tokens), "pools": pools, "available": available, "n_local": geo["n_local"],
+            "picks": picks}
 
 
 def check_synthetic(shape: AttnShape, tokens: int, context: int, reuse: float, causal: bool = False) -> None:

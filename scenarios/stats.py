@@ -1,4 +1,5 @@
-"""Workload statistics: reuse, fan-in, selected tokens, useful FLOPs, and the roofline's predicted times.
+"""Workload statistics: reuse, fan-in, co-selection, selected tokens, useful FLOPs, and the roofline's
+predicted times.
 
 Everything is computed from the selection, page tables and q_limit only, so a selection-only
 workload (with_tensors=False) gives the same numbers as the full one.
@@ -11,7 +12,8 @@ import torch
 
 from .workload import Workload
 
-SCHEDULES = ("q-outer", "kv-outer", "msa-scatter")
+SCHEDULES = ("q-outer", "kv-outer", "msa-scatter", "q-packed")    # q-packed at P = 8, this union_ratio
+UNION_TILES = (8, 16)          # P of the union_ratio statistics every result row stores
 
 
 def visible_tokens(w: Workload) -> torch.Tensor:
@@ -36,6 +38,46 @@ def selected_pairs(w: Workload) -> tuple[torch.Tensor, torch.Tensor]:
     head = torch.arange(w.shape.hkv, device=pages.device).view(-1, 1, 1).expand_as(pages)
     key = (head * w.num_pages + pages)[pages >= 0]
     return torch.unique(key, return_counts=True)
+
+
+def tile_slots(q_request: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tile id [N], position in its tile [N], tokens per tile [tiles]): tiles are `tile` consecutive
+    query tokens of one request, counted from the request's first token (its last tile may be shorter)."""
+    req = q_request.long().cpu()
+    n = req.numel()
+    order = torch.sort(req, stable=True).indices
+    sorted_req = req[order]
+    first = torch.ones(n, dtype=torch.bool)
+    first[1:] = sorted_req[1:] != sorted_req[:-1]
+    start = torch.cummax(torch.where(first, torch.arange(n), torch.zeros(n, dtype=torch.long)), 0).values
+    rank = torch.arange(n) - start                                   # position within the request
+    ids, pos = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
+    ids[order] = (first | (rank % tile == 0)).long().cumsum(0) - 1
+    pos[order] = rank % tile
+    return ids, pos, torch.bincount(ids, minlength=int(ids.max()) + 1 if n else 0)
+
+
+def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int) -> float | None:
+    """Co-selection at tile size P = `tile`: sum over (tile, KV head) of tokens in the tile x distinct
+    valid blocks its tokens select, over the valid (token, KV head, block) entries. 1 when every token
+    of every tile selects the same blocks, at most P; the FLOPs a token-packed schedule executes are
+    the useful ones times this. None when nothing is selected."""
+    sel = selection.to(torch.int32).cpu()
+    hkv, n, topk = sel.shape
+    total = int(torch.count_nonzero(sel >= 0))
+    if total == 0:
+        return None
+    ids, pos, sizes = tile_slots(q_request, tile)
+    # each (KV head, tile) row holds its tokens' entries (-1 where none); sorted, its distinct values
+    # are 1 + the steps between neighbours, less one for the -1 (which sorts first) where present
+    tiles = sizes.numel()
+    row_of = (torch.arange(hkv).view(-1, 1) * tiles + ids.view(1, -1)) * tile + pos.view(1, -1)   # [hkv, N]
+    rows = torch.full((hkv * tiles * tile, topk), -1, dtype=torch.int32)
+    rows.index_copy_(0, row_of.view(-1), sel.view(-1, topk))
+    rows = rows.view(hkv, tiles, tile * topk)
+    srt = rows.sort(-1).values
+    distinct = (srt[..., 1:] != srt[..., :-1]).sum(-1) + (srt[..., 0] >= 0).long()
+    return float((distinct * sizes.view(1, -1)).sum()) / total
 
 
 def _quantiles(counts: torch.Tensor) -> dict:
@@ -72,32 +114,47 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "target_reuse": w.meta.get("target_reuse"),
         "selected_blocks_per_query": valid_entries / (n * s.hkv) if n else 0.0,
         **_quantiles(fanin),
+        **{f"union_ratio_p{p}": union_ratio(w.selection, w.q_request, p) for p in UNION_TILES},
         "selected_tokens": vis,
         "selected_tokens_per_query": vis / (n * s.hkv) if n else 0.0,
         "useful_flops": useful_flops(w),
     }
+    if "share" in w.meta:
+        out.update(share=w.meta["share"], share_group=w.meta["share_group"],
+                   target_union_ratio=w.meta["target_union_ratio"])
     if "case_id" in w.meta:
         out["case_id"] = w.meta["case_id"]
         out["weight"] = w.meta.get("weight", 0.0)
     if device_profile is not None:
-        out.update(predicted_times(w, nsb, valid_entries, out["useful_flops"], device_profile))
+        out.update(predicted_times(w, nsb, valid_entries, out["useful_flops"], device_profile,
+                                   out[f"union_ratio_p{UNION_TILES[0]}"]))
     return out
 
 
-def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, device_profile) -> dict:
+def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, device_profile,
+                    union: float | None = None) -> dict:
+    """Predicted time and binding resource per schedule; q-packed (tiles of UNION_TILES[0] tokens) only
+    where the selection has a union_ratio."""
     from ..roofline.devices import load_device
-    from ..roofline.model import ModelShape, crossover, predict
+    from ..roofline.model import PACKED, ModelShape, crossover, packed_crossover, predict
     dev = load_device(device_profile) if isinstance(device_profile, str) else device_profile
     s, n = w.shape, w.n_tokens
     shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
     out = {"device": dev.name}
     per_query = valid_entries / (n * s.hkv) if n else 0.0
     for sched in SCHEDULES:
-        p = predict(sched, shape, n, nsb, dev, selected_per_query=per_query, flops=flops)
+        if sched == PACKED and union is None:
+            continue
+        p = predict(sched, shape, n, nsb, dev, selected_per_query=per_query, flops=flops,
+                    union_ratio=union if sched == PACKED else None, tile_tokens=UNION_TILES[0])
         out[f"pred_{sched}_s"] = p.time_s
         out[f"pred_{sched}_binding"] = p.binding
     cross = crossover(shape, dev)
     out["crossover_nsb_per_n"] = cross if math.isfinite(cross) else None
+    if n:
+        packed = packed_crossover(shape, dev, n, nsb / n, UNION_TILES[0])
+        out["packed_crossover_union_ratio"] = (None if packed is None else
+                                               float(UNION_TILES[0]) if math.isinf(packed) else packed)
     return out
 
 
@@ -120,12 +177,20 @@ def stat_rows(st: dict) -> list[tuple[str, str]]:
         ("selected blocks per (query, KV head)", num(st["selected_blocks_per_query"], ".3g")),
         ("fan-in (queries per selected pair): mean / p50 / p90 / p99 / max",
          " / ".join(num(st[f"fanin_{k}"], ".4g") for k in ("mean", "p50", "p90", "p99", "max"))),
+        *([(f"co-selection: share / union_ratio at P = {st['share_group']} (target)",
+             f"{st['share']:g} / {st['target_union_ratio']:.3f}")] if "share" in st else []),
+        ("union_ratio at P = 8 / 16 tokens (1: a tile's tokens select alike)",
+         " / ".join(num(st.get(f"union_ratio_p{p}"), ".3f") for p in UNION_TILES)),
         ("visible selected key tokens per (query, KV head)", num(st["selected_tokens_per_query"], ".5g")),
         ("useful work (GFLOP)", num(st["useful_flops"] / 1e9, ",.2f")),
     ]
     if "crossover_nsb_per_n" in st:
         rows.append((f"predicted crossover nsb/N on {st['device']} (KV-outer faster below)",
                      num(st["crossover_nsb_per_n"], ".4g") if st["crossover_nsb_per_n"] is not None else "none"))
+    if "packed_crossover_union_ratio" in st:
+        rows.append((f"union_ratio (P = {UNION_TILES[0]}) below which q-packed beats KV-outer at this reuse",
+                     num(st["packed_crossover_union_ratio"], ".3g") if st["packed_crossover_union_ratio"]
+                     is not None else "none"))
     return rows
 
 

@@ -135,6 +135,7 @@ class KVOuterCuteBackend(KVOuterBackend):
     def _plan(self, w):
         plan = super()._plan(w)
         plan.info["cute_kernel"] = plan.stages["attention"].cfg.kernel
+        plan.info["quantization"] = "e4m3 Q/K/V/P on fp8 MMA" if w.dtype == "fp8" else f"none ({w.dtype} Q/K/V/P)"
         return plan
 
     def resolved_config(self, w):

@@ -44,5 +44,6 @@ class MSAScatterBackend(KVStationaryBackend):
         stages = {"index_map": index_map, "schedule": schedule, "attention": attention, "combine": combine}
         info = dict(attention_impl="triton", store="scatter", config=dict(cfg.__dict__),
                     num_tiles_max=index_map.num_tiles_max, tile_rows=cfg.tile_q * s.group,
-                    partial_dtype=str(partial_dtype(w.dtype)).replace("torch.", ""))
+                    partial_dtype=str(partial_dtype(w.dtype)).replace("torch.", ""),
+                    quantization="e4m3 Q/K/V/P on fp8 MMA" if w.dtype == "fp8" else f"none ({w.dtype} Q/K/V/P)")
         return Plan(backend=self.name, stages=stages, output=out, lse=lse, buffers=buffers, info=info)
