@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from ..roofline.devices import DeviceProfile, profile_for_gpu
+from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noqa: F401  (the launch's model terms)
 from ..roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, PACKED, SCHEDULE_OF_BACKEND, ModelShape, Prediction, predict
 
 
@@ -52,47 +53,6 @@ def union_ratio_for(stats, tile: int) -> float | None:
 def quantization(plan_info) -> str:
     """What the unit quantized, as its backend states it in plan.info["quantization"] ("" if unstated)."""
     return str(_info(plan_info).get("quantization") or "")
-
-
-def q_live_heads(hkv: int, dtype: str, config: dict | None = None) -> int:
-    """How many KV heads' queries a KV-stationary attention launch gathers at once (ModelShape).
-
-    From the plan's launch configuration when known (a unit's plan_info), else from the tuned default
-    for the dtype: chunks issued one program each in tile order walk the head-major list together (1),
-    and so do persistent CTAs dealt the grouped order in chunks (order_chunk > 0) or in phases
-    (order_phases); persistent CTAs over contiguous slices have every head live at once (hkv).
-    """
-    return 1 if _walk_together(dtype, config) else int(hkv)
-
-
-def q_ranges(dtype: str, config: dict | None = None) -> int:
-    """Query ranges per head of the grouped tile order; they shrink the live queries only when the
-    CTAs walk the groups together (chunked launches, or a dealt persistent order)."""
-    if not _walk_together(dtype, config):
-        return 1
-    return max(1, int(_config(dtype, config).get("q_ranges") or 1))
-
-
-def _walk_together(dtype: str, config: dict | None) -> bool:
-    config = _config(dtype, config)
-    chunk = int(config.get("attn_chunk") or 0)
-    chunked = chunk > 0 and int(config.get("attn_chunk_grid") or 0) == 0
-    dealt = int(config.get("order_chunk") or 0) > 0 or bool(config.get("order_phases"))   # resolved: persistent only
-    return chunked or dealt
-
-
-def _config(dtype: str, config: dict | None) -> dict:
-    if config is None:
-        from ..kernels.kv_outer.config import default_config
-        config = default_config(dtype).__dict__
-    return config
-
-
-def model_shape(hq: int, hkv: int, head_dim: int, block: int, topk: int, dtype: str,
-                config: dict | None = None) -> ModelShape:
-    return ModelShape(hq=int(hq), hkv=int(hkv), head_dim=int(head_dim), block=int(block), topk=int(topk),
-                      dtype=dtype, q_live_heads=q_live_heads(int(hkv), dtype, config),
-                      q_ranges=q_ranges(dtype, config))
 
 
 def plan_config(plan_info) -> dict | None:

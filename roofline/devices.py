@@ -24,6 +24,8 @@ class DeviceProfile:
     sms: int
     source: str = ""
     measured: dict = field(default_factory=dict)
+    # "backend/dtype" -> the fraction of its roofline time the backend's kernel reaches here, measured
+    achieved: dict = field(default_factory=dict)
 
     def peak_flops(self, dtype: str) -> float:
         # fp16 runs at the bf16 rate and fp32 inputs run tf32-or-slower: bf16's rate is an upper bound.
@@ -67,6 +69,10 @@ def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
     flops = data["mma_flops"]
     if "bf16" not in flops or not all(isinstance(v, (int, float)) and v > 0 for v in flops.values()):
         raise UserError(f"device profile {origin}: mma_flops needs a positive 'bf16' rate (flop/s)")
+    achieved = data.get("achieved", {})
+    if not isinstance(achieved, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                                 and not isinstance(v, bool) and 0 < v <= 1.5 for k, v in achieved.items()):
+        raise UserError(f"device profile {origin}: achieved must map 'backend/dtype' to a fraction in (0, 1.5]")
     known = {k: data[k] for k in DeviceProfile.__dataclass_fields__ if k in data}
     return DeviceProfile(**known)
 

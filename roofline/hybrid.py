@@ -30,7 +30,10 @@ def kv_outer_token_seconds(shape: ModelShape, device: DeviceProfile) -> float:
     return mma + partial / device.hbm_bytes_per_s + q / device.l2_bytes_per_s
 
 
-def min_shared_tokens(shape: ModelShape, device: DeviceProfile, tokens_per_tile: int) -> int:
-    """Fewest of a tile's P tokens that must select a union block for packing it to be predicted cheaper."""
-    ratio = packed_block_seconds(shape, device, tokens_per_tile) / kv_outer_token_seconds(shape, device)
+def min_shared_tokens(shape: ModelShape, device: DeviceProfile, tokens_per_tile: int,
+                      packed_achieved: float = 1.0, kv_outer_achieved: float = 1.0) -> int:
+    """Fewest of a tile's P tokens that must select a union block for packing it to be predicted cheaper;
+    each side's roofline time divided by the fraction of it its kernel reaches (1: the pure roofline)."""
+    ratio = (packed_block_seconds(shape, device, tokens_per_tile) / packed_achieved) / \
+        (kv_outer_token_seconds(shape, device) / kv_outer_achieved)
     return max(1, min(tokens_per_tile, math.ceil(ratio)))

@@ -92,3 +92,49 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poison
     ref_out, _ = reference_attention(w)
     assert relative_error(plan.output, ref_out) <= tolerance(dtype)
     graph_replay_equals_eager(plan)
+
+
+# ---- auto: the pick follows the model ---------------------------------------------------------------
+
+from msa_bench.roofline.devices import PRESETS  # noqa: E402
+from msa_bench.scenarios.coselection import coselected_workload  # noqa: E402
+
+STUDY = AttnShape()                 # the study shape: the model's picks are about it
+
+
+def coselected(share: float, shape=STUDY, tokens=256, context=65536, reuse=None, with_tensors=False, dtype="fp16"):
+    reuse = reuse or (0.25 if share == 1.0 else 2.0)
+    return coselected_workload(shape, dtype, tokens, context, reuse, share, group=8, seed=3, device=DEVICE,
+                               with_tensors=with_tensors)
+
+
+def picks(w) -> tuple[str, dict]:
+    cands = get_backend("auto").candidates(w)
+    return min(cands, key=lambda k: cands[k][1]), {k: v[1] for k, v in cands.items()}
+
+
+def test_auto_packs_shared_selections_and_not_scattered_ones():
+    pick, predicted = picks(coselected(1.0))
+    assert pick == "q-packed"
+    pick, predicted = picks(coselected(0.0))
+    assert pick != "q-packed" and predicted[pick] < predicted["q-packed"]
+
+
+def test_auto_divides_by_the_measured_fraction(monkeypatch):
+    from dataclasses import replace
+    from msa_bench.kernels import auto
+    slow_packed = replace(PRESETS["h200"], achieved={"q-packed/bf16": 0.01})
+    monkeypatch.setattr(auto, "device_profile", lambda device: slow_packed)
+    assert picks(coselected(1.0))[0] == "kv-outer"
+
+
+def test_auto_records_its_pick_and_matches_the_reference(poisoned_run):
+    small = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
+    for share in (1.0, 0.0):
+        w = coselected(share, small, 64, 2048, 0.25 if share == 1.0 else 2.0, with_tensors=True, dtype="fp32")
+        plan = get_backend("auto").plan(w)
+        auto = plan.info["auto"]
+        assert auto["predicted_s"][auto["picked"]] == min(auto["predicted_s"].values())
+        assert plan.info["schedule"] in ("q-packed", "kv-outer", "hybrid") and plan.backend == "auto"
+        poisoned_run(plan)
+        assert relative_error(plan.output, reference_attention(w)[0]) <= tolerance("fp32")

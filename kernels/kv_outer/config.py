@@ -1,12 +1,11 @@
-"""Launch configuration of the KV-stationary stages, with the defaults the GPU tuning picked.
-
-benchmarks/kernels_gpu.py sweeps these knobs on the H200 and prints the best; write the winner into
-TUNED below (per data dtype) to make it the default.
+"""Launch configuration of the KV-stationary stages, with the defaults the GPU tuning picked (TUNED, per
+data dtype), and what a configuration means for the roofline model (model_shape).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ...roofline.model import ModelShape
 from . import TILE_Q
 
 
@@ -113,3 +112,45 @@ def tile_order_label(config: dict) -> str:
     """A launch configuration's tile order in tile_order's notation ("1:0" key order, "2:p", "4:8")."""
     s = int(config.get("q_ranges") or 1)
     return f"{s}:p" if config.get("order_phases") else f"{s}:{int(config.get('order_chunk') or 0)}"
+
+
+# ---- what a launch configuration means for the roofline model -----------------------------------
+
+def q_live_heads(hkv: int, dtype: str, config: dict | None = None) -> int:
+    """How many KV heads' queries a KV-stationary attention launch gathers at once (ModelShape).
+
+    From the plan's launch configuration when known (a unit's plan_info), else from the tuned default
+    for the dtype: chunks issued one program each in tile order walk the head-major list together (1),
+    and so do persistent CTAs dealt the grouped order in chunks (order_chunk > 0) or in phases
+    (order_phases); persistent CTAs over contiguous slices have every head live at once (hkv).
+    """
+    return 1 if _walk_together(dtype, config) else int(hkv)
+
+
+def q_ranges(dtype: str, config: dict | None = None) -> int:
+    """Query ranges per head of the grouped tile order; they shrink the live queries only when the
+    CTAs walk the groups together (chunked launches, or a dealt persistent order)."""
+    if not _walk_together(dtype, config):
+        return 1
+    return max(1, int(_config(dtype, config).get("q_ranges") or 1))
+
+
+def _walk_together(dtype: str, config: dict | None) -> bool:
+    config = _config(dtype, config)
+    chunk = int(config.get("attn_chunk") or 0)
+    chunked = chunk > 0 and int(config.get("attn_chunk_grid") or 0) == 0
+    dealt = int(config.get("order_chunk") or 0) > 0 or bool(config.get("order_phases"))   # resolved: persistent only
+    return chunked or dealt
+
+
+def _config(dtype: str, config: dict | None) -> dict:
+    if config is None:
+        config = default_config(dtype).__dict__
+    return config
+
+
+def model_shape(hq: int, hkv: int, head_dim: int, block: int, topk: int, dtype: str,
+                config: dict | None = None) -> ModelShape:
+    return ModelShape(hq=int(hq), hkv=int(hkv), head_dim=int(head_dim), block=int(block), topk=int(topk),
+                      dtype=dtype, q_live_heads=q_live_heads(int(hkv), dtype, config),
+                      q_ranges=q_ranges(dtype, config))

@@ -47,6 +47,11 @@ def parse_option(option: str) -> dict:
     return out
 
 
+def achieved(profile, backend: str, dtype: str) -> float:
+    """The measured fraction of its roofline a backend reaches on this device, 1 where none is recorded."""
+    return float((profile.achieved or {}).get(f"{backend}/{dtype}", 1.0))
+
+
 def device_profile(device) -> object:
     """The roofline profile of the workload's GPU; the H200 preset on a CPU or an unknown GPU."""
     if torch.device(device).type == "cuda":
@@ -86,22 +91,24 @@ class HybridBackend(Backend):
             reason = f"{self.name}: its KV-outer part ({kv.name}): {inner}" if inner else None
         return reason
 
-    def threshold(self, w: Workload) -> tuple[int, str]:
+    def threshold(self, w: Workload, kv: Backend) -> tuple[int, str]:
         if self.min_share is not None:
             return self.min_share, "option"
         s = w.shape
         dev = device_profile(w.device)
-        shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk,
-                           dtype=w.dtype if w.dtype in ("bf16", "fp8") else "bf16")
-        return min_shared_tokens(shape, dev, self.tokens_per_tile), f"roofline ({dev.name})"
+        dtype = w.dtype if w.dtype in ("bf16", "fp8") else "bf16"
+        shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=dtype)
+        share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, "q-packed", dtype),
+                                  achieved(dev, kv.name, dtype))
+        return share, f"roofline ({dev.name})"
 
     def _plan(self, w: Workload) -> Plan:
         s, dev = w.shape, w.device
-        share, source = self.threshold(w)
-        packed = PackedSchedule(w, self.tokens_per_tile, min_share=max(share, 2))
+        kv = self.kv_backend(w.dtype, dev)
+        share, source = self.threshold(w, kv)
+        packed = PackedSchedule(w, self.tokens_per_tile, min_share=share, residual=True)
         packed()                                            # the residual selection KV-outer plans from
         w_res = replace(w, pages=packed.residual_pages)
-        kv = self.kv_backend(w.dtype, dev)
         kv_plan = kv.plan(w_res)
         if set(kv_plan.stages) != {"index_map", "schedule", "attention", "combine"}:
             raise BackendUnavailable(f"{self.name}: {kv.name} has stages {list(kv_plan.stages)}")

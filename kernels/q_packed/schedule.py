@@ -94,11 +94,11 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
 
 class PackedSchedule:
     """Stage `schedule`: per (KV head, token tile) the sorted union of selected blocks, its pages and the
-    per-token key limits, written into buffers allocated here. With min_share > 1 only blocks that at
-    least min_share of the tile's tokens select are packed; the other entries' pages go to
-    residual_pages [Hkv, N, topk] (-1 elsewhere), the selection a KV-outer stack runs."""
+    per-token key limits, written into buffers allocated here. Only blocks that at least min_share of the
+    tile's tokens select are packed; with `residual`, the other entries' pages go to residual_pages
+    [Hkv, N, topk] (-1 elsewhere), the selection a KV-outer stack runs."""
 
-    def __init__(self, workload, tokens_per_tile: int, min_share: int = 1):
+    def __init__(self, workload, tokens_per_tile: int, min_share: int = 1, residual: bool = False):
         w, s = workload, workload.shape
         self.min_share = min_share
         self.w, self.P = w, tokens_per_tile
@@ -115,7 +115,7 @@ class PackedSchedule:
         self.buffers = dict(tile_tok0=self.tile_tok0, tile_ntok=self.tile_ntok, tile_count=self.tile_count,
                             tile_page=self.tile_page, tile_limit=self.tile_limit)
         # with a share threshold, the pages of the entries it leaves out: a KV-outer stack takes them
-        self.residual_pages = torch.full_like(w.pages, -1) if min_share > 1 else None
+        self.residual_pages = torch.full_like(w.pages, -1) if residual else None
         if self.residual_pages is not None:
             self.buffers["residual_pages"] = self.residual_pages
         self.consts = dict(P=tokens_per_tile, TOPK=s.topk, U=u, U_P2=triton.next_power_of_2(u), BLOCK=s.block,
