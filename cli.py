@@ -225,24 +225,38 @@ def build_kernels(
     dtype: list[str] = typer.Option([], help="Data dtype(s) to build: bf16, fp8 (repeatable; default: all)."),
     knockouts: bool = typer.Option(True, help="Also build the knock-out kernels benchmarks/bounds_gpu.py times "
                                                "(diagnostic: never swept or checked)."),
+    kv_outer: bool = typer.Option(True, help="Build the kv-outer-cute libraries."),
+    q_packed: str = typer.Option("default", help="q-packed-cute libraries to build: default (schedule options off, "
+                                                 "and pingpong + s-ahead), all (also each option alone), none."),
 ):
-    """Compile the CuTe DSL attention stage for every configuration the sweep can ask for (no GPU needed),
-    link one shared library per configuration and write manifest.json (config, DSL/CUDA versions, arch,
-    source hash). Carry the directory to the GPU host; backend kv-outer-cute loads it there."""
+    """Compile the CuTe DSL attention stages for every configuration the sweep can ask for (no GPU needed),
+    link one shared library per configuration and write manifest.json (kv-outer-cute) and
+    q_packed_manifest.json (q-packed-cute): config, DSL/CUDA versions, arch, source hash. Carry the
+    directory to the GPU host; the backends load it there."""
     from pathlib import Path
     from .errors import UserError
     from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, SUPPORTED_ARCHS, knockout_configs, sweep_configs
+    from .kernels.cute.q_packed_library import BUILD_SETS, build_configs
 
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"--arch must be one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
     bad = [d for d in dtype if d not in DTYPES]
     if bad:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {bad[0]!r}")
-    from .kernels.cute.build import build_all
+    if q_packed not in BUILD_SETS:
+        raise UserError(f"--q-packed must be one of {', '.join(BUILD_SETS)}, got {q_packed!r}")
     dtypes = tuple(dtype) or DTYPES
-    configs = sweep_configs(dtypes) + (knockout_configs(dtypes) if knockouts else [])
-    summary = build_all(configs, Path(out) if out else DEFAULT_BUILD_DIR, arch, log=typer.echo)
-    typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
+    where = Path(out) if out else DEFAULT_BUILD_DIR
+    if kv_outer:
+        from .kernels.cute.build import build_all
+        configs = sweep_configs(dtypes) + (knockout_configs(dtypes) if knockouts else [])
+        summary = build_all(configs, where, arch, log=typer.echo)
+        typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
+    q_configs = build_configs(q_packed, dtypes)
+    if q_configs:
+        from .kernels.cute.q_packed_build import build_all as build_q_packed
+        summary = build_q_packed(q_configs, where, arch, log=typer.echo)
+        typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
 
 
 # ---- harness: sweep, report, compare, merge ----------------------------------------------------

@@ -107,7 +107,8 @@ def _load_all():
     # Importing a backend module registers it; a module whose optional dependency is missing still
     # registers and reports itself unavailable instead of failing the import.
     import importlib
-    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "cute.backend", "q_packed.backend", "reference_backend"):
+    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "cute.backend", "q_packed.backend",
+                "q_packed.cute_backend", "reference_backend"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as exc:
