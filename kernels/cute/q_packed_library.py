@@ -62,7 +62,7 @@ class QPackedConfig:
 def parse_option(option: str) -> dict:
     """'pp+sa' -> {'pingpong': True, 's_ahead': True}; '' -> both False."""
     flags = dict.fromkeys(OPTION_FLAGS.values(), False)
-    for part in filter(None, option.split("+")):
+    for part in option.split("+") if option else []:
         if part not in OPTION_FLAGS or flags[OPTION_FLAGS[part]]:
             raise ValueError(f"q-packed-cute options are pp (pingpong consumer warpgroups) and sa (S of the next "
                              f"block issued with P V), joined by '+'; got @{option}")

@@ -134,6 +134,11 @@ class QPackedSm90:
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
 
+    def __repr__(self) -> str:
+        # the DSL names the compiled functions (and ncu shows the kernel) after str(self)
+        return (f"QPackedSm90_{self.dtype_name}" + ("_pingpong" if self.pingpong else "")
+                + ("_sahead" if self.s_ahead else ""))
+
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileTok0: cute.Tensor,
