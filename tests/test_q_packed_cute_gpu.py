@@ -22,9 +22,12 @@ SHAPE = AttnShape(hq=64, hkv=4, head_dim=128, block=128, topk=16)
 OPTIONS = ["", "pp", "sa", "pp+sa"]
 DTYPES = ["bf16", "fp8"]
 WORKLOADS = {
-    # N 16384 after a 10752-token prefix (the sweep's real-prefill long case) and 182 tokens after 17536
-    "prefill-long": lambda d: prefill_workload(get_case("prefill_34d5c963ddbc73bd8549"), SHAPE, d, seed=1,
-                                               device="cuda"),
+    # N 16384 after a 31360- and a 10752-token prefix (real prefill's heaviest-weighted case, the issue's
+    # target, and its shortest-context N 16384 case), and 182 tokens after 17536
+    "prefill-47k": lambda d: prefill_workload(get_case("prefill_c17ccf7fbbb5d1ee5648"), SHAPE, d, seed=1,
+                                              device="cuda"),
+    "prefill-27k": lambda d: prefill_workload(get_case("prefill_34d5c963ddbc73bd8549"), SHAPE, d, seed=1,
+                                              device="cuda"),
     "prefill-short": lambda d: prefill_workload(get_case("prefill_092e27340df8621a02f0"), SHAPE, d, seed=2,
                                                 device="cuda"),
     "synthetic-causal": lambda d: synthetic_workload(SHAPE, d, 2048, 65536, 0.25, causal=True, seed=3,
