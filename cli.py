@@ -236,16 +236,20 @@ def build_kernels(
     arch: str = typer.Option("sm_90a", help="Target GPU architecture (the CuTe attention stage supports sm_90a)."),
     out: str = typer.Option("", help="Output directory for the libraries and manifest.json (default: build/cute in the checkout)."),
     dtype: list[str] = typer.Option([], help="Data dtype(s) to build: bf16, fp8 (repeatable; default: all)."),
-    kernel: list[str] = typer.Option([], help="CuTe kernel(s) to build, e.g. v23 (repeatable; default: all, "
+    kernel: list[str] = typer.Option([], help="kv-outer-cute kernel(s) to build, e.g. v23 (repeatable; default: all, "
                                               "one library per kernel and dtype)."),
+    kv_outer: bool = typer.Option(True, help="Build the kv-outer-cute libraries."),
+    q_packed: str = typer.Option("default", help="q-packed-cute libraries to build: default (schedule options off, "
+                                                 "and pingpong + s-ahead), all (also each option alone), none."),
 ):
-    """Compile the CuTe DSL attention stage for every configuration the sweep can ask for (no GPU needed):
-    each kernel of kernels/cute/manifest.KERNELS in each of its dtypes, one shared library per
-    configuration, and write manifest.json (configs, DSL/CUDA/C++ versions, arch, source hash). Carry the
-    directory to the GPU host; backend kv-outer-cute loads it there."""
+    """Compile the CuTe DSL attention stages for every configuration the sweep can ask for (no GPU needed):
+    each kernel of kernels/cute/manifest.KERNELS in each of its dtypes, and the q-packed-cute configurations,
+    one shared library per configuration, with manifest.json and q_packed_manifest.json (configs,
+    DSL/CUDA/C++ versions, arch, source hash). Carry the directory to the GPU host; the backends load it."""
     from pathlib import Path
     from .errors import UserError
     from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, KERNELS, SUPPORTED_ARCHS, library_configs
+    from .kernels.cute.q_packed_library import BUILD_SETS, build_configs
 
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"--arch must be one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
@@ -255,10 +259,19 @@ def build_kernels(
     bad = [k for k in kernel if k not in KERNELS]
     if bad:
         raise UserError(f"--kernel must be one of {', '.join(KERNELS)}, got {bad[0]!r}")
-    from .kernels.cute.build import build_all
-    configs = library_configs(tuple(dtype) or DTYPES, tuple(kernel) or None)
-    summary = build_all(configs, Path(out) if out else DEFAULT_BUILD_DIR, arch, log=typer.echo)
-    typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
+    if q_packed not in BUILD_SETS:
+        raise UserError(f"--q-packed must be one of {', '.join(BUILD_SETS)}, got {q_packed!r}")
+    dtypes = tuple(dtype) or DTYPES
+    where = Path(out) if out else DEFAULT_BUILD_DIR
+    if kv_outer:
+        from .kernels.cute.build import build_all
+        summary = build_all(library_configs(dtypes, tuple(kernel) or None), where, arch, log=typer.echo)
+        typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
+    q_configs = build_configs(q_packed, dtypes)
+    if q_configs:
+        from .kernels.cute.q_packed_build import build_all as build_q_packed
+        summary = build_q_packed(q_configs, where, arch, log=typer.echo)
+        typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
 
 
 # ---- harness: sweep, report, compare, merge ----------------------------------------------------

@@ -108,7 +108,8 @@ def _load_all():
     # registers and reports itself unavailable instead of failing the import.
     import importlib
     for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "flashinfer_packed", "dense_gather",
-                "cute.backend", "q_packed.backend", "q_packed.hybrid", "auto", "reference_backend"):
+                "cute.backend", "q_packed.backend", "q_packed.cute_backend", "q_packed.hybrid", "auto",
+                "reference_backend"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as exc:

@@ -1,0 +1,138 @@
+"""q-packed-cute: q-packed's schedule stage (schedule.py, Triton on the GPU) with the attention stage as the
+CuTe DSL sm_90a kernel kernels/cute/q_packed_sm90.py, prebuilt (`msa-bench build-kernels`) and launched with
+ctypes on the current stream (graph capturable).
+
+Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
+j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule. Built for P 8, G 16, D 128,
+block 128 in bf16 and fp8.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..base import Backend, BackendUnavailable, Plan, register
+from ..kv_outer.backend import partial_dtype
+from ..kv_outer.triton_mode import triton_unavailable_reason
+from ...scenarios.workload import Workload
+from ..cute.manifest import DTYPES, P_SHIFT, SUPPORTED_ARCHS, device_arch, fp8_v_key_order
+from ..cute.q_packed_library import QPackedConfig, find_library, parse_option, q_packed_build_dir
+
+TILE_TOKENS = 8
+
+
+def check_cute_shape(w: Workload, name: str) -> None:
+    s = w.shape
+    if (s.group, s.head_dim, s.block) != (16, 128, 128):
+        raise BackendUnavailable(f"{name} is built for G 16, D 128, block 128 (8 tokens x 16 heads = 128 rows), "
+                                 f"got G {s.group}, D {s.head_dim}, block {s.block}")
+
+
+def fp8_v_operand(v_cache: torch.Tensor) -> torch.Tensor:
+    """fp8 V as the kernels read it: d-major ([pages, Hkv, D, block], K-major for the wgmma) with the keys
+    permuted within every 16 the way P's registers hold them (manifest.fp8_v_key_order)."""
+    v = v_cache.transpose(-1, -2).contiguous()
+    order = torch.tensor(fp8_v_key_order(), device=v.device)
+    blk = v.shape[-1]
+    return v.view(*v.shape[:-1], blk // 16, 16)[..., order].reshape(v.shape).contiguous()
+
+
+def num_ctas(device, num_tiles: int) -> int:
+    """The persistent grid: one CTA per SM (384 threads and 192-224 KiB of shared memory each), no more
+    than there are tiles."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(sms, num_tiles))
+
+
+class QPackedCuteAttention:
+    """Stage `attention`: binds a loaded library to the plan's schedule buffers and outputs; calling it
+    launches one persistent grid on the current CUDA stream (no host sync, no allocation)."""
+
+    def __init__(self, workload: Workload, schedule, out: torch.Tensor, lse: torch.Tensor, cfg: QPackedConfig,
+                 library=None):
+        from ..cute.q_packed_library import resolve_library
+        w, s = workload, workload.shape
+        self.w, self.sch, self.cfg = w, schedule, cfg
+        self.library = library or resolve_library(cfg, w.device)
+        self.library.load_module()                 # before any capture: module load, smem attribute
+        self.v = fp8_v_operand(w.v_cache) if w.dtype == "fp8" else w.v_cache
+        b = schedule.buffers
+        tensors = [w.q, w.k_cache, self.v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"],
+                   b["tile_limit"], out, lse]
+        widths = [s.head_dim, s.head_dim, self.v.shape[-1], 1, 1, 1, 1, 1, s.head_dim, 1]
+        for t in tensors:
+            if not t.is_contiguous() or t.device != w.device:
+                raise BackendUnavailable("the q-packed CuTe stage needs contiguous tensors on the workload's device")
+        self.keep = tensors                        # the pointers stay valid while the stage lives
+        self.packed = self.library.pack([t.data_ptr() for t in tensors],
+                                        [t.numel() // wd for t, wd in zip(tensors, widths)])
+        self.num_tiles = schedule.num_tiles
+        self.grid = num_ctas(w.device, self.num_tiles) if self.num_tiles else 0
+        self.scalars = (s.hkv, schedule.n_token_tiles, schedule.union_cap, self.grid,
+                        w.sm_scale * w.q_scale * w.k_scale, w.v_scale)
+
+    def describe(self) -> dict:
+        return dict(kernel=self.cfg.name, tile_tokens=self.sch.P, tile_rows=self.sch.P * self.w.shape.group,
+                    tiles=self.num_tiles, grid=self.grid, pingpong=self.cfg.pingpong, s_ahead=self.cfg.s_ahead,
+                    p_shift=P_SHIFT[self.w.dtype])
+
+    def __call__(self) -> None:
+        if self.num_tiles == 0:
+            return
+        stream = torch.cuda.current_stream(self.w.device).cuda_stream
+        self.library.launch(self.packed, *self.scalars, stream)
+
+
+@register("q-packed-cute")
+class QPackedCuteBackend(Backend):
+    name = "q-packed-cute"
+    description = ("q-packed with the attention stage as a CuTe DSL sm_90a kernel (warp-specialized, TMA K/V, "
+                   "online softmax over the tile's union blocks; prebuilt, loaded with ctypes)")
+    dtypes = DTYPES
+
+    def __init__(self, pingpong: bool = False, s_ahead: bool = False):
+        self.pingpong, self.s_ahead = pingpong, s_ahead
+
+    @classmethod
+    def from_option(cls, option: str) -> "QPackedCuteBackend":
+        return cls(**parse_option(option))
+
+    def config_for(self, dtype: str) -> QPackedConfig:
+        return QPackedConfig(dtype, self.pingpong, self.s_ahead, tile_tokens=TILE_TOKENS)
+
+    def unavailable_reason(self, dtype, device):
+        reason = super().unavailable_reason(dtype, device)
+        if reason:
+            return reason
+        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+            return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
+        arch = device_arch(device)
+        if arch not in SUPPORTED_ARCHS:
+            return f"{self.name} is built for {', '.join(SUPPORTED_ARCHS)}; this GPU is {arch}"
+        reason = triton_unavailable_reason(device)          # the schedule stage
+        if reason:
+            return reason
+        from ..cute.build import dsl_unavailable_reason
+        _, why = find_library(self.config_for(dtype), q_packed_build_dir(), arch)
+        if why and dsl_unavailable_reason() is not None:
+            return why
+        return None
+
+    def _plan(self, w: Workload) -> Plan:
+        from .schedule import PackedSchedule
+        check_cute_shape(w, self.name)
+        s, dev = w.shape, w.device
+        out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
+        lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
+        schedule = PackedSchedule(w, TILE_TOKENS)
+        attention = QPackedCuteAttention(w, schedule, out, lse, self.config_for(w.dtype))
+        schedule()
+        executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
+        selected = float((w.selection >= 0).sum())
+        info = dict(schedule="q-packed", tile_tokens=TILE_TOKENS, tiles=schedule.num_tiles,
+                    union_capacity=schedule.union_cap,
+                    executed_union_ratio=executed / selected if selected else 1.0,
+                    attention=attention.describe(),
+                    quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major, keys permuted, copy made in plan)"
+                                  if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))
+        return Plan(backend=self.name, stages={"schedule": schedule, "attention": attention}, output=out, lse=lse,
+                    buffers=dict(schedule.buffers), info=info)

@@ -1,0 +1,294 @@
+"""q-packed-cute on the CPU: the sm_90a build of kernels/cute/q_packed_sm90.py (a real DSL compile, export and
+link, no GPU), what its PTX and SASS hold per schedule option, the library's C ABI against the kernel's
+signature, the manifest checks, and the backend's wiring (availability, argument packing). The GPU checks
+are tests/test_q_packed_cute_gpu.py."""
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from msa_bench.harness.check import edge_case_workload  # sets TRITON_INTERPRET first
+from msa_bench.kernels.base import get_backend
+from msa_bench.kernels.cute import q_packed_library as ql
+from msa_bench.kernels.cute.build import dsl_unavailable_reason
+from msa_bench.kernels.cute.manifest import fp8_v_key_order
+from msa_bench.kernels.q_packed import cute_backend as cb
+from msa_bench.kernels.q_packed.schedule import PackedSchedule
+from msa_bench.scenarios.workload import AttnShape
+
+CUTE_DIR = Path(ql.__file__).parent
+ALL = ql.build_configs("all")
+
+
+def _cli(*args, env=None):
+    code = "import sys; from msa_bench.cli import main; sys.argv = ['msa-bench'] + sys.argv[1:]; main()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=900)
+
+
+# ---- options, names, ABI ----------------------------------------------------------------------------
+
+def test_options_name_their_libraries():
+    assert ql.parse_option("") == {"pingpong": False, "s_ahead": False}
+    assert ql.parse_option("sa+pp") == {"pingpong": True, "s_ahead": True}
+    for bad in ("x", "pp+pp", "pp+"):
+        with pytest.raises(ValueError, match="pp .* sa"):
+            ql.parse_option(bad)
+    with pytest.raises(KeyError, match="q-packed-cute options"):
+        get_backend("q-packed-cute@p16")
+    names = [c.name for c in ALL]
+    assert len(set(names)) == 8 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
+    assert {c.option for c in ALL} == {"", "pp", "sa", "pp+sa"}
+    assert {(c.option, c.dtype) for c in ql.build_configs("default")} == {
+        ("", "bf16"), ("", "fp8"), ("pp+sa", "bf16"), ("pp+sa", "fp8")}
+    assert ql.build_configs("none") == []
+    b = get_backend("q-packed-cute@pp+sa")
+    assert b.config_for("fp8") == ql.QPackedConfig("fp8", True, True) and b.name == "q-packed-cute@pp+sa"
+    assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
+
+
+def _call_params() -> list[str]:
+    tree = ast.parse((CUTE_DIR / "q_packed_sm90.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "QPackedSm90")
+    call = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__call__")
+    return [a.arg for a in call.args.args[1:]]
+
+
+def test_library_abi_follows_the_kernel_signature():
+    """pack()'s tensors and launch()'s scalars are QPackedSm90.__call__'s arguments in order, and the shim
+    passes them in that order."""
+    from msa_bench.kernels.cute.q_packed_build import SHIM_CPP
+    params = _call_params()
+    assert tuple(params[:len(ql.TENSOR_ARGS)]) == ql.TENSOR_ARGS
+    assert params[len(ql.TENSOR_ARGS):] == ["hkv", "n_token_tiles", "union_cap", "num_ctas", "scale", "out_scale",
+                                            "stream"]
+    shim_order = re.findall(r"QPK_TENSOR\((\w+), (\d+)\)", SHIM_CPP)
+    assert [(a, int(i)) for a, i in shim_order] == [(a, i) for i, a in enumerate(ql.TENSOR_ARGS)]
+    wrapper = re.search(r"wrapper\(&qpk_module, (.*?)\);", SHIM_CPP, re.S).group(1)
+    assert [a.strip().lstrip("&") for a in wrapper.split(",")][:-1] == list(ql.TENSOR_ARGS) + params[10:-1]
+    with pytest.raises(ValueError, match="expected 10 tensors"):
+        ql.QPackedLibrary.pack([0] * 13, [1] * 13)
+    with pytest.raises(ValueError, match="int32"):
+        ql.QPackedLibrary.pack([0] * 10, [2 ** 31] + [1] * 9)
+
+
+def test_source_hash_covers_the_kernel_and_what_it_imports():
+    from msa_bench.kernels.cute.manifest import source_files
+    text = (CUTE_DIR / "q_packed_sm90.py").read_text()
+    imported = set(re.findall(r"^from \.(\w+) import", text, re.M))
+    assert {f"{m}.py" for m in imported} | {"q_packed_sm90.py"} <= set(source_files())
+    assert len(ql.source_hash()) == 16
+
+
+def test_find_library_says_what_to_rebuild(tmp_path):
+    cfg = ql.QPackedConfig("bf16")
+    path, why = ql.find_library(cfg, tmp_path, "sm_90a")
+    assert path is None and "no q-packed CuTe build" in why and "--q-packed default" in why
+    lib = tmp_path / cfg.library
+    lib.write_bytes(b"not really a library")
+    ql.write_manifest(tmp_path, "sm_90a", "4.8.1", "13.0", [ql.config_entry(cfg, lib, "qp1")])
+    assert ql.find_library(cfg, tmp_path, "sm_90a") == (lib, None)
+    assert "is for sm_90a, this GPU is sm_100a" in ql.find_library(cfg, tmp_path, "sm_100a")[1]
+    pp = ql.QPackedConfig("bf16", pingpong=True)
+    assert "has no qpk_attn_bf16_p8g16d128b128_pp" in ql.find_library(pp, tmp_path, "sm_90a")[1]
+    assert "--q-packed all" in ql.find_library(pp, tmp_path, "sm_90a")[1]
+    lib.write_bytes(b"altered")
+    assert "checksum" in ql.find_library(cfg, tmp_path, "sm_90a")[1]
+    data = json.loads((tmp_path / ql.MANIFEST_NAME).read_text())
+    data["source_hash"] = "0" * 16
+    (tmp_path / ql.MANIFEST_NAME).write_text(json.dumps(data))
+    assert "stale" in ql.find_library(cfg, tmp_path, "sm_90a")[1]
+
+
+# ---- backend wiring -----------------------------------------------------------------------------------
+
+def test_backend_reports_unavailable_without_gpu():
+    b = get_backend("q-packed-cute")
+    assert b.unavailable_reason("fp16", "cpu").startswith("q-packed-cute does not support dtype fp16")
+    if not torch.cuda.is_available():
+        assert "runs only on a CUDA GPU" in b.unavailable_reason("bf16", "cpu")
+
+
+class _Library:
+    """Stands in for the loaded library: records what the stage hands it (the launch itself needs a GPU)."""
+
+    def __init__(self):
+        self.loaded = False
+        self.launches = []
+
+    def load_module(self):
+        self.loaded = True
+
+    def pack(self, ptrs, rows):
+        self.ptrs, self.rows = ptrs, rows
+        return ql.QPackedLibrary.pack(ptrs, rows)
+
+    def launch(self, packed, *args):
+        self.launches.append(args)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_stage_hands_the_schedule_buffers_to_the_library(dtype, monkeypatch):
+    shape = AttnShape(hq=64, hkv=4, head_dim=128, block=128, topk=16)
+    w = edge_case_workload(shape, dtype, [700, 300], [13, 6], True, pad=0.3, seed=2)
+    sch = PackedSchedule(w, 8)
+    out = torch.empty(w.n_tokens, 64, 128, dtype=torch.bfloat16)
+    lse = torch.empty(w.n_tokens, 64)
+    monkeypatch.setattr(cb, "num_ctas", lambda device, tiles: min(132, tiles))
+    lib = _Library()
+    stage = cb.QPackedCuteAttention(w, sch, out, lse, ql.QPackedConfig(dtype), library=lib)
+    assert lib.loaded
+    b = sch.buffers
+    v = stage.v
+    expect = [w.q, w.k_cache, v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"], b["tile_limit"],
+              out, lse]
+    assert lib.ptrs == [t.data_ptr() for t in expect]
+    pages = w.num_pages
+    assert lib.rows == [w.n_tokens * 64, pages * 4 * 128, pages * 4 * 128, sch.n_token_tiles, sch.n_token_tiles,
+                        4 * sch.n_token_tiles, 4 * sch.n_token_tiles * 128, 4 * sch.n_token_tiles * 128 * 8,
+                        w.n_tokens * 64, w.n_tokens * 64]
+    assert stage.scalars == (4, sch.n_token_tiles, 128, 4 * sch.n_token_tiles, w.sm_scale * w.q_scale * w.k_scale,
+                             w.v_scale)
+    if dtype == "fp8":
+        # d-major, and stored key k of every 16 holds the true key fp8_v_key_order()[k]
+        order = torch.tensor(fp8_v_key_order())
+        true_keys = (torch.arange(128).view(8, 16) // 16 * 16 + order).view(-1)
+        assert torch.equal(v.float(), w.v_cache.float()[:, :, true_keys, :].transpose(-1, -2))
+    else:
+        assert v is w.v_cache
+
+
+def test_stage_skips_an_empty_schedule(monkeypatch):
+    shape = AttnShape(hq=64, hkv=4, head_dim=128, block=128, topk=16)
+    w = edge_case_workload(shape, "bf16", [300], [4], True, seed=0)
+    sch = PackedSchedule(w, 8)
+    sch.n_token_tiles = 0
+    lib = _Library()
+    stage = cb.QPackedCuteAttention(w, sch, torch.empty(4, 64, 128, dtype=torch.bfloat16), torch.empty(4, 64),
+                                    ql.QPackedConfig("bf16"), library=lib)
+    stage()
+    assert stage.grid == 0 and lib.launches == []
+
+
+def test_other_geometry_is_unavailable():
+    from msa_bench.kernels.base import BackendUnavailable
+    w = edge_case_workload(AttnShape(hq=8, hkv=2, head_dim=32, block=32, topk=4), "bf16", [100], [5], True)
+    with pytest.raises(BackendUnavailable, match="G 16, D 128, block 128"):
+        cb.check_cute_shape(w, "q-packed-cute")
+
+
+def test_build_kernels_bad_q_packed_is_one_line():
+    proc = _cli("build-kernels", "--q-packed", "some")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--q-packed must be one of default, all, none" in proc.stderr
+
+
+# ---- the sm_90a build -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every q-packed configuration compiled for sm_90a through the CLI (no KV-outer libraries), PTX and
+    cubin kept for inspection."""
+    if dsl_unavailable_reason():
+        pytest.skip(f"CuTe DSL not installed: {dsl_unavailable_reason()}")
+    from msa_bench.kernels.cute.build import cuda_home
+    if not (cuda_home() / "include" / "cuda_runtime_api.h").is_file() or not shutil.which("g++"):
+        pytest.skip(f"linking the CuTe libraries needs g++ and CUDA 13 headers at {cuda_home()} (or $CUDA_HOME)")
+    out = tmp_path_factory.mktemp("qpk")
+    dump = tmp_path_factory.mktemp("qpk_dump")
+    proc = _cli("build-kernels", "--arch", "sm_90a", "--out", str(out), "--no-kv-outer", "--q-packed", "all",
+                env={"CUTE_DSL_KEEP": "ptx,cubin", "CUTE_DSL_DUMP_DIR": str(dump), "CUTE_DSL_NO_CACHE": "1",
+                     "CUTE_DSL_DISABLE_FILE_CACHING": "1"})
+    assert proc.returncode == 0, proc.stderr
+    return out, dump
+
+
+def _artifact(dump: Path, cfg: ql.QPackedConfig, ext: str) -> Path:
+    tag = f"QPackedSm90_{cfg.dtype}" + ("_pingpong" if cfg.pingpong else "") + ("_sahead" if cfg.s_ahead else "")
+    paths = [p for p in glob.glob(str(dump / f"*{tag}_FakeTensor*.{ext}"))]
+    assert len(paths) == 1, (tag, ext, paths)
+    return Path(paths[0])
+
+
+def test_build_writes_every_config_and_its_manifest(built):
+    out, _ = built
+    data = json.loads((out / ql.MANIFEST_NAME).read_text())
+    assert data["arch"] == "sm_90a" and data["source_hash"] == ql.source_hash() and data["dsl_version"] == "4.8.1"
+    assert not (out / "manifest.json").exists()                     # --no-kv-outer
+    assert {e["name"] for e in data["configs"]} == {c.name for c in ALL}
+    versions = {e["name"]: e["kernel_version"] for e in data["configs"]}
+    for cfg in ALL:
+        path, why = ql.find_library(cfg, out, "sm_90a")
+        assert why is None and path.stat().st_size > 10_000
+        assert versions[cfg.name].startswith("qp1-") and ("pingpong" in versions[cfg.name]) == cfg.pingpong
+        assert ("s-ahead" in versions[cfg.name]) == cfg.s_ahead
+
+
+@pytest.mark.parametrize("cfg", ALL, ids=[c.name for c in ALL])
+def test_ptx_holds_the_pipeline_of_each_option(built, cfg):
+    """384 threads, registers moved 56 -> 224 from the producer warpgroup to the consumers, K/V by TMA
+    into mbarrier stages (fp8: one box per 128-byte row; bf16: two), Q by cp.async with a noinc arrive,
+    O by stmatrix and TMA stores, the deadlock watchdog; one S and one P V wgmma group per block
+    (s-ahead: twice, the loop's and the prologue/epilogue's, with S waited while P V runs); pingpong:
+    named barriers of the two consumer warpgroups (256 threads), none otherwise."""
+    _, dump = built
+    ptx = _artifact(dump, cfg, "ptx").read_text()
+    assert ".reqntid 384, 1, 1" in ptx
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+56;", ptx)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+224;", ptx)
+    boxes = 2 if cfg.dtype == "bf16" else 1
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") == 2 * boxes
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2          # (16, 128) bf16 O: two boxes
+    assert "mbarrier.arrive.expect_tx" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert ptx.count("cp.async.cg.shared.global") == (32 if cfg.dtype == "bf16" else 16)
+    assert "stmatrix.sync.aligned" in ptx and "trap;" in ptx
+    groups = 4 if cfg.s_ahead else 2
+    k_steps = 8 if cfg.dtype == "bf16" else 4
+    assert ptx.count("wgmma.commit_group") == groups and ptx.count("wgmma.mma_async") == groups * k_steps
+    assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == cfg.s_ahead
+    assert ptx.count("ex2.approx") == (2 if cfg.s_ahead else 1) * 66   # 64 P and 2 alpha per softmax site
+    named = re.findall(r"\b(?:bar|barrier)(?:\.cta)?\.(sync|arrive)(?:\.aligned)?\s+(\S+),\s*(\d+);", ptx)
+    if cfg.pingpong:
+        assert {kind for kind, _, n in named if n == "256"} == {"sync", "arrive"}
+    else:
+        assert named == []
+
+
+def _nvdisasm() -> str | None:
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    return str(bundled) if bundled.is_file() else None
+
+
+@pytest.mark.parametrize("cfg", ALL, ids=[c.name for c in ALL])
+def test_sass_keeps_the_wgmma_groups_asynchronous(built, cfg):
+    """ptxas serializes every wgmma of a kernel when it finds too few registers (C7512): then each GMMA
+    carries its own scoreboard and waits. Here only the last GMMA of each group does, so S and P V run
+    asynchronously (s-ahead: S(j + 1) under the softmax of j needs that)."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not found (CUDA toolkit or Triton's bundled copy)")
+    _, dump = built
+    sass = subprocess.run([tool, "-c", str(_artifact(dump, cfg, "cubin"))], capture_output=True, text=True,
+                          check=True).stdout
+    gmma = [line for line in sass.splitlines() if re.search(r"\b[HQ]GMMA\.", line)]
+    k_steps = 8 if cfg.dtype == "bf16" else 4
+    groups = 4 if cfg.s_ahead else 2
+    assert len(gmma) == groups * k_steps
+    assert sum("gsb0" in line for line in gmma) == groups
