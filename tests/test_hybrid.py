@@ -45,7 +45,7 @@ def test_split_covers_every_pair_once(seed, P, share, causal, hot, pad, reqs):
     shape = AttnShape(hq=4, hkv=2, head_dim=16, block=16, topk=4)
     w = edge_case_workload(shape, "fp32", [max(kv, n) for kv, n in reqs], [n for _, n in reqs], causal, hot, pad,
                            seed=seed)
-    sch = PackedSchedule(w, P, min_share=share)
+    sch = PackedSchedule(w, P, min_share=share, residual=True)
     sch()
     packed, residual = split_pairs(w, sch)
     sel = w.selection.cpu()
