@@ -15,7 +15,8 @@ from ..kv_outer import triton_mode  # noqa: F401  (sets TRITON_INTERPRET on CPU 
 import triton
 import triton.language as tl
 
-NO_KEY: tl.constexpr = -1       # a token's limit for a union block it did not select
+NO_KEY = -1                      # a token's limit for a union block it did not select
+_NO_KEY = tl.constexpr(NO_KEY)   # the same, where a Triton kernel reads it
 
 
 def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile: int,
@@ -82,7 +83,7 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
     tl.store(tile_page_ptr + base + i, tl.full([U_P2], -1, tl.int32), mask=(i >= count) & (i < U))
     # limits [U, P]: NO_KEY everywhere, then each kept entry's limit at (its slot, its token)
     cell = tl.arange(0, U_P2 * P)
-    tl.store(tile_limit_ptr + base * P + cell, tl.full([U_P2 * P], NO_KEY, tl.int32), mask=cell < U * P)
+    tl.store(tile_limit_ptr + base * P + cell, tl.full([U_P2 * P], _NO_KEY, tl.int32), mask=cell < U * P)
     tl.debug_barrier()
     token = entry // TOPK
     limit = tl.minimum(tl.load(q_limit_ptr + tok0 + token, mask=valid, other=0) - blk_s * BLOCK, BLOCK - 1)
