@@ -154,7 +154,7 @@ def compare_runs(base: Run, new: Run, threshold: float = 0.05, counter_tolerance
     cpu = [name for name, run in (("the baseline has", base), ("the new run has", new)) if run.timer != TIMER_GPU]
     judged = not cpu
     if not judged:
-        warnings.append(CPU_TIMINGS.format(which=" and ".join(cpu)))
+        warnings.append(CPU_TIMINGS.format(which="both runs have" if len(cpu) == 2 else cpu[0]))
     findings = []
     bs, ns = _samples_by_key(base), _samples_by_key(new)
     ok_new = set(new.status.loc[new.status["status"] == STATUS_OK, ["point_key", "backend"]].itertuples(
