@@ -364,6 +364,7 @@ def compare(
     or did not time. Exit 3 on an internal error. 0 otherwise. Host (CPU) timings are listed, never judged:
     on CPU runs only a unit that now fails is a regression. Times in microseconds."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .harness.compare import IMPROVEMENT, REGRESSION, compare_runs, parse_threshold
@@ -373,7 +374,7 @@ def compare(
     result = compare_runs(load_run(baseline), load_run(new), threshold, tol)
     console = Console(width=None if sys.stdout.isatty() else 220)   # logs and CI: do not truncate rows
     for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)     # whole lines, text as is
     shown = result.findings if show_all else result.of(REGRESSION) + result.of(IMPROVEMENT)
     if shown:
         table = Table(title=f"{new} vs {baseline}")
@@ -384,7 +385,7 @@ def compare(
             fmt = (lambda v: f"{v * 1e6:.2f} µs") if f.kind == "time" else (lambda v: f"{v:.4g}")
             table.add_row(f"[{color}]{f.verdict}[/]" if color else f.verdict, f.backend, f.dtype, f.stage, f.kind,
                           fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}", "" if f.p_value is None else f"{f.p_value:.3g}",
-                          f.note or f.point_key)
+                          escape(f.note or f.point_key))
         console.print(table)
     n_reg, n_imp = len(result.of(REGRESSION)), len(result.of(IMPROVEMENT))
     console.print(f"{len(result.findings)} compared: {n_reg} regression(s), {n_imp} improvement(s) "

@@ -554,8 +554,9 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     results.write_meta(run_dir, meta)
 
     runner = _Runner(run_dir, device, grid.timing, req.counters, notes)
+    from rich.markup import escape
     for note in notes:
-        console.print(f"[bold yellow]note:[/] {note}")
+        console.print(f"[bold yellow]note:[/] {escape(note)}")
     start_notes = len(notes)
     damaged = results.damaged_units(run_dir)
     for uid in damaged:                   # kept as units/.damaged-<uid>; their units are run again
@@ -563,9 +564,9 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     done = results.finished_units(run_dir)
     skipped = sum(1 for uid in grid.mine_ids if uid in done)
     if skipped or damaged:
-        console.print(f"resuming {run_dir}: {skipped} of {len(grid.mine_ids)} units already finished"
-                      + (f"; set aside {len(damaged)} damaged unit folder(s) as units/.damaged-*, their units "
-                         f"run again: {'; '.join(damaged.values())}" if damaged else ""))
+        console.print(escape(f"resuming {run_dir}: {skipped} of {len(grid.mine_ids)} units already finished"
+                             + (f"; set aside {len(damaged)} damaged unit folder(s) as units/.damaged-*, their "
+                                f"units run again: {'; '.join(damaged.values())}" if damaged else "")))
     try:
         with _progress(console) as progress:
             loop = _Loop(runner, run_dir, grid, done, progress, device)

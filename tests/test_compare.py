@@ -143,10 +143,10 @@ def test_more_bytes_moved_is_a_regression(tmp_path, cli):
 def test_different_scenario_is_only_a_warning(tmp_path, cli):
     new = copy_run(tmp_path)
     meta = json.loads((new / "run.json").read_text())
-    meta["scenario"] = "renamed"
+    meta["scenario"] = 'renamed [error] {"v": [2]}'                  # brackets are text, not markup
     (new / "run.json").write_text(json.dumps(meta))
     code, out, _ = cli("compare", GPU_RUN, new)
-    assert code == 0 and "different scenario" in out
+    assert code == 0 and "different scenario" in out and 'renamed [error] {"v": [2]}' in out
 
 
 def test_unusable_input_exits_2(tmp_path, cli, one_error_line):
