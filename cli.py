@@ -301,9 +301,10 @@ def sweep(
     reps: int = typer.Option(None, help="Timed repetitions per stage (GPU: at least this many CUDA-graph replays; "
                                         "CPU: host-timed module runs)."),
 ):
-    """Check every backend against the reference, then time each stage and the whole module per point
-    (CUDA-graph replay, cold L2; seconds), with NVML telemetry and optional ncu counters. Each finished
-    (point, backend) is written at once; on Ctrl-C the folder and the command that resumes it are printed.
+    """Time each stage and the whole module per point and backend (CUDA-graph replay, cold L2; seconds), with
+    NVML telemetry and optional ncu counters, and check the output of the timed runs against the float64
+    reference (a unit that disagrees fails; its timings are discarded). Each finished (point, backend) is
+    written at once; on Ctrl-C the folder and the command that resumes it are printed.
     Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed), 2 on bad input or a
     point that cannot fit in memory (refused before anything runs), 130 when interrupted."""
     from .harness.sweep import SweepInterrupted, SweepRequest, run_sweep
