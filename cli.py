@@ -27,28 +27,38 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 # ---- workloads and scenarios (selection generators, statistics, shipped scenario files) -------
+DEVICE_HELP = ("Roofline device profile: b200, h100, h200 or a PROFILE.json from `msa-bench calibrate`. "
+               "Default: the profile of this machine's GPU where one matches it, else h200.")
+
+
 @app.command()
 def workload(
     generator: str = typer.Option("synthetic", help="synthetic (hits a target reuse), real-prefill (an MSA production "
                                                    "prefill case, see --case) or indexer (top-k by query . mean-pooled "
                                                    "keys of structured Q/K; draws the tensors, so it is slower)."),
-    reuse: float = typer.Option(0.25, help="Target reuse nsb/N for synthetic: distinct selected (KV head, block) pairs "
-                                           "per query token. At most Hkv x context blocks / N and Hkv x topk."),
-    tokens: int = typer.Option(16384, help="N query tokens (synthetic, indexer)."),
-    context: int = typer.Option(131072, help="Context length in tokens, i.e. context / --block blocks (synthetic, indexer)."),
-    skew: float = typer.Option(0.0, help="Zipf exponent of block popularity for synthetic (0: uniform)."),
+    reuse: float = typer.Option(None, help="Target reuse nsb/N for synthetic: distinct selected (KV head, block) pairs "
+                                           "per query token. At most Hkv x context blocks / N and Hkv x topk. "
+                                           "Default 0.25.", show_default=False),
+    tokens: int = typer.Option(None, help="N query tokens (synthetic, indexer). Default 16384.", show_default=False),
+    context: int = typer.Option(None, help="Context length in tokens, i.e. context / --block blocks (synthetic, "
+                                           "indexer). Default 131072.", show_default=False),
+    skew: float = typer.Option(None, help="Zipf exponent of block popularity for synthetic (0: uniform). Default 0.",
+                               show_default=False),
+    causal: bool = typer.Option(None, "--causal/--no-causal", help="Chunked causal prefill (synthetic, indexer): the N "
+                                "queries are the context's last N tokens and each query's own block is its last "
+                                "selected block. Default: not causal.", show_default=False),
     share: float = typer.Option(None, help="Co-selection for synthetic: the fraction (0 to 1) of its top-k each group "
                                            "of --share-group consecutive tokens shares; the rest each token draws on "
-                                           "its own (sets union_ratio at P = group). Default: not co-selected."),
-    share_group: int = typer.Option(8, help="Tokens per co-selection group (with --share)."),
-    causal: bool = typer.Option(False, "--causal", help="Chunked causal prefill: the N queries are the context's last N "
-                                                        "tokens and each query's own block is its last selected block."),
+                                           "its own (sets union_ratio at P = group). Default: not co-selected.",
+                                show_default=False),
+    share_group: int = typer.Option(None, help="Tokens per co-selection group (with --share). Default 8.",
+                                    show_default=False),
     case: str = typer.Option(None, "--case", help="MSA prefill case id for real-prefill, e.g. prefill_c17ccf7fbbb5d1ee5648 "
-                                                  "(the real-prefill scenario lists the representative ones)."),
+                                                  "(`msa-bench scenarios --cases` lists them)."),
     dtype: str = typer.Option("bf16", help="Data type: bf16, fp8 (e4m3), fp16 or fp32."),
-    seed: int = typer.Option(0, help="Seed of the selection (synthetic, indexer) and the tensors."),
-    device: str = typer.Option("h200", "--device", help="Roofline device profile for predicted times: b200, h100, h200 "
-                                                        "or a PROFILE.json from `msa-bench calibrate`."),
+    seed: int = typer.Option(None, help="Seed of the selection (synthetic, indexer) and the tensors, in [0, 2^63). "
+                                        "Default 0.", show_default=False),
+    device: str = typer.Option(None, "--device", help=DEVICE_HELP, show_default=False),
     hq: int = typer.Option(64, help="Query heads."),
     hkv: int = typer.Option(4, help="KV heads (must divide --hq)."),
     head_dim: int = typer.Option(128, help="Head dimension D (elements)."),
@@ -59,35 +69,19 @@ def workload(
     """Generate one workload's selection and print its statistics: reuse nsb/N, fan-in of queries per selected
     (KV head, block), co-selection (union_ratio: distinct blocks of a tile of P consecutive tokens over one
     token's, at P = 8 and 16), visible selected tokens, useful FLOPs and the roofline's predicted time per
-    schedule."""
+    schedule. An option the generator does not use is refused, as in a scenario file."""
     import json
-    from .errors import UserError
-    from .scenarios.grid import GENERATORS, Point, make_workload
+    from .scenarios.grid import check_point_fits, make_workload, point_from_options
     from .scenarios.stats import prediction_rows, stat_rows, workload_stats
-    from .scenarios.workload import DATA_DTYPES, AttnShape
+    from .scenarios.workload import AttnShape
+    from .roofline.devices import default_device_name, load_device
 
-    if generator not in GENERATORS:
-        raise UserError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
-    if dtype not in DATA_DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
     shape = AttnShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk)
-    if generator == "real-prefill":
-        from .scenarios.prefill_cases import get_case
-        if not case:
-            raise UserError("--generator real-prefill needs --case CASE_ID (e.g. prefill_c17ccf7fbbb5d1ee5648; "
-                            "`msa-bench scenarios` -> real-prefill lists the representative cases)")
-        c = get_case(case)
-        point = Point("real-prefill", c.total_q, c.max_final_kv, None, 0.0, True, dtype, seed, c.case_id, c.weight, shape)
-    else:
-        if case:
-            raise UserError("--case applies only to --generator real-prefill")
-        if share is not None and generator != "synthetic":
-            raise UserError("--share applies only to --generator synthetic")
-        synthetic = generator == "synthetic"
-        point = Point(generator, tokens, context, reuse if synthetic else None, skew, causal, dtype, seed, None, 1.0,
-                      shape, share if synthetic else None, share_group if share is not None else None)
-    from .roofline.devices import load_device
-    profile = load_device(device)
+    point = point_from_options(generator, shape, dtype, tokens=tokens, context=context, reuse=reuse, skew=skew,
+                               causal=causal, cases=case, seed=seed,
+                               share=share, share_group=share_group)
+    profile = load_device(device or default_device_name())
+    check_point_fits(point, "cpu", with_tensors=False, partials=False)
     stats = workload_stats(make_workload(point, with_tensors=False), profile)
     if as_json:
         typer.echo(json.dumps(stats))
@@ -110,14 +104,27 @@ def workload(
 
 
 @app.command()
-def scenarios():
+def scenarios(
+    cases: bool = typer.Option(False, "--cases", help="List the real-prefill case ids instead (for "
+                                                       "`msa-bench workload --generator real-prefill --case ID`)."),
+):
     """List the shipped scenarios (grids of workloads: tokens, context in tokens, reuse = nsb/N, dtypes) with
-    their one-line descriptions. Run one with `msa-bench sweep --scenario NAME`."""
+    their one-line descriptions. Run one with `msa-bench sweep --scenario NAME`. --cases lists the shipped
+    MSA prefill cases: id, query tokens, final context tokens, call weight."""
     from rich.console import Console
     from rich.table import Table
     from .scenarios.grid import list_scenarios, load_scenario
     from .errors import UserError
 
+    if cases:
+        from .scenarios.prefill_cases import load_cases
+        table = Table(title="real-prefill cases (representative ones are in the real-prefill scenario)")
+        for col in ("case id", "query tokens", "context tokens", "weight"):
+            table.add_column(col, justify="left" if col == "case id" else "right")
+        for c in sorted(load_cases().values(), key=lambda c: (-c.weight, c.total_q)):
+            table.add_row(c.case_id, f"{c.total_q:,}", f"{c.max_final_kv:,}", f"{c.weight:g}")
+        Console().print(table)
+        return
     table = Table(title="shipped scenarios")
     for col in ("name", "points (workload x dtype)", "description"):
         table.add_column(col, justify="right" if col.startswith("points") else "left")
@@ -135,17 +142,20 @@ def scenarios():
 def check(
     backend: str = typer.Option("kv-outer", help="Backend to check: kv-outer, msa-scatter, flashinfer, reference, ..."),
     dtype: str = typer.Option(None, help="Data type: bf16, fp8 (e4m3), fp16 or fp32 (default: bf16 on a GPU, fp16 on CPU, "
-                                         "where Triton's interpreter gets bf16 wrong)."),
-    tokens: int = typer.Option(0, help="N query tokens (default: 40 on CPU, 4096 on a GPU)."),
-    context: int = typer.Option(0, help="Context length in tokens (default: 256 on CPU, 32768 on a GPU)."),
-    reuse: float = typer.Option(None, help="Target nsb/N (distinct selected (KV head, block) pairs per token; default 0.5 CPU, 0.25 GPU)."),
+                                         "where Triton's interpreter gets bf16 wrong).", show_default=False),
+    tokens: int = typer.Option(None, help="N query tokens (default: 40 on CPU, 4096 on a GPU).", show_default=False),
+    context: int = typer.Option(None, help="Context length in tokens (default: 256 on CPU, 32768 on a GPU).",
+                                 show_default=False),
+    reuse: float = typer.Option(None, help="Target nsb/N (distinct selected (KV head, block) pairs per token; default 0.5 CPU, 0.25 GPU).",
+                                show_default=False),
     causal: bool = typer.Option(False, help="Chunked causal prefill: each query's own block is its last selected block."),
     seed: int = typer.Option(0, help="Seed of the selection and the tensors."),
-    hq: int = typer.Option(0, help="Query heads (default: 8 on CPU, 64 on a GPU)."),
-    hkv: int = typer.Option(0, help="KV heads (default: 2 on CPU, 4 on a GPU)."),
-    head_dim: int = typer.Option(0, help="Head dimension (default: 32 on CPU, 128 on a GPU)."),
-    block: int = typer.Option(0, help="KV block size in tokens (default: 16 on CPU, 128 on a GPU)."),
-    topk: int = typer.Option(0, help="Blocks kept per query and KV head (default: 4 on CPU, 16 on a GPU)."),
+    hq: int = typer.Option(None, help="Query heads (default: 8 on CPU, 64 on a GPU).", show_default=False),
+    hkv: int = typer.Option(None, help="KV heads (default: 2 on CPU, 4 on a GPU).", show_default=False),
+    head_dim: int = typer.Option(None, help="Head dimension (default: 32 on CPU, 128 on a GPU).", show_default=False),
+    block: int = typer.Option(None, help="KV block size in tokens (default: 16 on CPU, 128 on a GPU).", show_default=False),
+    topk: int = typer.Option(None, help="Blocks kept per query and KV head (default: 4 on CPU, 16 on a GPU).",
+                              show_default=False),
 ):
     """Run one backend on a synthetic workload, compare with the float64 reference (sampled rows when N > 512)
     and print per-stage checks; the maximum relative error is printed last. Exit 0 only within tolerance
@@ -160,12 +170,19 @@ def check(
         raise UserError(f"--dtype must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
     for name, value in (("tokens", tokens), ("context", context), ("hq", hq), ("hkv", hkv), ("head-dim", head_dim),
                         ("block", block), ("topk", topk)):
-        if value < 0:
+        if value is not None and value <= 0:
             raise UserError(f"--{name} must be positive, got {value}")
     base = AttnShape() if torch.cuda.is_available() else CPU_SHAPE
     shape = AttnShape(hq=hq or base.hq, hkv=hkv or base.hkv, head_dim=head_dim or base.head_dim,
                       block=block or base.block, topk=topk or base.topk)
     req = default_request(backend, dtype, tokens or None, context or None, reuse, causal, seed, shape)
+    from .scenarios.workload import check_fits, footprint_bytes, size_problem
+    pages = -(-req.context // shape.block)
+    problem = size_problem(shape, req.tokens, req.context, pages, seed)
+    if problem:
+        raise UserError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
+    check_fits(footprint_bytes(shape, dtype, req.tokens, pages), "cuda" if torch.cuda.is_available() else "cpu",
+               "this check's workload")
     w, (err, tol, details) = run_check(req)
     s = w.shape
     typer.echo(f"{backend} {dtype} on {w.device}: N={w.n_tokens} Hq={s.hq} Hkv={s.hkv} D={s.head_dim} "
@@ -187,7 +204,7 @@ def check(
 # ---- roofline ---------------------------------------------------------------------------------
 @app.command()
 def roofline(
-    device: str = typer.Option("b200", help="Device profile: b200, h100, h200, or a PROFILE.json from `msa-bench calibrate`."),
+    device: str = typer.Option(None, help=DEVICE_HELP, show_default=False),
     dtype: str = typer.Option("fp8", help="Q/K/V data type: fp8 (e4m3) or bf16."),
     partial_dtype: str = typer.Option("bf16", help="Data type of the KV-outer partial outputs: bf16 or fp8."),
     hq: int = typer.Option(64, help="Query heads."),
@@ -219,7 +236,8 @@ def roofline(
         raise UserError(f"--dtype must be fp8 or bf16, got {dtype!r}")
     if partial_dtype not in ("bf16", "fp8") or partial_dtype not in DTYPE_BYTES:
         raise UserError(f"--partial-dtype must be bf16 or fp8, got {partial_dtype!r}")
-    prof = load_device(device)
+    from .roofline.devices import default_device_name
+    prof = load_device(device or default_device_name())
     shape = ModelShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk, dtype=dtype, partial_dtype=partial_dtype)
     summary = roofline_summary(shape, prof, n_tokens=tokens)
     if as_json:
@@ -301,34 +319,48 @@ def sweep(
     backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@KERNEL runs that CuTe kernel (e.g. kv-outer-cute@v23) in every dtype instead of each dtype's default; @KERNEL+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles)."),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Override causal (chunked prefill) or not."),
     generator: str = typer.Option(None, help="Override the selection generator."),
-    out: str = typer.Option(None, help="Run folder (default results/runs/<scenario>-<UTC time>)."),
-    resume: bool = typer.Option(False, help="Continue the run in --out, skipping finished (point, backend) units."),
+    out: str = typer.Option(None, help="Run folder (default results/runs/<scenario>-<UTC time>; with --resume: the "
+                                       "latest unfinished run of the same options there)."),
+    resume: bool = typer.Option(False, help="Continue an interrupted run (--out, or the latest unfinished one), "
+                                            "skipping finished (point, backend) units and redoing damaged ones."),
     shard: str = typer.Option(None, help="Run slice i/n of the points (0-based i), e.g. 0/4; join with `msa-bench merge`."),
     counters: bool = typer.Option(False, help="Also collect ncu counters per stage (DRAM and L2 bytes, tensor-pipe "
                                               "instructions, kernel time); needs a GPU and ncu."),
     reps: int = typer.Option(None, help="Timed repetitions per stage (GPU: at least this many CUDA-graph replays; "
-                                        "CPU: host-timed runs)."),
+                                        "CPU: host-timed module runs)."),
 ):
-    """Check every backend against the reference, then time each stage and the whole module per point
-    (CUDA-graph replay, cold L2; seconds), with NVML telemetry and optional ncu counters. Each finished
-    (point, backend) is written at once; --resume continues an interrupted run."""
-    from .harness.sweep import SweepRequest, run_sweep
+    """Time each stage and the whole module per point and backend (CUDA-graph replay, cold L2; seconds), with
+    NVML telemetry and optional ncu counters, and check the output of the timed runs against the float64
+    reference (a unit that disagrees fails; its timings are discarded). Each finished (point, backend) is
+    written at once; on Ctrl-C the folder and the command that resumes it are printed.
+    Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed), 2 on bad input or a
+    point that cannot fit in memory (refused before anything runs), 130 when interrupted."""
+    from .harness.sweep import SweepInterrupted, SweepRequest, run_sweep
     req = SweepRequest(scenario=scenario, reuse=_split(reuse, "reuse", float), tokens=_split(tokens, "tokens", int),
                        context=_split(context, "context", int), skew=_split(skew, "skew", float),
                        dtypes=_split(dtype, "dtype"), backends=_split(backend, "backend"), causal=causal,
                        generator=generator, out=out, resume=resume, shard=shard, counters=counters, reps=reps,
                        argv=list(sys.argv))
-    summary = run_sweep(req)
+    try:
+        summary = run_sweep(req)
+    except SweepInterrupted as exc:
+        typer.echo(f"{exc}\nresume with: {exc.resume}", err=True)
+        raise typer.Exit(130)
     counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items())) or "no units"
     typer.echo(f"run folder: {summary.run_dir}  ({counts}"
                + (f"; {summary.skipped} were already done" if summary.skipped else "") + ")")
+    for (name, reason), n in sorted(summary.unavailable.items()):
+        typer.echo(f"  unavailable here ({n} unit{'s' if n > 1 else ''}): {reason}")
     for key, name, reason in summary.failures[:20]:
-        typer.echo(f"  not timed: {name} at {key}: {reason}")
+        typer.echo(f"  FAILED: {name} at {key}: {reason}")
     if len(summary.failures) > 20:
-        typer.echo(f"  ... and {len(summary.failures) - 20} more (see the status table)")
-    for note in summary.notes:
+        typer.echo(f"  ... and {len(summary.failures) - 20} more failed (status.json of each unit)")
+    for note in summary.late_notes:
         typer.echo(f"note: {note}")
     typer.echo(f"next: msa-bench report {summary.run_dir}")
+    if summary.failures:
+        typer.echo(f"error: {len(summary.failures)} unit(s) failed", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -355,10 +387,13 @@ def compare(
     counter_tolerance: str = typer.Option("2%", help="Relative change of bytes moved (ncu) tolerated."),
     show_all: bool = typer.Option(False, "--all", help="List every compared point, not only the changes."),
 ):
-    """Regression gate: exit 1 if any point is slower by more than --max-regression AND distinguishable from
+    """Regression gate. Exit 1 if any point is slower by more than --max-regression AND distinguishable from
     the baseline's raw samples (Mann-Whitney U p < 0.05 or disjoint IQRs), or moves more bytes, or now
-    fails; exit 2 on unusable input; 0 otherwise. Improvements are listed too."""
+    fails. Exit 2 on unusable input: a missing or damaged run or unit, or a baseline unit the new run lacks
+    or did not time. Exit 3 on an internal error. 0 otherwise. Host (CPU) timings are listed, never judged:
+    on CPU runs only a unit that now fails is a regression. Times in microseconds."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .harness.compare import IMPROVEMENT, REGRESSION, compare_runs, parse_threshold
@@ -368,7 +403,7 @@ def compare(
     result = compare_runs(load_run(baseline), load_run(new), threshold, tol)
     console = Console(width=None if sys.stdout.isatty() else 220)   # logs and CI: do not truncate rows
     for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)     # whole lines, text as is
     shown = result.findings if show_all else result.of(REGRESSION) + result.of(IMPROVEMENT)
     if shown:
         table = Table(title=f"{new} vs {baseline}")
@@ -379,11 +414,12 @@ def compare(
             fmt = (lambda v: f"{v * 1e6:.2f} µs") if f.kind == "time" else (lambda v: f"{v:.4g}")
             table.add_row(f"[{color}]{f.verdict}[/]" if color else f.verdict, f.backend, f.dtype, f.stage, f.kind,
                           fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}", "" if f.p_value is None else f"{f.p_value:.3g}",
-                          f.note or f.point_key)
+                          escape(f.note or f.point_key))
         console.print(table)
     n_reg, n_imp = len(result.of(REGRESSION)), len(result.of(IMPROVEMENT))
     console.print(f"{len(result.findings)} compared: {n_reg} regression(s), {n_imp} improvement(s) "
-                  f"(threshold {threshold:.1%}, counters {tol:.1%})")
+                  f"(threshold {threshold:.1%}, counters {tol:.1%}"
+                  + ("" if result.timings_judged else "; timings not judged: CPU run") + ")")
     if result.regressed:
         raise typer.Exit(1)
 
@@ -392,14 +428,19 @@ def compare(
 def merge(
     out: str = typer.Argument(..., help="New run folder to write."),
     shards: list[str] = typer.Argument(..., help="Run folders of `sweep --shard i/n`."),
-    force: bool = typer.Option(False, help="Merge shards of different scenarios, grids, GPUs or timers anyway."),
+    force: bool = typer.Option(False, help="Merge shards of different scenarios, grids, GPUs or timers anyway, and "
+                                           "folders that hold the same unit (the first folder's copy is kept)."),
 ):
-    """Join shard run folders into one run folder (refuses mixed scenarios or GPUs unless --force)."""
+    """Join shard run folders into one run folder. Refuses mixed scenarios or GPUs, damaged units, and a unit
+    held by two folders, unless --force (then the first folder's copy of such a unit is kept, and said)."""
     from .harness.results import merge_runs
     summary = merge_runs(out, shards, force=force)
-    typer.echo(f"merged {len(shards)} shard(s) into {out}: {summary['units']} units"
-               + (f", {summary['duplicates']} duplicate(s) skipped" if summary["duplicates"] else "")
+    typer.echo(f"merged {len(shards)} folder(s) into {out}: {summary['units']} units"
                + (f", {len(summary['missing'])} unit(s) of the grid still missing" if summary["missing"] else ""))
+    if summary["duplicates"]:
+        kept = sorted({a for _, a, _ in summary["duplicates"]})
+        typer.echo(f"  {len(summary['duplicates'])} unit(s) were in more than one folder: kept the copies from "
+                   f"{', '.join(kept)}, dropped the others")
 
 
 # ---- calibrate (device ceilings -> profile JSON) ---------------------------------------------------
@@ -425,8 +466,12 @@ def calibrate(
                f"in {result['seconds']:.0f} s")
 
 
+EXIT_INTERNAL = 3     # a crash: never a verdict's code (compare: 0 pass, 1 regression, 2 unusable input)
+
+
 def main() -> None:
-    """Console entry point: user errors become one line on stderr and a non-zero exit."""
+    """Console entry point: user errors become one line on stderr and exit 2; a command's negative verdict
+    exits 1; an internal error (a bug or a broken installation) exits 3, never a verdict's code."""
     from .errors import BackendUnavailable, UserError
     try:
         code = app(standalone_mode=False)
@@ -438,14 +483,18 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except ModuleNotFoundError as exc:
+        typer.echo(f"error: internal error: Python package {exc.name!r} is not installed; install the project "
+                   "with its dependencies (pip install -e .)", err=True)
+        sys.exit(EXIT_INTERNAL)
     except Exception as exc:  # click's own usage errors and anything unexpected: still one line
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # click/typer usage errors
             exc.show()
             sys.exit(exc.exit_code)
         if type(exc).__name__ == "Abort":
-            sys.exit(1)
-        typer.echo(f"error: {type(exc).__name__}: {exc}", err=True)
-        sys.exit(1)
+            sys.exit(130)
+        typer.echo(f"error: internal error: {type(exc).__name__}: {' '.join(str(exc).split())}", err=True)
+        sys.exit(EXIT_INTERNAL)
     sys.exit(code if isinstance(code, int) else 0)
 
 

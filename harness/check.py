@@ -1,6 +1,7 @@
 """`msa-bench check`: run one backend on one workload and compare it with the float64 reference.
 
-check_backend() is the reusable part (the sweep calls it to refuse timing arms that disagree).
+check_backend() is the reusable part; the sweep compares the output its timed runs left (compare_output)
+and discards the timings of an arm that disagrees.
 Without a GPU the Triton backends run in Triton's CPU interpreter; importing this module sets
 TRITON_INTERPRET=1 first (before triton is imported) when no CUDA device is visible.
 """
@@ -43,6 +44,33 @@ def _lse_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return relative_error(got[~empty], ref[~empty]) if (~empty).any() else 0.0
 
 
+def poison(plan) -> None:
+    """NaN-fill the plan's output (and LSE): a row no stage writes then fails the comparison."""
+    plan.output.fill_(float("nan"))
+    if plan.lse is not None:
+        plan.lse.fill_(float("nan"))
+
+
+def compare_output(plan, workload: Workload, rows=None, backend_name: str = ""):
+    """(max_rel_err, tol, details) of the output (and LSE) the plan's last run left, against the
+    float64 reference on `rows` (all rows when None)."""
+    if workload.device.type == "cuda":
+        torch.cuda.synchronize(workload.device)
+    idx = None if rows is None else torch.as_tensor(rows, device=workload.device).long()
+    ref_out, ref_lse = reference_attention(workload, idx)
+    out = plan.output if idx is None else plan.output[idx]
+    tol = tolerance(workload.dtype)
+    details = {"backend": backend_name, "rows": workload.n_tokens if idx is None else int(idx.numel()),
+               "out_rel_err": relative_error(out, ref_out), "info": plan.info,
+               "stages": list(plan.stages), "plan_seconds": plan.plan_seconds}
+    errs = [details["out_rel_err"]]
+    if plan.lse is not None:
+        lse = plan.lse if idx is None else plan.lse[idx]
+        details["lse_rel_err"] = _lse_error(lse, ref_lse)
+        errs.append(details["lse_rel_err"])
+    return max(errs), tol, details
+
+
 def check_backend(backend_name: str, workload: Workload, rows=None, stages: bool = False):
     """Plan and run `backend_name` on `workload` (outputs poisoned with NaN first) and compare with
     the reference on `rows` (all rows when None).
@@ -58,29 +86,15 @@ def check_backend(backend_name: str, workload: Workload, rows=None, stages: bool
     except KeyError as exc:
         raise UserError(str(exc.args[0])) from None
     plan = backend.plan(workload)
-    plan.output.fill_(float("nan"))
-    if plan.lse is not None:
-        plan.lse.fill_(float("nan"))
+    poison(plan)
     plan.run()
-    if workload.device.type == "cuda":
-        torch.cuda.synchronize(workload.device)
-    idx = None if rows is None else torch.as_tensor(rows, device=workload.device).long()
-    ref_out, ref_lse = reference_attention(workload, idx)
-    out = plan.output if idx is None else plan.output[idx]
-    tol = tolerance(workload.dtype)
-    details = {"backend": backend_name, "rows": workload.n_tokens if idx is None else int(idx.numel()),
-               "out_rel_err": relative_error(out, ref_out), "info": plan.info,
-               "stages": list(plan.stages), "plan_seconds": plan.plan_seconds}
-    errs = [details["out_rel_err"]]
-    if plan.lse is not None:
-        lse = plan.lse if idx is None else plan.lse[idx]
-        details["lse_rel_err"] = _lse_error(lse, ref_lse)
-        errs.append(details["lse_rel_err"])
+    err, tol, details = compare_output(plan, workload, rows, backend_name)
     if stages and {"csr_ptr", "tile_key"} <= set(plan.buffers):
         from ..kernels.kv_outer.stage_checks import stage_checks
+        idx = None if rows is None else torch.as_tensor(rows, device=workload.device).long()
         check_rows = torch.arange(workload.n_tokens) if idx is None else idx
         details["stage_checks"] = stage_checks(plan, workload, check_rows.to(workload.device), tol)
-    return max(errs), tol, details
+    return err, tol, details
 
 
 # ---- workloads for the command -----------------------------------------------------------------

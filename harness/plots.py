@@ -159,6 +159,20 @@ def _co_selection_rooflines(ax, gd, device: DeviceProfile, tile: int) -> list[st
     return winners
 
 
+def _short(field: str, value) -> str:
+    """A grouping value as a short tick line: N16, T128K, T1M, z1, causal / not causal, or the value."""
+    if field == "causal":
+        return "causal" if value else "not causal"
+    prefix = {"tokens": "N", "context": "T", "skew": "z"}.get(field)
+    if prefix is None or not isinstance(value, (int, float, np.number)):
+        return str(value)
+    v = float(value)
+    for size, unit in ((1 << 20, "M"), (1 << 10, "K")):
+        if v >= size and v % size == 0:
+            return f"{prefix}{int(v) // size}{unit}"
+    return f"{prefix}{v:g}"
+
+
 def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]]:
     """Stacked per-stage median latency per backend (one panel per backend, one figure per dtype)."""
     t = ok_units(run)
@@ -183,14 +197,16 @@ def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]
                 ax.plot(pos, gb["module.median_s"].to_numpy() * 1e6, "k_", markersize=14, mew=2,
                         label="module (one graph)")
             fields = group_fields(gd)
-            labels = [f"{r['x']:.3g}" + "".join(f" {f}={r[f]}" for f in fields) for _, r in gb.iterrows()]
-            ax.set_xticks(pos, labels, rotation=60, ha="right", fontsize=6)
-            ax.set_xlabel("nsb/N (and what else varies)")
+            labels = ["\n".join([f"{r['x']:.3g}"] + [_short(f, r[f]) for f in fields]) for _, r in gb.iterrows()]
+            ax.set_xticks(pos, labels, fontsize=6)          # one value per line: no rotated labels
+            ax.set_xlabel("nsb/N" + (f"; below it {', '.join(fields)}" if fields else ""), fontsize=8)
             ax.set_ylabel("median latency (µs)")
             ax.set_title(backend, fontsize=9)
-            ax.legend(fontsize=7)
+        handles, names = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=len(names), fontsize=7,
+                   frameon=False)                           # above the panels, never over a bar
         fig.suptitle(_title(run, f"Per-stage latency, {dtype}"), fontsize=10)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 1, 0.92))
         figs.append((f"stages_{dtype}.png", fig))
     return figs
 

@@ -7,16 +7,24 @@
 
 A unit folder is written under a temporary name and renamed into place, so a unit either exists
 complete or not at all: an interrupted sweep keeps every finished unit and `--resume` skips them.
+
+Every reader goes through load_run, which checks content as well as bytes: the columns of each
+table, finite and positive times, the samples the stats claim (count and median per stage), a
+status file that names its own folder, and every planned unit of a run that says it is complete.
+A damaged unit is never read as data: compare, merge and report refuse the run, naming the units,
+and `sweep --resume` redoes them.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from ..errors import UserError
@@ -25,6 +33,7 @@ SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
 UNITS_DIR = "units"
 STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE = "ok", "failed", "unavailable"
+STATUSES = (STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE)
 STAT_COLUMNS = ["point_key", "backend", "schedule", "dtype", "stage", "statistic", "value", "timer"]
 SAMPLE_COLUMNS = ["point_key", "backend", "dtype", "stage", "rep", "seconds", "timer"]
 
@@ -148,6 +157,7 @@ class Run:
     status: pd.DataFrame      # one row per unit
     stats: pd.DataFrame       # tidy: unit x stage x statistic
     samples: pd.DataFrame     # raw timing samples
+    missing: list[str] = field(default_factory=list)   # planned units with no folder (an unfinished run)
 
     @property
     def timer(self) -> str:
@@ -171,25 +181,127 @@ def _read_parquet(path: Path) -> pd.DataFrame:
         raise UserError(f"corrupt results file {path}: {why}") from None
 
 
+def _read_table(path: Path, columns: list[str], required: bool) -> pd.DataFrame | None:
+    if not path.is_file():
+        if required:
+            raise UserError(f"corrupt results file {path}: missing (the unit says it was timed)")
+        return None
+    table = _read_parquet(path)
+    lacking = [c for c in columns if c not in table.columns]
+    if lacking:
+        raise UserError(f"corrupt results file {path}: no column {', '.join(lacking)}")
+    if required and table.empty:
+        raise UserError(f"corrupt results file {path}: no rows (the unit says it was timed)")
+    return table
+
+
+def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.DataFrame) -> None:
+    """The content of a timed unit: its own rows only, finite positive times, the samples its stats claim."""
+    for name, table in (("stats.parquet", stats), ("samples.parquet", samples)):
+        foreign = (table["point_key"] != status["point_key"]) | (table["backend"] != status["backend"])
+        if foreign.any():
+            raise UserError(f"corrupt results file {folder / name}: {int(foreign.sum())} row(s) of another unit")
+    seconds = pd.to_numeric(samples["seconds"], errors="coerce").to_numpy(dtype=float)
+    bad = ~np.isfinite(seconds)
+    if bad.any():
+        raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int(bad.sum())} of {len(seconds)} "
+                        "times are not finite numbers")
+    if (seconds <= 0).any():
+        raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int((seconds <= 0).sum())} of "
+                        f"{len(seconds)} times are not positive")
+    values = pd.to_numeric(stats["value"], errors="coerce").to_numpy(dtype=float)
+    if not np.isfinite(values).all():
+        raise UserError(f"corrupt results file {folder / 'stats.parquet'}: "
+                        f"{int((~np.isfinite(values)).sum())} values are not finite numbers")
+    by_stage = pd.Series(seconds).groupby(samples["stage"].to_numpy())
+    claims = stats[stats["statistic"].isin(("n_reps", "median_s"))]
+    claimed = {(r.stage, r.statistic): float(r.value) for r in claims.itertuples()}
+    stages = set(by_stage.groups)
+    if {stage for stage, stat in claimed if stat == "n_reps"} != stages:
+        raise UserError(f"corrupt results file {folder / 'samples.parquet'}: its stages "
+                        f"({', '.join(sorted(map(str, stages)))}) are not the ones stats.parquet summarizes")
+    for stage, group in by_stage:
+        n, median = claimed.get((stage, "n_reps")), claimed.get((stage, "median_s"))
+        if n != len(group) or median is None or not math.isclose(median, float(group.median()), rel_tol=1e-9):
+            claim = "nothing" if n is None or median is None else f"{int(n)} (median {median:.6g} s)"
+            raise UserError(f"corrupt results file {folder / 'samples.parquet'}: stage {stage} holds {len(group)} "
+                            f"samples (median {float(group.median()):.6g} s), stats.parquet claims {claim}")
+
+
+def read_unit(folder: Path) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:
+    """(status, stats, samples) of one finished unit folder; UserError (one line) when it is damaged."""
+    status_path = folder / "status.json"
+    if not status_path.is_file():
+        raise UserError(f"corrupt results file {status_path}: missing")
+    status = _read_json_object(status_path, "status", "no status field")
+    if status["status"] not in STATUSES:
+        raise UserError(f"corrupt results file {status_path}: unknown status {status['status']!r}")
+    key, backend = status.get("point_key"), status.get("backend")
+    if not isinstance(key, str) or not isinstance(backend, str) or unit_id(key, backend) != folder.name:
+        raise UserError(f"corrupt results file {status_path}: its point and backend are not the ones its folder "
+                        "is named after")
+    timed = status["status"] == STATUS_OK
+    stats = _read_table(folder / "stats.parquet", STAT_COLUMNS, required=timed)
+    samples = _read_table(folder / "samples.parquet", SAMPLE_COLUMNS, required=timed)
+    if timed:
+        _check_timed(folder, status, stats, samples)
+    return status, stats, samples
+
+
+def damaged_units(run_dir: str | Path) -> dict[str, str]:
+    """Finished units whose files cannot be trusted: unit id -> why (one line)."""
+    units = Path(run_dir) / UNITS_DIR
+    out = {}
+    for uid in sorted(finished_units(run_dir)):
+        try:
+            read_unit(units / uid)
+        except UserError as exc:
+            out[uid] = str(exc)
+    return out
+
+
+def set_aside(run_dir: str | Path, uid: str) -> Path:
+    """Move a damaged unit folder to units/.damaged-<uid> (kept for inspection, no longer a unit)."""
+    units = Path(run_dir) / UNITS_DIR
+    dest = units / f".damaged-{uid}"
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.rename(units / uid, dest)
+    return dest
+
+
+def _named(items: list[str], limit: int = 4) -> str:
+    shown = "; ".join(items[:limit])
+    return shown + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def load_run(run_dir: str | Path) -> Run:
-    """The whole run as three tables. Raises UserError (one line) on a missing or corrupt folder."""
+    """The whole run as three tables. Raises UserError (one line, naming the units) on a missing,
+    corrupt or damaged folder, and on a run that says it is complete but lacks planned units."""
     run_dir = Path(run_dir)
     meta = read_meta(run_dir)
-    status_rows, stats, samples = [], [], []
-    for uid in sorted(finished_units(run_dir)):
-        folder = run_dir / UNITS_DIR / uid
-        status_path = folder / "status.json"
-        if not status_path.is_file():
-            raise UserError(f"corrupt results file {status_path}: missing")
-        status = _read_json_object(status_path, "status", "no status field")
+    status_rows, stats, samples, damaged = [], [], [], []
+    done = finished_units(run_dir)
+    for uid in sorted(done):
+        try:
+            status, st, sa = read_unit(run_dir / UNITS_DIR / uid)
+        except UserError as exc:
+            damaged.append(str(exc))
+            continue
         status_rows.append({"unit": uid, **status})
-        for name, sink in (("stats.parquet", stats), ("samples.parquet", samples)):
-            if (folder / name).is_file():
-                sink.append(_read_parquet(folder / name))
+        stats += [st] if st is not None and len(st) else []
+        samples += [sa] if sa is not None and len(sa) else []
+    if damaged:
+        raise UserError(f"{run_dir} holds {len(damaged)} damaged unit(s): {_named(damaged)}"
+                        + ("; `msa-bench sweep --resume` redoes them" if not meta.get("merged_from") else ""))
+    missing = sorted(set(meta.get("units_planned") or []) - done)
+    if missing and meta.get("complete"):
+        raise UserError(f"{run_dir} says it is complete but {len(missing)} planned unit folder(s) are missing: "
+                        f"{_named(missing)}")
     status_df = pd.DataFrame(status_rows)
     stats_df = pd.concat(stats, ignore_index=True) if stats else pd.DataFrame(columns=STAT_COLUMNS)
     samples_df = pd.concat(samples, ignore_index=True) if samples else pd.DataFrame(columns=SAMPLE_COLUMNS)
-    return Run(run_dir, meta, status_df, stats_df, samples_df)
+    return Run(run_dir, meta, status_df, stats_df, samples_df, missing)
 
 
 def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = False) -> dict:
@@ -215,24 +327,31 @@ def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = 
                             "pass --force to merge anyway")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"merge output {out_dir} exists and is not empty")
-    copied, duplicates = set(), 0
+    runs = [load_run(d) for d in shard_dirs]    # validates every unit of every shard before anything is copied
+    source, duplicates = {}, []                  # unit -> the shard its copy comes from
     for d in shard_dirs:
-        load_run(d)  # validates every unit file before anything is copied
         for uid in sorted(finished_units(d)):
-            if uid in copied:
-                duplicates += 1
-                continue
-            dest = out_dir / UNITS_DIR / uid
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(Path(d) / UNITS_DIR / uid, dest)
-            copied.add(uid)
+            if uid in source:
+                duplicates.append((uid, source[uid], str(d)))
+            else:
+                source[uid] = str(d)
+    if duplicates and not force:
+        uid, a, b = duplicates[0]
+        raise UserError(f"{len(duplicates)} unit(s) are in more than one folder (e.g. {uid} in {a} and {b}); "
+                        "the shards of one sweep never overlap: pass --force to keep the first folder's copy")
+    for uid, d in source.items():
+        dest = out_dir / UNITS_DIR / uid
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(Path(d) / UNITS_DIR / uid, dest)
+    copied = set(source)
     planned = set()
     for m in metas:
         planned.update(m.get("grid_units") or m.get("units_planned") or [])
     merged = {k: v for k, v in first.items() if k not in ("shard", "units_planned", "complete")}
     merged.update(shard=None, units_planned=sorted(planned) if planned else sorted(copied),
-                  merged_from=[str(d) for d in shard_dirs],
+                  merged_from=[str(r.path) for r in runs],
                   shard_provenance=[m.get("provenance") for m in metas],
+                  duplicates_kept_from_first=[uid for uid, _, _ in duplicates],
                   complete=bool(planned) and planned <= copied)
     write_meta(out_dir, merged)
     return {"units": len(copied), "duplicates": duplicates, "missing": sorted(planned - copied)}

@@ -6,10 +6,11 @@ twice the L2 size (evicts the L2), record an event, replay the graph, record an 
 replays first, then at least `reps` samples (never fewer than 20); while the coefficient of
 variation exceeds `cv_target` more samples are taken, up to `max_reps`.
 
-CPU: the same loop with the plain stage callables and host perf_counter (no L2 flush, fewer reps,
-no CV re-measurement, preceding stages run once per batch rather than per sample because the Triton
-interpreter makes each stage cost seconds). Those numbers only exercise the pipeline; they are
-labelled timer="cpu" everywhere.
+CPU: each sample runs the whole module once, stage by stage, with host perf_counter around every
+stage and around the whole (no L2 flush, few reps, no warm-up by default: the sweep's check has
+just run the plan). One module run thus gives a sample of every stage, with its real inputs, which
+matters because the Triton interpreter makes each stage cost up to a second. Those numbers only
+exercise the pipeline; they are labelled timer="cpu" everywhere.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class TimingConfig:
     max_reps: int = 200
     cv_target: float = 0.03
     cold_l2: bool = True
-    cpu_warmup: int = 1
+    cpu_warmup: int = 0
     cpu_reps: int = 5
     cpu_max_reps: int = 5        # no CV re-measurement on CPU by default: its numbers mean nothing anyway
 
@@ -102,24 +103,6 @@ def coefficient_of_variation(seconds: list[float]) -> float:
     return statistics.stdev(seconds) / mean if mean > 0 else 0.0
 
 
-class _HostClock:
-    timer = TIMER_CPU
-
-    def __init__(self, plan):
-        self.targets: dict[str, Callable[[], None]] = dict(plan.stages)
-        self.targets[MODULE] = plan.run
-
-    def batch(self, target, before, n: int) -> list[float]:
-        out = []
-        for fn in before:
-            fn()
-        for _ in range(n):
-            start = time.perf_counter()
-            target()
-            out.append(time.perf_counter() - start)
-        return out
-
-
 class _GraphClock:
     timer = TIMER_GPU
 
@@ -173,17 +156,42 @@ def _measure(clock, name: str, target, before, warmup: int, reps: int, max_reps:
     return StageSamples(name, seconds, clock.timer, coefficient_of_variation(seconds) <= cv_target)
 
 
+def _time_host(plan, config: TimingConfig) -> dict[str, StageSamples]:
+    """CPU: every rep runs the module once, timing each stage and the whole; more reps while the
+    module's CV exceeds the target, up to cpu_max_reps."""
+    names = list(plan.stages)
+    seconds: dict[str, list[float]] = {name: [] for name in names + [MODULE]}
+
+    def rep(keep: bool) -> None:
+        start = time.perf_counter()
+        for name in names:
+            t = time.perf_counter()
+            plan.stages[name]()
+            if keep:
+                seconds[name].append(time.perf_counter() - t)
+        if keep:
+            seconds[MODULE].append(time.perf_counter() - start)
+
+    for _ in range(config.cpu_warmup):
+        rep(False)
+    for _ in range(config.cpu_reps):
+        rep(True)
+    max_reps = max(config.cpu_max_reps, config.cpu_reps)
+    while coefficient_of_variation(seconds[MODULE]) > config.cv_target and len(seconds[MODULE]) < max_reps:
+        rep(True)
+    converged = coefficient_of_variation(seconds[MODULE]) <= config.cv_target
+    return {name: StageSamples(name, s, TIMER_CPU, converged) for name, s in seconds.items()}
+
+
 def time_plan(plan, config: TimingConfig, device: torch.device | str) -> dict[str, StageSamples]:
     """Samples for `plan` (host planning time), each stage in order, and `module` (all stages)."""
     device = torch.device(device)
-    on_gpu = device.type == "cuda"
-    clock = _GraphClock(plan, device, config.cold_l2) if on_gpu else _HostClock(plan)
-    if on_gpu:
-        reps = max(config.reps, MIN_GPU_REPS)
-        warmup, max_reps = config.warmup, max(config.max_reps, reps)
-    else:
-        warmup, reps, max_reps = config.cpu_warmup, config.cpu_reps, config.cpu_max_reps
     results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], "host", True)}
+    if device.type != "cuda":
+        return results | _time_host(plan, config)
+    clock = _GraphClock(plan, device, config.cold_l2)
+    reps = max(config.reps, MIN_GPU_REPS)
+    warmup, max_reps = config.warmup, max(config.max_reps, reps)
     names = list(plan.stages)
     for i, name in enumerate(names):
         before = [clock.targets[n] for n in names[:i]]

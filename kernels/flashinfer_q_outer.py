@@ -128,15 +128,21 @@ class FlashInferQOuter(Backend):
         self.dtypes = ("bf16", "fp8")
 
     def unavailable_reason(self, dtype: str, device) -> str | None:
+        # what the machine lacks first (no GPU, no FlashInfer): it holds for every dtype, so it is the reason
+        no_gpu = torch.device(device).type != "cuda" or not torch.cuda.is_available()
+        try:
+            import_flashinfer()
+            missing = None
+        except BackendUnavailable as exc:
+            missing = str(exc)
+        if no_gpu:
+            return (f"{self.name} needs a CUDA GPU and FlashInfer (pip install -e '.[gpu]' on a GPU host); this "
+                    f"machine has no GPU{' and no FlashInfer' if missing else ''}")
+        if missing:
+            return missing
         reason = super().unavailable_reason(dtype, device)
         if reason:
             return reason
-        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-            return f"{self.name} needs a CUDA GPU (FlashInfer kernels); the workload is on {device}"
-        try:
-            import_flashinfer()
-        except BackendUnavailable as exc:
-            return str(exc)
         major, minor = torch.cuda.get_device_capability(torch.device(device))
         if self.variant == "prefill-fa3" and (major, minor) != (9, 0):
             return f"{self.name} uses FlashInfer's FA3 backend, which needs sm_90 (this GPU is sm_{major}{minor})"

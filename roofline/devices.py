@@ -103,3 +103,17 @@ def profile_for_gpu(gpu_name: str) -> DeviceProfile | None:
         if key in lowered:
             return PRESETS[key]
     return None
+
+
+FALLBACK_DEVICE = "h200"    # the study's GPU
+
+
+def default_device_name() -> str:
+    """The preset of this machine's GPU where one matches it, else h200: the one default of
+    `msa-bench roofline` and `msa-bench workload`."""
+    import torch
+    if torch.cuda.is_available():
+        prof = profile_for_gpu(torch.cuda.get_device_name())
+        if prof is not None:
+            return prof.name
+    return FALLBACK_DEVICE

@@ -1,6 +1,7 @@
 """Terminal rendering of the roofline summary (rich tables)."""
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -31,7 +32,8 @@ def print_roofline(summary: dict, console: Console | None = None) -> None:
               f"{_fmt_r(summary['crossover_nsb_per_n_l2_capacity'])}")
 
     table = Table(title=f"Bytes per query token at nsb = 0; K/V adds nsb/N x "
-                        f"{summary['kv_block_bytes_per_unit_reuse']:,} B at HBM (and at L2 for the KV-outer schedules)")
+                        f"{summary['kv_block_bytes_per_unit_reuse']:,} B at HBM (and at L2 for the KV-outer schedules)",
+                  box=box.SQUARE, padding=(0, 0), show_edge=False)     # 75 columns: whole numbers at 80
     table.add_column("schedule")
     table.add_column("level")
     for g in list(GROUPS) + ["total"]:

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from ..errors import UserError
 from .coselection import DEFAULT_GROUP
-from .workload import DATA_DTYPES, AttnShape, Workload, WorkloadError
+from .workload import (DATA_DTYPES, AttnShape, Workload, WorkloadError, check_fits, footprint_bytes,
+                       size_problem)
 
 GENERATORS = ("synthetic", "real-prefill", "indexer")
 TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
@@ -155,10 +156,16 @@ def _parse_grid(src: str, where: str, table) -> dict:
     for g in grid["generator"]:
         if g not in GENERATORS:
             raise UserError(f"{src}: {where}.generator: unknown generator {g!r} (known: {', '.join(GENERATORS)})")
-    for key in grid:
-        if not set(AXES[key][1]) & set(grid["generator"]):
-            raise UserError(f"{src}: {where}.{key} does not apply to generator {', '.join(grid['generator'])}")
+    key = inapplicable(grid, grid["generator"])
+    if key:
+        raise UserError(f"{src}: {where}.{key} does not apply to generator {', '.join(grid['generator'])}")
     return grid
+
+
+def inapplicable(keys, generators) -> str | None:
+    """The first axis in `keys` that none of `generators` uses (a scenario grid and the workload
+    command refuse it the same way), else None."""
+    return next((key for key in keys if not set(AXES[key][1]) & set(generators)), None)
 
 
 def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
@@ -181,8 +188,10 @@ def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
             except UserError as exc:
                 raise UserError(f"{src}: {where}.cases: {exc}") from None
             for case, dt, seed in itertools.product(cases, ax("dtypes"), ax("seed")):
-                points.append(Point("real-prefill", case.total_q, case.max_final_kv, None, 0.0, True, dt, seed,
-                                    case.case_id, case.weight, shape))
+                p = Point("real-prefill", case.total_q, case.max_final_kv, None, 0.0, True, dt, seed,
+                          case.case_id, case.weight, shape)
+                _check_point(src, where, p)
+                points.append(p)
             continue
         reuses = ax("reuse") if gen == "synthetic" else [None]
         skews = ax("skew") if gen == "synthetic" else [0.0]
@@ -199,7 +208,9 @@ def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
     return points
 
 
-def _check_point(src: str, where: str, p: Point) -> None:
+def point_problem(p: Point) -> tuple[str, str] | None:
+    """(axis, why) for a point that cannot be built as asked (bad sizes, overflowing indices or seed,
+    an infeasible reuse target), else None. Cheap: nothing is allocated."""
     from .selection import check_synthetic
     s = p.shape
     problems = [
@@ -208,23 +219,56 @@ def _check_point(src: str, where: str, p: Point) -> None:
         ("skew", p.skew < 0, f"skew (Zipf exponent) must be >= 0, got {_num(p.skew)}"),
         ("context", p.causal and p.context < p.tokens,
          f"causal: context ({p.context} tokens) must hold the {p.tokens} query tokens"),
-        ("context", not p.causal and -(-p.context // s.block) < s.topk,
+        ("context", not p.causal and p.context > 0 and -(-p.context // s.block) < s.topk,
          f"context {p.context} holds fewer than top-{s.topk} blocks of {s.block} tokens"),
     ]
     for key, bad, why in problems:
         if bad:
-            raise UserError(f"{src}: {where}.{key}: {why}")
+            return key, why
+    size = size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
+    if size:
+        return size
     if p.generator == "synthetic" and p.share is not None:
         from .coselection import check_coselection
         try:
             check_coselection(s, p.tokens, p.context, p.reuse, p.share, p.share_group, p.causal)
         except WorkloadError as exc:
-            raise UserError(f"{src}: {where}.share: {exc}") from None
+            return "share", str(exc)
     elif p.generator == "synthetic":
         try:
             check_synthetic(s, p.tokens, p.context, p.reuse, p.causal)
         except WorkloadError as exc:
-            raise UserError(f"{src}: {where}.reuse: {exc}") from None
+            return "reuse", str(exc)
+    return None
+
+
+def _check_point(src: str, where: str, p: Point) -> None:
+    problem = point_problem(p)
+    if problem:
+        key = problem[0] if problem[0] in AXES or problem[0] == "reuse" else f"shape.{problem[0]}"
+        raise UserError(f"{src}: {where}.{key}: {problem[1]}")
+
+
+def point_pages(p: Point) -> int:
+    """Physical pages of the point's paged cache (one per block of every request)."""
+    if p.generator == "real-prefill":
+        from .prefill_cases import get_case
+        return sum(-(-kv // p.shape.block) for kv in get_case(p.case_id).final_kv_lens)
+    return max(1, -(-p.context // p.shape.block))
+
+
+def point_footprint(p: Point, with_tensors: bool = True, partials: bool = True) -> int:
+    """workload.footprint_bytes for a point (the indexer always draws its tensors)."""
+    return footprint_bytes(p.shape, p.dtype, p.tokens, point_pages(p), with_tensors or p.generator == "indexer",
+                           partials)
+
+
+def check_point_fits(p: Point, device, with_tensors: bool = True, partials: bool = True) -> None:
+    """UserError (one line) when the point's workload cannot fit in the memory free on `device`."""
+    try:
+        check_fits(point_footprint(p, with_tensors, partials), device, f"point {p.key()}")
+    except WorkloadError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _points(src: str, grids: list[dict], shape: AttnShape) -> list[Point]:
@@ -357,6 +401,49 @@ def with_overrides(s: Scenario, *, reuse=None, tokens=None, context=None, skew=N
         if not new_backends or not all(isinstance(b, str) and b for b in new_backends):
             raise UserError(f"{src}: backends must be a non-empty list of backend names")
     return replace(s, backends=new_backends, points=_points(src, grids, s.shape), grids=grids, source=s.source)
+
+
+# ---- one point from command-line options (msa-bench workload) -----------------------------------
+
+OPTION_OF_AXIS = {"tokens": "--tokens", "context": "--context", "reuse": "--reuse", "skew": "--skew",
+                  "causal": "--causal", "cases": "--case", "dtypes": "--dtype", "seed": "--seed",
+                  "share": "--share", "share_group": "--share-group"}
+OPTION_DEFAULTS = {"tokens": 16384, "context": 131072, "reuse": 0.25, "skew": 0.0, "causal": False, "seed": 0}
+
+
+def point_from_options(generator: str, shape: AttnShape, dtype: str, **given) -> Point:
+    """The point the workload command's options describe, refused the way a scenario grid is: an option
+    its generator does not use, a missing case, or a point that cannot be built is a one-line UserError.
+    `given` holds the options set on the command line (tokens, context, reuse, skew, causal, cases, seed,
+    share, share_group)."""
+    if generator not in GENERATORS:
+        raise UserError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
+    if dtype not in DATA_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
+    given = {k: v for k, v in given.items() if v is not None}
+    key = inapplicable(given, [generator])
+    if key:
+        raise UserError(f"{OPTION_OF_AXIS[key]} does not apply to --generator {generator}")
+    value = lambda k: given.get(k, OPTION_DEFAULTS.get(k))
+    if "share_group" in given and "share" not in given:
+        raise UserError("--share-group needs --share (the fraction of its top-k a group of tokens shares)")
+    if generator == "real-prefill":
+        from .prefill_cases import get_case
+        if "cases" not in given:
+            raise UserError("--generator real-prefill needs --case CASE_ID (`msa-bench scenarios --cases` lists them)")
+        c = get_case(given["cases"])
+        p = Point("real-prefill", c.total_q, c.max_final_kv, None, 0.0, True, dtype, value("seed"), c.case_id,
+                  c.weight, shape)
+    else:
+        share = given.get("share")
+        p = Point(generator, value("tokens"), value("context"), value("reuse") if generator == "synthetic" else None,
+                  value("skew"), value("causal"), dtype, value("seed"), None, 1.0, shape, share,
+                  given.get("share_group", DEFAULT_GROUP) if share is not None else None)
+    problem = point_problem(p)
+    if problem:
+        option = OPTION_OF_AXIS.get(problem[0], f"--{problem[0].replace('_', '-')}")
+        raise UserError(f"{option}: {problem[1]}")
+    return p
 
 
 # ---- workloads ---------------------------------------------------------------------------------

@@ -107,8 +107,8 @@ def get_case(case_id: str) -> PrefillCase:
     if entry is not None:
         raise UserError(f"prefill case {case_id} (batch {entry['batch_size']}) is in the benchmark selection "
                         f"but its per-request lengths are not shipped (only batch-1 cases are)")
-    raise UserError(f"unknown prefill case {case_id!r}; `msa-bench workload --generator real-prefill` "
-                    f"accepts the {len(cases)} shipped case ids of data/{SHAPES_FILE}")
+    raise UserError(f"unknown prefill case {case_id!r}; `msa-bench scenarios --cases` lists the {len(cases)} "
+                    "shipped case ids")
 
 
 def representative_cases(max_total_q: int | None = None, max_final_kv: int | None = None) -> list[PrefillCase]:

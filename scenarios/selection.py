@@ -37,36 +37,84 @@ def local_blocks(q_limit: torch.Tensor, block: int) -> torch.Tensor:
     return torch.div(q_limit.long(), block, rounding_mode="floor")
 
 
+def _at(bad: torch.Tensor) -> tuple[int, int, int]:
+    """(head, token, slot) of the first True entry of a [Hkv, N, topk] mask."""
+    h, n, r = (int(x) for x in bad.nonzero()[0].tolist())
+    return h, n, r
+
+
+def _where(h: int, n: int, r: int) -> str:
+    return f"(head {h}, token {n}, slot {r})"
+
+
 def check_selection(selection: torch.Tensor, q_limit: torch.Tensor, block: int, causal: bool,
-                    blocks_per_request: torch.Tensor | None = None, q_request: torch.Tensor | None = None) -> None:
-    """Raise WorkloadError naming the first contract violation; return None if the selection is valid."""
-    sel = selection.long()
+                    blocks_per_request: torch.Tensor | None = None, q_request: torch.Tensor | None = None,
+                    page_table: torch.Tensor | None = None) -> None:
+    """Raise WorkloadError naming the first contract violation and its (head, token, slot); return None if
+    the selection is valid. With `page_table` (or `blocks_per_request`) and `q_request`, every id must
+    name a block of its query's request. Causal: no block after the query's own, which comes last. Not
+    causal: a block may lie wholly past the query's limit (fully masked: m = -inf, l = 0)."""
+    if selection.dim() != 3:
+        raise WorkloadError(f"selection must be [Hkv, N, topk], got shape {tuple(selection.shape)}")
+    sel = selection.long().cpu()
     hkv, n, topk = sel.shape
-    if q_limit.shape != (n,):
+    if tuple(q_limit.shape) != (n,):
         raise WorkloadError(f"q_limit has shape {tuple(q_limit.shape)}, expected ({n},)")
+    limit = q_limit.long().cpu()
     valid = sel >= 0
     if (sel < -1).any():
-        raise WorkloadError("selection holds ids below -1")
+        h, t, r = _at(sel < -1)
+        raise WorkloadError(f"selection holds id {int(sel[h, t, r])} below -1 at {_where(h, t, r)}")
     # padding only after valid entries: once invalid, stays invalid along the rank axis
-    if (valid[..., 1:] & ~valid[..., :-1]).any():
-        raise WorkloadError("selection has a valid id after -1 padding")
-    srt = torch.where(valid, sel, torch.full_like(sel, -1 - topk) - torch.arange(topk)).sort(dim=-1).values
-    if (srt[..., 1:] == srt[..., :-1]).any():
-        raise WorkloadError("selection repeats a block id within one (KV head, query)")
-    if blocks_per_request is not None:
-        limit = blocks_per_request.long()[q_request.long()].view(1, n, 1)
-        if (valid & (sel >= limit)).any():
-            raise WorkloadError("selection names a block outside its request's page table")
-    # no selected block may start past the query's limit (it would hold no visible key)
-    if (valid & (sel * block > q_limit.long().view(1, n, 1))).any():
-        raise WorkloadError("selection names a block that starts after the query's last visible key")
+    hole = valid[..., 1:] & ~valid[..., :-1]
+    if hole.any():
+        h, t, r = _at(hole)
+        raise WorkloadError(f"selection has a valid id after -1 padding at {_where(h, t, r + 1)}")
+    keyed = torch.where(valid, sel, -2 - torch.arange(topk))          # padding: distinct, below every id
+    srt, slot = keyed.sort(dim=-1, stable=True)
+    dup = srt[..., 1:] == srt[..., :-1]
+    if dup.any():
+        h, t, r = _at(dup)
+        raise WorkloadError(f"selection repeats block {int(srt[h, t, r])} within one (KV head, query) at "
+                            f"{_where(h, t, int(slot[h, t, r + 1]))}")
+    if page_table is not None and q_request is not None:
+        table = page_table.long().cpu()
+        req = q_request.long().cpu()
+        if tuple(req.shape) != (n,) or (req < 0).any() or (req >= table.shape[0]).any():
+            raise WorkloadError(f"q_request must hold {n} request indices in [0, {table.shape[0]})")
+        width = table.shape[1]
+        rows = req.view(1, n, 1).expand_as(sel)
+        page = torch.where(valid & (sel < width), table[rows, sel.clamp(0, width - 1)], torch.zeros_like(sel))
+        outside = valid & ((sel >= width) | (page < 0))
+        if outside.any():
+            h, t, r = _at(outside)
+            raise WorkloadError(f"selection names block {int(sel[h, t, r])} at {_where(h, t, r)}, past the blocks "
+                                f"of its request {int(req[t])} in the page table")
+    elif blocks_per_request is not None and q_request is not None:
+        blocks = blocks_per_request.long().cpu()[q_request.long().cpu()].view(1, n, 1)
+        if (valid & (sel >= blocks)).any():
+            h, t, r = _at(valid & (sel >= blocks))
+            raise WorkloadError(f"selection names block {int(sel[h, t, r])} at {_where(h, t, r)}, outside its "
+                                "request's page table")
     if causal:
+        # no selected block may start past the query's limit: it would be a future block
+        future = valid & (sel * block > limit.view(1, n, 1))
+        if future.any():
+            h, t, r = _at(future)
+            raise WorkloadError(f"causal selection names block {int(sel[h, t, r])} at {_where(h, t, r)}, which "
+                                f"starts after the query's last visible key {int(limit[t])}")
         count = valid.sum(-1)
         if (count == 0).any():
-            raise WorkloadError("causal selection has a query without its local block")
+            h, t = (int(x) for x in (count == 0).nonzero()[0].tolist())
+            raise WorkloadError(f"causal selection has no block at (head {h}, token {t}): a query keeps at least "
+                                "its local block")
         last = sel.gather(-1, (count - 1).unsqueeze(-1)).squeeze(-1)
-        if (last != local_blocks(q_limit, block).view(1, n)).any():
-            raise WorkloadError("causal selection does not end with the query's local block")
+        own = local_blocks(limit, block).view(1, n).expand(hkv, n)
+        wrong = last != own
+        if wrong.any():
+            h, t = (int(x) for x in wrong.nonzero()[0].tolist())
+            raise WorkloadError(f"causal selection does not end with the query's local block {int(own[h, t])} "
+                                f"at {_where(h, t, int(count[h, t]) - 1)} (it ends with {int(last[h, t])})")
 
 
 def append_local(history: torch.Tensor, count: torch.Tensor, local: torch.Tensor, topk: int) -> torch.Tensor:
@@ -102,9 +150,9 @@ def scattered_page_table(kv_lens: list[int], block: int, gen: torch.Generator) -
 def assemble(shape: AttnShape, dtype: str, selection: torch.Tensor, page_table: torch.Tensor,
              q_request: torch.Tensor, q_limit: torch.Tensor, num_pages: int, causal: bool, seed: int,
              device="cpu", with_tensors: bool = True, tensors=None, meta: dict | None = None) -> Workload:
-    """A Workload from a selection and its page tables.
+    """A Workload from a selection and its page tables (validated by build_workload).
 
-    with_tensors=True draws seeded random Q/K/V (harness.workload.build_workload); `tensors`
+    with_tensors=True draws seeded random Q/K/V (scenarios.workload.build_workload); `tensors`
     = (q, k, v, (q_scale, k_scale, v_scale)) supplies them instead. with_tensors=False gives a
     selection-only workload for statistics: q/k/v are zero-stride placeholders of the right shape
     (no memory) and meta["with_tensors"] is False; `with_fresh_data` turns it into a full one.

@@ -19,15 +19,17 @@ A key is visible to query q iff its position <= q_limit[q].
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..errors import UserError
+
 DATA_DTYPES = ("bf16", "fp8", "fp16", "fp32")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-from ..errors import UserError
+INT32_MAX = 2**31 - 1     # key positions, block ids and edge indices are int32 in every backend
+SEED_LIMIT = 2**63        # torch generators take 64-bit seeds; generators also use seed + 1
 
 
 class WorkloadError(UserError, ValueError):
@@ -62,6 +64,66 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 def element_bytes(dtype: str) -> int:
     return {"bf16": 2, "fp8": 1, "fp16": 2, "fp32": 4}[dtype]
+
+
+# ---- sizes a workload can have, checked before anything is allocated -----------------------------
+
+def size_problem(shape: AttnShape, tokens: int, context: int, pages: int, seed: int) -> tuple[str, str] | None:
+    """(option, why) for a workload whose indices or seed overflow what the code can hold, else None."""
+    entries = shape.hkv * tokens * shape.topk
+    if not 0 <= seed < SEED_LIMIT:
+        return "seed", f"seed must be in [0, 2^63), got {seed}"
+    if context > INT32_MAX - shape.block:
+        return "context", f"context {context} tokens overflows int32 key positions (at most {INT32_MAX - shape.block})"
+    if entries > INT32_MAX:
+        return "tokens", (f"Hkv x N x top-k = {shape.hkv} x {tokens} x {shape.topk} = {entries} selection entries "
+                          f"overflow int32 indices (at most {INT32_MAX})")
+    elements = max(pages * shape.hkv * shape.block, tokens * shape.hq) * shape.head_dim
+    if elements > 2**62:
+        return "head_dim", f"a tensor of {elements} elements overflows 64-bit offsets"
+    return None
+
+
+def footprint_bytes(shape: AttnShape, dtype: str, tokens: int, pages: int, with_tensors: bool = True,
+                    partials: bool = True) -> int:
+    """A lower bound on the memory a workload needs: the selection and its derived indices (about 40
+    bytes per entry with the generators' temporaries), Q/K/V plus the float32 draw of the largest, and
+    with `partials` what a KV-outer backend adds (float32 partial outputs for every selected block and
+    the output). Used to refuse a point up front rather than fail in the allocator."""
+    need = 40 * shape.hkv * tokens * shape.topk
+    q = tokens * shape.hq * shape.head_dim
+    if with_tensors:
+        kv = pages * shape.hkv * shape.block * shape.head_dim
+        need += (q + 2 * kv) * element_bytes(dtype) + 4 * max(q, kv)
+    if partials:
+        need += 4 * q * (shape.topk + 1)
+    return need
+
+
+def free_memory_bytes(device) -> int | None:
+    """Memory a workload may take on `device`: free GPU memory, or the host's MemAvailable; None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(need: int, device, what: str) -> None:
+    """WorkloadError (one line) when `need` bytes exceed the memory free on `device`."""
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        raise WorkloadError(f"{what} needs at least {need / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB "
+                            f"free on {torch.device(device).type}")
 
 
 @dataclass
@@ -157,10 +219,16 @@ def build_workload(shape: AttnShape, dtype: str, selection: torch.Tensor, page_t
                    q_request: torch.Tensor, q_limit: torch.Tensor, num_pages: int, causal: bool,
                    seed: int = 0, device="cpu", meta: dict | None = None, tensors=None) -> Workload:
     """Assemble a workload from a selection and its page tables, drawing seeded random tensors
-    unless `tensors` = (q, k, v, (q_scale, k_scale, v_scale)) supplies them."""
-    hkv, n, topk = selection.shape
-    if hkv != shape.hkv or topk != shape.topk:
+    unless `tensors` = (q, k, v, (q_scale, k_scale, v_scale)) supplies them. Every workload is
+    validated here (selection.check_selection and the page table): a contract violation is a
+    one-line WorkloadError naming its (head, token, slot), before any backend sees it."""
+    from .selection import check_selection
+    if selection.dim() != 3 or selection.shape[0] != shape.hkv or selection.shape[2] != shape.topk:
         raise WorkloadError(f"selection shape {tuple(selection.shape)} does not match hkv={shape.hkv}, topk={shape.topk}")
+    hkv, n, topk = selection.shape
+    if page_table.dim() != 2 or (page_table < -1).any() or (page_table >= num_pages).any():
+        raise WorkloadError(f"page_table must be [requests, blocks] of page ids in [0, {num_pages}) or -1")
+    check_selection(selection, q_limit, shape.block, causal, q_request=q_request, page_table=page_table)
     pages = physical_pages(selection, page_table, q_request)
     page_block = torch.full((num_pages,), -1, dtype=torch.int32)
     used = page_table >= 0

@@ -1,9 +1,16 @@
-"""Shared test helpers."""
+"""Shared test helpers, and the hypothesis profiles: `ci` (the default: a few hundred examples per
+property) and `slow` (2,000 and more). Pick one with HYPOTHESIS_PROFILE=slow or --hypothesis-profile=slow."""
 import contextlib
 import io
+import os
 import sys
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", max_examples=300, deadline=None)
+settings.register_profile("slow", max_examples=2000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _run_cli(*args, env=None):

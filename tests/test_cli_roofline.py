@@ -11,7 +11,7 @@ runner = CliRunner()
 
 
 def test_roofline_json_has_crossover():
-    res = runner.invoke(app, ["roofline", "--json"])
+    res = runner.invoke(app, ["roofline", "--device", "b200", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert 2.65 <= data["crossover_nsb_per_n"] <= 3.05
@@ -37,3 +37,25 @@ def test_roofline_bad_input_is_one_line_and_nonzero(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("device", ["b200", "h200"])
+def test_roofline_tables_fit_80_columns_with_whole_numbers(device):
+    """Every byte figure of the table is printed whole and no line is wider than 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    from msa_bench.roofline.devices import load_device
+    from msa_bench.roofline.model import ModelShape
+    from msa_bench.roofline.render import print_roofline
+    from msa_bench.roofline.summary import roofline_summary
+    summary = roofline_summary(ModelShape(hq=64, hkv=4, head_dim=128, block=128, topk=16, dtype="fp8"),
+                               load_device(device))
+    buf = io.StringIO()
+    print_roofline(summary, Console(file=buf, width=80, color_system=None))
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text, text
+    for levels in summary["per_query_token_bytes"].values():
+        for terms in levels.values():
+            assert f"{sum(terms.values()):,.0f}" in text

@@ -1,4 +1,5 @@
-"""The regression gate on the committed CPU fixture run and on copies of it with planted changes."""
+"""The regression gate on committed runs: a real H200 run (the statistical path) and the CPU fixture
+(host timings, never judged), on copies with planted changes and planted damage."""
 import json
 import shutil
 from pathlib import Path
@@ -7,15 +8,20 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from msa_bench.harness.compare import IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, judge_samples, parse_threshold
 from msa_bench.errors import UserError
+from msa_bench.harness.compare import (IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, compare_runs, judge_samples,
+                                       parse_threshold)
+from msa_bench.harness.results import load_run
+from msa_bench.harness.timing import summarize
 
-FIXTURE = Path(__file__).resolve().parents[1] / "results" / "fixtures" / "smoke-run"
+ROOT = Path(__file__).resolve().parents[1] / "results"
+FIXTURE = ROOT / "fixtures" / "smoke-run"          # CPU: host timings
+GPU_RUN = ROOT / "h200" / "perf-point"             # measured on the H200: CUDA-graph timings
 
 
-def copy_run(tmp_path, name="new") -> Path:
+def copy_run(tmp_path, source=GPU_RUN, name="new") -> Path:
     dest = tmp_path / name
-    shutil.copytree(FIXTURE, dest)
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("report"))
     return dest
 
 
@@ -33,20 +39,33 @@ def tightest_unit(run: Path) -> Path:
 
 
 def scale_samples(unit: Path, factor, stages=("module", "attention")):
+    """Scale a unit's samples and rewrite its summary statistics to match: a consistent run whose
+    times changed, which is what a real slowdown looks like to the gate."""
     s = pd.read_parquet(unit / "samples.parquet")
     mask = s["stage"].isin(stages)
     s.loc[mask, "seconds"] = s.loc[mask, "seconds"] * (factor(mask.sum()) if callable(factor) else factor)
     s.to_parquet(unit / "samples.parquet", index=False)
+    stats = pd.read_parquet(unit / "stats.parquet")
+    for stage, group in s.groupby("stage"):
+        for statistic, value in summarize(group["seconds"].tolist()).items():
+            stats.loc[(stats["stage"] == stage) & (stats["statistic"] == statistic), "value"] = value
+    stats.to_parquet(unit / "stats.parquet", index=False)
 
 
-def test_fixture_is_a_labelled_cpu_run():
-    meta = json.loads((FIXTURE / "run.json").read_text())
-    assert meta["timer"] == "cpu" and "NOT GPU timings" in meta["note"]
-    assert meta["complete"] is True
+def test_fixtures_are_what_they_say():
+    cpu = json.loads((FIXTURE / "run.json").read_text())
+    assert cpu["timer"] == "cpu" and "NOT GPU timings" in cpu["note"] and cpu["complete"] is True
+    gpu = load_run(GPU_RUN)
+    assert gpu.timer == "cuda-graph" and "H200" in gpu.device_name
 
 
-def test_identical_runs_pass(cli):
-    code, out, err = cli("compare", FIXTURE, FIXTURE)
+def test_identical_gpu_runs_go_through_the_statistical_path(cli):
+    """The same samples on both sides: every timed stage is tested (a p-value) and comes out unchanged."""
+    result = compare_runs(load_run(GPU_RUN), load_run(GPU_RUN))
+    times = [f for f in result.findings if f.kind == "time"]
+    assert times and getattr(result, "timings_judged", True)
+    assert all(f.verdict == UNCHANGED and f.p_value is not None and f.p_value > 0.4 for f in times)
+    code, out, err = cli("compare", GPU_RUN, GPU_RUN, "--all")
     assert code == 0, err
     assert "0 regression(s), 0 improvement(s)" in " ".join(out.split())
 
@@ -55,11 +74,11 @@ def test_planted_regression_fails(tmp_path, cli):
     new = copy_run(tmp_path)
     victim = tightest_unit(new)
     scale_samples(victim, 1.2)
-    code, out, err = cli("compare", FIXTURE, new)
+    code, out, err = cli("compare", GPU_RUN, new)
     assert code == 1, out + err
     assert "regression" in out and victim.name.split("-")[0] in out
     # the same slowdown below the threshold is not a regression
-    code, out, _ = cli("compare", FIXTURE, new, "--max-regression", "25%")
+    code, out, _ = cli("compare", GPU_RUN, new, "--max-regression", "25%")
     assert code == 0, out
 
 
@@ -67,34 +86,48 @@ def test_noise_only_differences_pass(tmp_path, cli):
     new = copy_run(tmp_path)
     rng = np.random.default_rng(0)
     for unit in timed_units(new):
-        scale_samples(unit, lambda n: rng.uniform(0.98, 1.02, n))
-    code, out, err = cli("compare", FIXTURE, new)
+        scale_samples(unit, lambda n: rng.uniform(0.995, 1.005, n))
+    code, out, err = cli("compare", GPU_RUN, new)
     assert code == 0, out + err
 
 
 def test_improvement_is_reported_and_passes(tmp_path, cli):
     new = copy_run(tmp_path)
     scale_samples(tightest_unit(new), 0.8)
-    code, out, err = cli("compare", FIXTURE, new)
+    code, out, err = cli("compare", GPU_RUN, new)
     assert code == 0, err
     assert "improvement" in out and "0 regression(s)" in " ".join(out.split())
 
 
-def test_newly_failing_unit_is_a_regression(tmp_path, cli):
-    new = copy_run(tmp_path)
+@pytest.mark.parametrize("source", [GPU_RUN, FIXTURE], ids=["gpu", "cpu"])
+def test_newly_failing_unit_is_a_regression(tmp_path, cli, source):
+    new = copy_run(tmp_path, source)
     unit = timed_units(new)[0]
     status = json.loads((unit / "status.json").read_text())
     status.update(status="failed", reason="output disagrees with the reference (planted by the test)")
     (unit / "status.json").write_text(json.dumps(status))
     (unit / "samples.parquet").unlink()
     (unit / "stats.parquet").unlink()
-    code, out, _ = cli("compare", FIXTURE, new)
+    code, out, _ = cli("compare", source, new)
     assert code == 1 and "now failed" in out
 
 
+def test_cpu_timings_are_listed_not_judged(tmp_path, cli):
+    """Host timings are no performance signal: a planted 50% slowdown of a CPU run is not a regression,
+    and the output says why, in either order."""
+    new = copy_run(tmp_path, FIXTURE)
+    for unit in timed_units(new):
+        scale_samples(unit, 1.5)
+    for a, b in ((FIXTURE, new), (new, FIXTURE)):
+        code, out, err = cli("compare", a, b, "--all")
+        text = " ".join(out.split())
+        assert code == 0, out + err
+        assert "timings not judged" in text and "0 regression(s)" in text and "not judged │" in text
+
+
 def test_more_bytes_moved_is_a_regression(tmp_path, cli):
-    """Counter rows are added to both copies (CPU runs have none); 3% more HBM bytes > 2% tolerance."""
-    base, new = copy_run(tmp_path, "base"), copy_run(tmp_path, "new")
+    """Counter rows are added to both copies; 3% more HBM bytes > 2% tolerance."""
+    base, new = copy_run(tmp_path, name="base"), copy_run(tmp_path, name="new")
     for run, hbm in ((base, 1.0e6), (new, 1.03e6)):
         unit = timed_units(run)[0]
         stats = pd.read_parquet(unit / "stats.parquet")
@@ -110,10 +143,10 @@ def test_more_bytes_moved_is_a_regression(tmp_path, cli):
 def test_different_scenario_is_only_a_warning(tmp_path, cli):
     new = copy_run(tmp_path)
     meta = json.loads((new / "run.json").read_text())
-    meta["scenario"] = "renamed"
+    meta["scenario"] = 'renamed [error] {"v": [2]}'                  # brackets are text, not markup
     (new / "run.json").write_text(json.dumps(meta))
-    code, out, _ = cli("compare", FIXTURE, new)
-    assert code == 0 and "different scenario" in out
+    code, out, _ = cli("compare", GPU_RUN, new)
+    assert code == 0 and "different scenario" in out and 'renamed [error] {"v": [2]}' in out
 
 
 def test_unusable_input_exits_2(tmp_path, cli, one_error_line):
@@ -121,10 +154,39 @@ def test_unusable_input_exits_2(tmp_path, cli, one_error_line):
     assert code == 2 and "no run folder" in one_error_line(err)
     code, _, err = cli("compare", FIXTURE, FIXTURE, "--max-regression", "5")
     assert code == 2 and "ambiguous" in one_error_line(err)
-    broken = copy_run(tmp_path)
+    broken = copy_run(tmp_path, FIXTURE)
     (broken / "run.json").write_text("{not json")
     code, _, err = cli("compare", FIXTURE, broken)
     assert code == 2 and "corrupt results file" in one_error_line(err)
+
+
+def test_unit_timed_in_the_baseline_and_unavailable_now_is_unusable(tmp_path, cli, one_error_line):
+    new = copy_run(tmp_path)
+    unit = timed_units(new)[0]
+    status = json.loads((unit / "status.json").read_text())
+    status.update(status="unavailable", reason="flashinfer is not importable (planted by the test)")
+    (unit / "status.json").write_text(json.dumps(status))
+    (unit / "samples.parquet").unlink()
+    (unit / "stats.parquet").unlink()
+    code, _, err = cli("compare", GPU_RUN, new)
+    assert code == 2 and "unavailable in the new run" in one_error_line(err)
+
+
+def test_an_internal_error_is_not_a_verdict(monkeypatch, cli, one_error_line):
+    """A crash (a bug, a broken installation) exits 3: never 1, the gate's regression code."""
+    from msa_bench.harness import compare
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted bug")
+    monkeypatch.setattr(compare, "mannwhitneyu", broken)
+    code, _, err = cli("compare", GPU_RUN, GPU_RUN)
+    assert code == 3 and "internal error: RuntimeError: planted bug" in one_error_line(err)
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'scipy'", name="scipy")
+    monkeypatch.setattr(compare, "compare_runs", missing)
+    code, _, err = cli("compare", GPU_RUN, GPU_RUN)
+    assert code == 3 and "'scipy' is not installed" in one_error_line(err)
 
 
 def test_judge_samples_needs_size_and_significance():
@@ -137,6 +199,12 @@ def test_judge_samples_needs_size_and_significance():
     noisy = np.concatenate([wide[:4] * 1.25, wide[4:]])                    # median up, not distinguishable
     verdict, ratio, p = judge_samples(wide, noisy, 0.05)
     assert ratio > 1.05 and verdict == NOISE and p > 0.05
+
+
+@pytest.mark.parametrize("bad", [[float("nan")] * 20, [1.0] * 10 + [float("nan")] * 10, [-1.0] * 20, []])
+def test_judge_samples_refuses_impossible_times(bad):
+    with pytest.raises(UserError, match="finite, positive"):
+        judge_samples(np.ones(20), np.asarray(bad), 0.05)
 
 
 def test_parse_threshold():

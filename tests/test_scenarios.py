@@ -203,7 +203,7 @@ def test_workload_cli_bad_input_is_one_line():
     (["--generator", "real-prefill"], "needs --case"),
     (["--dtype", "int8"], "--dtype"),
     (["--generator", "oracle"], "--generator"),
-    (["--case", "prefill_092e27340df8621a02f0"], "only to --generator real-prefill"),
+    (["--case", "prefill_092e27340df8621a02f0"], "--case does not apply to --generator synthetic"),
 ])
 def test_workload_cli_bad_input_raises_user_error(args, message):
     res = runner.invoke(app, ["workload", *args])
