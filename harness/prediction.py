@@ -12,6 +12,9 @@ from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noq
 from ..roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, PACKED, SCHEDULE_OF_BACKEND, ModelShape, Prediction, predict
 
 
+HYBRID = "hybrid"      # packed tiles plus a KV-outer residual: a schedule of its own, modelled as their sum by `auto`
+
+
 def schedule_of(backend: str, plan_info=None) -> str | None:
     """The schedule a backend runs; BASE@OPTION runs BASE's ("kv-outer-cute@v23" is KV-outer). A backend
     that picks its schedule per workload (`auto`) names it in its plan_info under "schedule"."""
@@ -19,7 +22,7 @@ def schedule_of(backend: str, plan_info=None) -> str | None:
     base = split_name(backend)[0]
     recorded = _info(plan_info).get("schedule")
     if base == "auto" or (base not in SCHEDULE_OF_BACKEND and recorded):
-        return recorded if recorded in ALL_SCHEDULES else None
+        return recorded if recorded in (*ALL_SCHEDULES, HYBRID) else None
     return SCHEDULE_OF_BACKEND.get(base)
 
 

@@ -23,7 +23,8 @@ import torch
 from . import counters as ncu_counters
 from . import provenance, results
 from ..errors import UserError, one_line
-from .prediction import model_shape, plan_config, predict_point, schedule_of
+from ..roofline.model import ALL_SCHEDULES
+from .prediction import model_shape, plan_config, predict_stats, schedule_of
 from .telemetry import Poller, open_telemetry, point_telemetry
 from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
 
@@ -219,10 +220,11 @@ class _Runner:
                               "its timings are discarded"}, [], []
         status.update(point_telemetry(before, after, during))
         status.update(plan_info=json.dumps(plan.info, default=str, sort_keys=True))
-        config = plan_config(plan.info)
+        config, info = plan_config(plan.info), plan.info
+        status["schedule"] = schedule_of(backend_name, info) or "none"
         del plan
         stats, sample_rows = self._timing_rows(point, backend_name, samples, wl_stats)
-        stats += self._model_rows(point, backend_name, wl_stats, config)
+        stats += self._model_rows(point, backend_name, wl_stats, config, info)
         if self.ncu is not None:
             status["counters"] = COUNTERS_PENDING
         return {**status, "status": results.STATUS_OK, "reason": ""}, stats, sample_rows
@@ -274,15 +276,13 @@ class _Runner:
                      "rep": i, "seconds": float(x), "timer": s.timer} for i, x in enumerate(s.seconds)]
         return stats, raw
 
-    def _model_rows(self, point, backend, wl_stats, config: dict | None = None):
-        schedule = schedule_of(backend)
-        if self.profile is None or schedule is None or "wl_nsb" not in wl_stats:
+    def _model_rows(self, point, backend, wl_stats, config: dict | None = None, info: dict | None = None):
+        schedule = schedule_of(backend, info)
+        if self.profile is None or schedule not in ALL_SCHEDULES or "wl_nsb" not in wl_stats:
             return []
         sh = point.shape
-        pred = predict_point(schedule, model_shape(sh.hq, sh.hkv, sh.head_dim, sh.block, sh.topk, point.dtype, config),
-                             wl_stats.get("wl_n_tokens", 0.0), wl_stats["wl_nsb"], self.profile,
-                             flops=wl_stats.get("wl_useful_flops"),
-                             selected_per_query=wl_stats.get("wl_selected_blocks_per_query"))
+        pred = predict_stats(schedule, model_shape(sh.hq, sh.hkv, sh.head_dim, sh.block, sh.topk, point.dtype, config),
+                             wl_stats, self.profile, info)
         if pred is None:
             return []
         values = {"model_time_s": pred.time_s, "model_hbm_bytes": pred.hbm_bytes,

@@ -32,7 +32,8 @@ DEFAULT_TILE_TOKENS = 8                                    # P of q-packed unles
 # `auto` picks a schedule per workload; its unit's plan records which (harness/prediction.py)
 SCHEDULE_OF_BACKEND = {"kv-outer": "kv-outer", "kv-outer-cute": "kv-outer", "flashinfer": "q-outer",
                        "flashinfer-fa3": "q-outer", "msa-scatter": "msa-scatter", "reference": None,
-                       "flashinfer-packed": PACKED, "dense-gather": PACKED, "q-packed": PACKED, "auto": None}
+                       "flashinfer-packed": PACKED, "dense-gather": PACKED, "q-packed": PACKED,
+                       "q-packed-cute": PACKED, "hybrid": None, "auto": None}
 MASK_BITS = 1                  # q-packed: membership of each tile token in each union block
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 INDEX_BYTES = 4
