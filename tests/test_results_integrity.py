@@ -9,7 +9,7 @@ import pytest
 
 from msa_bench.harness.results import finished_units, load_run
 
-GPU_RUN = Path(__file__).resolve().parents[1] / "results" / "h200" / "perf-point"
+GPU_RUN = Path(__file__).resolve().parents[1] / "results" / "h200" / "baseline"
 
 
 def _samples(unit: Path) -> pd.DataFrame:
