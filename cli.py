@@ -257,8 +257,8 @@ def build_kernels(
     kernel: list[str] = typer.Option([], help="kv-outer-cute kernel(s) to build, e.g. v23 (repeatable; default: all, "
                                               "one library per kernel and dtype)."),
     kv_outer: bool = typer.Option(True, help="Build the kv-outer-cute libraries."),
-    q_packed: str = typer.Option("default", help="q-packed-cute libraries to build: default (schedule options off, "
-                                                 "and pingpong + s-ahead), all (also each option alone), none."),
+    q_packed: str = typer.Option("default", help="q-packed-cute libraries to build: default (each dtype's default "
+                                                 "options), all (every option set: plain, pp, sa, pp+sa), none."),
 ):
     """Compile the CuTe DSL attention stages for every configuration the sweep can ask for (no GPU needed):
     each kernel of kernels/cute/manifest.KERNELS in each of its dtypes, and the q-packed-cute configurations,

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..roofline.devices import DeviceProfile  # noqa: E402
+from ..roofline.model import ALL_SCHEDULES  # noqa: E402
 from ..roofline.model import PACKED, packed_crossover  # noqa: E402
 from .prediction import predict_point  # noqa: E402
 from .results import Run  # noqa: E402
@@ -54,7 +55,7 @@ def throughput_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str
                 n = float(gd["wl_n_tokens"].median())
                 lo, hi = np.nanmin(gd["x"]) / 1.5, np.nanmax(gd["x"]) * 1.5
                 xs = np.geomspace(max(lo, 1e-4), max(hi, lo * 2), 60)
-                for sched in sorted(s for s in gd["schedule"].unique() if s != "none"):
+                for sched in sorted(s for s in gd["schedule"].unique() if s in ALL_SCHEDULES):
                     # q-packed's roofline needs a co-selection: the group's median union_ratio at P 8
                     union = float(gd[UNION].median()) if UNION in gd and gd[UNION].notna().any() else None
                     if sched == PACKED and union is None:

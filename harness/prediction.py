@@ -101,6 +101,8 @@ def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float,
     """predict() for one measured point; `flops`, `selected_per_query` and `union_ratio` (at P = tile) from
     the workload's stats (scenarios.stats) when known, so causal masking and padding count as the workload
     has them. None for q-packed without a union_ratio: its cost is set by co-selection, never assumed."""
+    if schedule not in ALL_SCHEDULES:       # hybrid: no one closed form (auto models it as a sum)
+        return None
     if schedule is None or not _usable(n_tokens) or nsb is None or not math.isfinite(nsb):
         return None
     if schedule == PACKED and not _usable(union_ratio):

@@ -15,7 +15,7 @@ from ..roofline.devices import DeviceProfile
 from .plots import bytes_figure, co_selection_figures, plt, save_png, stage_figures, throughput_figures
 from .prediction import device_for_run
 from .results import STATUS_OK, Run, load_run
-from .tables import (accuracy_table, bytes_table, crossovers, is_prefill_run, prefill_aggregate, roofline_picks,
+from .tables import (accuracy_table, achieved_table, bytes_table, crossovers, is_prefill_run, prefill_aggregate, roofline_picks,
                      stage_table, status_table, throughput_table)
 
 
@@ -74,6 +74,10 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
     if not acc.empty:
         out += ["## Accuracy: what each backend quantizes, and its error against the float64 reference", "",
                 markdown_table(acc)]
+    ach = achieved_table(run)
+    if not ach.empty:
+        out += ["## Achieved fraction of the roofline (model time / measured module time)", "",
+                markdown_table(ach)]
     cr = crossovers(run, device)
     if cr:
         out += ["## Crossover (nsb/N where KV-outer and Q-outer meet)", "",

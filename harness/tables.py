@@ -147,6 +147,23 @@ def accuracy_table(run: Run) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values(["dtype", "backend"]).reset_index(drop=True)
 
 
+def achieved_table(run: Run) -> pd.DataFrame:
+    """Per backend and dtype: the fraction of its roofline time the module reaches, model_time_s over the
+    measured median (1 = at the roofline), median and range over the units that have a model time. These
+    are the figures a device profile's `achieved` table holds for `auto` and the hybrid threshold."""
+    t = ok_units(run)
+    if t.empty or "module.model_time_s" not in t or "module.median_s" not in t:
+        return pd.DataFrame()
+    t = t[t["module.model_time_s"].notna() & (t["module.median_s"] > 0)]
+    if t.empty:
+        return pd.DataFrame()
+    frac = t["module.model_time_s"] / t["module.median_s"]
+    rows = [{"backend": b, "dtype": d, "units": len(g), "achieved (median)": float(g.median()),
+             "min": float(g.min()), "max": float(g.max())}
+            for (b, d), g in frac.groupby([t["backend"], t["dtype"]])]
+    return pd.DataFrame(rows).sort_values(["dtype", "backend"]).reset_index(drop=True)
+
+
 def stage_table(run: Run) -> pd.DataFrame:
     """Median latency per stage (seconds), one row per unit."""
     t = ok_units(run)

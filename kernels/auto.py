@@ -64,7 +64,8 @@ class AutoBackend(Backend):
         out = {}
         kv = first_available(self.KV_OUTER, w.dtype, dev)
         if kv is not None:
-            shape = model_shape(s.hq, s.hkv, s.head_dim, s.block, s.topk, dtype, None)
+            # the launch configuration the KV-outer plan would take (tile order, query ranges), as the sweep's model
+            shape = model_shape(s.hq, s.hkv, s.head_dim, s.block, s.topk, dtype, kv.resolved_config(w).__dict__)
             p = predict("kv-outer", shape, n, nsb, profile, per_query, flops)
             out["kv-outer"] = (kv, p.time_s / achieved(profile, kv.name, dtype), {"roofline_s": p.time_s})
         qp = first_available(self.Q_PACKED, w.dtype, dev)
@@ -104,7 +105,8 @@ class AutoBackend(Backend):
                         union_ratio=executed / packed, tile_tokens=TILE_TOKENS)
             t += p.time_s / achieved(profile, qp.name, dtype)
         if residual > 0:
-            p = predict("kv-outer", shape, n, nsb_res, profile, residual / (n * s.hkv), flops * residual / selected)
+            kv_shape = model_shape(s.hq, s.hkv, s.head_dim, s.block, s.topk, dtype, kv.resolved_config(w).__dict__)
+            p = predict("kv-outer", kv_shape, n, nsb_res, profile, residual / (n * s.hkv), flops * residual / selected)
             t += p.time_s / achieved(profile, kv.name, dtype)
         backend = get_backend(f"hybrid@m{share}+{'cute' if kv.name == 'kv-outer-cute' else 'triton'}")
         return backend, t, {"min_share": share, "packed_entry_share": packed / selected if selected else 0.0}

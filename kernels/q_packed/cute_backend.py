@@ -3,8 +3,9 @@ CuTe DSL sm_90a kernel kernels/cute/q_packed_sm90.py, prebuilt (`msa-bench build
 ctypes on the current stream (graph capturable).
 
 Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
-j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule. Built for P 8, G 16, D 128,
-block 128 in bf16 and fp8.
+j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither. Without
+an option each dtype takes the one measured fastest (DEFAULT_OPTIONS). Built for P 8, G 16, D 128, block
+128 in bf16 and fp8.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..kv_outer.backend import partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
 from ...scenarios.workload import Workload
 from ..cute.manifest import DTYPES, P_SHIFT, SUPPORTED_ARCHS, device_arch, fp8_v_key_order
-from ..cute.q_packed_library import QPackedConfig, find_library, parse_option, q_packed_build_dir
+from ..cute.q_packed_library import DEFAULT_OPTIONS, QPackedConfig, find_library, parse_option, q_packed_build_dir
 
 TILE_TOKENS = 8
 
@@ -89,7 +90,7 @@ class QPackedCuteBackend(Backend):
                    "online softmax over the tile's union blocks; prebuilt, loaded with ctypes)")
     dtypes = DTYPES
 
-    def __init__(self, pingpong: bool = False, s_ahead: bool = False):
+    def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None):
         self.pingpong, self.s_ahead = pingpong, s_ahead
 
     @classmethod
@@ -97,7 +98,9 @@ class QPackedCuteBackend(Backend):
         return cls(**parse_option(option))
 
     def config_for(self, dtype: str) -> QPackedConfig:
-        return QPackedConfig(dtype, self.pingpong, self.s_ahead, tile_tokens=TILE_TOKENS)
+        pingpong, s_ahead = DEFAULT_OPTIONS.get(dtype, (False, False)) if self.pingpong is None else \
+            (self.pingpong, self.s_ahead)
+        return QPackedConfig(dtype, pingpong, s_ahead, tile_tokens=TILE_TOKENS)
 
     def unavailable_reason(self, dtype, device):
         reason = super().unavailable_reason(dtype, device)

@@ -91,6 +91,16 @@ class HybridBackend(Backend):
             reason = f"{self.name}: its KV-outer part ({kv.name}): {inner}" if inner else None
         return reason
 
+    @staticmethod
+    def packed_attention(w: Workload, packed: PackedSchedule, out: torch.Tensor, lse: torch.Tensor):
+        """The packed part's attention stage: q-packed-cute's kernel where its libraries are built, else Triton's."""
+        cute = get_backend("q-packed-cute")
+        if cute.unavailable_reason(w.dtype, w.device) is None:
+            from .cute_backend import QPackedCuteAttention, check_cute_shape
+            check_cute_shape(w, "hybrid")
+            return QPackedCuteAttention(w, packed, out, lse, cute.config_for(w.dtype))
+        return PackedAttention(w, packed, out, lse)
+
     def threshold(self, w: Workload, kv: Backend) -> tuple[int, str]:
         if self.min_share is not None:
             return self.min_share, "option"
@@ -98,7 +108,9 @@ class HybridBackend(Backend):
         dev = device_profile(w.device)
         dtype = w.dtype if w.dtype in ("bf16", "fp8") else "bf16"
         shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=dtype)
-        share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, "q-packed", dtype),
+        packed = "q-packed-cute" if get_backend("q-packed-cute").unavailable_reason(w.dtype, w.device) is None \
+            else "q-packed"
+        share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, packed, dtype),
                                   achieved(dev, kv.name, dtype))
         return share, f"roofline ({dev.name})"
 
@@ -114,7 +126,7 @@ class HybridBackend(Backend):
             raise BackendUnavailable(f"{self.name}: {kv.name} has stages {list(kv_plan.stages)}")
         o_packed = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse_packed = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
-        attention = PackedAttention(w, packed, o_packed, lse_packed)
+        attention = self.packed_attention(w, packed, o_packed, lse_packed)
         out = torch.empty_like(o_packed)
         lse = torch.empty_like(lse_packed)
         cfg = kv_plan.info.get("config", {})
