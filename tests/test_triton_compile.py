@@ -92,7 +92,7 @@ PACKED_CHILD = textwrap.dedent('''
             compile_for_sm90(packed_attention_kernel, types, dict(HQ=64, HKV=4, G=16, D=128, BLOCK=128, P=P,
                              U=16 * P, V_DMAJOR=vd, IEEE=False, P_SHIFT=shift, SOFT_ROUND_P=False, NUM_STAGES=2))
     types = {"o_part_ptr": "*bf16", "m_part_ptr": "*fp32", "l_part_ptr": "*fp32", "out_ptr": "*bf16",
-             "lse_ptr": "*fp32", "extra_o_ptr": "*bf16", "extra_lse_ptr": "*fp32"}
+             "lse_ptr": "*fp32"}
     for extra in (False, True):
         compile_for_sm90(combine_tiles_kernel, types, dict(HKV=4, G=16, D=128, TOPK=16, TOPK_P2=16, PAIRS=4,
                                                            EXTRA=extra))

@@ -1,8 +1,10 @@
 """Stage 4, combine: gather each (query, KV head)'s <= topk raw partials through combine_index and
 merge them by log-sum-exp into out [N, Hq, D] and lse [N, Hq] (natural log).
 
-With `extra` = (o [N, Hq, D], lse [N, Hq]), a normalized output and its LSE (the packed part of the
-hybrid schedule) is merged as one more partial: m = lse, l = 1.
+With `merge_into_output`, out and lse already hold a normalized output and its LSE (the packed part of
+the hybrid schedule, written there by the packed kernel): each pair that has partials merges them with it
+as one more partial (m = lse, l = 1) in place, and a pair with none is left as it is, so the stage's cost
+follows the residual partials, not N.
 
 A partial of (query, head, rank) is G consecutive rows of o_part (rows slot * G + g of its tile), so
 each gather is one contiguous G x D chunk: wide vector loads. A program handles PAIRS (query, head)
@@ -18,8 +20,7 @@ import triton.language as tl
 
 
 @triton.jit
-def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, out_ptr, lse_ptr,
-                         extra_o_ptr, extra_lse_ptr, n_pairs,
+def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, out_ptr, lse_ptr, n_pairs,
                          HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr,
                          TOPK_P2: tl.constexpr, PAIRS: tl.constexpr, EXTRA: tl.constexpr):
     g = tl.arange(0, G)
@@ -27,8 +28,11 @@ def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, 
     r = tl.arange(0, TOPK_P2)
     for i in tl.static_range(PAIRS):
         pair = tl.program_id(0) * PAIRS + i          # pair = query * HKV + head
-        if pair < n_pairs:
-            idx = tl.load(combine_index_ptr + pair * TOPK + r, mask=r < TOPK, other=-1)
+        idx = tl.load(combine_index_ptr + pair * TOPK + r, mask=(r < TOPK) & (r * 0 + pair < n_pairs), other=-1)
+        live = pair < n_pairs
+        if EXTRA:                                    # pairs without partials keep the packed output as it is
+            live = live & (tl.max(idx, 0) >= 0)
+        if live:
             rows = idx.to(tl.int64) * G
             m = tl.load(m_part_ptr + rows[:, None] + g[None, :], mask=(idx >= 0)[:, None],
                         other=float("-inf"))                                            # [TOPK_P2, G]
@@ -36,7 +40,7 @@ def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, 
             base = pair.to(tl.int64) * G             # out [N, Hq, D] = [N * Hkv * G, D]
             big_m = tl.max(m, 0)
             if EXTRA:
-                m_x = tl.load(extra_lse_ptr + base + g)
+                m_x = tl.load(lse_ptr + base + g)
                 big_m = tl.maximum(big_m, m_x)
             big_m = tl.where(big_m == float("-inf"), 0.0, big_m)
             big_l = tl.sum(tl.exp(m - big_m[None, :]) * l, 0)                            # [G]
@@ -44,7 +48,7 @@ def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, 
             if EXTRA:
                 w_x = tl.exp(m_x - big_m)
                 big_l += w_x
-                acc += w_x[:, None] * tl.load(extra_o_ptr + (base + g)[:, None] * D + d[None, :]).to(tl.float32)
+                acc += w_x[:, None] * tl.load(out_ptr + (base + g)[:, None] * D + d[None, :]).to(tl.float32)
             for k in tl.static_range(TOPK):
                 idx_k = tl.load(combine_index_ptr + pair * TOPK + k)
                 row_k = idx_k.to(tl.int64) * G + g
@@ -62,18 +66,17 @@ def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, 
 
 class Combine:
     def __init__(self, workload, buffers: dict, out: torch.Tensor, lse: torch.Tensor, pairs: int = 4,
-                 num_warps: int = 4, extra: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 num_warps: int = 4, merge_into_output: bool = False):
         s = workload.shape
         self.b, self.out, self.lse = buffers, out, lse
-        self.extra = extra or (out, lse)
         self.n_pairs = workload.n_tokens * s.hkv
         self.pairs, self.num_warps = pairs, num_warps
         self.consts = dict(HKV=s.hkv, G=s.group, D=s.head_dim, TOPK=s.topk,
-                           TOPK_P2=triton.next_power_of_2(s.topk), PAIRS=pairs, EXTRA=extra is not None)
+                           TOPK_P2=triton.next_power_of_2(s.topk), PAIRS=pairs, EXTRA=merge_into_output)
 
     def __call__(self) -> None:
         b = self.b
         grid = (triton.cdiv(self.n_pairs, self.pairs),)
         combine_tiles_kernel[grid](b["o_part"], b["m_part"], b["l_part"], b["combine_index"],
-                                   self.out, self.lse, *self.extra, self.n_pairs, num_warps=self.num_warps,
+                                   self.out, self.lse, self.n_pairs, num_warps=self.num_warps,
                                    **self.consts)

@@ -4,7 +4,7 @@ Stage `schedule` builds the packed tiles keeping only union blocks at least `min
 tokens select (roofline/hybrid.py predicts where packing gets cheaper) and writes the other entries'
 pages as the residual selection; KV-outer's index map and scheduler then plan that residual. Stage
 `attention` runs the packed kernel and KV-outer's attention; stage `combine` merges each (token, head)'s
-KV-outer partials with the packed output as one more partial. With every token of a tile sharing its
+KV-outer partials with the packed output as one more partial, in place. With every token of a tile sharing its
 blocks this is pure packed; with no sharing, pure KV-outer.
 
 `hybrid` runs the KV-outer part on the CuTe stage where its libraries are built, else on Triton.
@@ -124,14 +124,14 @@ class HybridBackend(Backend):
         kv_plan = kv.plan(w_res)
         if set(kv_plan.stages) != {"index_map", "schedule", "attention", "combine"}:
             raise BackendUnavailable(f"{self.name}: {kv.name} has stages {list(kv_plan.stages)}")
-        o_packed = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
-        lse_packed = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
-        attention = self.packed_attention(w, packed, o_packed, lse_packed)
-        out = torch.empty_like(o_packed)
-        lse = torch.empty_like(lse_packed)
+        # the packed kernel writes the final output of every (token, head); the combine then merges in place
+        # the pairs that also have KV-outer partials
+        out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
+        lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
+        attention = self.packed_attention(w, packed, out, lse)
         cfg = kv_plan.info.get("config", {})
         combine = Combine(w_res, kv_plan.buffers, out, lse, cfg.get("combine_pairs", 4),
-                          cfg.get("combine_num_warps", 4), extra=(o_packed, lse_packed))
+                          cfg.get("combine_num_warps", 4), merge_into_output=True)
         kvs = kv_plan.stages
 
         def schedule():
@@ -152,8 +152,7 @@ class HybridBackend(Backend):
                     kv_outer=kv.name, kv_outer_info=kv_plan.info, attention=attention.describe(),
                     quantization=kv_plan.info.get("quantization", ""))
         # the KV-outer part's buffers under "kv." names: its stage checks hold for the full selection only
-        buffers = {**{f"kv.{k}": v for k, v in kv_plan.buffers.items()}, **packed.buffers,
-                   "o_packed": o_packed, "lse_packed": lse_packed}
+        buffers = {**{f"kv.{k}": v for k, v in kv_plan.buffers.items()}, **packed.buffers}
         plan = Plan(backend=self.name, stages={"schedule": schedule, "attention": attend, "combine": combine},
                     output=out, lse=lse, buffers=buffers, info=info)
         plan._parts = (kv_plan, packed)          # keep the KV-outer plan's state alive with this one
