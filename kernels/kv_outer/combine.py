@@ -49,13 +49,22 @@ def combine_tiles_kernel(o_part_ptr, m_part_ptr, l_part_ptr, combine_index_ptr, 
                 w_x = tl.exp(m_x - big_m)
                 big_l += w_x
                 acc += w_x[:, None] * tl.load(out_ptr + (base + g)[:, None] * D + d[None, :]).to(tl.float32)
-            for k in tl.static_range(TOPK):
-                idx_k = tl.load(combine_index_ptr + pair * TOPK + k)
-                row_k = idx_k.to(tl.int64) * G + g
-                ok = (g * 0 + idx_k) >= 0                    # [G]: a tensor mask (interpreter needs one)
-                m_k = tl.load(m_part_ptr + row_k, mask=ok, other=float("-inf"))
-                o_k = tl.load(o_part_ptr + row_k[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-                acc += tl.exp(m_k - big_m)[:, None] * o_k.to(tl.float32)
+            if EXTRA:           # few ranks hold a partial (the rest were packed): visit only those
+                for k in range(TOPK):
+                    idx_k = tl.load(combine_index_ptr + pair * TOPK + k)
+                    if idx_k >= 0:
+                        row_k = idx_k.to(tl.int64) * G + g
+                        m_k = tl.load(m_part_ptr + row_k)
+                        o_k = tl.load(o_part_ptr + row_k[:, None] * D + d[None, :])
+                        acc += tl.exp(m_k - big_m)[:, None] * o_k.to(tl.float32)
+            else:               # unrolled: all of a pair's loads in flight together
+                for k in tl.static_range(TOPK):
+                    idx_k = tl.load(combine_index_ptr + pair * TOPK + k)
+                    row_k = idx_k.to(tl.int64) * G + g
+                    ok = (g * 0 + idx_k) >= 0                    # [G]: a tensor mask (interpreter needs one)
+                    m_k = tl.load(m_part_ptr + row_k, mask=ok, other=float("-inf"))
+                    o_k = tl.load(o_part_ptr + row_k[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+                    acc += tl.exp(m_k - big_m)[:, None] * o_k.to(tl.float32)
             seen = big_l > 0
             safe_l = tl.where(seen, big_l, 1.0)
             out = tl.where(seen[:, None], acc / safe_l[:, None], 0.0)
