@@ -19,9 +19,11 @@ from .results import Run  # noqa: E402
 from .tables import (KV_OUTER, PICK_SCHEDULES, STAGE_ORDER, UNION, group_label, groups, row_model_shape,  # noqa: E402
                      slug, bytes_table, crossovers, group_fields, ok_units)
 
-SCHEDULE_COLORS = {"kv-outer": "tab:blue", "q-outer": "tab:orange", PACKED: "tab:green", "msa-scatter": "tab:purple"}
+SCHEDULE_COLORS = {"kv-outer": "tab:blue", "q-outer": "tab:orange", PACKED: "tab:green", "msa-scatter": "tab:purple",
+                   "hybrid": "dimgrey"}
 MEASURED_STYLES = [("tab:red", "o"), ("tab:brown", "s"), ("black", "^"), ("tab:pink", "D"), ("tab:olive", "v"),
-                   ("tab:cyan", "P"), ("tab:gray", "X")]      # backends: apart from the schedules' colours
+                   ("tab:cyan", "P"), ("darkgoldenrod", "X"), ("navy", "<"), ("lime", ">"), ("magenta", "*"),
+                   ("teal", "h")]      # backends: apart from the schedules' colours, one per backend in every panel
 UNION_TICKS = (1, 1.5, 2, 3, 4, 6, 8, 16)
 
 # ---- figures ------------------------------------------------------------------------------------
@@ -108,11 +110,12 @@ def co_selection_figures(run: Run, device: DeviceProfile | None, tile: int = 8) 
             if gr[UNION].round(3).nunique() < 2:
                 continue
             dtypes = sorted(gr["dtype"].unique())
-            fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.8), squeeze=False)
+            style = {b: MEASURED_STYLES[i % len(MEASURED_STYLES)] for i, b in enumerate(sorted(gr["backend"].unique()))}
+            fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 6.4), squeeze=False)
             for ax, dtype in zip(axes[0], dtypes):
                 gd = gr[gr["dtype"] == dtype]
-                for i, (backend, gb) in enumerate(gd.groupby("backend")):
-                    color, marker = MEASURED_STYLES[i % len(MEASURED_STYLES)]
+                for backend, gb in gd.groupby("backend"):
+                    color, marker = style[backend]
                     m = gb.groupby(UNION)["module.tflops"].median()
                     ax.plot(m.index, m.values, "-", marker=marker, color=color,
                             label=f"{backend} ({gb['schedule'].iloc[0]}, measured)")
@@ -133,9 +136,13 @@ def co_selection_figures(run: Run, device: DeviceProfile | None, tile: int = 8) 
                 ax.set_title(f"{dtype}, nsb/N {gd['x'].median():.3g}, {group_label(group)}; strips: fastest "
                              "schedule measured (top), predicted (bottom)", fontsize=8)
                 ax.grid(True, which="both", alpha=0.3)
-                ax.legend(fontsize=7)
+            legend = {}
+            for ax in axes[0]:                       # one legend below the panels, each entry once
+                for h, n in zip(*ax.get_legend_handles_labels()):
+                    legend.setdefault(n.replace(f", {dtypes[0]}", ""), h)
+            fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=3, fontsize=7, frameon=False)
             fig.suptitle(_title(run, "Throughput vs co-selection"), fontsize=10)
-            fig.tight_layout()
+            fig.tight_layout(rect=(0, 0.24, 1, 1))
             figs.append((f"coselection_{slug(group, f'reuse{reuse:g}')}.png", fig))
     return figs
 

@@ -21,7 +21,7 @@ def schedule_of(backend: str, plan_info=None) -> str | None:
     from ..kernels.base import split_name
     base = split_name(backend)[0]
     recorded = _info(plan_info).get("schedule")
-    if base == "auto" or (base not in SCHEDULE_OF_BACKEND and recorded):
+    if SCHEDULE_OF_BACKEND.get(base) is None and recorded:     # auto, hybrid: what the plan ran
         return recorded if recorded in (*ALL_SCHEDULES, HYBRID) else None
     return SCHEDULE_OF_BACKEND.get(base)
 

@@ -52,11 +52,10 @@ PRESETS: dict[str, DeviceProfile] = {
         source="measured on the lent H200 on 2026-11-29 (shared/measured/h200.json): HBM copy 4.19 TB/s, "
                "L2 read 8.1 TB/s, bf16 8192^3 matmul 788 TFLOP/s, fp8 _scaled_mm 1435 TFLOP/s; achieved: the "
                "median fraction of the roofline each module reached over the co-selection grid, 2026-12-01 "
-               "(`msa-bench report results/h200/co-selection`, 'Achieved fraction'; q-packed's Triton stage from a "
-               "run of the same grid's shares 0, 0.5, 0.875 and 1 that day, docs/perf-log.md)",
-        achieved={"kv-outer-cute/bf16": 0.68, "kv-outer-cute/fp8": 0.81, "q-packed-cute/bf16": 0.89,
+               "(`msa-bench report results/h200/co-selection`, 'Achieved fraction')",
+        achieved={"kv-outer-cute/bf16": 0.68, "kv-outer-cute/fp8": 0.82, "q-packed-cute/bf16": 0.89,
                   "q-packed-cute/fp8": 0.59, "kv-outer/bf16": 0.61, "kv-outer/fp8": 0.71,
-                  "q-packed/bf16": 0.59, "q-packed/fp8": 0.32}),
+                  "q-packed/bf16": 0.60, "q-packed/fp8": 0.33}),
 }
 
 _REQUIRED = {"name": str, "hbm_bytes_per_s": (int, float), "l2_bytes_per_s": (int, float),
