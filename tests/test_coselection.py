@@ -229,7 +229,7 @@ def test_workload_cli_share(cli, one_error_line):
     code, _, err = cli("workload", "--tokens", "2048", "--context", "65536", "--reuse", "8", "--share", "0")
     assert code == 2 and "feasible reuse at share 0" in one_error_line(err)
     code, _, err = cli("workload", "--generator", "indexer", "--share", "0.5")
-    assert code == 2 and "--share applies only" in one_error_line(err)
+    assert code == 2 and "--share does not apply to --generator indexer" in one_error_line(err)
 
 
 # ---- the model -----------------------------------------------------------------------------------

@@ -37,11 +37,12 @@ WORKLOADS = {
     # three requests on a scattered page table, -1 padding, a hot block, tokens with no block at all,
     # tiles cut at unaligned positions
     "edge-causal": lambda d: edge_case_workload(SHAPE, d, [3000, 700, 1900], [37, 11, 64], True, hot=0.5,
-                                                pad=0.3, empty=5, seed=5, device="cuda"),
+                                                pad=0.3, seed=5, device="cuda"),
     "edge-noncausal": lambda d: edge_case_workload(SHAPE, d, [2600, 900], [29, 21], False, hot=0.3, pad=0.5,
                                                    empty=3, seed=6, device="cuda"),
-    # every token selects nothing: union count 0 in every tile, O = 0 and LSE -inf everywhere
-    "no-keys": lambda d: edge_case_workload(SHAPE, d, [1000], [13], True, empty=13, seed=7, device="cuda"),
+    # every token selects nothing (not causal: a causal token keeps its local block): union count 0 in
+    # every tile, O = 0 and LSE -inf everywhere
+    "no-keys": lambda d: edge_case_workload(SHAPE, d, [1000], [13], False, empty=13, seed=7, device="cuda"),
 }
 _CACHE: dict = {}
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "results"
 
 
 def test_stage_figures_keep_labels_flat_and_the_legend_off_the_bars():
-    for run in (ROOT / "fixtures" / "smoke-run", ROOT / "h200" / "long-context"):
+    for run in (ROOT / "fixtures" / "smoke-run", ROOT / "h200" / "co-selection"):
         for name, fig in stage_figures(load_run(run)):
             fig.canvas.draw()
             renderer = fig.canvas.get_renderer()

@@ -16,7 +16,7 @@ from msa_bench.scenarios.selection import check_selection
 from msa_bench.scenarios.stats import workload_stats
 from msa_bench.scenarios.workload import AttnShape
 
-SHIPPED = {"default", "smoke", "reuse-sweep", "skew", "real-prefill", "long-context"}
+SHIPPED = {"default", "smoke", "reuse-sweep", "skew", "real-prefill", "long-context", "co-selection", "indexer"}
 
 GOOD = """
 description = "a test grid"
