@@ -62,8 +62,9 @@ def show(figures):
 
 # %% [markdown]
 # ## Which units ran
-# Every (point, backend) is one unit. A backend that disagrees with the float64 reference is recorded
-# as `failed` and never timed; one that cannot run here (no GPU, package missing, dtype) as `unavailable`.
+# Every (point, backend) is one unit. A backend whose output disagrees with the float64 reference is
+# recorded as `failed` and its timings discarded; one that cannot run here (no GPU, package missing,
+# dtype) as `unavailable`.
 
 # %%
 print(report.markdown_table(tables.status_table(run)))
@@ -81,6 +82,24 @@ for c in tables.crossovers(run, device):
     print(f"{c.group} {c.dtype}: {c.kv_backend} vs {c.q_backend}: measured {c.measured} ({c.measured_note}), "
           f"predicted {c.predicted}")
 show(plots.throughput_figures(run, device))
+
+# %% [markdown]
+# ## Throughput against co-selection
+# For runs whose points vary union_ratio (the `co-selection` scenario): module TFLOP/s against the
+# union_ratio at 8 tokens per tile, with the KV-outer, Q-outer and q-packed rooflines, and strips of the
+# fastest schedule measured (top) and predicted (bottom).
+
+# %%
+show(plots.co_selection_figures(run, device))
+
+# %% [markdown]
+# ## Accuracy and how close each backend gets to its roofline
+# What each backend quantizes next to its measured error against the float64 reference; and the
+# fraction of its roofline time each module reaches (the figures a device profile's `achieved` holds).
+
+# %%
+print(report.markdown_table(tables.accuracy_table(run)))
+print(report.markdown_table(tables.achieved_table(run)))
 
 # %% [markdown]
 # ## Where the time goes

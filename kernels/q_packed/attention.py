@@ -87,6 +87,12 @@ def packed_attention_kernel(q_ptr, k_ptr, v_ptr, tile_tok0_ptr, tile_ntok_ptr, t
     tl.store(lse_ptr + out_rows, lse, mask=live)
 
 
+def packed_quantization(w) -> str:
+    """What the packed stages quantize, as a plan states it."""
+    return ("e4m3 Q/K/V/P on fp8 MMA (V d-major copy made in plan)" if w.dtype == "fp8"
+            else f"{w.dtype} Q/K/V and MMA, fp32 softmax")
+
+
 class PackedAttention:
     """Binds the kernel to a plan's schedule buffers; calling it launches one program per tile."""
 

@@ -58,7 +58,7 @@ class QPackedBackend(Backend):
         return reason
 
     def _plan(self, w: Workload) -> Plan:
-        from .attention import PackedAttention
+        from .attention import PackedAttention, packed_quantization
         from .schedule import PackedSchedule
         check_shape(w, self.tokens_per_tile, self.name)
         s, dev = w.shape, w.device
@@ -75,7 +75,6 @@ class QPackedBackend(Backend):
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=executed / selected if selected else 1.0,
                     attention=attention.describe(),
-                    quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major copy made in plan)" if w.dtype == "fp8"
-                                  else f"{w.dtype} Q/K/V and MMA, fp32 softmax"))
+                    quantization=packed_quantization(w))
         return Plan(backend=self.name, stages={"schedule": schedule, "attention": attention}, output=out, lse=lse,
                     buffers=dict(schedule.buffers), info=info)

@@ -26,7 +26,7 @@ from ...roofline.hybrid import min_shared_tokens
 from ...roofline.model import ModelShape
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
-from .attention import PackedAttention
+from .attention import PackedAttention, packed_quantization
 from .schedule import PackedSchedule
 
 KV_STAGES = {"triton": "kv-outer", "cute": "kv-outer-cute"}
@@ -150,7 +150,8 @@ class HybridBackend(Backend):
                     packed_entry_share=1.0 - residual / selected if selected else 0.0,
                     packed_executed_blocks_per_selected=executed / selected if selected else 0.0,
                     kv_outer=kv.name, kv_outer_info=kv_plan.info, attention=attention.describe(),
-                    quantization=kv_plan.info.get("quantization", ""))
+                    quantization=f"packed part: {packed_quantization(w)}; KV-outer part: "
+                                 f"{kv_plan.info.get('quantization', '')}")
         # the KV-outer part's buffers under "kv." names: its stage checks hold for the full selection only
         buffers = {**{f"kv.{k}": v for k, v in kv_plan.buffers.items()}, **packed.buffers}
         plan = Plan(backend=self.name, stages={"schedule": schedule, "attention": attend, "combine": combine},
