@@ -261,13 +261,13 @@ def build_kernels(
                                                  "options), all (every option set: plain, pp, sa, pp+sa), none."),
 ):
     """Compile the CuTe DSL attention stages for every configuration the sweep can ask for (no GPU needed):
-    each kernel of kernels/cute/manifest.KERNELS in each of its dtypes, and the q-packed-cute configurations,
-    one shared library per configuration, with manifest.json and q_packed_manifest.json (configs,
-    DSL/CUDA/C++ versions, arch, source hash). Carry the directory to the GPU host; the backends load it."""
+    each kv-outer kernel of kernels/cute/manifest.KERNELS in each of its dtypes, and the q-packed-cute
+    configurations, one shared library per configuration, with manifest.json (configs, DSL/CUDA/C++
+    versions, arch, source hash). Carry the directory to the GPU host; the backends load it."""
     from pathlib import Path
     from .errors import UserError
-    from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, KERNELS, SUPPORTED_ARCHS, library_configs
-    from .kernels.cute.q_packed_library import BUILD_SETS, build_configs
+    from .kernels.cute.manifest import (DEFAULT_BUILD_DIR, DTYPES, KERNELS, Q_PACKED_SETS, SUPPORTED_ARCHS,
+                                        library_configs, q_packed_configs)
 
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"--arch must be one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
@@ -277,18 +277,13 @@ def build_kernels(
     bad = [k for k in kernel if k not in KERNELS]
     if bad:
         raise UserError(f"--kernel must be one of {', '.join(KERNELS)}, got {bad[0]!r}")
-    if q_packed not in BUILD_SETS:
-        raise UserError(f"--q-packed must be one of {', '.join(BUILD_SETS)}, got {q_packed!r}")
+    if q_packed not in Q_PACKED_SETS:
+        raise UserError(f"--q-packed must be one of {', '.join(Q_PACKED_SETS)}, got {q_packed!r}")
     dtypes = tuple(dtype) or DTYPES
-    where = Path(out) if out else DEFAULT_BUILD_DIR
-    if kv_outer:
+    configs = (library_configs(dtypes, tuple(kernel) or None) if kv_outer else []) + q_packed_configs(q_packed, dtypes)
+    if configs:
         from .kernels.cute.build import build_all
-        summary = build_all(library_configs(dtypes, tuple(kernel) or None), where, arch, log=typer.echo)
-        typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
-    q_configs = build_configs(q_packed, dtypes)
-    if q_configs:
-        from .kernels.cute.q_packed_build import build_all as build_q_packed
-        summary = build_q_packed(q_configs, where, arch, log=typer.echo)
+        summary = build_all(configs, Path(out) if out else DEFAULT_BUILD_DIR, arch, log=typer.echo)
         typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
 
 
