@@ -143,13 +143,22 @@ def check(
     backend: str = typer.Option("kv-outer", help="Backend to check: kv-outer, msa-scatter, flashinfer, reference, ..."),
     dtype: str = typer.Option(None, help="Data type: bf16, fp8 (e4m3), fp16 or fp32 (default: bf16 on a GPU, fp16 on CPU, "
                                          "where Triton's interpreter gets bf16 wrong).", show_default=False),
+    generator: str = typer.Option("synthetic", help="Workload generator: synthetic, indexer or real-prefill (with "
+                                                    "--case), as `msa-bench workload` takes them."),
     tokens: int = typer.Option(None, help="N query tokens (default: 40 on CPU, 4096 on a GPU).", show_default=False),
     context: int = typer.Option(None, help="Context length in tokens (default: 256 on CPU, 32768 on a GPU).",
                                  show_default=False),
     reuse: float = typer.Option(None, help="Target nsb/N (distinct selected (KV head, block) pairs per token; default 0.5 CPU, 0.25 GPU).",
                                 show_default=False),
-    causal: bool = typer.Option(False, help="Chunked causal prefill: each query's own block is its last selected block."),
-    seed: int = typer.Option(0, help="Seed of the selection and the tensors."),
+    causal: bool = typer.Option(None, "--causal/--no-causal", help="Chunked causal prefill: each query's own block is "
+                                "its last selected block. Default: not causal.", show_default=False),
+    case: str = typer.Option(None, "--case", help="MSA prefill case id for real-prefill (`msa-bench scenarios --cases` "
+                                                  "lists them)."),
+    requests: int = typer.Option(None, help="K requests instead of one (synthetic's tokens and context split over "
+                                            "them, each on its own context length) on a scattered page table, with "
+                                            "-1 padding, a hot block and, not causal, tokens that select nothing.",
+                                 show_default=False),
+    seed: int = typer.Option(None, help="Seed of the selection and the tensors. Default 0.", show_default=False),
     hq: int = typer.Option(None, help="Query heads (default: 8 on CPU, 64 on a GPU).", show_default=False),
     hkv: int = typer.Option(None, help="KV heads (default: 2 on CPU, 4 on a GPU).", show_default=False),
     head_dim: int = typer.Option(None, help="Head dimension (default: 32 on CPU, 128 on a GPU).", show_default=False),
@@ -157,37 +166,34 @@ def check(
     topk: int = typer.Option(None, help="Blocks kept per query and KV head (default: 4 on CPU, 16 on a GPU).",
                               show_default=False),
 ):
-    """Run one backend on a synthetic workload, compare with the float64 reference (sampled rows when N > 512)
-    and print per-stage checks; the maximum relative error is printed last. Exit 0 only within tolerance
-    (fp32 1e-5, fp16/bf16 1e-2, fp8 5e-2). Without a GPU the Triton kernels run in the CPU interpreter."""
-    from .harness.check import CPU_SHAPE, default_request, run_check
+    """Run one backend on one workload (synthetic by default; indexer, a real-prefill case, or K requests of
+    edge cases), compare with the float64 reference (sampled rows when N > 512) and print per-stage checks;
+    the maximum relative error is printed last. Exit 0 only within tolerance (fp32 1e-5, fp16/bf16 1e-2, fp8
+    5e-2). An option the generator does not use is refused. Without a GPU the Triton kernels run in the CPU
+    interpreter."""
+    from .harness.check import CPU_SHAPE, check_fits_here, check_point, describe, run_check
     from .errors import UserError
     from .scenarios.workload import DATA_DTYPES, AttnShape
 
     import torch
-    dtype = dtype or ("bf16" if torch.cuda.is_available() else "fp16")
+    on_gpu = torch.cuda.is_available()
+    dtype = dtype or ("bf16" if on_gpu else "fp16")
     if dtype not in DATA_DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
     for name, value in (("tokens", tokens), ("context", context), ("hq", hq), ("hkv", hkv), ("head-dim", head_dim),
                         ("block", block), ("topk", topk)):
         if value is not None and value <= 0:
             raise UserError(f"--{name} must be positive, got {value}")
-    base = AttnShape() if torch.cuda.is_available() else CPU_SHAPE
+    base = AttnShape() if on_gpu else CPU_SHAPE
     shape = AttnShape(hq=hq or base.hq, hkv=hkv or base.hkv, head_dim=head_dim or base.head_dim,
                       block=block or base.block, topk=topk or base.topk)
-    req = default_request(backend, dtype, tokens or None, context or None, reuse, causal, seed, shape)
-    from .scenarios.workload import check_fits, footprint_bytes, size_problem
-    pages = -(-req.context // shape.block)
-    problem = size_problem(shape, req.tokens, req.context, pages, seed)
-    if problem:
-        raise UserError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
-    check_fits(footprint_bytes(shape, dtype, req.tokens, pages), "cuda" if torch.cuda.is_available() else "cpu",
-               "this check's workload")
-    w, (err, tol, details) = run_check(req)
+    point = check_point(generator, shape, dtype, requests, on_gpu, tokens=tokens, context=context, reuse=reuse,
+                        causal=causal, cases=case, seed=seed)
+    check_fits_here(point, requests, "cuda" if on_gpu else "cpu")
+    w, (err, tol, details) = run_check(backend, point, requests)
     s = w.shape
     typer.echo(f"{backend} {dtype} on {w.device}: N={w.n_tokens} Hq={s.hq} Hkv={s.hkv} D={s.head_dim} "
-               f"block={s.block} topk={s.topk} context={req.context} reuse={req.reuse:g}"
-               f"{' causal' if causal else ''}; compared {details['rows']} rows")
+               f"block={s.block} topk={s.topk} {describe(point, requests)}; compared {details['rows']} rows")
     typer.echo(f"plan: {details['info']}")
     failed = False
     for stage, (ok, msg) in details.get("stage_checks", {}).items():
@@ -261,13 +267,13 @@ def build_kernels(
                                                  "options), all (every option set: plain, pp, sa, pp+sa), none."),
 ):
     """Compile the CuTe DSL attention stages for every configuration the sweep can ask for (no GPU needed):
-    each kernel of kernels/cute/manifest.KERNELS in each of its dtypes, and the q-packed-cute configurations,
-    one shared library per configuration, with manifest.json and q_packed_manifest.json (configs,
-    DSL/CUDA/C++ versions, arch, source hash). Carry the directory to the GPU host; the backends load it."""
+    each kv-outer kernel of kernels/cute/manifest.KERNELS in each of its dtypes, and the q-packed-cute
+    configurations, one shared library per configuration, with manifest.json (configs, DSL/CUDA/C++
+    versions, arch, source hash). Carry the directory to the GPU host; the backends load it."""
     from pathlib import Path
     from .errors import UserError
-    from .kernels.cute.manifest import DEFAULT_BUILD_DIR, DTYPES, KERNELS, SUPPORTED_ARCHS, library_configs
-    from .kernels.cute.q_packed_library import BUILD_SETS, build_configs
+    from .kernels.cute.manifest import (DEFAULT_BUILD_DIR, DTYPES, KERNELS, Q_PACKED_SETS, SUPPORTED_ARCHS,
+                                        library_configs, q_packed_configs)
 
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"--arch must be one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
@@ -277,18 +283,13 @@ def build_kernels(
     bad = [k for k in kernel if k not in KERNELS]
     if bad:
         raise UserError(f"--kernel must be one of {', '.join(KERNELS)}, got {bad[0]!r}")
-    if q_packed not in BUILD_SETS:
-        raise UserError(f"--q-packed must be one of {', '.join(BUILD_SETS)}, got {q_packed!r}")
+    if q_packed not in Q_PACKED_SETS:
+        raise UserError(f"--q-packed must be one of {', '.join(Q_PACKED_SETS)}, got {q_packed!r}")
     dtypes = tuple(dtype) or DTYPES
-    where = Path(out) if out else DEFAULT_BUILD_DIR
-    if kv_outer:
+    configs = (library_configs(dtypes, tuple(kernel) or None) if kv_outer else []) + q_packed_configs(q_packed, dtypes)
+    if configs:
         from .kernels.cute.build import build_all
-        summary = build_all(library_configs(dtypes, tuple(kernel) or None), where, arch, log=typer.echo)
-        typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
-    q_configs = build_configs(q_packed, dtypes)
-    if q_configs:
-        from .kernels.cute.q_packed_build import build_all as build_q_packed
-        summary = build_q_packed(q_configs, where, arch, log=typer.echo)
+        summary = build_all(configs, Path(out) if out else DEFAULT_BUILD_DIR, arch, log=typer.echo)
         typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +17,8 @@ if not torch.cuda.is_available():
 
 from ..errors import UserError
 from ..scenarios.reference import reference_attention, relative_error
-from ..scenarios.workload import AttnShape, Workload, WorkloadError, build_workload
+from ..scenarios.grid import Point, check_point_fits, make_workload, point_from_options
+from ..scenarios.workload import AttnShape, Workload, WorkloadError, build_workload, check_fits, footprint_bytes
 
 TOLERANCE = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8": 5e-2}
 SAMPLED_ROWS = 512          # rows compared with the reference when the workload is bigger than this
@@ -99,48 +99,75 @@ def check_backend(backend_name: str, workload: Workload, rows=None, stages: bool
 
 # ---- workloads for the command -----------------------------------------------------------------
 
-@dataclass(frozen=True)
-class CheckRequest:
-    backend: str
-    dtype: str
-    tokens: int
-    context: int
-    reuse: float
-    causal: bool
-    seed: int
-    shape: AttnShape
-
-
 CPU_SHAPE = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
-CPU_TOKENS, CPU_CONTEXT, CPU_REUSE = 40, 256, 0.5
-GPU_TOKENS, GPU_CONTEXT, GPU_REUSE = 4096, 32768, 0.25
+# sizes not given on the command line: small on CPU (the interpreter is slow), the study's on a GPU
+CPU_DEFAULTS = {"tokens": 40, "context": 256, "reuse": 0.5}
+GPU_DEFAULTS = {"tokens": 4096, "context": 32768, "reuse": 0.25}
+EDGE_HOT, EDGE_PAD = 0.2, 0.3     # --requests: share of queries that pick a hot block, of query rows padded with -1
 
 
-def default_request(backend: str, dtype: str, tokens, context, reuse, causal, seed, shape=None,
-                    on_gpu: bool | None = None) -> CheckRequest:
-    """Fill unset sizes: small on CPU (the interpreter is slow), the study shape on a GPU."""
-    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    shape = shape or (AttnShape() if on_gpu else CPU_SHAPE)
-    tokens = tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
-    context = context or (GPU_CONTEXT if on_gpu else CPU_CONTEXT)
-    if reuse is None:
-        reuse = GPU_REUSE if on_gpu else CPU_REUSE
-    return CheckRequest(backend, dtype, tokens, context, reuse, causal, seed, shape)
+def check_point(generator: str, shape: AttnShape, dtype: str, requests: int | None = None, on_gpu: bool = False,
+                **given) -> Point:
+    """The workload `msa-bench check` builds, its options refused as `msa-bench workload` refuses them
+    (grid.point_from_options), sizes not given from CPU_DEFAULTS or GPU_DEFAULTS. requests K: the synthetic
+    point's tokens and context as K requests of edge-case selections (check_workload), which have no reuse
+    target."""
+    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    if requests is None:
+        return point_from_options(generator, shape, dtype, defaults, **given)
+    if generator != "synthetic":
+        raise UserError(f"--requests does not apply to --generator {generator} (it draws its own selection)")
+    if given.get("reuse") is not None:
+        raise UserError("--reuse does not apply to --requests (edge-case selections have no reuse target)")
+    p = point_from_options("synthetic", shape, dtype, {**defaults, "reuse": None}, **given)
+    if not 0 < requests <= p.tokens:
+        raise UserError(f"--requests must be between 1 and the {p.tokens} query tokens, got {requests}")
+    return p
 
 
-def random_workload(shape: AttnShape, dtype: str, tokens: int, context: int, reuse: float, causal: bool,
-                    seed: int, device) -> Workload:
-    """Synthetic selection at the requested reuse (harness.selection) when available, else
-    edge_case_workload's plain random one (one request)."""
+def request_layout(tokens: int, context: int, requests: int) -> tuple[list[int], list[int]]:
+    """(KV lengths, query tokens) of `requests` requests sharing `tokens`: as even a split as can be, so
+    tiles cut at unaligned positions, on contexts from `context` down to about half of it (partial last
+    blocks), each long enough to hold its queries."""
+    counts = [tokens // requests + (r < tokens % requests) for r in range(requests)]
+    kv_lens = [max(n, context * (2 * requests - r) // (2 * requests)) for r, n in enumerate(counts)]
+    return kv_lens, counts
+
+
+def check_workload(point: Point, requests: int | None, device) -> Workload:
+    """The point's workload (grid.make_workload), or with `requests`: edge_case_workload on request_layout,
+    with -1 padding, a hot block and (not causal: a causal token keeps its own block) tokens that select
+    nothing."""
+    if requests is None:
+        return make_workload(point, device)
+    kv_lens, counts = request_layout(point.tokens, point.context, requests)
+    empty = 0 if point.causal else max(1, point.tokens // 32)
+    return edge_case_workload(point.shape, point.dtype, kv_lens, counts, point.causal, hot=EDGE_HOT, pad=EDGE_PAD,
+                              empty=empty, seed=point.seed, device=device)
+
+
+def check_fits_here(point: Point, requests: int | None, device) -> None:
+    """UserError (one line) when the workload would not fit in the memory free on `device`."""
+    if requests is None:
+        return check_point_fits(point, device)
+    kv_lens, _ = request_layout(point.tokens, point.context, requests)
+    pages = sum(-(-kv // point.shape.block) for kv in kv_lens) + 3        # edge_case_workload's spare pages
     try:
-        from ..scenarios.selection import synthetic_workload
-    except ImportError:
-        synthetic_workload = None
-    if synthetic_workload is not None:
-        return synthetic_workload(shape, dtype, tokens, context, reuse, causal=causal, seed=seed, device=device)
-    if tokens <= 0 or context <= 0 or (causal and context < tokens):
-        raise WorkloadError(f"need 0 < tokens <= context (causal), got tokens={tokens}, context={context}")
-    return edge_case_workload(shape, dtype, [context], [tokens], causal, seed=seed, device=device)
+        check_fits(footprint_bytes(point.shape, point.dtype, point.tokens, pages), device, "this check's workload")
+    except WorkloadError as exc:
+        raise UserError(str(exc)) from None
+
+
+def describe(point: Point, requests: int | None) -> str:
+    """The workload's generator and sizes, as the check's first line names them."""
+    causal = " causal" if point.causal else ""
+    if requests is not None:
+        return f"context={point.context} {requests} requests (edge cases: padding, hot blocks){causal}"
+    if point.generator == "real-prefill":
+        return f"real-prefill {point.case_id} context={point.context}"
+    if point.generator == "indexer":
+        return f"context={point.context} indexer{causal}"
+    return f"context={point.context} reuse={point.reuse:g}{causal}"
 
 
 def edge_case_workload(shape: AttnShape, dtype: str, kv_lens: list[int], tokens: list[int], causal: bool,
@@ -185,13 +212,14 @@ def edge_case_workload(shape: AttnShape, dtype: str, kv_lens: list[int], tokens:
                           meta={"generator": "edge-cases", "hot": hot, "pad": pad, "empty": empty})
 
 
-def run_check(req: CheckRequest):
-    """Build the request's workload on this machine's device and check the backend on it."""
+def run_check(backend: str, point: Point, requests: int | None = None):
+    """Build the workload on this machine's device and check the backend on it: (workload, check_backend's
+    result)."""
     from ..kernels.base import get_backend
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        get_backend(req.backend)
+        get_backend(backend)
     except KeyError as exc:
         raise UserError(str(exc.args[0])) from None
-    w = random_workload(req.shape, req.dtype, req.tokens, req.context, req.reuse, req.causal, req.seed, device)
-    return w, check_backend(req.backend, w, rows=sample_rows(w.n_tokens), stages=True)
+    w = check_workload(point, requests, device)
+    return w, check_backend(backend, w, rows=sample_rows(w.n_tokens), stages=True)

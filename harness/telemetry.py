@@ -53,27 +53,6 @@ class Telemetry:
                 "temperature_c": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
                 "clock_event_reasons": mask}
 
-    def energy_j(self) -> float | None:
-        """The board's energy counter (NVML total energy since the driver loaded), in joules; None where
-        NVML has none. Differences over a stretch of work give its energy, whatever the polling rate."""
-        if not self.available:
-            return None
-        import pynvml as nv
-        try:
-            return nv.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0
-        except Exception:   # NVMLError_NotSupported on boards without the counter
-            return None
-
-    def power_limit_w(self) -> float | None:
-        """The power limit the board enforces now (NVML), in watts; None where NVML cannot say."""
-        if not self.available:
-            return None
-        import pynvml as nv
-        try:
-            return nv.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000.0
-        except Exception:
-            return None
-
 
 def open_telemetry(device) -> Telemetry:
     """NVML for the CUDA device `device`; on CPU or without NVML an unavailable Telemetry saying why."""

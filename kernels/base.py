@@ -15,9 +15,6 @@ import torch
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
 from ..scenarios.workload import Workload
 
-STAGE_NAMES = ("index_map", "schedule", "gather", "attention", "combine", "output")
-
-
 @dataclass
 class Plan:
     backend: str
@@ -66,11 +63,6 @@ def register(name: str):
         _REGISTRY[name] = factory
         return factory
     return wrap
-
-
-def backend_names() -> list[str]:
-    _load_all()
-    return sorted(_REGISTRY)
 
 
 OPTION_SEP = "@"     # "kv-outer-cute@v23": a registered backend with one option (its from_option())

@@ -234,7 +234,7 @@ def point_problem(p: Point) -> tuple[str, str] | None:
             check_coselection(s, p.tokens, p.context, p.reuse, p.share, p.share_group, p.causal)
         except WorkloadError as exc:
             return "share", str(exc)
-    elif p.generator == "synthetic":
+    elif p.generator == "synthetic" and p.reuse is not None:      # None: no reuse target (msa-bench check --requests)
         try:
             check_synthetic(s, p.tokens, p.context, p.reuse, p.causal)
         except WorkloadError as exc:
@@ -411,11 +411,12 @@ OPTION_OF_AXIS = {"tokens": "--tokens", "context": "--context", "reuse": "--reus
 OPTION_DEFAULTS = {"tokens": 16384, "context": 131072, "reuse": 0.25, "skew": 0.0, "causal": False, "seed": 0}
 
 
-def point_from_options(generator: str, shape: AttnShape, dtype: str, **given) -> Point:
-    """The point the workload command's options describe, refused the way a scenario grid is: an option
-    its generator does not use, a missing case, or a point that cannot be built is a one-line UserError.
-    `given` holds the options set on the command line (tokens, context, reuse, skew, causal, cases, seed,
-    share, share_group)."""
+def point_from_options(generator: str, shape: AttnShape, dtype: str, defaults: dict | None = None, **given) -> Point:
+    """The point the workload (or check) command's options describe, refused the way a scenario grid is: an
+    option its generator does not use, a missing case, or a point that cannot be built is a one-line
+    UserError. `given` holds the options set on the command line (tokens, context, reuse, skew, causal, cases,
+    seed, share, share_group); `defaults` the command's own values for options not given (over
+    OPTION_DEFAULTS)."""
     if generator not in GENERATORS:
         raise UserError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
     if dtype not in DATA_DTYPES:
@@ -424,7 +425,8 @@ def point_from_options(generator: str, shape: AttnShape, dtype: str, **given) ->
     key = inapplicable(given, [generator])
     if key:
         raise UserError(f"{OPTION_OF_AXIS[key]} does not apply to --generator {generator}")
-    value = lambda k: given.get(k, OPTION_DEFAULTS.get(k))
+    defaults = {**OPTION_DEFAULTS, **(defaults or {})}
+    value = lambda k: given.get(k, defaults.get(k))
     if "share_group" in given and "share" not in given:
         raise UserError("--share-group needs --share (the fraction of its top-k a group of tokens shares)")
     if generator == "real-prefill":

@@ -70,35 +70,6 @@ def reference_attention(w: Workload, rows=None, dtype=torch.float64):
     return combine_partials(*reference_partials(w, rows, dtype=dtype))
 
 
-def dense_masked_attention(w: Workload, rows=None, dtype=torch.float64):
-    """A naive check of the oracle: expand the selection into a dense key mask over each query's whole
-    request and run ordinary masked softmax attention. Only for small shapes."""
-    s = w.shape
-    rows = _rows(w, rows)
-    q, k, v = w.dequantized(dtype)
-    max_blocks = w.page_table.shape[1]
-    out = torch.zeros(len(rows), s.hq, s.head_dim, dtype=dtype, device=w.device)
-    for i, r in enumerate(rows.tolist()):
-        req = int(w.q_request[r])
-        table = w.page_table[req].long()
-        for h in range(s.hkv):
-            chosen = torch.zeros(max_blocks, dtype=torch.bool, device=w.device)
-            sel = w.selection[h, r].long()
-            chosen[sel[sel >= 0]] = True
-            blocks = [b for b in range(max_blocks) if table[b] >= 0]
-            keys = torch.cat([k[table[b], h] for b in blocks])             # [T, D] positions 0..T-1
-            vals = torch.cat([v[table[b], h] for b in blocks])
-            key_block = torch.tensor(blocks, device=w.device).repeat_interleave(s.block)
-            key_pos = key_block * s.block + torch.arange(s.block, device=w.device).repeat(len(blocks))
-            mask = chosen[key_block] & (key_pos <= int(w.q_limit[r]))
-            qh = q[r, h * s.group:(h + 1) * s.group]
-            sc = (qh @ keys.T) * w.sm_scale
-            sc = sc.masked_fill(~mask, float("-inf"))
-            if mask.any():
-                out[i, h * s.group:(h + 1) * s.group] = torch.softmax(sc, dim=-1) @ vals
-    return out
-
-
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN or Inf anywhere counts as an infinite error."""
     out = out.to(torch.float64)

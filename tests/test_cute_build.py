@@ -52,24 +52,31 @@ def test_build_writes_every_library_the_sweep_can_select_and_the_manifest(built)
     data = json.loads((out / mf.MANIFEST_NAME).read_text())
     assert data["arch"] == "sm_90a" and data["source_hash"] == mf.source_hash()
     assert data["dsl_version"] == "4.8.1" and data["cuda_version"].startswith("13.") and data["cxx_version"]
-    configs = mf.library_configs()
+    configs = mf.library_configs() + mf.q_packed_configs()
     assert {e["name"] for e in data["configs"]} == {c.name for c in configs} and len(configs) <= 8
     for cfg in configs:
         path, reason = mf.find_library(cfg, out, "sm_90a")
         assert reason is None and path.stat().st_size > 10_000
     for e in data["configs"]:
-        k = mf.KERNELS[e["kernel"]]
-        assert e["class"] == k.cls and e["options"] == k.options and e["ctas_per_sm"] == k.ctas_per_sm
+        if e["kind"] == "kv-outer":
+            k = mf.KERNELS[e["kernel"]]
+            assert e["class"] == k.cls and e["options"] == k.options and e["ctas_per_sm"] == k.ctas_per_sm
+        else:
+            assert e["class"] == mf.QPackedConfig.kernel_class and e["kernel_version"].startswith("qp1-")
+            assert e["options"] == {"pingpong": e["pingpong"], "s_ahead": e["s_ahead"]}
 
 
-# sha256 of every library build-kernels makes (v23 and v28 in bf16 and fp8; bf16's default is v23, fp8's
-# v28) as built at commit 9821365, the builds measured on the H200, with the toolchain below. A change of
-# structure keeps them byte-identical; a library that moves must be checked and timed again on the GPU.
+# sha256 of every library build-kernels makes by default: v23 and v28 in bf16 and fp8 (bf16's default is
+# v23, fp8's v28) as built at commit 9821365, and q-packed's per-dtype defaults (bf16 pp, fp8 pp+sa) as built
+# at commit ec8cf83: the builds measured on the H200, with the toolchain below. A change of structure keeps
+# them byte-identical; a library that moves must be checked and timed again on the GPU.
 DEFAULT_LIBRARY_SHA256 = {
     "kvo_attn_bf16_q8g16d128b128_c1_v23": "44c2ab0a41f43015d0ec10dd9f68f235489eaaa21a7f31a67de3c7f9afc9ccfb",
     "kvo_attn_fp8_q8g16d128b128_c1_v23": "3e06aae820cd5bfdefb0dc793eda6bc6246a304cc967fa0c6afc37768d60164d",
     "kvo_attn_bf16_q8g16d128b128_c1_v28": "33e61b40c8bf946a56f54b0591964658f84dcdeac19d7e0f10b9bc595845425f",
     "kvo_attn_fp8_q8g16d128b128_c1_v28": "d27290cb7c8115e3eecc26f59f24fdaafb27d01d12f03d3b6b224dc472db21eb",
+    "qpk_attn_bf16_p8g16d128b128_pp": "246f4984b0c4d118c185cc368078fb2ccda059911c1c34e10d02f663252f1464",
+    "qpk_attn_fp8_p8g16d128b128_pp_sa": "2c88d536b617fdebd7f5c7d4b890629fe8dc92a875f9c54f1d238c23832e769e",
 }
 SHA256_TOOLCHAIN = {"dsl_version": "4.8.1", "cuda_version": "13.0", "cxx_version": "g++ (Debian 12.2.0-14+deb12u1) 12.2.0"}
 
@@ -81,8 +88,9 @@ def test_default_libraries_are_byte_identical_to_the_measured_builds(built):
     toolchain = {key: data[key] for key in SHA256_TOOLCHAIN}
     if toolchain != SHA256_TOOLCHAIN:
         pytest.skip(f"built with {toolchain}; the recorded sha256 are of builds with {SHA256_TOOLCHAIN}")
-    got = {e["name"]: e["sha256"] for e in data["configs"] if e["name"] in DEFAULT_LIBRARY_SHA256}
+    got = {e["name"]: e["sha256"] for e in data["configs"]}
     assert got == DEFAULT_LIBRARY_SHA256
+    assert {name: mf.file_sha256(out / f"lib{name}.so") for name in got} == DEFAULT_LIBRARY_SHA256
 
 
 def _ptx(dump: Path, kernel: str, dtype: str) -> str:
@@ -160,9 +168,33 @@ def test_built_library_exports_the_shim(built):
         ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
     except OSError:
         pytest.skip("libcudart.so.13 not loadable here")
-    for cfg in mf.library_configs():
+    for cfg in mf.library_configs() + mf.q_packed_configs():
         lib = ctypes.CDLL(str(out / cfg.library))
         assert getattr(lib, f"{cfg.name}_load") and getattr(lib, f"{cfg.name}_launch")
+
+
+@pytest.mark.parametrize("cfg", [mf.CuteConfig("v23", "bf16"), mf.QPackedConfig("fp8")], ids=lambda c: c.kind)
+def test_library_abi_follows_the_kernel_signature_and_the_shim(cfg):
+    """Each kind's Abi is its kernel's __call__ signature (read from the source: importing the module needs
+    the DSL), and its shim packs the tensors and passes the scalars in that order with those C types."""
+    import ast
+    from msa_bench.kernels.cute.shim_template import shim_source
+    module, _, cls = cfg.kernel_class.rpartition(".")
+    tree = ast.parse((Path(mf.__file__).parent / f"{module}.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    call = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__call__")
+    params = [a.arg for a in call.args.args[1:]]
+    tensors, scalars = cfg.abi.tensor_names, [name for name, _ in cfg.abi.scalars]
+    assert params == [*tensors, *scalars, "stream"]
+    shim = shim_source(cfg.kind, cfg.name)
+    assert [(a, int(i)) for a, i in re.findall(r"_TENSOR\((\w+), (\d+)\)", shim)] == \
+        [(a, i) for i, a in enumerate(tensors)]
+    wrapper = re.search(r"wrapper\(&\w+_module, (.*?)\);", shim, re.S).group(1)
+    assert [a.strip().lstrip("&") for a in wrapper.split(",")] == [*tensors, *scalars, "(cudaStream_t)stream"]
+    launch = re.search(rf"{cfg.name}_launch\(void \*const \*ptrs, const int32_t \*rows, (.*?)\)", shim, re.S)
+    ctype = {"i32": "int32_t", "f32": "float"}
+    assert [" ".join(p.split()) for p in launch.group(1).split(",")] == \
+        [f"{ctype[kind]} {name}" for name, kind in cfg.abi.scalars] + ["void *stream"]
 
 
 # ---- manifest checks (no DSL needed) -----------------------------------------------------------
@@ -212,12 +244,12 @@ def test_missing_build_and_missing_library(tmp_path):
 
 
 def test_build_of_an_older_manifest_format_refused(tmp_path):
-    """A build made before the kernels table (format 1: one entry per generation) asks for a rebuild."""
+    """A build made before one manifest held both kinds of library (format 2) asks for a rebuild."""
     _fake_build(tmp_path)
     data = json.loads((tmp_path / mf.MANIFEST_NAME).read_text())
-    (tmp_path / mf.MANIFEST_NAME).write_text(json.dumps({**data, "format": 1}))
+    (tmp_path / mf.MANIFEST_NAME).write_text(json.dumps({**data, "format": 2}))
     path, reason = mf.find_library(BF16, tmp_path, "sm_90a")
-    assert path is None and "format 1, expected 2" in reason and "build-kernels" in reason
+    assert path is None and "format 2, expected 3" in reason and "build-kernels" in reason
 
 
 def test_altered_library_refused(tmp_path):
@@ -332,11 +364,15 @@ def test_backend_options_name_a_kernel_a_tile_order_or_both():
 
 
 def test_pack_rejects_bad_extents():
-    from msa_bench.kernels.cute.loader import CuteAttentionLibrary
+    from msa_bench.kernels.cute.loader import pack_arguments
+    meta = torch.device("meta")
     with pytest.raises(ValueError, match="13 tensors"):
-        CuteAttentionLibrary.pack([0] * 12, [1] * 12)
+        pack_arguments(BF16, [torch.empty(1, device=meta)] * 12, meta)
     with pytest.raises(ValueError, match="int32"):
-        CuteAttentionLibrary.pack([0] * 13, [2 ** 31] + [1] * 12)
+        pack_arguments(BF16, [torch.empty(1, device=meta)] * 3 + [torch.empty(2 ** 31, device=meta)]
+                       + [torch.empty(1, device=meta)] * 9, meta)
+    with pytest.raises(BackendUnavailable, match="contiguous tensors"):
+        pack_arguments(BF16, [torch.empty(4, 2).t()] + [torch.empty(1)] * 12, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("args, msg", [(["--dtype", "fp4"], "--dtype must be one of"),

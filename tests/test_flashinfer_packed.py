@@ -2,7 +2,7 @@
 FlashInfer's own semantics (page lists, last_page_len, bottom-right causal, little-endian packed mask
 rows of qo_len x kv_len bits at byte offsets) into the dense visibility they imply, which must equal
 the contract's; and the same semantics executed in float64 against the reference. The kernels run on
-the GPU only (scripts/gpu-check-packed.sh)."""
+the GPU only (`msa-bench check --backend flashinfer-packed` with each --generator and --requests)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st

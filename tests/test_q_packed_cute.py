@@ -4,7 +4,6 @@ signature, the manifest checks, and the backend's wiring (availability, argument
 are tests/test_q_packed_cute_gpu.py."""
 from __future__ import annotations
 
-import ast
 import glob
 import json
 import os
@@ -19,15 +18,16 @@ import torch
 
 from msa_bench.harness.check import edge_case_workload  # sets TRITON_INTERPRET first
 from msa_bench.kernels.base import get_backend
-from msa_bench.kernels.cute import q_packed_library as ql
+from msa_bench.kernels.cute import manifest as mf
 from msa_bench.kernels.cute.build import dsl_unavailable_reason
+from msa_bench.kernels.cute.loader import pack_arguments
 from msa_bench.kernels.cute.manifest import fp8_v_key_order
 from msa_bench.kernels.q_packed import cute_backend as cb
 from msa_bench.kernels.q_packed.schedule import PackedSchedule
 from msa_bench.scenarios.workload import AttnShape
 
-CUTE_DIR = Path(ql.__file__).parent
-ALL = ql.build_configs("all")
+CUTE_DIR = Path(mf.__file__).parent
+ALL = mf.q_packed_configs("all")
 
 
 def _cli(*args, env=None):
@@ -39,48 +39,34 @@ def _cli(*args, env=None):
 # ---- options, names, ABI ----------------------------------------------------------------------------
 
 def test_options_name_their_libraries():
-    assert ql.parse_option("") == {"pingpong": False, "s_ahead": False} == ql.parse_option("plain")
-    assert ql.parse_option("sa+pp") == {"pingpong": True, "s_ahead": True}
+    assert mf.parse_option("") == {"pingpong": False, "s_ahead": False} == mf.parse_option("plain")
+    assert mf.parse_option("sa+pp") == {"pingpong": True, "s_ahead": True}
     for bad in ("x", "pp+pp", "pp+"):
         with pytest.raises(ValueError, match="pp .* sa"):
-            ql.parse_option(bad)
+            mf.parse_option(bad)
     with pytest.raises(KeyError, match="q-packed-cute options"):
         get_backend("q-packed-cute@p16")
     names = [c.name for c in ALL]
     assert len(set(names)) == 8 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     assert {c.option for c in ALL} == {"", "pp", "sa", "pp+sa"}
-    assert {(c.option, c.dtype) for c in ql.build_configs("default")} == {("pp", "bf16"), ("pp+sa", "fp8")}
-    assert ql.build_configs("none") == []
+    assert {(c.option, c.dtype) for c in mf.q_packed_configs("default")} == {("pp", "bf16"), ("pp+sa", "fp8")}
+    assert mf.q_packed_configs("none") == []
     b = get_backend("q-packed-cute@pp+sa")
-    assert b.config_for("fp8") == ql.QPackedConfig("fp8", True, True) and b.name == "q-packed-cute@pp+sa"
+    assert b.config_for("fp8") == mf.QPackedConfig("fp8", True, True) and b.name == "q-packed-cute@pp+sa"
     assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128_pp"
     assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_pp_sa"
     assert get_backend("q-packed-cute@plain").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
 
 
-def _call_params() -> list[str]:
-    tree = ast.parse((CUTE_DIR / "q_packed_sm90.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "QPackedSm90")
-    call = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__call__")
-    return [a.arg for a in call.args.args[1:]]
-
-
-def test_library_abi_follows_the_kernel_signature():
-    """pack()'s tensors and launch()'s scalars are QPackedSm90.__call__'s arguments in order, and the shim
-    passes them in that order."""
-    from msa_bench.kernels.cute.q_packed_build import SHIM_CPP
-    params = _call_params()
-    assert tuple(params[:len(ql.TENSOR_ARGS)]) == ql.TENSOR_ARGS
-    assert params[len(ql.TENSOR_ARGS):] == ["hkv", "n_token_tiles", "union_cap", "num_ctas", "scale", "out_scale",
-                                            "stream"]
-    shim_order = re.findall(r"QPK_TENSOR\((\w+), (\d+)\)", SHIM_CPP)
-    assert [(a, int(i)) for a, i in shim_order] == [(a, i) for i, a in enumerate(ql.TENSOR_ARGS)]
-    wrapper = re.search(r"wrapper\(&qpk_module, (.*?)\);", SHIM_CPP, re.S).group(1)
-    assert [a.strip().lstrip("&") for a in wrapper.split(",")][:-1] == list(ql.TENSOR_ARGS) + params[10:-1]
+def test_pack_checks_the_tensors():
+    """(The ABI against the kernel's signature and the shim: tests/test_cute_build.py.)"""
+    meta = torch.device("meta")
+    cfg = mf.QPackedConfig("bf16")
     with pytest.raises(ValueError, match="expected 10 tensors"):
-        ql.QPackedLibrary.pack([0] * 13, [1] * 13)
+        pack_arguments(cfg, [torch.empty(1, device=meta)] * 13, meta)
     with pytest.raises(ValueError, match="int32"):
-        ql.QPackedLibrary.pack([0] * 10, [2 ** 31] + [1] * 9)
+        pack_arguments(cfg, [torch.empty(1, device=meta)] * 3 + [torch.empty(2 ** 31, device=meta)]
+                       + [torch.empty(1, device=meta)] * 6, meta)
 
 
 def test_source_hash_covers_the_kernel_and_what_it_imports():
@@ -88,27 +74,28 @@ def test_source_hash_covers_the_kernel_and_what_it_imports():
     text = (CUTE_DIR / "q_packed_sm90.py").read_text()
     imported = set(re.findall(r"^from \.(\w+) import", text, re.M))
     assert {f"{m}.py" for m in imported} | {"q_packed_sm90.py"} <= set(source_files())
-    assert len(ql.source_hash()) == 16
+    assert len(mf.source_hash()) == 16
 
 
 def test_find_library_says_what_to_rebuild(tmp_path):
-    cfg = ql.QPackedConfig("bf16", pingpong=True)                 # bf16's default
-    path, why = ql.find_library(cfg, tmp_path, "sm_90a")
-    assert path is None and "no q-packed CuTe build" in why and "--q-packed default" in why
+    cfg = mf.QPackedConfig("bf16", pingpong=True)                 # bf16's default
+    path, why = mf.find_library(cfg, tmp_path, "sm_90a")
+    assert path is None and "no CuTe build" in why and "--no-kv-outer --q-packed default" in why
     lib = tmp_path / cfg.library
     lib.write_bytes(b"not really a library")
-    ql.write_manifest(tmp_path, "sm_90a", "4.8.1", "13.0", [ql.config_entry(cfg, lib, "qp1")])
-    assert ql.find_library(cfg, tmp_path, "sm_90a") == (lib, None)
-    assert "is for sm_90a, this GPU is sm_100a" in ql.find_library(cfg, tmp_path, "sm_100a")[1]
-    plain = ql.QPackedConfig("bf16")
-    assert re.search(r"has no qpk_attn_bf16_p8g16d128b128\b", ql.find_library(plain, tmp_path, "sm_90a")[1])
-    assert "--q-packed all" in ql.find_library(plain, tmp_path, "sm_90a")[1]
+    mf.write_manifest(tmp_path, "sm_90a", dict(dsl_version="4.8.1", cuda_version="13.0", cxx_version="test"),
+                      [mf.config_entry(cfg, lib, "qp1")])
+    assert mf.find_library(cfg, tmp_path, "sm_90a") == (lib, None)
+    assert "is for sm_90a, this GPU is sm_100a" in mf.find_library(cfg, tmp_path, "sm_100a")[1]
+    plain = mf.QPackedConfig("bf16")
+    assert re.search(r"has no qpk_attn_bf16_p8g16d128b128\b", mf.find_library(plain, tmp_path, "sm_90a")[1])
+    assert "--q-packed all" in mf.find_library(plain, tmp_path, "sm_90a")[1]
     lib.write_bytes(b"altered")
-    assert "checksum" in ql.find_library(cfg, tmp_path, "sm_90a")[1]
-    data = json.loads((tmp_path / ql.MANIFEST_NAME).read_text())
+    assert "checksum" in mf.find_library(cfg, tmp_path, "sm_90a")[1]
+    data = json.loads((tmp_path / mf.MANIFEST_NAME).read_text())
     data["source_hash"] = "0" * 16
-    (tmp_path / ql.MANIFEST_NAME).write_text(json.dumps(data))
-    assert "stale" in ql.find_library(cfg, tmp_path, "sm_90a")[1]
+    (tmp_path / mf.MANIFEST_NAME).write_text(json.dumps(data))
+    assert "stale" in mf.find_library(cfg, tmp_path, "sm_90a")[1]
 
 
 # ---- backend wiring -----------------------------------------------------------------------------------
@@ -123,16 +110,18 @@ def test_backend_reports_unavailable_without_gpu():
 class _Library:
     """Stands in for the loaded library: records what the stage hands it (the launch itself needs a GPU)."""
 
-    def __init__(self):
+    def __init__(self, cfg):
+        self.cfg = cfg
         self.loaded = False
         self.launches = []
 
     def load_module(self):
         self.loaded = True
 
-    def pack(self, ptrs, rows):
-        self.ptrs, self.rows = ptrs, rows
-        return ql.QPackedLibrary.pack(ptrs, rows)
+    def pack(self, tensors, device):
+        packed = pack_arguments(self.cfg, tensors, device)
+        self.ptrs, self.rows = [p or 0 for p in packed[0]], list(packed[1])
+        return packed
 
     def launch(self, packed, *args):
         self.launches.append(args)
@@ -146,8 +135,8 @@ def test_stage_hands_the_schedule_buffers_to_the_library(dtype, monkeypatch):
     out = torch.empty(w.n_tokens, 64, 128, dtype=torch.bfloat16)
     lse = torch.empty(w.n_tokens, 64)
     monkeypatch.setattr(cb, "num_ctas", lambda device, tiles: min(132, tiles))
-    lib = _Library()
-    stage = cb.QPackedCuteAttention(w, sch, out, lse, ql.QPackedConfig(dtype), library=lib)
+    lib = _Library(mf.QPackedConfig(dtype))
+    stage = cb.QPackedCuteAttention(w, sch, out, lse, lib.cfg, library=lib)
     assert lib.loaded
     b = sch.buffers
     v = stage.v
@@ -174,9 +163,9 @@ def test_stage_skips_an_empty_schedule(monkeypatch):
     w = edge_case_workload(shape, "bf16", [300], [4], True, seed=0)
     sch = PackedSchedule(w, 8)
     sch.n_token_tiles = 0
-    lib = _Library()
+    lib = _Library(mf.QPackedConfig("bf16"))
     stage = cb.QPackedCuteAttention(w, sch, torch.empty(4, 64, 128, dtype=torch.bfloat16), torch.empty(4, 64),
-                                    ql.QPackedConfig("bf16"), library=lib)
+                                    lib.cfg, library=lib)
     stage()
     assert stage.grid == 0 and lib.launches == []
 
@@ -214,7 +203,7 @@ def built(tmp_path_factory):
     return out, dump
 
 
-def _artifact(dump: Path, cfg: ql.QPackedConfig, ext: str) -> Path:
+def _artifact(dump: Path, cfg: mf.QPackedConfig, ext: str) -> Path:
     tag = f"QPackedSm90_{cfg.dtype}" + ("_pingpong" if cfg.pingpong else "") + ("_sahead" if cfg.s_ahead else "")
     paths = [p for p in glob.glob(str(dump / f"*{tag}_FakeTensor*.{ext}"))]
     assert len(paths) == 1, (tag, ext, paths)
@@ -223,13 +212,13 @@ def _artifact(dump: Path, cfg: ql.QPackedConfig, ext: str) -> Path:
 
 def test_build_writes_every_config_and_its_manifest(built):
     out, _ = built
-    data = json.loads((out / ql.MANIFEST_NAME).read_text())
-    assert data["arch"] == "sm_90a" and data["source_hash"] == ql.source_hash() and data["dsl_version"] == "4.8.1"
-    assert not (out / "manifest.json").exists()                     # --no-kv-outer
+    data = json.loads((out / mf.MANIFEST_NAME).read_text())
+    assert data["arch"] == "sm_90a" and data["source_hash"] == mf.source_hash() and data["dsl_version"] == "4.8.1"
+    assert {e["kind"] for e in data["configs"]} == {"q-packed"}          # --no-kv-outer
     assert {e["name"] for e in data["configs"]} == {c.name for c in ALL}
     versions = {e["name"]: e["kernel_version"] for e in data["configs"]}
     for cfg in ALL:
-        path, why = ql.find_library(cfg, out, "sm_90a")
+        path, why = mf.find_library(cfg, out, "sm_90a")
         assert why is None and path.stat().st_size > 10_000
         assert versions[cfg.name].startswith("qp1-") and ("pingpong" in versions[cfg.name]) == cfg.pingpong
         assert ("s-ahead" in versions[cfg.name]) == cfg.s_ahead

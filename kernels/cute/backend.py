@@ -19,7 +19,7 @@ from ...scenarios.stats import selected_pairs
 from ...scenarios.workload import element_bytes
 from ..kv_outer.config import KVOuterConfig, default_config, grouped_tile_order, resolve_num_ctas, tile_order
 from .manifest import (DTYPES, KERNELS, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, default_kernel, device_arch,
-                       find_library, fp8_v_key_order)
+                       fp8_v_key_order)
 
 
 def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, kernel: str | None = None) -> CuteConfig:
@@ -74,23 +74,16 @@ class CuteAttentionStage:
         b = buffers
         tensors = [w.q, w.k_cache, self.v, b["csr_query"], b["tile_key"], b["tile_edge"], b["tile_count"],
                    b["cta_range"], w.page_block, w.q_limit, b["o_part"], b["m_part"], b["l_part"]]
-        widths = [w.shape.head_dim, w.shape.head_dim, self.v.shape[-1], 1, 1, 1, 1, 2, 1, 1,
-                  w.shape.head_dim, 1, 1]
-        for t in tensors:
-            if not t.is_contiguous() or t.device != w.device:
-                raise BackendUnavailable("the CuTe attention stage needs contiguous tensors on the workload's device")
         self.keep = tensors                                  # the pointers stay valid while the stage lives
-        self.packed = self.library.pack([t.data_ptr() for t in tensors],
-                                        [t.numel() // wd for t, wd in zip(tensors, widths)])
-        self.hkv, self.num_pages = w.shape.hkv, w.num_pages
-        self.scale = w.sm_scale * w.q_scale * w.k_scale
-        self.out_scale = w.v_scale / 2.0 ** P_SHIFT[w.dtype]
+        self.packed = self.library.pack(tensors, w.device)
+        self.scalars = (w.shape.hkv, w.num_pages, w.sm_scale * w.q_scale * w.k_scale,
+                        w.v_scale / 2.0 ** P_SHIFT[w.dtype])
         self.device = w.device
 
     def __call__(self) -> None:
         # the stream is read at every call: under torch.cuda.graph() it is the capturing side stream
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.library.launch(self.packed, self.hkv, self.num_pages, self.scale, self.out_scale, stream)
+        self.library.launch(self.packed, self.scalars, stream)
 
 
 @register_attention_impl("cute")
@@ -164,10 +157,6 @@ class KVOuterCuteBackend(KVOuterBackend):
         reason = super().unavailable_reason(dtype, device)     # the shared Triton stages
         if reason:
             return reason
-        from .build import dsl_unavailable_reason
-        from .loader import build_dir
-        cfg = CuteConfig(self.kernel_for(dtype), dtype, ctas_per_sm=self.ctas_for(dtype))
-        _, why = find_library(cfg, build_dir(), arch)
-        if why and dsl_unavailable_reason() is not None:
-            return why
-        return None
+        from .loader import library_unavailable_reason
+        return library_unavailable_reason(CuteConfig(self.kernel_for(dtype), dtype, ctas_per_sm=self.ctas_for(dtype)),
+                                          arch)

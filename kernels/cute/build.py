@@ -1,9 +1,10 @@
-"""Ahead-of-time build of the CuTe DSL attention stage: DSL compile -> export_to_c -> shared library.
+"""Ahead-of-time build of the CuTe DSL attention stages, both kinds of library (manifest.py): DSL compile ->
+export_to_c -> shared library.
 
 Needs nvidia-cutlass-dsl[cu13]==4.8.1, g++ and the CUDA 13 headers/libcudart; no GPU (the target
 arch comes from CUTE_DSL_ARCH, set here before cutlass is imported). Each configuration becomes
 lib<name>.so: the exported object, the DSL's static CUDA-dialect runtime and a small C shim
-(shim_template.py) that loads the module once and launches on a caller-given stream.
+(shim_template.py, one per kind) that loads the module once and launches on a caller-given stream.
 """
 from __future__ import annotations
 
@@ -17,11 +18,9 @@ import time
 from pathlib import Path
 
 from ...errors import UserError
-from .manifest import DEFAULT_ARCH, KERNELS, SUPPORTED_ARCHS, CuteConfig, config_entry, write_manifest
+from .manifest import DEFAULT_ARCH, SUPPORTED_ARCHS, LibraryConfig, config_entry, write_manifest
 
 DSL_PIP = 'pip install "nvidia-cutlass-dsl[cu13]==4.8.1"'
-TENSOR_ARGS = ("mQ", "mK", "mV", "mCsrQuery", "mTileKey", "mTileEdge", "mTileCount", "mCtaRange",
-               "mPageBlock", "mQLimit", "mO", "mM", "mL")
 
 
 class BuildError(UserError):
@@ -78,43 +77,43 @@ def dsl_runtime_lib() -> Path:
     return lib
 
 
-def _fake_args(cfg: CuteConfig):
-    """Argument descriptions for cute.compile: leading extents dynamic, rows contiguous."""
+ELEMENTS = {"bf16": "BFloat16", "i32": "Int32", "f32": "Float32"}          # manifest.Abi element -> cutlass type
+
+
+def _fake_args(cfg: LibraryConfig):
+    """Argument descriptions for cute.compile, in the order of cfg.abi (the kernel's __call__): leading
+    extents dynamic, rows contiguous, aligned to their size up to 16 bytes; then the scalars and the stream."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor as fake
 
     from .layouts import DSL_DTYPES
-    dt, D = DSL_DTYPES[cfg.dtype], cfg.head_dim
-    v_cols = cfg.block if cfg.dtype == "fp8" else D        # fp8: V d-major, rows of `block` keys
-
-    def mat(dtype, cols):
-        return fake(dtype, (cute.SymInt(), cols), stride_order=(1, 0), assumed_align=16)
-
-    def vec(dtype):
-        return fake(dtype, (cute.SymInt(),), assumed_align=4)
-
-    i32 = cutlass.Int32
-    return [mat(dt, D), mat(dt, D), mat(dt, v_cols), vec(i32), vec(i32), vec(i32), vec(i32),
-            fake(i32, (cute.SymInt(), 2), stride_order=(1, 0), assumed_align=8), vec(i32), vec(i32),
-            mat(cutlass.BFloat16, D), vec(cutlass.Float32), vec(cutlass.Float32),
-            i32(1), i32(1), cutlass.Float32(1.0), cutlass.Float32(1.0), cuda.CUstream(0)]
+    args = []
+    for (_, element, _), cols in zip(cfg.abi.tensors, cfg.abi.columns(cfg)):
+        dtype = DSL_DTYPES[cfg.dtype] if element == "data" else getattr(cutlass, ELEMENTS[element])
+        if cols == 1:
+            args.append(fake(dtype, (cute.SymInt(),), assumed_align=dtype.width // 8))
+        else:
+            args.append(fake(dtype, (cute.SymInt(), cols), stride_order=(1, 0),
+                             assumed_align=min(16, cols * dtype.width // 8)))
+    scalars = {"i32": lambda: cutlass.Int32(1), "f32": lambda: cutlass.Float32(1.0)}
+    return args + [scalars[kind]() for _, kind in cfg.abi.scalars] + [cuda.CUstream(0)]
 
 
-def _check_header(header: Path, name: str) -> None:
+def _check_header(header: Path, cfg: LibraryConfig) -> None:
     text = header.read_text()
-    for arg in TENSOR_ARGS:
-        body = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{name}_Tensor_{arg}_t;"), text)
+    for arg in cfg.abi.tensor_names:
+        body = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{cfg.name}_Tensor_{arg}_t;"), text)
         if body is None or "dynamic_strides" in body.group(1) or "dynamic_shapes[1]" not in body.group(1):
             raise BuildError(f"{header.name}: tensor {arg} is not exported as data + one dynamic extent; "
                              "shim_template.py needs updating")
 
 
-def _link(cfg: CuteConfig, obj_dir: Path, out: Path) -> None:
-    from .shim_template import SHIM_CPP as template
+def _link(cfg: LibraryConfig, obj_dir: Path, out: Path) -> None:
+    from .shim_template import shim_source
     shim = obj_dir / f"{cfg.name}_shim.cpp"
-    shim.write_text(template.replace("KVO_NAME", cfg.name))
+    shim.write_text(shim_source(cfg.kind, cfg.name))
     cuda = cuda_home()
     cmd = [cxx(), "-shared", "-fPIC", "-O2", "-o", str(out), str(shim), str(obj_dir / f"{cfg.name}.o"),
            str(dsl_runtime_lib()), f"-I{obj_dir}", f"-I{cuda / 'include'}", f"-L{cuda / 'lib64'}",
@@ -137,19 +136,17 @@ def cxx_version() -> str:
     return (proc.stdout.strip().splitlines() or ["unknown"])[0]
 
 
-def make_kernel(cfg: CuteConfig):
-    """The DSL kernel object of a configuration: its KERNELS class with the kernel's options."""
+def make_kernel(cfg: LibraryConfig):
+    """The DSL kernel object of a configuration: its class, given the dtype, the geometry and the options."""
     import importlib
-    if cfg.kernel not in KERNELS:
-        raise BuildError(f"unknown CuTe kernel {cfg.kernel!r} (have {', '.join(KERNELS)})")
-    k = KERNELS[cfg.kernel]
-    module, _, cls = k.cls.rpartition(".")
+    module, _, cls = cfg.kernel_class.rpartition(".")
     kernel_cls = getattr(importlib.import_module(f".{module}", __package__), cls)
-    return kernel_cls(cfg.dtype, cfg.tile_q, cfg.group, cfg.head_dim, cfg.block, **k.options, symbol=k.symbol)
+    return kernel_cls(cfg.dtype, *cfg.geometry, **cfg.kernel_options)
 
 
-def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Path:
-    """Compile one configuration for `arch` into out_dir/lib<name>.so; returns the library path."""
+def build_config(cfg: LibraryConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> tuple[Path, str | None]:
+    """Compile one configuration for `arch` into out_dir/lib<name>.so; returns the library path and the
+    kernel's kernel_version (None where it has none)."""
     _import_dsl(arch)
     import cutlass.cute as cute
 
@@ -164,21 +161,21 @@ def build_config(cfg: CuteConfig, out_dir: Path, arch: str = DEFAULT_ARCH) -> Pa
         except Exception as exc:  # a DSL compile error: report its first line
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise BuildError(f"CuTe compile of {cfg.name} for {arch} failed: {first}") from exc
-        _check_header(tmp / f"{cfg.name}.h", cfg.name)
+        _check_header(tmp / f"{cfg.name}.h", cfg)
         lib = out_dir / cfg.library
         _link(cfg, tmp, lib)
-    return lib
+    return lib, getattr(kernel, "kernel_version", None)
 
 
-def build_all(configs: list[CuteConfig], out_dir: Path, arch: str = DEFAULT_ARCH, log=print) -> dict:
-    """Build every configuration and write the manifest; returns a summary dict."""
+def build_all(configs: list[LibraryConfig], out_dir: Path, arch: str = DEFAULT_ARCH, log=print) -> dict:
+    """Build every configuration (of either kind) and write the manifest; returns a summary dict."""
     _import_dsl(arch)
     out_dir = Path(out_dir)
     entries, start = [], time.perf_counter()
     for cfg in configs:
         t0 = time.perf_counter()
-        lib = build_config(cfg, out_dir, arch)
-        entries.append(config_entry(cfg, lib))
+        lib, version = build_config(cfg, out_dir, arch)
+        entries.append(config_entry(cfg, lib, version))
         log(f"built {lib} ({lib.stat().st_size // 1024} KiB, {time.perf_counter() - t0:.1f} s)")
     toolchain = dict(dsl_version=dsl_version(), cuda_version=cuda_version(), cxx_version=cxx_version())
     manifest = write_manifest(out_dir, arch, toolchain, entries)

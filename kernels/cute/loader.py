@@ -1,8 +1,9 @@
-"""Load a prebuilt CuTe attention library with ctypes and launch it; no DSL needed here.
+"""Load a prebuilt CuTe attention library (either kind, manifest.py) with ctypes and launch it; no DSL
+needed here.
 
 `resolve_library(cfg, device)` finds a library that may run (manifest arch, source hash and checksum
 match), or compiles one on the spot where the DSL is installed, or raises BackendUnavailable with
-the build command. `CuteAttentionLibrary.launch` passes raw data pointers and the current stream.
+the build command. `CuteLibrary.launch` passes raw data pointers, the scalars and the current stream.
 """
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import os
 from pathlib import Path
 
 from ..base import BackendUnavailable
-from .manifest import DEFAULT_BUILD_DIR, MANIFEST_NAME, SUPPORTED_ARCHS, CuteConfig, device_arch, find_library
+from .manifest import DEFAULT_BUILD_DIR, MANIFEST_NAME, SUPPORTED_ARCHS, LibraryConfig, device_arch, find_library
 
 BUILD_DIR_ENV = "MSA_BENCH_CUTE_DIR"
-N_TENSORS = 13
-_LOADED: dict[str, "CuteAttentionLibrary"] = {}
+SCALAR_CTYPES = {"i32": ctypes.c_int32, "f32": ctypes.c_float}      # manifest.Abi scalar kinds
+_LOADED: dict[str, "CuteLibrary"] = {}
 _CUDART = None
 
 
@@ -65,10 +66,11 @@ def _load_cudart() -> None:
     raise BackendUnavailable(f"cannot load libcudart.so.13 for the CuTe libraries ({errors[0]})")
 
 
-class CuteAttentionLibrary:
-    """One configuration's shared library: `<name>_load()` once, then `<name>_launch(...)` per call."""
+class CuteLibrary:
+    """One configuration's shared library, of either kind: `<name>_load()` once, then `<name>_launch(ptrs,
+    rows, scalars..., stream)` per call, with the arguments of the configuration's manifest.Abi."""
 
-    def __init__(self, path: Path, cfg: CuteConfig):
+    def __init__(self, path: Path, cfg: LibraryConfig):
         _load_cudart()
         self.path, self.cfg = Path(path), cfg
         try:
@@ -80,44 +82,59 @@ class CuteAttentionLibrary:
         self._load.restype = ctypes.c_int
         self._load.argtypes = []
         self._launch.restype = ctypes.c_int
-        self._launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int32),
-                                 ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_float,
-                                 ctypes.c_void_p]
+        self._launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int32)] + \
+            [SCALAR_CTYPES[kind] for _, kind in cfg.abi.scalars] + [ctypes.c_void_p]
         self.module_loaded = False
 
     def load_module(self) -> None:
-        """Load the embedded GPU module (needs a CUDA context; done once, before any launch)."""
+        """Load the embedded GPU module (needs a CUDA context; done once, before any launch or capture)."""
         if not self.module_loaded:
             err = self._load()
             if err:
                 raise RuntimeError(f"{self.cfg.name}: loading the CUDA module failed: {cuda_error_text(err)}")
             self.module_loaded = True
 
-    @staticmethod
-    def pack(ptrs: list[int], rows: list[int]):
-        """ctypes arrays for launch(); build once per plan."""
-        if len(ptrs) != N_TENSORS or len(rows) != N_TENSORS:
-            raise ValueError(f"expected {N_TENSORS} tensors, got {len(ptrs)} pointers and {len(rows)} extents")
-        for r in rows:
-            if not 0 <= r < 2 ** 31:
-                raise ValueError(f"tensor extent {r} does not fit int32")
-        return (ctypes.c_void_p * N_TENSORS)(*ptrs), (ctypes.c_int32 * N_TENSORS)(*rows)
+    def pack(self, tensors: list, device):
+        """ctypes arrays of the tensors' data pointers and leading extents (pack_arguments); build once per
+        plan and keep the tensors alive while the arrays are used."""
+        return pack_arguments(self.cfg, tensors, device)
 
-    def launch(self, packed, hkv: int, num_pages: int, scale: float, out_scale: float, stream: int) -> None:
-        """Launch on `stream` (a cudaStream_t as an int: pass torch.cuda.current_stream().cuda_stream
-        at each call, so that a CUDA-graph capture records the launch); raises on a launch error."""
+    def launch(self, packed, scalars: tuple, stream: int) -> None:
+        """Launch with the ABI's scalars on `stream` (a cudaStream_t as an int: pass
+        torch.cuda.current_stream().cuda_stream at each call, so that a CUDA-graph capture records the
+        launch); raises on a launch error."""
         if not self.module_loaded:
             raise RuntimeError(f"{self.cfg.name}: load_module() must run (outside any graph capture) before launch")
-        err = self._launch(packed[0], packed[1], hkv, num_pages, scale, out_scale, ctypes.c_void_p(stream))
+        if len(scalars) != len(self.cfg.abi.scalars):
+            raise ValueError(f"{self.cfg.name}: expected {len(self.cfg.abi.scalars)} scalars, got {len(scalars)}")
+        err = self._launch(packed[0], packed[1], *scalars, ctypes.c_void_p(stream))
         if err:
             raise RuntimeError(f"{self.cfg.name}: launch failed: {cuda_error_text(err)}")
 
 
-def resolve_library(cfg: CuteConfig, device) -> CuteAttentionLibrary:
-    """A loaded library for `cfg` on `device`, or BackendUnavailable saying what to build."""
+def pack_arguments(cfg: LibraryConfig, tensors: list, device):
+    """(pointers, extents) as ctypes arrays for `cfg`'s launch: each tensor of cfg.abi, in order, by its data
+    pointer and its leading extent (numel over its row width); every tensor contiguous on `device`."""
+    names = cfg.abi.tensor_names
+    if len(tensors) != len(names):
+        raise ValueError(f"expected {len(names)} tensors ({', '.join(names)}), got {len(tensors)}")
+    for t in tensors:
+        if not t.is_contiguous() or t.device != device:
+            raise BackendUnavailable(f"the {cfg.kind} CuTe stage needs contiguous tensors on the workload's device")
+    rows = [t.numel() // cols for t, cols in zip(tensors, cfg.abi.columns(cfg))]
+    for r in rows:
+        if not 0 <= r < 2 ** 31:
+            raise ValueError(f"tensor extent {r} does not fit int32")
+    n = len(names)
+    return (ctypes.c_void_p * n)(*[t.data_ptr() for t in tensors]), (ctypes.c_int32 * n)(*rows)
+
+
+def resolve_library(cfg: LibraryConfig, device) -> CuteLibrary:
+    """A loaded library for `cfg` on `device`: a prebuilt one, else one compiled on the spot where the DSL
+    is installed, else BackendUnavailable saying what to build."""
     arch = device_arch(device)
     if arch not in SUPPORTED_ARCHS:
-        raise BackendUnavailable(f"the CuTe attention stage is built for {', '.join(SUPPORTED_ARCHS)}; "
+        raise BackendUnavailable(f"the CuTe attention stages are built for {', '.join(SUPPORTED_ARCHS)}; "
                                  f"this GPU is {arch}")
     where = build_dir()
     path, reason = find_library(cfg, where, arch)
@@ -132,5 +149,14 @@ def resolve_library(cfg: CuteConfig, device) -> CuteAttentionLibrary:
             raise BackendUnavailable(reason)
     key = str(path.resolve())
     if key not in _LOADED:
-        _LOADED[key] = CuteAttentionLibrary(path, cfg)
+        _LOADED[key] = CuteLibrary(path, cfg)
     return _LOADED[key]
+
+
+def library_unavailable_reason(cfg: LibraryConfig, arch: str) -> str | None:
+    """Why `cfg` cannot run on `arch` here: no library may run and the DSL is not installed to build one."""
+    from .build import dsl_unavailable_reason
+    _, why = find_library(cfg, build_dir(), arch)
+    if why and dsl_unavailable_reason() is not None:
+        return why
+    return None

@@ -1,16 +1,21 @@
-"""The CuTe attention stage's kernels (KERNELS), what a build of them holds, and whether it may run here.
-Imports no DSL: the GPU host reads it.
+"""The CuTe attention stages' libraries: what each kind holds, what a build of them records, and whether one
+may run here. Imports no DSL: the GPU host reads it.
 
-KERNELS is the one table of kernels: name -> class, constructor options, data dtypes, CTAs per SM, the
-dtypes whose default it is, and its symbol. `msa-bench build-kernels` builds every kernel in each of its
-dtypes; backend kv-outer-cute runs each dtype's default, or the kernel its option names.
+Two kinds of library, one per attention stage, each a frozen config class naming its kernel class and
+constructor arguments, its C ABI (Abi: the launch's tensor and scalar arguments) and its library file:
+* kv-outer (CuteConfig; backend kv-outer-cute). KERNELS is the one table of its kernels: name -> class,
+  constructor options, data dtypes, CTAs per SM, the dtypes whose default it is, and its symbol.
+  `msa-bench build-kernels` builds every kernel in each of its dtypes; the backend runs each dtype's
+  default, or the kernel its option names.
+* q-packed (QPackedConfig; backend q-packed-cute). One class, QPackedSm90, with two schedule flags
+  (OPTION_FLAGS); each dtype has its default flags (DEFAULT_OPTIONS).
 
 A build directory holds one shared library per configuration plus manifest.json:
   {"format", "arch", "dsl_version", "cuda_version", "cxx_version", "source_hash", "built_at",
-   "configs": [{"kernel", "dtype", "tile_q", "group", "head_dim", "block", "ctas_per_sm", "class", "options",
-                "name", "library", "sha256"}]}
-A library runs only if the manifest's arch is the device's, its source_hash is the hash of the
-kernel sources in this checkout (source_files()), and the file's sha256 matches the manifest.
+   "configs": [{"kind", the config's fields, "class", "options", "name", "library", "sha256",
+                "kernel_version" (where the kernel has one)}]}
+A library runs only if the manifest's arch is the device's, its source_hash is the hash of the kernel
+sources in this checkout (source_files()), and the file's sha256 matches the manifest.
 """
 from __future__ import annotations
 
@@ -18,9 +23,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 2
+MANIFEST_FORMAT = 3
 DEFAULT_ARCH = "sm_90a"
 SUPPORTED_ARCHS = ("sm_90a",)
 DTYPES = ("bf16", "fp8")
@@ -31,10 +37,67 @@ DEFAULT_BUILD_DIR = PACKAGE_ROOT / "build" / "cute"
 HOST_ONLY_FILES = ("__init__.py", "backend.py", "loader.py")
 
 
+# ---- the C ABI of a library ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Abi:
+    """The arguments of a kernel's __call__, which its library's `<name>_launch(ptrs, rows, scalars...,
+    stream)` passes on in order (shim_template.py). tensors: (name, element, columns): element "data" (the
+    configuration's dtype), "bf16", "i32" or "f32"; columns "D" (head dim), "V" (a V row: `block` keys
+    for fp8, whose V is d-major, else D) or a number (1: a vector); each is passed as its data pointer and
+    its leading extent. scalars: (name, "i32" or "f32")."""
+    tensors: tuple
+    scalars: tuple
+
+    @property
+    def tensor_names(self) -> tuple:
+        return tuple(name for name, _, _ in self.tensors)
+
+    def columns(self, cfg) -> list[int]:
+        """Each tensor's row width (elements) for `cfg`: its leading extent is numel // width."""
+        named = {"D": cfg.head_dim, "V": cfg.block if cfg.dtype == "fp8" else cfg.head_dim}
+        return [named.get(cols, cols) for _, _, cols in self.tensors]
+
+
+KV_OUTER_ABI = Abi(
+    tensors=(("mQ", "data", "D"), ("mK", "data", "D"), ("mV", "data", "V"), ("mCsrQuery", "i32", 1),
+             ("mTileKey", "i32", 1), ("mTileEdge", "i32", 1), ("mTileCount", "i32", 1), ("mCtaRange", "i32", 2),
+             ("mPageBlock", "i32", 1), ("mQLimit", "i32", 1), ("mO", "bf16", "D"), ("mM", "f32", 1),
+             ("mL", "f32", 1)),
+    scalars=(("hkv", "i32"), ("num_pages", "i32"), ("scale", "f32"), ("out_scale", "f32")))
+
+Q_PACKED_ABI = Abi(
+    tensors=(("mQ", "data", "D"), ("mK", "data", "D"), ("mV", "data", "V"), ("mTileTok0", "i32", 1),
+             ("mTileNtok", "i32", 1), ("mTileCount", "i32", 1), ("mTilePage", "i32", 1), ("mTileLimit", "i32", 1),
+             ("mO", "bf16", "D"), ("mLse", "f32", 1)),
+    scalars=(("hkv", "i32"), ("n_token_tiles", "i32"), ("union_cap", "i32"), ("num_ctas", "i32"),
+             ("scale", "f32"), ("out_scale", "f32")))
+
+
+class LibraryConfig:
+    """What the build, the manifest and the loader ask of a configuration (CuteConfig, QPackedConfig): its
+    kind, ABI, name; the kernel class ("module.Class" in kernels/cute, imported only to build), the
+    constructor's arguments after the dtype (geometry) and its keywords (kernel_options); and the
+    build-kernels flags that build it (rebuild_flags)."""
+    kind: ClassVar[str]
+    abi: ClassVar[Abi]
+
+    @property
+    def library(self) -> str:
+        return f"lib{self.name}.so"
+
+    def entry(self) -> dict:
+        """The configuration's manifest fields (without the library's checksum)."""
+        return dict(kind=self.kind, **asdict(self), **{"class": self.kernel_class}, options=self.options,
+                    name=self.name, library=self.library)
+
+
+# ---- kv-outer ------------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class Kernel:
-    """A kernel of the CuTe stage. cls: its class, "module.Class" in kernels/cute (imported only to build);
-    options: the constructor flags it is built with; dtypes and ctas_per_sm: what it is built for;
+    """A kernel of the KV-outer stage. cls: its class, "module.Class" in kernels/cute (imported only to
+    build); options: the constructor flags it is built with; dtypes and ctas_per_sm: what it is built for;
     default_for: the dtypes whose default it is; symbol: its name in the compiled library (the DSL names
     the entry points after str(kernel))."""
     cls: str
@@ -70,7 +133,10 @@ def default_kernel(dtype: str) -> str:
 
 
 @dataclass(frozen=True)
-class CuteConfig:
+class CuteConfig(LibraryConfig):
+    """One kv-outer library: a KERNELS kernel in one dtype at the study geometry."""
+    kind: ClassVar[str] = "kv-outer"
+    abi: ClassVar[Abi] = KV_OUTER_ABI
     kernel: str
     dtype: str
     tile_q: int = 8
@@ -85,16 +151,116 @@ class CuteConfig:
                 f"_c{self.ctas_per_sm}_{self.kernel}")
 
     @property
-    def library(self) -> str:
-        return f"lib{self.name}.so"
+    def spec(self) -> Kernel:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown CuTe kernel {self.kernel!r} (have {', '.join(KERNELS)})")
+        return KERNELS[self.kernel]
+
+    @property
+    def kernel_class(self) -> str:
+        return self.spec.cls
+
+    @property
+    def options(self) -> dict:
+        return self.spec.options
+
+    @property
+    def geometry(self) -> tuple:
+        return self.tile_q, self.group, self.head_dim, self.block
+
+    @property
+    def kernel_options(self) -> dict:
+        return dict(self.spec.options, symbol=self.spec.symbol)
+
+    @property
+    def rebuild_flags(self) -> str:
+        return ""
 
 
 def library_configs(dtypes=DTYPES, kernels=None) -> list[CuteConfig]:
-    """Every configuration the sweep can ask the CuTe stage for: the study geometry (G = 16, so a
+    """Every kv-outer configuration the sweep can ask the CuTe stage for: the study geometry (G = 16, so a
     TILE_Q = 8 tile is 128 rows, D = 128, block = 128), each kernel in each of its dtypes."""
     return [CuteConfig(name, d, ctas_per_sm=KERNELS[name].ctas_per_sm) for name in (kernels or KERNELS)
             for d in dtypes if d in KERNELS[name].dtypes]
 
+
+# ---- q-packed ------------------------------------------------------------------------------------------
+
+OPTION_FLAGS = {"pp": "pingpong", "sa": "s_ahead"}
+Q_PACKED_SETS = ("default", "all", "none")
+# (pingpong, s_ahead) of each dtype's default: the fastest on the H200's real-prefill N 16384 case
+# (2026-12-01, commit d73e276): bf16 pingpong 540 TFLOP/s module against 513 plain and 462 with both;
+# fp8 both 780 against 744 plain and 725 pingpong alone.
+DEFAULT_OPTIONS = {"bf16": (True, False), "fp8": (True, True)}
+
+
+@dataclass(frozen=True)
+class QPackedConfig(LibraryConfig):
+    """One q-packed library: data dtype and schedule options (QPackedSm90's flags) at the study geometry."""
+    kind: ClassVar[str] = "q-packed"
+    abi: ClassVar[Abi] = Q_PACKED_ABI
+    kernel_class: ClassVar[str] = "q_packed_sm90.QPackedSm90"
+    dtype: str
+    pingpong: bool = False
+    s_ahead: bool = False
+    tile_tokens: int = 8
+    group: int = 16
+    head_dim: int = 128
+    block: int = 128
+
+    @property
+    def option(self) -> str:
+        """The backend option naming these flags ('' for none, else 'pp', 'sa' or 'pp+sa')."""
+        return "+".join(tag for tag, flag in OPTION_FLAGS.items() if getattr(self, flag))
+
+    @property
+    def name(self) -> str:
+        tags = "".join(f"_{tag}" for tag in self.option.split("+") if tag)
+        return f"qpk_attn_{self.dtype}_p{self.tile_tokens}g{self.group}d{self.head_dim}b{self.block}{tags}"
+
+    @property
+    def options(self) -> dict:
+        return dict(pingpong=self.pingpong, s_ahead=self.s_ahead)
+
+    @property
+    def geometry(self) -> tuple:
+        return self.tile_tokens, self.group, self.head_dim, self.block
+
+    @property
+    def kernel_options(self) -> dict:
+        return self.options
+
+    @property
+    def rebuild_flags(self) -> str:
+        which = "default" if self in q_packed_configs("default") else "all"
+        return f" --no-kv-outer --q-packed {which}"
+
+
+def parse_option(option: str) -> dict:
+    """'pp+sa' -> {'pingpong': True, 's_ahead': True}; 'plain' -> both False."""
+    flags = dict.fromkeys(OPTION_FLAGS.values(), False)
+    if option == "plain":
+        return flags
+    for part in option.split("+") if option else []:
+        if part not in OPTION_FLAGS or flags[OPTION_FLAGS[part]]:
+            raise ValueError(f"q-packed-cute options are pp (pingpong consumer warpgroups) and sa (S of the next "
+                             f"block issued with P V), joined by '+', or plain (neither); got @{option}")
+        flags[OPTION_FLAGS[part]] = True
+    return flags
+
+
+def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfig]:
+    """The libraries `msa-bench build-kernels --q-packed WHICH` builds: default = each dtype's default options
+    (DEFAULT_OPTIONS), all = every option set, none = nothing."""
+    if which not in Q_PACKED_SETS:
+        raise ValueError(f"--q-packed must be one of {', '.join(Q_PACKED_SETS)}, got {which!r}")
+    if which == "default":
+        return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes]
+    flag_sets = {"all": [(False, False), (True, False), (False, True), (True, True)], "none": []}[which]
+    return [QPackedConfig(d, pp, sa) for pp, sa in flag_sets for d in dtypes]
+
+
+# ---- both: data layout, sources, manifest ----------------------------------------------------------------
 
 def fp8_v_key_order() -> list[int]:
     """fp8 V's keys as the kernels read them (mma.fp8_p_regs): stored key k of every 16 holds the true key
@@ -129,8 +295,8 @@ def device_arch(device=None) -> str:
 
 def write_manifest(out_dir: Path, arch: str, toolchain: dict, entries: list[dict]) -> Path:
     """Write the manifest (toolchain: dsl_version, cuda_version, cxx_version); entries of an existing
-    manifest from the same sources and arch are kept unless rebuilt (so building one dtype does not drop
-    the other)."""
+    manifest from the same sources and arch are kept unless rebuilt (so building one dtype or kind does not
+    drop the others)."""
     import datetime
     path = Path(out_dir) / MANIFEST_NAME
     try:
@@ -147,18 +313,19 @@ def write_manifest(out_dir: Path, arch: str, toolchain: dict, entries: list[dict
     return path
 
 
-def config_entry(cfg: CuteConfig, library_path: Path) -> dict:
-    k = KERNELS[cfg.kernel]
-    return dict(asdict(cfg), **{"class": k.cls}, options=k.options, name=cfg.name, library=cfg.library,
-                sha256=file_sha256(library_path))
+def config_entry(cfg: LibraryConfig, library_path: Path, kernel_version: str | None = None) -> dict:
+    entry = dict(cfg.entry(), sha256=file_sha256(library_path))
+    if kernel_version is not None:
+        entry["kernel_version"] = kernel_version
+    return entry
 
 
-def build_command(cfg: CuteConfig, build_dir: Path, arch: str) -> str:
+def build_command(cfg: LibraryConfig, build_dir: Path, arch: str) -> str:
     out = "" if Path(build_dir).resolve() == DEFAULT_BUILD_DIR else f" --out {build_dir}"
-    return f"msa-bench build-kernels --arch {arch} --dtype {cfg.dtype}{out}"
+    return f"msa-bench build-kernels --arch {arch} --dtype {cfg.dtype}{cfg.rebuild_flags}{out}"
 
 
-def find_library(cfg: CuteConfig, build_dir: Path, arch: str) -> tuple[Path | None, str | None]:
+def find_library(cfg: LibraryConfig, build_dir: Path, arch: str) -> tuple[Path | None, str | None]:
     """(path, None) for a library that may run `cfg` on `arch`, else (None, one-line reason)."""
     build_dir = Path(build_dir)
     rebuild = build_command(cfg, build_dir, arch)

@@ -1,8 +1,11 @@
-"""C++ source of the per-configuration shim linked into each CuTe library (a Python string so that
-it is installed with the package and hashed with the kernel sources). KVO_NAME is replaced by the
-configuration name in kernels/cute/build.py."""
+"""C++ sources of the shims linked into the CuTe libraries, one per kind of library (Python strings, so that
+they are installed with the package and hashed with the kernel sources). Each defines `<name>_load()`, which
+loads the embedded module once, and `<name>_launch(ptrs, rows, scalars..., stream)`, which launches on the
+caller's stream with the arguments of its manifest.Abi in order (tests check the two against each other and
+the kernel's __call__). kernels/cute/build.py fills in the configuration name (shim_source). These are the
+texts the measured libraries were built from: any edit of them changes every library's bytes."""
 
-SHIM_CPP = r"""// C entry points of one compiled CuTe DSL attention configuration (KVO_NAME is replaced by
+KV_OUTER_SHIM = r"""// C entry points of one compiled CuTe DSL attention configuration (KVO_NAME is replaced by
 // kernels/cute/build.py with the configuration name). Python calls them through ctypes:
 //   KVO_NAME_load()                 loads the embedded module once; returns a cudaError_t
 //   KVO_NAME_launch(ptrs, rows, ...) launches on `stream` (the caller's current stream, read at each
@@ -49,3 +52,53 @@ extern "C" int KVO_NAME_launch(void *const *ptrs, const int32_t *rows, int32_t h
   return (int)err;
 }
 """
+
+# The q-packed entry points (QPK_NAME is replaced by the configuration name):
+#   QPK_NAME_load()                   loads the embedded module once; returns a cudaError_t
+#   QPK_NAME_launch(ptrs, rows, ...)  launches on `stream`; returns a cudaError_t. No allocation, sync or
+#                                     attribute setting (the module load did those): legal in stream capture.
+# ptrs[i] / rows[i]: data pointer and leading extent of tensor argument i, in manifest.Q_PACKED_ABI's order.
+Q_PACKED_SHIM = r"""#include "QPK_NAME.h"
+
+static QPK_NAME_Kernel_Module_t qpk_module;
+static int qpk_loaded = 0;
+
+extern "C" int QPK_NAME_load(void) {
+  if (!qpk_loaded) {
+    cudaError_t err = cudaGetLastError();   // do not blame the load for an earlier error
+    (void)err;
+    QPK_NAME_Kernel_Module_Load(&qpk_module);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return (int)err;
+    qpk_loaded = 1;
+  }
+  return 0;
+}
+
+#define QPK_TENSOR(arg, i)          \
+  QPK_NAME_Tensor_##arg##_t arg;    \
+  arg.data = ptrs[i];               \
+  arg.dynamic_shapes[0] = rows[i];
+
+extern "C" int QPK_NAME_launch(void *const *ptrs, const int32_t *rows, int32_t hkv, int32_t n_token_tiles,
+                               int32_t union_cap, int32_t num_ctas, float scale, float out_scale, void *stream) {
+  if (!qpk_loaded) return (int)cudaErrorInitializationError;
+  QPK_TENSOR(mQ, 0) QPK_TENSOR(mK, 1) QPK_TENSOR(mV, 2) QPK_TENSOR(mTileTok0, 3) QPK_TENSOR(mTileNtok, 4)
+  QPK_TENSOR(mTileCount, 5) QPK_TENSOR(mTilePage, 6) QPK_TENSOR(mTileLimit, 7) QPK_TENSOR(mO, 8)
+  QPK_TENSOR(mLse, 9)
+  int32_t ret = cute_dsl_QPK_NAME_wrapper(&qpk_module, &mQ, &mK, &mV, &mTileTok0, &mTileNtok, &mTileCount,
+                                          &mTilePage, &mTileLimit, &mO, &mLse, hkv, n_token_tiles, union_cap,
+                                          num_ctas, scale, out_scale, (cudaStream_t)stream);
+  cudaError_t err = cudaGetLastError();   // the launch's own error (consumed: it is reported here)
+  if (ret != 0) return (int)ret;
+  return (int)err;
+}
+"""
+
+SHIMS = {"kv-outer": (KV_OUTER_SHIM, "KVO_NAME"), "q-packed": (Q_PACKED_SHIM, "QPK_NAME")}
+
+
+def shim_source(kind: str, name: str) -> str:
+    """The C++ shim of configuration `name` of library kind `kind`."""
+    template, placeholder = SHIMS[kind]
+    return template.replace(placeholder, name)

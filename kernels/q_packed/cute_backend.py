@@ -15,8 +15,8 @@ from ..base import Backend, BackendUnavailable, Plan, register
 from ..kv_outer.backend import partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
 from ...scenarios.workload import Workload
-from ..cute.manifest import DTYPES, P_SHIFT, SUPPORTED_ARCHS, device_arch, fp8_v_key_order
-from ..cute.q_packed_library import DEFAULT_OPTIONS, QPackedConfig, find_library, parse_option, q_packed_build_dir
+from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig, device_arch,
+                             fp8_v_key_order, parse_option)
 
 TILE_TOKENS = 8
 
@@ -50,7 +50,7 @@ class QPackedCuteAttention:
 
     def __init__(self, workload: Workload, schedule, out: torch.Tensor, lse: torch.Tensor, cfg: QPackedConfig,
                  library=None):
-        from ..cute.q_packed_library import resolve_library
+        from ..cute.loader import resolve_library
         w, s = workload, workload.shape
         self.w, self.sch, self.cfg = w, schedule, cfg
         self.library = library or resolve_library(cfg, w.device)
@@ -59,13 +59,8 @@ class QPackedCuteAttention:
         b = schedule.buffers
         tensors = [w.q, w.k_cache, self.v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"],
                    b["tile_limit"], out, lse]
-        widths = [s.head_dim, s.head_dim, self.v.shape[-1], 1, 1, 1, 1, 1, s.head_dim, 1]
-        for t in tensors:
-            if not t.is_contiguous() or t.device != w.device:
-                raise BackendUnavailable("the q-packed CuTe stage needs contiguous tensors on the workload's device")
         self.keep = tensors                        # the pointers stay valid while the stage lives
-        self.packed = self.library.pack([t.data_ptr() for t in tensors],
-                                        [t.numel() // wd for t, wd in zip(tensors, widths)])
+        self.packed = self.library.pack(tensors, w.device)
         self.num_tiles = schedule.num_tiles
         self.grid = num_ctas(w.device, self.num_tiles) if self.num_tiles else 0
         self.scalars = (s.hkv, schedule.n_token_tiles, schedule.union_cap, self.grid,
@@ -80,7 +75,7 @@ class QPackedCuteAttention:
         if self.num_tiles == 0:
             return
         stream = torch.cuda.current_stream(self.w.device).cuda_stream
-        self.library.launch(self.packed, *self.scalars, stream)
+        self.library.launch(self.packed, self.scalars, stream)
 
 
 @register("q-packed-cute")
@@ -114,11 +109,8 @@ class QPackedCuteBackend(Backend):
         reason = triton_unavailable_reason(device)          # the schedule stage
         if reason:
             return reason
-        from ..cute.build import dsl_unavailable_reason
-        _, why = find_library(self.config_for(dtype), q_packed_build_dir(), arch)
-        if why and dsl_unavailable_reason() is not None:
-            return why
-        return None
+        from ..cute.loader import library_unavailable_reason
+        return library_unavailable_reason(self.config_for(dtype), arch)
 
     def _plan(self, w: Workload) -> Plan:
         from .schedule import PackedSchedule
