@@ -24,8 +24,8 @@ import math
 
 import torch
 
-from .selection import (assemble, distinct_picks, local_blocks, reuse_range, scattered_page_table, split_pools,
-                        synthetic_geometry)
+from .selection import (assemble, distinct_picks, local_blocks, request_limits, reuse_range,
+                        scattered_page_table, split_pools, synthetic_geometry)
 from .workload import AttnShape, Workload, WorkloadError
 
 DEFAULT_GROUP = 8
@@ -138,12 +138,7 @@ def coselected_selection(shape: AttnShape, tokens: int, context: int, reuse: flo
         order[n_full:, s + sizes[-1] * (k - s):] = 2.0                 # a short group's dropped tail stays last
         rows = rows.gather(1, order.argsort(1))
         sel[h, :, :k] = blocks[rows[gid].gather(1, take)].to(torch.int32)
-    if causal:
-        q_limit = torch.arange(context - tokens, context, dtype=torch.int32)
-        sel[:, :, -1] = local_blocks(q_limit, shape.block).to(torch.int32).view(1, -1)
-    else:
-        q_limit = torch.full((tokens,), context - 1, dtype=torch.int32)
-    return sel, q_limit
+    return sel, request_limits(sel, shape, tokens, context, causal)
 
 
 def coselected_workload(shape: AttnShape, dtype: str, tokens: int, context: int, reuse: float, share: float,

@@ -298,6 +298,16 @@ def distinct_picks(gen: torch.Generator, rows: int, picks: int, pool: int, skew:
     return vals
 
 
+def request_limits(sel: torch.Tensor, shape: AttnShape, tokens: int, context: int, causal: bool) -> torch.Tensor:
+    """q_limit [N] of one request whose N queries are the last of `context` tokens (causal: each sees up to
+    its own position, and its own block becomes its selection's last entry, in place); not causal: all."""
+    if not causal:
+        return torch.full((tokens,), context - 1, dtype=torch.int32)
+    q_limit = torch.arange(context - tokens, context, dtype=torch.int32)
+    sel[:, :, -1] = local_blocks(q_limit, shape.block).to(torch.int32).view(1, -1)
+    return q_limit
+
+
 def synthetic_selection(shape: AttnShape, tokens: int, context: int, reuse: float, skew: float = 0.0,
                         causal: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(selection [Hkv, N, topk] int32, q_limit [N] int32) for one request of `context` tokens."""
@@ -311,12 +321,7 @@ def synthetic_selection(shape: AttnShape, tokens: int, context: int, reuse: floa
         picks = distinct_picks(gen, tokens, plan["picks"], pool, skew)
         rows = torch.randperm(tokens, generator=gen)                        # scatter the coverage queries
         sel[h, :, :plan["picks"]] = blocks[picks[rows]].to(torch.int32)
-    if causal:
-        q_limit = torch.arange(context - tokens, context, dtype=torch.int32)
-        sel[:, :, -1] = local_blocks(q_limit, shape.block).to(torch.int32).view(1, -1)
-    else:
-        q_limit = torch.full((tokens,), context - 1, dtype=torch.int32)
-    return sel, q_limit
+    return sel, request_limits(sel, shape, tokens, context, causal)
 
 
 def synthetic_workload(shape: AttnShape, dtype: str, tokens: int, context: int, reuse: float, skew: float = 0.0,

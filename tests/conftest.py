@@ -88,3 +88,22 @@ def _poisoned_run(plan):
 @pytest.fixture(scope="session")
 def poisoned_run():
     return _poisoned_run
+
+
+def _matches_reference(plan, w, tol):
+    """The plan's output and LSE against the float64 reference within `tol`; rows that see no key must
+    have LSE -inf and output 0."""
+    import torch
+    from msa_bench.scenarios.reference import reference_attention, relative_error
+    ref_out, ref_lse = reference_attention(w)
+    assert relative_error(plan.output, ref_out) <= tol
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(plan.lse) & (plan.lse < 0), empty)
+    assert relative_error(plan.lse[~empty], ref_lse[~empty]) <= tol
+    assert torch.equal(plan.output[empty.any(-1)].abs().sum(), torch.zeros((), dtype=plan.output.dtype,
+                                                                             device=plan.output.device))
+
+
+@pytest.fixture(scope="session")
+def matches_reference():
+    return _matches_reference

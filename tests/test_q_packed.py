@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from msa_bench.harness.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.q_packed.schedule import NO_KEY, PackedSchedule, token_tiles
-from msa_bench.scenarios.reference import reference_attention, relative_error
 from msa_bench.scenarios.workload import AttnShape
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,28 +74,22 @@ def test_schedule_matches_oracle(seed, P, causal, pad, hot, reqs):
         assert (limit[i, c:] == NO_KEY).all()
 
 
-def assert_matches(plan, w, tol):
-    ref_out, ref_lse = reference_attention(w)
-    assert relative_error(plan.output, ref_out) <= tol
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(plan.lse) & (plan.lse < 0), empty)
-    assert relative_error(plan.lse[~empty], ref_lse[~empty]) <= tol
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "fp8"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_output_matches_reference(case, dtype, poisoned_run):
+def test_output_matches_reference(case, dtype, poisoned_run, matches_reference):
     w = workload(case, dtype)
     plan = get_backend("q-packed").plan(w)
     poisoned_run(plan)
-    assert_matches(plan, w, tolerance(dtype))
+    matches_reference(plan, w, tolerance(dtype))
 
 
-def test_sixteen_token_tiles_and_union_ratio(poisoned_run):
+def test_sixteen_token_tiles_and_union_ratio(poisoned_run, matches_reference):
     w = workload("causal-3req-unaligned", "fp32")
     plan = get_backend("q-packed@p16").plan(w)
     poisoned_run(plan)
-    assert_matches(plan, w, tolerance("fp32"))
+    matches_reference(plan, w, tolerance("fp32"))
     assert plan.info["tile_tokens"] == 16 and plan.info["executed_union_ratio"] >= 1.0
 
 
@@ -120,10 +113,10 @@ def test_bad_option_is_one_line():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poisoned_run):
+def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poisoned_run, matches_reference):
     w = workload("causal-3req-unaligned", dtype)
     plan = get_backend("q-packed").plan(w)
     poisoned_run(plan)
-    assert_matches(plan, w, tolerance(dtype))
+    matches_reference(plan, w, tolerance(dtype))
     graph_replay_equals_eager(plan)
     assert math.isfinite(plan.output.float().abs().sum().item())
