@@ -103,13 +103,22 @@ def write_unit(run_dir: str | Path, uid: str, status: dict, stats: list[dict], s
     tmp.mkdir()
     (tmp / "status.json").write_text(json.dumps(status, indent=1, sort_keys=True, default=_json_default) + "\n")
     if stats:
-        pd.DataFrame(stats).to_parquet(tmp / "stats.parquet", index=False)
+        write_parquet(pd.DataFrame(stats), tmp / "stats.parquet")
     if samples:
-        pd.DataFrame(samples).to_parquet(tmp / "samples.parquet", index=False)
+        write_parquet(pd.DataFrame(samples), tmp / "samples.parquet")
     final = units / uid
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
+
+
+def write_parquet(df: pd.DataFrame, path: Path) -> None:
+    """A unit's table as Parquet without pandas' schema metadata: the columns are plain strings and
+    numbers that read back the same, and the metadata was half of a typical unit's bytes (results travel
+    in git: a run of 288 units 6.0 -> 3.4 MB on disk)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False).replace_schema_metadata(None), path)
 
 
 def read_unit_status(run_dir: str | Path, uid: str) -> dict:
@@ -136,7 +145,7 @@ def update_unit(run_dir: str | Path, uid: str, status_updates: dict, new_stats: 
             old = old[~old["statistic"].isin(list(replace_statistics))]
         frames = [f for f in (old, pd.DataFrame(new_stats)) if len(f)]
         tmp = folder / ".stats.parquet.tmp"
-        pd.concat(frames, ignore_index=True).to_parquet(tmp, index=False)
+        write_parquet(pd.concat(frames, ignore_index=True), tmp)
         os.replace(tmp, path)
     status.update(status_updates)
     tmp = folder / ".status.json.tmp"
