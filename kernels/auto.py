@@ -24,14 +24,15 @@ from .q_packed.schedule import PackedSchedule
 TILE_TOKENS = 8
 
 
-def first_available(names: tuple[str, ...], dtype: str, device) -> Backend | None:
-    """The first of `names` that is registered and runs here."""
+def first_available(names: tuple[str, ...], dtype: str, device, w: Workload | None = None) -> Backend | None:
+    """The first of `names` that is registered and runs here (given the workload: runs it)."""
     for name in names:
         try:
             backend = get_backend(name)
         except KeyError:
             continue
-        if backend.unavailable_reason(dtype, device) is None:
+        reason = backend.unavailable_reason(dtype, device) if w is None else backend.workload_unavailable_reason(w)
+        if reason is None:
             return backend
     return None
 
@@ -62,13 +63,13 @@ class AutoBackend(Backend):
         nsb = float(selected_pairs(w)[1].numel())
         flops = useful_flops(w)
         out = {}
-        kv = first_available(self.KV_OUTER, w.dtype, dev)
+        kv = first_available(self.KV_OUTER, w.dtype, dev, w)
         if kv is not None:
             # the launch configuration the KV-outer plan would take (tile order, query ranges), as the sweep's model
             shape = model_shape(s.hq, s.hkv, s.head_dim, s.block, s.topk, dtype, kv.resolved_config(w).__dict__)
             p = predict("kv-outer", shape, n, nsb, profile, per_query, flops)
             out["kv-outer"] = (kv, p.time_s / achieved(profile, kv.name, dtype), {"roofline_s": p.time_s})
-        qp = first_available(self.Q_PACKED, w.dtype, dev)
+        qp = first_available(self.Q_PACKED, w.dtype, dev, w)
         if qp is not None:
             shape = model_shape(s.hq, s.hkv, s.head_dim, s.block, s.topk, dtype, None)
             sch = PackedSchedule(w, TILE_TOKENS)

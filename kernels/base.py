@@ -42,6 +42,11 @@ class Backend:
             return f"{self.name} does not support dtype {dtype} (supports {', '.join(self.dtypes)})"
         return None
 
+    def workload_unavailable_reason(self, workload: Workload) -> str | None:
+        """None if this backend can plan `workload` (its dtype, device and, for a kernel built for one
+        shape, its shape), else one line saying why not."""
+        return self.unavailable_reason(workload.dtype, workload.device)
+
     def plan(self, workload: Workload) -> Plan:
         reason = self.unavailable_reason(workload.dtype, workload.device)
         if reason:

@@ -94,6 +94,41 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poison
     graph_replay_equals_eager(plan)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_cuda_study_shape_on_both_cute_stages(dtype, graph_replay_equals_eager):
+    """At the study shape the split runs q-packed-cute and kv-outer-cute where both are built; the combine
+    merges into the packed output in place, so a graph replay must still equal eager bitwise."""
+    from msa_bench.harness.check import check_backend, sample_rows
+    w = coselected(0.5, tokens=512, context=65536, reuse=2.0, with_tensors=True, dtype=dtype)
+    for name in ("q-packed-cute", "kv-outer-cute"):
+        reason = get_backend(name).workload_unavailable_reason(w)
+        if reason:
+            pytest.skip(reason)
+    err, tol, details = check_backend("hybrid", w, rows=sample_rows(w.n_tokens))
+    assert err <= tol
+    info = details["info"]
+    assert info["kv_outer"] == "kv-outer-cute" and info["attention"]["kernel"].startswith("qpk")
+    assert 0.0 < info["packed_entry_share"] < 1.0
+    graph_replay_equals_eager(get_backend("hybrid").plan(w))
+
+
+def test_small_shapes_take_the_triton_parts_where_cute_is_built(monkeypatch):
+    """A CuTe library is built for one shape: with the libraries present, a workload of another shape
+    plans on the Triton kernels instead of failing in the CuTe stage."""
+    from msa_bench.kernels.cute.backend import KVOuterCuteBackend
+    from msa_bench.kernels.q_packed.cute_backend import QPackedCuteBackend
+    from msa_bench.kernels.q_packed.hybrid import HybridBackend
+    monkeypatch.setattr(QPackedCuteBackend, "unavailable_reason", lambda self, dtype, device: None)
+    monkeypatch.setattr(KVOuterCuteBackend, "unavailable_reason", lambda self, dtype, device: None)
+    w = edge_case_workload(SHAPE, "fp32", [300, 140], [29, 40], True, 0.6, 0.2, seed=1, device=DEVICE)
+    hybrid = HybridBackend()
+    assert hybrid.packed_backend(w) == "q-packed"
+    assert hybrid.kv_backend(w.dtype, w.device, w).name == "kv-outer"
+    assert "G 16, D 128, block 128" in get_backend("q-packed-cute").workload_unavailable_reason(w)
+
+
 # ---- auto: the pick follows the model ---------------------------------------------------------------
 
 from msa_bench.roofline.devices import PRESETS  # noqa: E402

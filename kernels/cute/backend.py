@@ -122,6 +122,15 @@ class KVOuterCuteBackend(KVOuterBackend):
     def ctas_for(self, dtype: str) -> int:
         return KERNELS[self.kernel_for(dtype)].ctas_per_sm
 
+    def workload_unavailable_reason(self, w) -> str | None:
+        reason = self.unavailable_reason(w.dtype, w.device)
+        if reason is None:
+            try:
+                cute_config_for(w, self.resolved_config(w).tile_q, self.ctas_for(w.dtype), self.kernel_for(w.dtype))
+            except BackendUnavailable as exc:
+                reason = f"{self.name}: {exc}"
+        return reason
+
     def attention_stage(self, w, buffers: dict, cfg: KVOuterConfig):
         return CuteAttentionStage(w, buffers, cfg, self.kernel_for(w.dtype))
 

@@ -21,11 +21,18 @@ from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, P_SHIFT, SUPPORTED_ARCHS, 
 TILE_TOKENS = 8
 
 
-def check_cute_shape(w: Workload, name: str) -> None:
+def cute_shape_reason(w: Workload, name: str) -> str | None:
     s = w.shape
     if (s.group, s.head_dim, s.block) != (16, 128, 128):
-        raise BackendUnavailable(f"{name} is built for G 16, D 128, block 128 (8 tokens x 16 heads = 128 rows), "
-                                 f"got G {s.group}, D {s.head_dim}, block {s.block}")
+        return (f"{name} is built for G 16, D 128, block 128 (8 tokens x 16 heads = 128 rows), "
+                f"got G {s.group}, D {s.head_dim}, block {s.block}")
+    return None
+
+
+def check_cute_shape(w: Workload, name: str) -> None:
+    reason = cute_shape_reason(w, name)
+    if reason:
+        raise BackendUnavailable(reason)
 
 
 def fp8_v_operand(v_cache: torch.Tensor) -> torch.Tensor:
@@ -111,6 +118,9 @@ class QPackedCuteBackend(Backend):
             return reason
         from ..cute.loader import library_unavailable_reason
         return library_unavailable_reason(self.config_for(dtype), arch)
+
+    def workload_unavailable_reason(self, w: Workload) -> str | None:
+        return self.unavailable_reason(w.dtype, w.device) or cute_shape_reason(w, self.name)
 
     def _plan(self, w: Workload) -> Plan:
         from .schedule import PackedSchedule

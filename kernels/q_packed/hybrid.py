@@ -73,12 +73,14 @@ class HybridBackend(Backend):
     def from_option(cls, option: str) -> "HybridBackend":
         return cls(**parse_option(option))
 
-    def kv_backend(self, dtype: str, device) -> Backend:
-        """The KV-outer backend of the residual: the asked one, else CuTe where it can run, else Triton."""
+    def kv_backend(self, dtype: str, device, w: Workload | None = None) -> Backend:
+        """The KV-outer backend of the residual: the asked one, else CuTe where it can run (and, given the
+        workload, is built for its shape), else Triton."""
         if self.kv_stage:
             return get_backend(KV_STAGES[self.kv_stage])
         cute = get_backend("kv-outer-cute")
-        return cute if cute.unavailable_reason(dtype, device) is None else get_backend("kv-outer")
+        reason = cute.unavailable_reason(dtype, device) if w is None else cute.workload_unavailable_reason(w)
+        return cute if reason is None else get_backend("kv-outer")
 
     def unavailable_reason(self, dtype, device):
         reason = super().unavailable_reason(dtype, device) or triton_unavailable_reason(device)
@@ -92,13 +94,14 @@ class HybridBackend(Backend):
         return reason
 
     @staticmethod
-    def packed_attention(w: Workload, packed: PackedSchedule, out: torch.Tensor, lse: torch.Tensor):
-        """The packed part's attention stage: q-packed-cute's kernel where its libraries are built, else Triton's."""
-        cute = get_backend("q-packed-cute")
-        if cute.unavailable_reason(w.dtype, w.device) is None:
-            from .cute_backend import QPackedCuteAttention, check_cute_shape
-            check_cute_shape(w, "hybrid")
-            return QPackedCuteAttention(w, packed, out, lse, cute.config_for(w.dtype))
+    def packed_backend(w: Workload) -> str:
+        """The packed part's kernel: q-packed-cute's where its libraries are built for the workload, else Triton's."""
+        return "q-packed-cute" if get_backend("q-packed-cute").workload_unavailable_reason(w) is None else "q-packed"
+
+    def packed_attention(self, w: Workload, packed: PackedSchedule, out: torch.Tensor, lse: torch.Tensor):
+        if self.packed_backend(w) == "q-packed-cute":
+            from .cute_backend import QPackedCuteAttention
+            return QPackedCuteAttention(w, packed, out, lse, get_backend("q-packed-cute").config_for(w.dtype))
         return PackedAttention(w, packed, out, lse)
 
     def threshold(self, w: Workload, kv: Backend) -> tuple[int, str]:
@@ -108,15 +111,13 @@ class HybridBackend(Backend):
         dev = device_profile(w.device)
         dtype = w.dtype if w.dtype in ("bf16", "fp8") else "bf16"
         shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=dtype)
-        packed = "q-packed-cute" if get_backend("q-packed-cute").unavailable_reason(w.dtype, w.device) is None \
-            else "q-packed"
-        share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, packed, dtype),
+        share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, self.packed_backend(w), dtype),
                                   achieved(dev, kv.name, dtype))
         return share, f"roofline ({dev.name})"
 
     def _plan(self, w: Workload) -> Plan:
         s, dev = w.shape, w.device
-        kv = self.kv_backend(w.dtype, dev)
+        kv = self.kv_backend(w.dtype, dev, w)
         share, source = self.threshold(w, kv)
         packed = PackedSchedule(w, self.tokens_per_tile, min_share=share, residual=True)
         packed()                                            # the residual selection KV-outer plans from
