@@ -17,8 +17,9 @@ L2 plateau rule (`l2_and_hbm_plateaus`): the plateau is searched only among work
 smallest sets are pure L2, and launch overheads weigh more; a first H200 run without .cg showed 16.9 TB/s
 at 1 MiB and 12.7 TB/s at 2-4 MiB, which is L1, not L2. Above L2/2 the working set starts to spill
 (set conflicts, the two L2 partitions). Inside the window the widest run of points within 10% of its
-median is the plateau (ties: the higher one). HBM: the plateau holding the largest working set, beyond
-4x the L2. The profile's hbm_bytes_per_s is max(HBM read, HBM copy_); both, and the sweep's HBM plateau,
+median is the plateau (ties: the higher one). HBM: the same rule among working sets >= 2x the L2 (ties:
+the larger sizes), reaching 4x the L2; a quick H200 run whose partly resident 60-90 MiB points chained
+into the tail and cut its last point off had failed the earlier "run that ends at the largest set" rule. The profile's hbm_bytes_per_s is max(HBM read, HBM copy_); both, and the sweep's HBM plateau,
 are recorded under measured["hbm"].
 """
 from __future__ import annotations
@@ -76,7 +77,9 @@ def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) 
     L2: among the points with L2/8 <= working set <= L2/2 only (large enough that L1 does not serve the
     repeated reads, small enough to stay resident in L2), the widest run within rel_tol of its median; ties
     go to the higher level. Points below L2/8 are ignored however fast they are (L1 hits).
-    HBM: the plateau that holds the largest working set, which must lie beyond 4x the L2.
+    HBM: among the points with working set >= 2x the L2 only (past the partly resident sizes), the widest
+    run within rel_tol of its median (ties: the larger sizes); it must reach 4x the L2. A noisy last point
+    does not void the plateau before it.
     Raises UserError when the sweep does not show both."""
     if len(sizes) != len(bandwidths) or len(sizes) < 4:
         raise UserError("L2 sweep needs at least 4 (size, bandwidth) points")
@@ -95,9 +98,11 @@ def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) 
                         f"({lo / MIB:.1f} .. {hi / MIB:.1f} MiB, {len(inside)} points there); "
                         "add sizes in that window")
     l2 = max(small, key=lambda p: (p.last - p.first, p.level))
-    runs = find_plateaus(bandwidths, rel_tol)
-    hbm = runs[-1] if runs and runs[-1].last == len(sizes) - 1 else None
-    if hbm is None or sizes[hbm.last] < 4 * l2_bytes or hbm.first <= l2.last or hbm.level >= l2.level:
+    tail = [k for k in range(len(sizes)) if sizes[k] >= 2 * l2_bytes]
+    big = [Plateau(p.first + tail[0], p.last + tail[0], p.level)
+           for p in find_plateaus(bandwidths[tail[0]:], rel_tol)] if tail else []
+    hbm = max(big, key=lambda p: (p.last - p.first, p.last)) if big else None
+    if hbm is None or sizes[hbm.last] < 4 * l2_bytes or hbm.level >= l2.level:
         raise UserError("L2 sweep shows no HBM plateau beyond 4x the L2; extend the sweep to larger sizes")
     return l2, hbm
 

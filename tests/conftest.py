@@ -51,9 +51,11 @@ def one_error_line():
 
 
 def _graph_replay_equals_eager(plan):
-    """Capture the whole module in one CUDA graph, replay it into a NaN-filled output, and check the
-    replay reproduces the eager result bit for bit."""
+    """Run the module eagerly, capture it in one CUDA graph, replay it into a NaN-filled output, and check
+    the replay reproduces the eager result bit for bit."""
     import torch
+    plan.run()
+    torch.cuda.synchronize()
     first = plan.output.clone()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()

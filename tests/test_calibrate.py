@@ -77,11 +77,21 @@ def test_l2_plateau_is_taken_from_the_l2_window_not_the_l1_hits():
     assert (sizes[l2.first], sizes[l2.last]) == (15 * MIB, 24 * MIB)    # 8 MiB (9.7) is alone, not a run
     assert all(L2 // 8 <= sizes[k] <= L2 // 2 for k in range(l2.first, l2.last + 1))
     assert hbm.level / 1e12 == pytest.approx(4.18, abs=0.01)
-    assert sizes[hbm.first] == 90 * MIB and sizes[hbm.last] == 2048 * MIB
+    assert sizes[hbm.first] == 120 * MIB and sizes[hbm.last] == 2048 * MIB       # from 2x the L2
     # only one point in the window: refused with the window named
     keep = [k for k in range(len(sizes)) if not (15 * MIB <= sizes[k] <= 24 * MIB)]
     with pytest.raises(UserError, match="L2/8 .. L2/2"):
         l2_and_hbm_plateaus([sizes[k] for k in keep], [bw[k] for k in keep], L2)
+
+
+def test_hbm_plateau_survives_a_noisy_last_point():
+    """Synthetic input: the tail's last point 15% low. The plateau before it stands; the partly resident
+    60-90 MiB points do not join it."""
+    sizes, bw = h200_first_run_curve()
+    bw = bw[:-1] + [3.5e12]
+    l2, hbm = l2_and_hbm_plateaus(sizes, bw, L2)
+    assert (sizes[hbm.first], sizes[hbm.last]) == (120 * MIB, 1024 * MIB)
+    assert hbm.level / 1e12 == pytest.approx(4.18, abs=0.01)
 
 
 def test_sweep_without_hbm_plateau_is_refused():
