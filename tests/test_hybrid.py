@@ -127,6 +127,8 @@ def test_small_shapes_take_the_triton_parts_where_cute_is_built(monkeypatch):
     assert hybrid.packed_backend(w) == "q-packed"
     assert hybrid.kv_backend(w.dtype, w.device, w).name == "kv-outer"
     assert "G 16, D 128, block 128" in get_backend("q-packed-cute").workload_unavailable_reason(w)
+    w8 = edge_case_workload(SHAPE, "fp8", [300, 140], [29, 40], True, 0.6, 0.2, seed=1, device=DEVICE)
+    assert "D = 128, block = 128" in get_backend("kv-outer-cute").workload_unavailable_reason(w8)
 
 
 # ---- auto: the pick follows the model ---------------------------------------------------------------

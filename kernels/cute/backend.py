@@ -125,8 +125,10 @@ class KVOuterCuteBackend(KVOuterBackend):
     def workload_unavailable_reason(self, w) -> str | None:
         reason = self.unavailable_reason(w.dtype, w.device)
         if reason is None:
+            tile_q = (self.config or cute_kv_config(w.dtype, self.ctas_for(w.dtype))).tile_q
             try:
-                cute_config_for(w, self.resolved_config(w).tile_q, self.ctas_for(w.dtype), self.kernel_for(w.dtype))
+                check_shape(w, tile_q, self.name)
+                cute_config_for(w, tile_q, self.ctas_for(w.dtype), self.kernel_for(w.dtype))
             except BackendUnavailable as exc:
                 reason = f"{self.name}: {exc}"
         return reason
