@@ -189,7 +189,7 @@ class _Runner:
         from .check import compare_output, poison
         status = dict(base)
         backend = get_backend(backend_name)
-        reason = backend.unavailable_reason(point.dtype, self.device)
+        reason = backend.workload_unavailable_reason(workload)
         if reason:
             return {**status, "status": results.STATUS_UNAVAILABLE, "reason": reason}, [], []
         rows = None

@@ -48,7 +48,7 @@ class Backend:
         return self.unavailable_reason(workload.dtype, workload.device)
 
     def plan(self, workload: Workload) -> Plan:
-        reason = self.unavailable_reason(workload.dtype, workload.device)
+        reason = self.workload_unavailable_reason(workload)
         if reason:
             raise BackendUnavailable(reason)
         start = time.perf_counter()

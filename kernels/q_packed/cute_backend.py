@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Backend, BackendUnavailable, Plan, register
+from ..base import Backend, Plan, register
 from ..kv_outer.backend import partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
 from ...scenarios.workload import Workload
@@ -27,12 +27,6 @@ def cute_shape_reason(w: Workload, name: str) -> str | None:
         return (f"{name} is built for G 16, D 128, block 128 (8 tokens x 16 heads = 128 rows), "
                 f"got G {s.group}, D {s.head_dim}, block {s.block}")
     return None
-
-
-def check_cute_shape(w: Workload, name: str) -> None:
-    reason = cute_shape_reason(w, name)
-    if reason:
-        raise BackendUnavailable(reason)
 
 
 def fp8_v_operand(v_cache: torch.Tensor) -> torch.Tensor:
@@ -124,7 +118,6 @@ class QPackedCuteBackend(Backend):
 
     def _plan(self, w: Workload) -> Plan:
         from .schedule import PackedSchedule
-        check_cute_shape(w, self.name)
         s, dev = w.shape, w.device
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
