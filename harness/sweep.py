@@ -189,14 +189,11 @@ class _Runner:
         from .check import compare_output, poison
         status = dict(base)
         backend = get_backend(backend_name)
-        reason = backend.workload_unavailable_reason(workload)
-        if reason:
-            return {**status, "status": results.STATUS_UNAVAILABLE, "reason": reason}, [], []
         rows = None
         if workload.n_tokens > 4 * CHECK_ROWS:
             rows = torch.linspace(0, workload.n_tokens - 1, CHECK_ROWS).round().long().unique()
         try:
-            plan = backend.plan(workload)
+            plan = backend.plan(workload)          # BackendUnavailable when it cannot run this workload here
             poison(plan)
             before = self.telemetry.sample()
             poller = Poller(self.telemetry.sample).start() if self.telemetry.available else None

@@ -19,7 +19,8 @@ at 1 MiB and 12.7 TB/s at 2-4 MiB, which is L1, not L2. Above L2/2 the working s
 (set conflicts, the two L2 partitions). Inside the window the widest run of points within 10% of its
 median is the plateau (ties: the higher one). HBM: the same rule among working sets >= 2x the L2 (ties:
 the larger sizes), reaching 4x the L2; a quick H200 run whose partly resident 60-90 MiB points chained
-into the tail and cut its last point off had failed the earlier "run that ends at the largest set" rule. The profile's hbm_bytes_per_s is max(HBM read, HBM copy_); both, and the sweep's HBM plateau,
+into the tail and cut its last point off had failed the earlier "run that ends at the largest set"
+rule. The profile's hbm_bytes_per_s is max(HBM read, HBM copy_); both, and the sweep's HBM plateau,
 are recorded under measured["hbm"].
 """
 from __future__ import annotations
@@ -70,6 +71,15 @@ def l2_window(l2_bytes: int) -> tuple[int, int]:
     return l2_bytes // 8, l2_bytes // 2
 
 
+def _plateaus_among(bandwidths, indices: list[int], rel_tol: float) -> list[Plateau]:
+    """find_plateaus over the contiguous points `indices` (sorted), with indices into the whole sweep."""
+    if not indices:
+        return []
+    first = indices[0]
+    return [Plateau(p.first + first, p.last + first, p.level)
+            for p in find_plateaus(bandwidths[first:indices[-1] + 1], rel_tol)]
+
+
 def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) -> tuple[Plateau, Plateau]:
     """(L2 plateau, HBM plateau) of a bandwidth-versus-working-set sweep; indices refer to the points sorted
     by size.
@@ -88,19 +98,13 @@ def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) 
     bandwidths = [bandwidths[k] for k in order]
     lo, hi = l2_window(l2_bytes)
     inside = [k for k in range(len(sizes)) if lo <= sizes[k] <= hi]
-    small = []
-    if inside:
-        first = inside[0]                                    # the window is contiguous in the sorted order
-        small = [Plateau(p.first + first, p.last + first, p.level)
-                 for p in find_plateaus(bandwidths[first:inside[-1] + 1], rel_tol)]
+    small = _plateaus_among(bandwidths, inside, rel_tol)   # the window is contiguous in the sorted order
     if not small:
         raise UserError(f"L2 sweep shows no plateau below half the L2 in the window L2/8 .. L2/2 "
                         f"({lo / MIB:.1f} .. {hi / MIB:.1f} MiB, {len(inside)} points there); "
                         "add sizes in that window")
     l2 = max(small, key=lambda p: (p.last - p.first, p.level))
-    tail = [k for k in range(len(sizes)) if sizes[k] >= 2 * l2_bytes]
-    big = [Plateau(p.first + tail[0], p.last + tail[0], p.level)
-           for p in find_plateaus(bandwidths[tail[0]:], rel_tol)] if tail else []
+    big = _plateaus_among(bandwidths, [k for k in range(len(sizes)) if sizes[k] >= 2 * l2_bytes], rel_tol)
     hbm = max(big, key=lambda p: (p.last - p.first, p.last)) if big else None
     if hbm is None or sizes[hbm.last] < 4 * l2_bytes or hbm.level >= l2.level:
         raise UserError("L2 sweep shows no HBM plateau beyond 4x the L2; extend the sweep to larger sizes")

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from msa_bench.harness.timing import TimingConfig, time_plan
+from msa_bench.harness.timing import TimingConfig, summarize, time_plan
 from msa_bench.kernels.base import get_backend
 from msa_bench.scenarios.prefill_cases import get_case, prefill_workload
 from msa_bench.scenarios.workload import AttnShape
@@ -42,7 +42,7 @@ def replans(args) -> None:
         keep.append(torch.empty((k * 37 + 1) << 20, dtype=torch.uint8, device="cuda"))
         w, plan = build(args)
         samples = time_plan(plan, TimingConfig(cold_l2=not args.warm_l2), "cuda")
-        medians = {s: round(sorted(v.seconds)[len(v.seconds) // 2] * 1e6, 1) for s, v in samples.items() if s != "plan"}
+        medians = {s: round(summarize(v.seconds)["median_s"] * 1e6, 1) for s, v in samples.items() if s != "plan"}
         where = {n: hex(t.data_ptr()) for n, t in plan.buffers.items()
                  if isinstance(t, torch.Tensor) and t.numel() * t.element_size() >= 1 << 20}
         print(k, medians, "q", hex(w.q.data_ptr()), "out", hex(plan.output.data_ptr()), where, flush=True)

@@ -98,27 +98,29 @@ class HybridBackend(Backend):
         """The packed part's kernel: q-packed-cute's where its libraries are built for the workload, else Triton's."""
         return "q-packed-cute" if get_backend("q-packed-cute").workload_unavailable_reason(w) is None else "q-packed"
 
-    def packed_attention(self, w: Workload, packed: PackedSchedule, out: torch.Tensor, lse: torch.Tensor):
-        if self.packed_backend(w) == "q-packed-cute":
+    @staticmethod
+    def packed_attention(w: Workload, kernel: str, packed: PackedSchedule, out: torch.Tensor, lse: torch.Tensor):
+        if kernel == "q-packed-cute":
             from .cute_backend import QPackedCuteAttention
             return QPackedCuteAttention(w, packed, out, lse, get_backend("q-packed-cute").config_for(w.dtype))
         return PackedAttention(w, packed, out, lse)
 
-    def threshold(self, w: Workload, kv: Backend) -> tuple[int, str]:
+    def threshold(self, w: Workload, kv: Backend, packed: str) -> tuple[int, str]:
         if self.min_share is not None:
             return self.min_share, "option"
         s = w.shape
         dev = device_profile(w.device)
         dtype = w.dtype if w.dtype in ("bf16", "fp8") else "bf16"
         shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=dtype)
-        share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, self.packed_backend(w), dtype),
+        share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, packed, dtype),
                                   achieved(dev, kv.name, dtype))
         return share, f"roofline ({dev.name})"
 
     def _plan(self, w: Workload) -> Plan:
         s, dev = w.shape, w.device
         kv = self.kv_backend(w.dtype, dev, w)
-        share, source = self.threshold(w, kv)
+        packed_kernel = self.packed_backend(w)
+        share, source = self.threshold(w, kv, packed_kernel)
         packed = PackedSchedule(w, self.tokens_per_tile, min_share=share, residual=True)
         packed()                                            # the residual selection KV-outer plans from
         w_res = replace(w, pages=packed.residual_pages)
@@ -129,7 +131,7 @@ class HybridBackend(Backend):
         # the pairs that also have KV-outer partials
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
-        attention = self.packed_attention(w, packed, out, lse)
+        attention = self.packed_attention(w, packed_kernel, packed, out, lse)
         cfg = kv_plan.info.get("config", {})
         combine = Combine(w_res, kv_plan.buffers, out, lse, cfg.get("combine_pairs", 4),
                           cfg.get("combine_num_warps", 4), merge_into_output=True)
