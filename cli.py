@@ -317,7 +317,7 @@ def sweep(
     context: str = typer.Option(None, help="Override context length in tokens, comma-separated."),
     skew: str = typer.Option(None, help="Override selection skew (Zipf exponent, 0 = uniform), comma-separated."),
     dtype: str = typer.Option(None, help="Override data dtypes, comma-separated: bf16, fp8, fp16, fp32."),
-    backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@KERNEL runs that CuTe kernel (e.g. kv-outer-cute@v23) in every dtype instead of each dtype's default; @KERNEL+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles)."),
+    backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@KERNEL runs that CuTe kernel (e.g. kv-outer-cute@v23) in every dtype instead of each dtype's default; @KERNEL+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles). Any backend takes a planted delay as the option's last part: NAME@delay5 or NAME@v28+delay5 adds a stage costing 5 % of the module (a known regression for the gate)."),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Override causal (chunked prefill) or not."),
     generator: str = typer.Option(None, help="Override the selection generator."),
     out: str = typer.Option(None, help="Run folder (default results/runs/<scenario>-<UTC time>; with --resume: the "

@@ -63,3 +63,33 @@ def test_script_refuses_an_empty_folder(tmp_path, capsys):
     spec.loader.exec_module(mod)
     assert mod.main([str(tmp_path), "--baseline-runs", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: no run-* folders")
+
+
+def test_protocol_script_runs_separate_sweeps_and_resumes(tmp_path):
+    """The shell loop, with a stand-in `msa-bench` and `nvidia-smi` on PATH that record their arguments:
+    one sweep process per run with the clean and planted backends, finished runs skipped, an unfinished
+    one resumed, OUTROOT packed into $OUT/gate.tgz."""
+    import os
+    import subprocess
+    import tarfile
+    bin_dir, out = tmp_path / "bin", tmp_path / "OUT"
+    bin_dir.mkdir(), out.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho fake GPU\n")
+    (bin_dir / "msa-bench").write_text(
+        '#!/bin/sh\necho "$@" >> "$CALLS"\nwhile [ "$1" != "--out" ]; do shift; done\n'
+        'mkdir -p "$2/units"\necho \'{"complete": true}\' > "$2/run.json"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    root = tmp_path / "gate"
+    (root / "run-02").mkdir(parents=True)
+    (root / "run-02" / "run.json").write_text('{"complete": false}')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "CALLS": str(tmp_path / "calls")}
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gate-protocol.sh"
+    subprocess.run(["bash", str(script), str(root), "3"], env=env, check=True, capture_output=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 3 and all("--scenario gate-prefill" in c and "kv-outer-cute@delay10" in c for c in calls)
+    assert ["--resume" in c for c in calls] == [False, True, False]
+    subprocess.run(["bash", str(script), str(root), "3"], env=env, check=True, capture_output=True)
+    assert len((tmp_path / "calls").read_text().splitlines()) == 3      # all complete: nothing rerun
+    with tarfile.open(out / "gate.tgz") as tar:
+        assert "gate/run-03/run.json" in tar.getnames()
