@@ -103,3 +103,33 @@ def test_floor_is_per_unit(tmp_path, fake_run):
                                              "b": (samples(1e-3, 4), [1500.0] * 4)}))
     kept, dropped = clocked_samples(run, "floor", 0.97)
     assert dropped == 2 and len(kept[kept["backend"] == "b"]) == 8
+
+
+def test_sweep_rows_carry_the_clock_columns_and_load_back(tmp_path):
+    """The sweep's sample rows: GPU stages get sm_clock_mhz and clock_event_reasons, the host `plan` row
+    leaves them empty, and the unit written through the results format loads back validated."""
+    import torch
+    from msa_bench.harness import results
+    from msa_bench.harness.sweep import _Runner
+    from msa_bench.harness.timing import StageSamples, TimingConfig
+    from msa_bench.scenarios.grid import Point
+    from msa_bench.scenarios.workload import AttnShape
+    point = Point("synthetic", 16, 256, 0.5, 0.0, False, "bf16", 0, None, 1.0, AttnShape())
+    runner = _Runner(tmp_path, torch.device("cpu"), TimingConfig(), False, [])
+    timed = {"plan": StageSamples("plan", [0.1], "host", True),
+             "module": StageSamples("module", [1e-3, 1.1e-3], "cuda-graph", True, [1980.0, 1800.0], [0, 4])}
+    stats, rows = runner._timing_rows(point, "reference", timed, {})
+    module = [r for r in rows if r["stage"] == "module"]
+    assert [r["sm_clock_mhz"] for r in module] == [1980.0, 1800.0] and module[1]["clock_event_reasons"] == 4
+    assert "sm_clock_mhz" not in next(r for r in rows if r["stage"] == "plan")
+    uid = results.unit_id(point.key(), "reference")
+    results.write_unit(tmp_path, uid, {"status": "ok", "point_key": point.key(), "backend": "reference"}, stats, rows)
+    results.write_meta(tmp_path, {"scenario": "t", "units_planned": [uid]})
+    s = load_run(tmp_path).samples
+    assert s.loc[s["stage"] == "module", "sm_clock_mhz"].tolist() == [1980.0, 1800.0]
+
+
+def test_bad_floor_is_one_line(cli, one_error_line, tmp_path, fake_run):
+    run = fake_run(tmp_path / "r", {"a": samples(1e-3)})
+    code, _, err = cli("compare", run, run, "--clock", "floor", "--floor", "1.5")
+    assert code == 2 and "--floor" in one_error_line(err)
