@@ -317,7 +317,7 @@ def sweep(
     context: str = typer.Option(None, help="Override context length in tokens, comma-separated."),
     skew: str = typer.Option(None, help="Override selection skew (Zipf exponent, 0 = uniform), comma-separated."),
     dtype: str = typer.Option(None, help="Override data dtypes, comma-separated: bf16, fp8, fp16, fp32."),
-    backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@KERNEL runs that CuTe kernel (e.g. kv-outer-cute@v23) in every dtype instead of each dtype's default; @KERNEL+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles)."),
+    backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@KERNEL runs that CuTe kernel (e.g. kv-outer-cute@v23) in every dtype instead of each dtype's default; @KERNEL+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles). Any backend takes a planted delay as the option's last part: NAME@delay5 or NAME@v28+delay5 adds a stage costing 5 % of the module (a known regression for the gate)."),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Override causal (chunked prefill) or not."),
     generator: str = typer.Option(None, help="Override the selection generator."),
     out: str = typer.Option(None, help="Run folder (default results/runs/<scenario>-<UTC time>; with --resume: the "
@@ -381,45 +381,68 @@ def report(
 
 @app.command()
 def compare(
-    baseline: str = typer.Argument(..., help="Baseline run folder."),
+    baseline: str = typer.Argument(..., help="Baseline run folder, or a baseline set: a folder whose "
+                                             "sub-folders are K runs of one scenario and grid."),
     new: str = typer.Argument(..., help="New run folder."),
     max_regression: str = typer.Option("5%", help="Slowdown of the median beyond which a statistically "
                                                   "distinguishable point counts as a regression (5% or 0.05)."),
     counter_tolerance: str = typer.Option("2%", help="Relative change of bytes moved (ncu) tolerated."),
+    clock: str = typer.Option("raw", help="raw: measured times; normalize: times at the GPU's max SM clock "
+                                          "(per-sample clock x seconds / max); floor: drop samples clocked "
+                                          "below --floor x their unit's highest sampled clock."),
+    floor: float = typer.Option(0.97, help="--clock floor: the fraction of the unit's highest sampled clock "
+                                           "below which a sample is dropped."),
     show_all: bool = typer.Option(False, "--all", help="List every compared point, not only the changes."),
 ):
     """Regression gate. Exit 1 if any point is slower by more than --max-regression AND distinguishable from
     the baseline's raw samples (Mann-Whitney U p < 0.05 or disjoint IQRs), or moves more bytes, or now
-    fails. Exit 2 on unusable input: a missing or damaged run or unit, or a baseline unit the new run lacks
-    or did not time. Exit 3 on an internal error. 0 otherwise. Host (CPU) timings are listed, never judged:
-    on CPU runs only a unit that now fails is a regression. Times in microseconds."""
+    fails. Against a baseline set it must also be slower than the slowest of the K baseline run medians
+    (the run-to-run spread, column `spread`). Exit 2 on unusable input: a missing or damaged run or unit,
+    a set of mismatched grids, or a baseline unit the new run lacks or did not time. Exit 3 on an internal
+    error. 0 otherwise. Host (CPU) timings are listed, never judged: on CPU runs only a unit that now
+    fails is a regression. Times in microseconds."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
+    from .errors import UserError
+    from .harness.baseline import CLOCK_MODES, load_baseline
     from .harness.compare import IMPROVEMENT, REGRESSION, compare_runs, parse_threshold
     from .harness.results import load_run
     threshold = parse_threshold(max_regression)
     tol = parse_threshold(counter_tolerance, "--counter-tolerance")
-    result = compare_runs(load_run(baseline), load_run(new), threshold, tol)
+    if clock not in CLOCK_MODES:
+        raise UserError(f"--clock must be one of {', '.join(CLOCK_MODES)}, got {clock!r}")
+    if not 0 < floor <= 1:
+        raise UserError(f"--floor must be a fraction in (0, 1], got {floor}")
+    bases = load_baseline(baseline)
+    result = compare_runs(bases, load_run(new), threshold, tol, clock=clock, floor=floor)
     console = Console(width=None if sys.stdout.isatty() else 220)   # logs and CI: do not truncate rows
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)     # whole lines, text as is
     shown = result.findings if show_all else result.of(REGRESSION) + result.of(IMPROVEMENT)
     if shown:
-        table = Table(title=f"{new} vs {baseline}")
-        for col in ("verdict", "backend", "dtype", "stage", "what", "baseline", "new", "new/base", "p", "point"):
+        title = f"{new} vs {baseline}" + (f" ({len(bases)} baseline runs)" if len(bases) > 1 else "")
+        table = Table(title=title)
+        columns = ["verdict", "backend", "dtype", "stage", "what", "baseline", "new", "new/base", "p", "point"]
+        if len(bases) > 1:
+            columns.insert(8, "spread")
+        for col in columns:
             table.add_column(col)
         for f in shown:
             color = {"regression": "red", "improvement": "green"}.get(f.verdict, "")
             fmt = (lambda v: f"{v * 1e6:.2f} µs") if f.kind == "time" else (lambda v: f"{v:.4g}")
-            table.add_row(f"[{color}]{f.verdict}[/]" if color else f.verdict, f.backend, f.dtype, f.stage, f.kind,
-                          fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}", "" if f.p_value is None else f"{f.p_value:.3g}",
-                          escape(f.note or f.point_key))
+            cells = [f"[{color}]{f.verdict}[/]" if color else f.verdict, f.backend, f.dtype, f.stage, f.kind,
+                     fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}", "" if f.p_value is None else f"{f.p_value:.3g}",
+                     escape(f.note or f.point_key)]
+            if len(bases) > 1:
+                cells.insert(8, "" if f.spread is None else f"{f.spread:.3f}")
+            table.add_row(*cells)
         console.print(table)
     n_reg, n_imp = len(result.of(REGRESSION)), len(result.of(IMPROVEMENT))
     console.print(f"{len(result.findings)} compared: {n_reg} regression(s), {n_imp} improvement(s) "
-                  f"(threshold {threshold:.1%}, counters {tol:.1%}"
+                  f"(threshold {threshold:.1%}, counters {tol:.1%}, clock {clock}"
+                  + (f", {len(bases)} baseline runs" if len(bases) > 1 else "")
                   + ("" if result.timings_judged else "; timings not judged: CPU run") + ")")
     if result.regressed:
         raise typer.Exit(1)

@@ -12,15 +12,22 @@ was timed in the baseline and not in the new run, makes the comparison unusable 
 2), and so does a damaged unit (load_run refuses it). Host (CPU) timings are no performance
 signal: when either run has them, timings are listed but not judged, and only a unit that now
 fails is a regression.
+
+Against a baseline set of K runs (harness/baseline.py) a time regresses only if its new median is
+slower than the median of the K run medians by more than the threshold, AND slower than the slowest
+of them (outside the run-to-run spread), AND distinguishable from the K runs' pooled samples as above.
+Improvements mirror it. Status and counters are judged against the set's first run.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 from scipy.stats import mannwhitneyu
 
 from ..errors import UserError
+from .baseline import DEFAULT_FLOOR, clocked_samples
 from .results import STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run
 from .timing import TIMER_GPU
 
@@ -61,6 +68,7 @@ class Finding:
     p_value: float | None
     verdict: str
     note: str = ""
+    spread: float | None = None   # baseline set: slowest / fastest of the K run medians
 
 
 @dataclass
@@ -77,31 +85,56 @@ class Comparison:
         return bool(self.of(REGRESSION))
 
 
-def judge_samples(base: np.ndarray, new: np.ndarray, threshold: float,
-                  alpha: float = 0.05) -> tuple[str, float, float | None]:
-    """(verdict, median ratio new/base, p-value of the one-sided test in the direction of the change)."""
-    base, new = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
-    if not (len(base) and len(new) and np.isfinite(base).all() and np.isfinite(new).all()
-            and (base > 0).all() and (new > 0).all()):
+def _checked(samples) -> np.ndarray:
+    a = np.asarray(samples, dtype=float)
+    if not (len(a) and np.isfinite(a).all() and (a > 0).all()):
         raise UserError("timing samples must be finite, positive seconds (and at least one per run)")
-    mb, mn = float(np.median(base)), float(np.median(new))
-    ratio = mn / mb if mb > 0 else float("inf")
-    slower = ratio > 1
+    return a
+
+
+def _distinguishable(base: np.ndarray, new: np.ndarray, slower: bool, alpha: float) -> tuple[bool, float | None]:
+    """(one-sided Mann-Whitney U p < alpha or disjoint IQRs, in the given direction; the p-value)."""
     p = None
     if len(base) >= 2 and len(new) >= 2:
         p = float(mannwhitneyu(new, base, alternative="greater" if slower else "less").pvalue)
     b25, b75 = np.percentile(base, [25, 75])
     n25, n75 = np.percentile(new, [25, 75])
     disjoint = n25 > b75 if slower else n75 < b25
-    real = (p is not None and p < alpha) or disjoint
+    return (p is not None and p < alpha) or disjoint, p
+
+
+def _verdict(ratio: float, threshold: float, outside: bool, real: bool) -> str:
+    slower = ratio > 1
     big = ratio > 1 + threshold if slower else ratio < 1 / (1 + threshold)
-    if big and real:
-        return (REGRESSION if slower else IMPROVEMENT), ratio, p
-    return (NOISE if big else UNCHANGED), ratio, p
+    if big and outside and real:
+        return REGRESSION if slower else IMPROVEMENT
+    return NOISE if big else UNCHANGED
 
 
-def _samples_by_key(run: Run) -> dict:
-    s = run.samples
+def judge_samples(base: np.ndarray, new: np.ndarray, threshold: float,
+                  alpha: float = 0.05) -> tuple[str, float, float | None]:
+    """(verdict, median ratio new/base, p-value of the one-sided test in the direction of the change)."""
+    base, new = _checked(base), _checked(new)
+    ratio = float(np.median(new)) / float(np.median(base))
+    real, p = _distinguishable(base, new, ratio > 1, alpha)
+    return _verdict(ratio, threshold, True, real), ratio, p
+
+
+def judge_set(bases: Sequence[np.ndarray], new: np.ndarray, threshold: float,
+              alpha: float = 0.05) -> tuple[str, float, float | None, float]:
+    """Against K baseline runs' samples: (verdict, new median / median of the K medians, p-value against
+    the pooled samples, spread = slowest / fastest baseline median)."""
+    bases, new = [_checked(b) for b in bases], _checked(new)
+    medians = [float(np.median(b)) for b in bases]
+    mn = float(np.median(new))
+    ratio = mn / float(np.median(medians))
+    slower = ratio > 1
+    outside = mn > max(medians) if slower else mn < min(medians)
+    real, p = _distinguishable(np.concatenate(bases), new, slower, alpha)
+    return _verdict(ratio, threshold, outside, real), ratio, p, max(medians) / min(medians)
+
+
+def _samples_by_key(s) -> dict:
     if s.empty:
         return {}
     s = s[s["stage"].isin(TIMED_STAGES)]
@@ -140,23 +173,35 @@ def _unusable(base: Run, new: Run) -> str | None:
     return None
 
 
-def compare_runs(base: Run, new: Run, threshold: float = 0.05, counter_tolerance: float = 0.02,
-                 alpha: float = 0.05) -> Comparison:
+def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, counter_tolerance: float = 0.02,
+                 alpha: float = 0.05, clock: str = "raw", floor: float = DEFAULT_FLOOR) -> Comparison:
+    """`base`: one run, or the K runs of a baseline set. `clock`: raw | normalize | floor (baseline.py)."""
+    bases = [base] if isinstance(base, Run) else list(base)
+    base = bases[0]
     warnings = []
     for label, a, b in (("device", base.device_name, new.device_name),
                         ("scenario", base.meta.get("scenario"), new.meta.get("scenario")),
                         ("timer", base.timer, new.timer)):
         if a != b:
             warnings.append(f"different {label}: baseline {a!r}, new {b!r}")
-    why = _unusable(base, new)
-    if why:
-        raise UserError(why)
-    cpu = [name for name, run in (("the baseline has", base), ("the new run has", new)) if run.timer != TIMER_GPU]
+    for b in bases:
+        why = _unusable(b, new)
+        if why:
+            raise UserError(why + (f" (baseline {b.path})" if len(bases) > 1 else ""))
+    cpu = [name for name, runs in (("the baseline has", bases), ("the new run has", [new]))
+           if any(r.timer != TIMER_GPU for r in runs)]
     judged = not cpu
     if not judged:
         warnings.append(CPU_TIMINGS.format(which="both runs have" if len(cpu) == 2 else cpu[0]))
     findings = []
-    bs, ns = _samples_by_key(base), _samples_by_key(new)
+    clocked = [clocked_samples(r, clock, floor) for r in (*bases, new)]
+    dropped = sum(n for _, n in clocked)
+    if clock == "floor":
+        warnings.append(f"--clock floor: dropped {dropped} sample(s) clocked below {floor:.0%} of their "
+                        "unit's highest sampled clock")
+    per_base = [_samples_by_key(s) for s, _ in clocked[:-1]]
+    ns = _samples_by_key(clocked[-1][0])
+    bs = {k: v for k, v in per_base[0].items() if all(k in d for d in per_base[1:])}
     ok_new = set(new.status.loc[new.status["status"] == STATUS_OK, ["point_key", "backend"]].itertuples(
         index=False, name=None)) if not new.status.empty else set()
     unsampled = [f"{k[1]} at {k[0]}, stage {k[3]}" for k in sorted(bs.keys() - ns.keys()) if (k[0], k[1]) in ok_new]
@@ -164,9 +209,15 @@ def compare_runs(base: Run, new: Run, threshold: float = 0.05, counter_tolerance
         raise UserError(f"the new run has no samples for {len(unsampled)} timed stage(s) of the baseline: "
                         f"{'; '.join(unsampled[:3])}")
     for key in sorted(bs.keys() & ns.keys()):
-        verdict, ratio, p = judge_samples(bs[key], ns[key], threshold, alpha)
-        findings.append(Finding(*key, "time", float(np.median(bs[key])), float(np.median(ns[key])), ratio, p,
-                                verdict if judged else NOT_JUDGED))
+        if len(bases) == 1:
+            (verdict, ratio, p), spread = judge_samples(bs[key], ns[key], threshold, alpha), None
+            center = float(np.median(bs[key]))
+        else:
+            runs = [d[key] for d in per_base]
+            verdict, ratio, p, spread = judge_set(runs, ns[key], threshold, alpha)
+            center = float(np.median([np.median(r) for r in runs]))
+        findings.append(Finding(*key, "time", center, float(np.median(ns[key])), ratio, p,
+                                verdict if judged else NOT_JUDGED, spread=spread))
     bc, nc = _counters_by_key(base), _counters_by_key(new)
     for key in sorted(bc.keys() & nc.keys()):
         b, n = bc[key], nc[key]

@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import UserError
+from .timing import TIMER_GPU
 
 SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
@@ -36,6 +37,9 @@ STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE = "ok", "failed", "unavailable"
 STATUSES = (STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE)
 STAT_COLUMNS = ["point_key", "backend", "schedule", "dtype", "stage", "statistic", "value", "timer"]
 SAMPLE_COLUMNS = ["point_key", "backend", "dtype", "stage", "rep", "seconds", "timer"]
+# Optional sample columns (GPU-timed rows; runs made before them lack them): the spin-probed SM clock
+# of each sample (MHz) and the NVML clock-event reason mask of its batch.
+CLOCK_COLUMNS = ("sm_clock_mhz", "clock_event_reasons")
 
 
 def unit_id(point_key: str, backend: str) -> str:
@@ -218,6 +222,7 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
     if (seconds <= 0).any():
         raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int((seconds <= 0).sum())} of "
                         f"{len(seconds)} times are not positive")
+    _check_clocks(folder, samples)
     values = pd.to_numeric(stats["value"], errors="coerce").to_numpy(dtype=float)
     if not np.isfinite(values).all():
         raise UserError(f"corrupt results file {folder / 'stats.parquet'}: "
@@ -235,6 +240,24 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
             claim = "nothing" if n is None or median is None else f"{int(n)} (median {median:.6g} s)"
             raise UserError(f"corrupt results file {folder / 'samples.parquet'}: stage {stage} holds {len(group)} "
                             f"samples (median {float(group.median()):.6g} s), stats.parquet claims {claim}")
+
+
+def _check_clocks(folder: Path, samples: pd.DataFrame) -> None:
+    """Where a clock column is present: every GPU-timed row has one, finite and positive (a reason
+    mask: a non-negative integer); other rows (host `plan`, CPU) may leave it empty."""
+    gpu = (samples["timer"] == TIMER_GPU).to_numpy()
+    for column in CLOCK_COLUMNS:
+        if column not in samples.columns:
+            continue
+        v = pd.to_numeric(samples[column], errors="coerce").to_numpy(dtype=float)
+        given = ~np.isnan(v)
+        if column == "sm_clock_mhz":
+            bad = (gpu & ~given) | (given & ~(np.isfinite(v) & (v > 0)))
+        else:
+            bad = (gpu & ~given) | (given & ~(np.isfinite(v) & (v >= 0) & (v == np.round(v))))
+        if bad.any():
+            raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int(bad.sum())} of {len(v)} "
+                            f"{column} values are missing, not finite or out of range")
 
 
 def read_unit(folder: Path) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:

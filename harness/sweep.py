@@ -198,7 +198,8 @@ class _Runner:
             before = self.telemetry.sample()
             poller = Poller(self.telemetry.sample).start() if self.telemetry.available else None
             try:
-                samples = time_plan(plan, self.timing, self.device)
+                samples = time_plan(plan, self.timing, self.device,
+                                    self.telemetry.clock_reasons if self.telemetry.available else None)
             finally:
                 during = poller.stop() if poller else []
             after = self.telemetry.sample()
@@ -216,6 +217,9 @@ class _Runner:
                     "reason": f"output disagrees with the reference (max rel err {err:.3g} > tol {tol:.3g}); "
                               "its timings are discarded"}, [], []
         status.update(point_telemetry(before, after, during))
+        ref_clock = self.telemetry.max_sm_clock_mhz()
+        if ref_clock:
+            status["sm_clock_max_mhz"] = ref_clock
         status.update(plan_info=json.dumps(plan.info, default=str, sort_keys=True))
         config, info = plan_config(plan.info), plan.info
         status["schedule"] = schedule_of(backend_name, info) or "none"
@@ -269,8 +273,14 @@ class _Runner:
                 summary["tflops"] = flops / summary["median_s"] / 1e12
             summary["converged"] = float(s.converged)
             stats += [self._row(point, backend, stage, k, v, s.timer) for k, v in summary.items()]
-            raw += [{"point_key": point.key(), "backend": backend, "dtype": point.dtype, "stage": stage,
+            rows = [{"point_key": point.key(), "backend": backend, "dtype": point.dtype, "stage": stage,
                      "rep": i, "seconds": float(x), "timer": s.timer} for i, x in enumerate(s.seconds)]
+            for column in results.CLOCK_COLUMNS:   # GPU stages only; the host `plan` row leaves them NaN
+                values = getattr(s, column)
+                if values is not None:
+                    for row, v in zip(rows, values):
+                        row[column] = v
+            raw += rows
         return stats, raw
 
     def _model_rows(self, point, backend, wl_stats, config: dict | None = None, info: dict | None = None):

@@ -39,14 +39,31 @@ class Telemetry:
     reason: str = ""
     _handle: object = None
 
+    def clock_reasons(self) -> int:
+        """NVML's current clock-event reason mask (0 when unavailable)."""
+        if not self.available:
+            return 0
+        import pynvml as nv
+        get_reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        return int(get_reasons(self._handle))
+
+    def max_sm_clock_mhz(self) -> float | None:
+        """The GPU's maximum SM clock (nvmlDeviceGetMaxClockInfo): the reference of clock-normalized times."""
+        if not self.available:
+            return None
+        import pynvml as nv
+        try:
+            return float(nv.nvmlDeviceGetMaxClockInfo(self._handle, nv.NVML_CLOCK_SM))
+        except Exception:
+            return None
+
     def sample(self) -> dict:
         if not self.available:
             return {}
         import pynvml as nv
         h = self._handle
-        get_reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nv.nvmlDeviceGetCurrentClocksThrottleReasons
-        mask = int(get_reasons(h))
+        mask = self.clock_reasons()
         return {"sm_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
                 "mem_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
                 "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..kernels.clock import probe_mhz, record_spin
 
 TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"
@@ -83,6 +84,8 @@ class StageSamples:
     seconds: list[float]
     timer: str
     converged: bool              # CV within target when the loop stopped (always True for `plan`)
+    sm_clock_mhz: list[float] | None = None          # GPU only: the spin-probed SM clock of each sample
+    clock_event_reasons: list[int] | None = None     # GPU only: NVML reason mask of each sample's batch
 
 
 def summarize(seconds: list[float]) -> dict[str, float]:
@@ -106,7 +109,9 @@ def coefficient_of_variation(seconds: list[float]) -> float:
 class _GraphClock:
     timer = TIMER_GPU
 
-    def __init__(self, plan, device: torch.device, cold_l2: bool = True):
+    def __init__(self, plan, device: torch.device, cold_l2: bool = True,
+                 read_reasons: Callable[[], int] | None = None):
+        self.read_reasons = read_reasons
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device) if cold_l2 else None
         # Warm-up on a side stream, as PyTorch's CUDA-graph docs advise: compiles kernels, creates
@@ -131,29 +136,45 @@ class _GraphClock:
         self._graphs.append(graph)
         return graph.replay
 
-    def batch(self, target, before, n: int) -> list[float]:
+    def _reasons(self) -> int:
+        if self.read_reasons is None:
+            return 0
+        try:
+            return int(self.read_reasons())
+        except Exception:   # a failed NVML read must not kill the timing
+            return 0
+
+    def batch(self, target, before, n: int) -> tuple[list[float], list[float], list[int]]:
+        """(seconds, sm_clock_mhz, clock_event_reasons) of n samples."""
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        probes = []
+        mask = self._reasons()
         for i in range(n):
             for replay in before:
                 replay()
             if self.flush is not None:
                 self.flush.zero_()
+            pre = record_spin()
             starts[i].record()
             target()
             ends[i].record()
+            probes.append((pre, record_spin()))
         torch.cuda.synchronize()
-        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+        mask |= self._reasons()
+        clocks = [(probe_mhz(a) + probe_mhz(b)) / 2 for a, b in probes]
+        return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)], clocks, [mask] * n
 
 
 def _measure(clock, name: str, target, before, warmup: int, reps: int, max_reps: int,
              cv_target: float) -> StageSamples:
     if warmup:
         clock.batch(target, before, warmup)
-    seconds = clock.batch(target, before, reps)
+    seconds, mhz, reasons = clock.batch(target, before, reps)
     while coefficient_of_variation(seconds) > cv_target and len(seconds) < max_reps:
-        seconds += clock.batch(target, before, min(len(seconds), max_reps - len(seconds)))
-    return StageSamples(name, seconds, clock.timer, coefficient_of_variation(seconds) <= cv_target)
+        more = clock.batch(target, before, min(len(seconds), max_reps - len(seconds)))
+        seconds, mhz, reasons = seconds + more[0], mhz + more[1], reasons + more[2]
+    return StageSamples(name, seconds, clock.timer, coefficient_of_variation(seconds) <= cv_target, mhz, reasons)
 
 
 def _time_host(plan, config: TimingConfig) -> dict[str, StageSamples]:
@@ -183,13 +204,15 @@ def _time_host(plan, config: TimingConfig) -> dict[str, StageSamples]:
     return {name: StageSamples(name, s, TIMER_CPU, converged) for name, s in seconds.items()}
 
 
-def time_plan(plan, config: TimingConfig, device: torch.device | str) -> dict[str, StageSamples]:
-    """Samples for `plan` (host planning time), each stage in order, and `module` (all stages)."""
+def time_plan(plan, config: TimingConfig, device: torch.device | str,
+              read_reasons: Callable[[], int] | None = None) -> dict[str, StageSamples]:
+    """Samples for `plan` (host planning time), each stage in order, and `module` (all stages).
+    `read_reasons` returns NVML's clock-event reason mask (GPU only; none: 0)."""
     device = torch.device(device)
     results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], "host", True)}
     if device.type != "cuda":
         return results | _time_host(plan, config)
-    clock = _GraphClock(plan, device, config.cold_l2)
+    clock = _GraphClock(plan, device, config.cold_l2, read_reasons)
     reps = max(config.reps, MIN_GPU_REPS)
     warmup, max_reps = config.warmup, max(config.max_reps, reps)
     names = list(plan.stages)

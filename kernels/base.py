@@ -81,9 +81,21 @@ def split_name(name: str) -> tuple[str, str | None]:
 
 def get_backend(name: str) -> Backend:
     """The backend registered as `name`, or, for BASE@OPTION, BASE's from_option(OPTION) (e.g. one CuTe
-    kernel), named with the whole string so its results rows say which one ran."""
+    kernel), named with the whole string so its results rows say which one ran. A last `delayP` part
+    of the option (`BASE@delay5`, `BASE@v28+delay5`), on any backend, adds a planted delay of P % of
+    the module (kernels/delay.py)."""
+    from .delay import DelayedBackend, split_delay
     _load_all()
     base, option = split_name(name)
+    try:
+        option, delay = split_delay(option)
+    except ValueError as exc:
+        raise KeyError(str(exc)) from None
+    if delay is not None:
+        inner = get_backend(base if option is None else f"{base}{OPTION_SEP}{option}")
+        backend = DelayedBackend(inner, delay)
+        backend.name = name
+        return backend
     if base not in _REGISTRY:
         raise KeyError(f"unknown backend {base!r}; choose one of {', '.join(sorted(_REGISTRY))}")
     factory = _REGISTRY[base]

@@ -109,3 +109,40 @@ def _matches_reference(plan, w, tol):
 @pytest.fixture(scope="session")
 def matches_reference():
     return _matches_reference
+
+
+def _fake_run(path, units, scenario="gate-test", grid="g1", ref_clock=1980.0, clocks=True):
+    """A small GPU-timed run folder written through the results format: units maps backend -> module
+    seconds (a list; the attention stage gets 0.8 x them), or -> (seconds, sm_clock_mhz). One point."""
+    import numpy as np
+    from msa_bench.harness import results
+    from msa_bench.harness.timing import summarize
+    key, ids = "pt-0", []
+    for backend, spec in units.items():
+        seconds, mhz = spec if isinstance(spec, tuple) else (spec, [ref_clock] * len(spec))
+        stats, samples = [], []
+        for stage, scale in (("module", 1.0), ("attention", 0.8)):
+            sec = [float(s) * scale for s in seconds]
+            stats += [{"point_key": key, "backend": backend, "schedule": "none", "dtype": "bf16", "stage": stage,
+                       "statistic": k, "value": v, "timer": "cuda-graph"} for k, v in summarize(sec).items()]
+            for i, s in enumerate(sec):
+                row = {"point_key": key, "backend": backend, "dtype": "bf16", "stage": stage, "rep": i,
+                       "seconds": s, "timer": "cuda-graph"}
+                if clocks:
+                    row.update(sm_clock_mhz=float(mhz[i]), clock_event_reasons=0)
+                samples.append(row)
+        uid = results.unit_id(key, backend)
+        ids.append(uid)
+        status = {"status": "ok", "reason": "", "point_key": key, "backend": backend, "dtype": "bf16"}
+        if clocks:
+            status["sm_clock_max_mhz"] = ref_clock
+        results.write_unit(path, uid, status, stats, samples)
+    results.write_meta(path, {"scenario": scenario, "grid_sha256": grid, "timer": "cuda-graph",
+                              "units_planned": ids, "complete": True,
+                              "provenance": {"device_name": "NVIDIA H200"}})
+    return path
+
+
+@pytest.fixture(scope="session")
+def fake_run():
+    return _fake_run

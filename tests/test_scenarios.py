@@ -16,7 +16,8 @@ from msa_bench.scenarios.selection import check_selection
 from msa_bench.scenarios.stats import workload_stats
 from msa_bench.scenarios.workload import AttnShape
 
-SHIPPED = {"default", "smoke", "reuse-sweep", "skew", "real-prefill", "long-context", "co-selection", "indexer"}
+SHIPPED = {"default", "smoke", "reuse-sweep", "skew", "real-prefill", "long-context", "co-selection", "indexer",
+           "gate-prefill"}
 
 GOOD = """
 description = "a test grid"

@@ -21,6 +21,7 @@ def test_time_plan_cpu_stages_module_and_plan():
     out = time_plan(plan, cfg, "cpu")
     assert list(out) == [PLAN, "attention", "combine", MODULE]
     assert out[PLAN].seconds == [plan.plan_seconds]
+    assert all(s.sm_clock_mhz is None and s.clock_event_reasons is None for s in out.values())   # GPU only
     for name in ("attention", "combine", MODULE):
         assert out[name].timer == TIMER_CPU and len(out[name].seconds) == 3
         assert all(s > 0 for s in out[name].seconds)
@@ -59,6 +60,10 @@ def test_time_plan_gpu_graph_replays():
     for name in ("attention", "combine", MODULE):
         assert out[name].timer == TIMER_GPU and 20 <= len(out[name].seconds) <= 40
         assert all(0 < s < 1 for s in out[name].seconds)
+        # the spin-probed SM clock of every sample, and the NVML reason mask (none read here: 0)
+        assert len(out[name].sm_clock_mhz) == len(out[name].seconds)
+        assert all(200 < c < 3500 for c in out[name].sm_clock_mhz)
+        assert out[name].clock_event_reasons == [0] * len(out[name].seconds)
     torch.cuda.synchronize()
     ref, _ = reference_attention(w)          # the last module-graph replay left a correct output
     assert relative_error(plan.output, ref) < 1e-2

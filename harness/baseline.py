@@ -1,0 +1,79 @@
+"""What compare judges: a baseline (one run, or a set of K runs of one grid) and each run's samples
+under a clock mode.
+
+A baseline set is a folder whose sub-folders are K run folders of the same scenario and grid (K
+separate `sweep` processes): between-run variance (clock steps under a power cap, placement) is
+invisible to a within-run test, and the set measures it.
+
+Clock modes (the per-sample SM clock from the spin probe, harness/timing.py):
+  raw        the measured seconds.
+  normalize  cycles_seconds(): the time the sample would take at the unit's reference clock (NVML's
+             maximum SM clock), for a compute-bound stage.
+  floor      drop samples whose clock is below `floor` x the highest clock sampled in their unit.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..errors import UserError
+from .results import RUN_FILE, Run, load_run
+from .timing import TIMER_GPU
+
+CLOCK_MODES = ("raw", "normalize", "floor")
+DEFAULT_FLOOR = 0.97
+
+
+def cycles_seconds(seconds, sm_clock_mhz, ref_clock_mhz):
+    """The time a sample measured at `sm_clock_mhz` would take at `ref_clock_mhz` if it were
+    compute-bound (its cycle count is what stays fixed)."""
+    return np.asarray(seconds, dtype=float) * np.asarray(sm_clock_mhz, dtype=float) / ref_clock_mhz
+
+
+def load_baseline(path: str | Path) -> list[Run]:
+    """[the run] for a run folder, or the K runs of a baseline set; UserError when the set's runs are
+    of different scenarios or grids, or the folder holds no run."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"no run folder or baseline set at {path}")
+    if (path / RUN_FILE).is_file():
+        return [load_run(path)]
+    members = sorted(d for d in path.iterdir() if d.is_dir() and (d / RUN_FILE).is_file())
+    if not members:
+        raise UserError(f"{path} is neither a run folder nor a baseline set (no sub-folder holds a {RUN_FILE})")
+    runs = [load_run(d) for d in members]
+    first = runs[0]
+    for run in runs[1:]:
+        for key, what in (("scenario", "scenario"), ("grid_sha256", "grid")):
+            if run.meta.get(key) != first.meta.get(key):
+                raise UserError(f"baseline set {path}: {run.path.name} has a different {what} than "
+                                f"{first.path.name}; a set holds runs of one scenario and grid")
+    return runs
+
+
+def clocked_samples(run: Run, mode: str, floor: float = DEFAULT_FLOOR) -> tuple[pd.DataFrame, int]:
+    """(the run's samples under `mode`, how many samples the floor dropped). Host (CPU) runs are
+    returned as they are: their timings are never judged."""
+    if mode not in CLOCK_MODES:
+        raise UserError(f"--clock must be one of {', '.join(CLOCK_MODES)}, got {mode!r}")
+    s = run.samples
+    if mode == "raw" or run.timer != TIMER_GPU or s.empty:
+        return s, 0
+    gpu = s["timer"] == TIMER_GPU
+    if "sm_clock_mhz" not in s.columns or s.loc[gpu, "sm_clock_mhz"].isna().any():
+        raise UserError(f"{run.path} has no per-sample SM clock (a run made before it was recorded): "
+                        "use --clock raw")
+    s = s[gpu].copy()
+    if mode == "normalize":
+        ref = run.status.set_index(["point_key", "backend"]).get("sm_clock_max_mhz")
+        keys = pd.MultiIndex.from_frame(s[["point_key", "backend"]])
+        refs = ref.reindex(keys).to_numpy(dtype=float) if ref is not None else np.full(len(s), np.nan)
+        if not (np.isfinite(refs) & (refs > 0)).all():
+            raise UserError(f"{run.path} has units without a reference clock (sm_clock_max_mhz): use --clock raw")
+        s["seconds"] = cycles_seconds(s["seconds"], s["sm_clock_mhz"], refs)
+        return s, 0
+    top = s.groupby(["point_key", "backend"])["sm_clock_mhz"].transform("max")
+    keep = s["sm_clock_mhz"] >= floor * top
+    return s[keep], int((~keep).sum())

@@ -1,0 +1,88 @@
+"""A planted regression: `NAME@delayP` or `NAME@OPTION+delayP` runs NAME (with OPTION) plus one last
+stage `delay` that costs P % of the module's time, so a regression gate can be shown to catch a known
+slowdown of a known size.
+
+At plan(), the module is timed eagerly a few times (median T). On CUDA the `delay` stage spins
+`torch.cuda._sleep(cycles)` with cycles = P/100 * T * the SM clock measured by the spin probe
+(kernels/clock.py), so it is graph-capturable and scales with the clock like a compute-bound kernel;
+on CPU it busy-waits P/100 * T on the host. plan_info records `delay_percent`, `delay_seconds` and,
+on CUDA, `delay_cycles`.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import torch
+
+from .base import Backend, Plan
+from .clock import measure_sm_clock_mhz
+
+DELAY_STAGE = "delay"
+CALIBRATION_RUNS = 5
+_DELAY = re.compile(r"delay(\d+(?:\.\d+)?)")
+
+
+def split_delay(option: str | None) -> tuple[str | None, float | None]:
+    """'v28+delay5' -> ('v28', 5.0); 'delay10' -> (None, 10.0); 'v28' -> ('v28', None)."""
+    if option is None:
+        return None, None
+    head, _, last = option.rpartition("+")
+    m = _DELAY.fullmatch(last)
+    if not m:
+        return option, None
+    percent = float(m.group(1))
+    if not 0 < percent <= 1000:
+        raise ValueError(f"delay percent must be in (0, 1000], got {last!r}")
+    return (head or None), percent
+
+
+def _module_seconds(plan: Plan, cuda: bool) -> float:
+    times = []
+    plan.run()                                   # warm-up
+    for _ in range(CALIBRATION_RUNS):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            plan.run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            plan.run()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+class DelayedBackend(Backend):
+    def __init__(self, inner: Backend, percent: float):
+        self.inner, self.percent = inner, percent
+        self.description = f"{inner.description} + a planted delay of {percent:g} % of the module"
+        self.dtypes = inner.dtypes
+
+    def unavailable_reason(self, dtype, device):
+        return self.inner.unavailable_reason(dtype, device)
+
+    def workload_unavailable_reason(self, workload):
+        return self.inner.workload_unavailable_reason(workload)
+
+    def _plan(self, workload) -> Plan:
+        plan = self.inner._plan(workload)
+        cuda = torch.device(workload.device).type == "cuda"
+        seconds = self.percent / 100 * _module_seconds(plan, cuda)
+        if cuda:
+            cycles = max(1, round(seconds * measure_sm_clock_mhz() * 1e6))
+
+            def delay() -> None:
+                torch.cuda._sleep(cycles)
+            plan.info.update(delay_cycles=cycles)
+        else:
+            def delay() -> None:
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end:
+                    pass
+        plan.stages[DELAY_STAGE] = delay
+        plan.info.update(delay_percent=self.percent, delay_seconds=seconds)
+        return plan

@@ -1,0 +1,74 @@
+"""The planted regression `NAME@delayP`: parsed in one place, on every backend, calibrated to P % of
+the module."""
+import json
+import statistics
+
+import pytest
+import torch
+
+from msa_bench.harness.timing import MODULE, TimingConfig, time_plan
+from msa_bench.kernels.base import get_backend
+from msa_bench.kernels.delay import DELAY_STAGE, split_delay
+from msa_bench.scenarios.workload import AttnShape, build_workload
+
+
+def small_workload(n=12, blocks=4):
+    shape = AttnShape(hq=8, hkv=2, head_dim=16, block=8, topk=2)
+    sel = torch.stack([torch.stack([torch.tensor([(i + h) % blocks, (i + h + 1) % blocks]) for i in range(n)])
+                       for h in range(shape.hkv)]).int()
+    return build_workload(shape, "bf16", sel, torch.arange(blocks).view(1, -1).int(), torch.zeros(n).int(),
+                          torch.full((n,), blocks * shape.block - 1).int(), blocks, causal=False, seed=0)
+
+
+def test_split_delay():
+    assert split_delay("delay5") == (None, 5.0)
+    assert split_delay("v28+delay10") == ("v28", 10.0)
+    assert split_delay("v23+2:p") == ("v23+2:p", None)
+    assert split_delay(None) == (None, None)
+    with pytest.raises(ValueError):
+        split_delay("delay0")
+
+
+def test_delay_option_on_any_backend_keeps_the_inner_option():
+    b = get_backend("kv-outer-cute@v28+delay5")
+    assert b.name == "kv-outer-cute@v28+delay5" and b.percent == 5.0 and b.inner.name == "kv-outer-cute@v28"
+    assert get_backend("reference@delay10").inner.name == "reference"
+    with pytest.raises(KeyError):
+        get_backend("reference@v28+delay5")      # the inner option is still checked
+    with pytest.raises(KeyError):
+        get_backend("reference@delay0")
+
+
+def test_delay_costs_the_planted_share_of_the_module_on_cpu():
+    w = small_workload()
+    plan = get_backend("reference@delay50").plan(w)
+    assert list(plan.stages)[-1] == DELAY_STAGE
+    assert plan.info["delay_percent"] == 50.0 and plan.info["delay_seconds"] > 0
+    out = time_plan(plan, TimingConfig(cpu_reps=5, cpu_max_reps=5, cv_target=10.0), "cpu")
+    delay = statistics.median(out[DELAY_STAGE].seconds)
+    assert delay == pytest.approx(plan.info["delay_seconds"], rel=0.2, abs=2e-4)
+    # the output is the inner backend's: the delay changes time only
+    clean = get_backend("reference").plan(w)
+    assert torch.equal(clean.run(), plan.run())
+
+
+def test_delay_unit_in_a_sweep_records_the_planted_percent(tmp_path, cli):
+    code, out, err = cli("sweep", "--scenario", "smoke", "--backend", "reference,reference@delay20",
+                         "--reps", "2", "--out", tmp_path / "run")
+    assert code == 0, out + err
+    from msa_bench.harness.results import load_run
+    run = load_run(tmp_path / "run")
+    delayed = run.status[run.status["backend"] == "reference@delay20"]
+    assert len(delayed) and all(json.loads(i)["delay_percent"] == 20.0 for i in delayed["plan_info"])
+    assert (run.samples[run.samples["backend"] == "reference@delay20"]["stage"] == DELAY_STAGE).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_delay_on_gpu_is_graph_timed_and_calibrated():
+    plan = get_backend("reference@delay10").plan(small_workload(n=256, blocks=32).to("cuda"))
+    assert plan.info["delay_cycles"] > 0
+    out = time_plan(plan, TimingConfig(), "cuda")
+    delay = statistics.median(out[DELAY_STAGE].seconds)
+    assert delay == pytest.approx(plan.info["delay_seconds"], rel=0.15)
+    assert all(500 < c < 3000 for c in out[MODULE].sm_clock_mhz)
