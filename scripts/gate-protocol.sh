@@ -6,13 +6,13 @@
 # Writes OUTROOT/run-01 .. run-NRUNS (scenario gate-prefill). A finished run is skipped and an
 # unfinished one resumed, so the protocol can be spread over several time-capped calls: with SECONDS,
 # no new run starts after SECONDS and a running sweep is stopped (SIGINT) when they run out. OUTROOT is
-# packed into $OUT/gate.tgz after each run when OUT is set. Then:
+# packed into $OUT/gate.tgz after each run when OUT is set. GATE_BACKENDS replaces the backend list. Then:
 #     python3 scripts/gate-power.py OUTROOT --baseline-runs K
 export PYTHONUNBUFFERED=1
 R=${1:?usage: gate-protocol.sh OUTROOT NRUNS [SECONDS]}
 N=${2:?usage: gate-protocol.sh OUTROOT NRUNS [SECONDS]}
 CAP=${3:-0}
-BACKENDS=q-packed-cute,kv-outer-cute,hybrid,auto,q-packed-cute@delay5,kv-outer-cute@delay5,q-packed-cute@delay10,kv-outer-cute@delay10
+BACKENDS=${GATE_BACKENDS:-q-packed-cute,kv-outer-cute,hybrid,auto,q-packed-cute@delay5,kv-outer-cute@delay5,q-packed-cute@delay10,kv-outer-cute@delay10}
 mkdir -p "$R"
 pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gate.tgz" -C "$(dirname "$R")" "$(basename "$R")"; }
 complete() { grep -q '"complete": true' "$1/run.json" 2>/dev/null; }
