@@ -384,11 +384,14 @@ def compare(
     baseline: str = typer.Argument(..., help="Baseline run folder, or a baseline set: a folder whose "
                                              "sub-folders are K runs of one scenario and grid."),
     new: str = typer.Argument(..., help="New run folder."),
-    max_regression: str = typer.Option("5%", help="Slowdown of the median beyond which a statistically "
-                                                  "distinguishable point counts as a regression (5% or 0.05)."),
+    max_regression: str = typer.Option("5%", help="Against one baseline run: the slowdown of the median beyond "
+                                                  "which a distinguishable point regresses. Against a baseline "
+                                                  "set: the slowdown the gate must catch; it flags at half of it "
+                                                  "(5% or 0.05)."),
     counter_tolerance: str = typer.Option("2%", help="Relative change of bytes moved (ncu) tolerated."),
-    clock: str = typer.Option("raw", help="raw: measured times; normalize: times at the GPU's max SM clock "
-                                          "(per-sample clock x seconds / max); floor: drop samples clocked "
+    clock: str = typer.Option("normalize", help="normalize: times at the GPU's max SM clock (per-sample clock "
+                                          "x seconds / max; raw where a run has no clocks); raw: measured "
+                                          "times; floor: drop samples clocked "
                                           "below --floor x their unit's highest sampled clock."),
     floor: float = typer.Option(0.97, help="--clock floor: the fraction of the unit's highest sampled clock "
                                            "below which a sample is dropped."),
@@ -396,8 +399,8 @@ def compare(
 ):
     """Regression gate. Exit 1 if any point is slower by more than --max-regression AND distinguishable from
     the baseline's raw samples (Mann-Whitney U p < 0.05 or disjoint IQRs), or moves more bytes, or now
-    fails. Against a baseline set it must also be slower than the slowest of the K baseline run medians
-    (the run-to-run spread, column `spread`). Exit 2 on unusable input: a missing or damaged run or unit,
+    fails. Against a baseline set it flags at half --max-regression and must also be slower than the
+    slowest of the K baseline run medians (the run-to-run spread, column `spread`). Exit 2 on unusable input: a missing or damaged run or unit,
     a set of mismatched grids, or a baseline unit the new run lacks or did not time. Exit 3 on an internal
     error. 0 otherwise. Host (CPU) timings are listed, never judged: on CPU runs only a unit that now
     fails is a regression. Times in microseconds."""

@@ -53,6 +53,15 @@ def load_baseline(path: str | Path) -> list[Run]:
     return runs
 
 
+def has_clock(run: Run) -> bool:
+    """Whether every GPU-timed sample of the run carries its SM clock (runs made before the probe do not)."""
+    s = run.samples
+    if run.timer != TIMER_GPU or s.empty:
+        return True
+    gpu = s["timer"] == TIMER_GPU
+    return "sm_clock_mhz" in s.columns and not s.loc[gpu, "sm_clock_mhz"].isna().any()
+
+
 def clocked_samples(run: Run, mode: str, floor: float = DEFAULT_FLOOR) -> tuple[pd.DataFrame, int]:
     """(the run's samples under `mode`, how many samples the floor dropped). Host (CPU) runs are
     returned as they are: their timings are never judged."""
@@ -62,7 +71,7 @@ def clocked_samples(run: Run, mode: str, floor: float = DEFAULT_FLOOR) -> tuple[
     if mode == "raw" or run.timer != TIMER_GPU or s.empty:
         return s, 0
     gpu = s["timer"] == TIMER_GPU
-    if "sm_clock_mhz" not in s.columns or s.loc[gpu, "sm_clock_mhz"].isna().any():
+    if not has_clock(run):
         raise UserError(f"{run.path} has no per-sample SM clock (a run made before it was recorded): "
                         "use --clock raw")
     s = s[gpu].copy()

@@ -4,7 +4,8 @@ Runs 1..K are the baseline set; each later run is judged against it by compare_r
 `msa-bench compare` uses, once per clock mode:
   clean    the backends without a planted delay: every time finding flagged a regression is false;
   planted  each `X@delayP` unit of the new run, relabelled `X`, against the baseline's `X`: its
-           module stage flagged a regression is a catch of a P % slowdown.
+           module stage flagged a regression is a catch of a P % slowdown. The slowdown the delay
+           realized is measured too: its module median over the same run's `X`, under the mode.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 from ..errors import UserError
 from ..kernels.base import OPTION_SEP, split_name
 from ..kernels.delay import split_delay
-from .baseline import CLOCK_MODES
+import numpy as np
+
+from .baseline import CLOCK_MODES, clocked_samples
 from .compare import REGRESSION, compare_runs
 from .results import Run
 
@@ -44,6 +47,13 @@ class Power:
     clean_comparisons: int = 0
     false_regressions: int = 0
     caught: dict[float, list[int]] = field(default_factory=dict)    # percent -> [caught, trials]
+    realized: dict[float, list[float]] = field(default_factory=dict)  # percent -> planted/clean - 1, per unit
+
+
+def _module_medians(run: Run, mode: str, floor: float) -> dict:
+    s, _ = clocked_samples(run, mode, floor)
+    s = s[s["stage"] == "module"]
+    return {key: float(np.median(g["seconds"])) for key, g in s.groupby(["point_key", "backend", "dtype"])}
 
 
 def gate_power(runs: list[Run], k: int, threshold: float = 0.05, modes=CLOCK_MODES,
@@ -62,6 +72,7 @@ def gate_power(runs: list[Run], k: int, threshold: float = 0.05, modes=CLOCK_MOD
             times = [f for f in result.findings if f.kind == "time"]
             power.clean_comparisons += len(times)
             power.false_regressions += sum(f.verdict == REGRESSION for f in times)
+            medians = _module_medians(new, mode, floor)
             for name in backends:
                 target = planted(name)
                 if target is None:
@@ -70,6 +81,9 @@ def gate_power(runs: list[Run], k: int, threshold: float = 0.05, modes=CLOCK_MOD
                 result = compare_runs([subset(b, {base_name: base_name}) for b in bases],
                                       subset(new, {name: base_name}), threshold, clock=mode, floor=floor)
                 module = [f for f in result.findings if f.kind == "time" and f.stage == "module"]
+                power.realized.setdefault(percent, []).extend(
+                    medians[(k, name, d)] / medians[(k, base_name, d)] - 1
+                    for (k, b, d) in medians if b == name and (k, base_name, d) in medians)
                 tally = power.caught.setdefault(percent, [0, 0])
                 tally[0] += sum(f.verdict == REGRESSION for f in module)
                 tally[1] += len(module)
@@ -81,5 +95,7 @@ def power_table(mode: str, power: Power) -> str:
     rows = [("runs judged", str(power.runs_judged)), ("clean comparisons", str(power.clean_comparisons)),
             ("false regressions", str(power.false_regressions))]
     rows += [(f"planted {p:g} % caught/trials", f"{c}/{n}") for p, (c, n) in sorted(power.caught.items())]
+    rows += [(f"planted {p:g} %: realized slowdown, median (min-max)",
+              f"{np.median(r):.1%} ({min(r):.1%}-{max(r):.1%})") for p, r in sorted(power.realized.items()) if r]
     lines = [f"### --clock {mode}", "", "| | |", "|---|---:|"]
     return "\n".join(lines + [f"| {a} | {b} |" for a, b in rows]) + "\n"

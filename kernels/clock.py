@@ -24,9 +24,3 @@ def probe_mhz(probe: tuple) -> float:
     start, end, cycles = probe
     return cycles / (start.elapsed_time(end) * 1e3)      # elapsed_time is ms; cycles per us = MHz
 
-
-def measure_sm_clock_mhz(cycles: int = SPIN_CYCLES) -> float:
-    """One synchronous probe now (for calibrations made at plan time)."""
-    probe = record_spin(cycles)
-    torch.cuda.synchronize()
-    return probe_mhz(probe)

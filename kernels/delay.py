@@ -2,9 +2,11 @@
 stage `delay` that costs P % of the module's time, so a regression gate can be shown to catch a known
 slowdown of a known size.
 
-At plan(), the module is timed eagerly a few times (median T). On CUDA the `delay` stage spins
-`torch.cuda._sleep(cycles)` with cycles = P/100 * T * the SM clock measured by the spin probe
-(kernels/clock.py), so it is graph-capturable and scales with the clock like a compute-bound kernel;
+At plan(), the module is timed eagerly a few times as the harness times it, after an L2 flush
+(median T), and the spin probe (kernels/clock.py) reads the SM clock right after each run, while the
+board is still in the state the module put it in (median f). On CUDA the `delay` stage spins
+`torch.cuda._sleep(cycles)` with cycles = P/100 * T * f, so it is graph-capturable and scales with the
+clock like a compute-bound kernel; the size it realizes in a sweep is what scripts/gate-power.py reports;
 on CPU it busy-waits P/100 * T on the host. plan_info records `delay_percent`, `delay_seconds` and,
 on CUDA, `delay_cycles`.
 """
@@ -17,7 +19,7 @@ import time
 import torch
 
 from .base import Backend, Plan
-from .clock import measure_sm_clock_mhz
+from .clock import probe_mhz, record_spin
 
 DELAY_STAGE = "delay"
 CALIBRATION_RUNS = 5
@@ -38,22 +40,30 @@ def split_delay(option: str | None) -> tuple[str | None, float | None]:
     return (head or None), percent
 
 
-def _module_seconds(plan: Plan, cuda: bool) -> float:
-    times = []
+def _module_seconds(plan: Plan, cuda: bool) -> tuple[float, float | None]:
+    """(median module seconds, median SM clock in MHz right after each run; None on CPU)."""
+    times, clocks = [], []
     plan.run()                                   # warm-up
+    flush = None
+    if cuda:
+        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+        flush = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
     for _ in range(CALIBRATION_RUNS):
         if cuda:
+            flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             plan.run()
             end.record()
+            probe = record_spin()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
+            clocks.append(probe_mhz(probe))
         else:
             t = time.perf_counter()
             plan.run()
             times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times), (statistics.median(clocks) if clocks else None)
 
 
 class DelayedBackend(Backend):
@@ -71,9 +81,10 @@ class DelayedBackend(Backend):
     def _plan(self, workload) -> Plan:
         plan = self.inner._plan(workload)
         cuda = torch.device(workload.device).type == "cuda"
-        seconds = self.percent / 100 * _module_seconds(plan, cuda)
+        module_s, clock_mhz = _module_seconds(plan, cuda)
+        seconds = self.percent / 100 * module_s
         if cuda:
-            cycles = max(1, round(seconds * measure_sm_clock_mhz() * 1e6))
+            cycles = max(1, round(seconds * clock_mhz * 1e6))
 
             def delay() -> None:
                 torch.cuda._sleep(cycles)
