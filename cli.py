@@ -329,24 +329,30 @@ def sweep(
                                               "instructions, kernel time); needs a GPU and ncu."),
     reps: int = typer.Option(None, help="Timed repetitions per stage (GPU: at least this many CUDA-graph replays; "
                                         "CPU: host-timed module runs)."),
+    gpus: str = typer.Option(None, help="One worker process per GPU, dealt units from one queue into one run folder: "
+                                        "all, N (the first N) or a list of indices (0,2; one GPU: 3,). Indices as "
+                                        "CUDA numbers them under CUDA_VISIBLE_DEVICES. GPUs of different models are "
+                                        "refused. Without a GPU, N CPU workers. Default: this process, one GPU.",
+                             show_default=False),
 ):
     """Time each stage and the whole module per point and backend (CUDA-graph replay, cold L2; seconds), with
     NVML telemetry and optional ncu counters, and check the output of the timed runs against the float64
     reference (a unit that disagrees fails; its timings are discarded). Each finished (point, backend) is
-    written at once; on Ctrl-C the folder and the command that resumes it are printed.
-    Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed), 2 on bad input or a
-    point that cannot fit in memory (refused before anything runs), 130 when interrupted."""
+    written at once; on Ctrl-C or SIGTERM the folder and the command that resumes it are printed.
+    Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed) or every --gpus worker
+    died, 2 on bad input or a point that cannot fit in memory (refused before anything runs), 130 when
+    interrupted (Ctrl-C), 143 when terminated (SIGTERM, as `timeout` and job schedulers send)."""
     from .harness.sweep import SweepInterrupted, SweepRequest, run_sweep
     req = SweepRequest(scenario=scenario, reuse=_split(reuse, "reuse", float), tokens=_split(tokens, "tokens", int),
                        context=_split(context, "context", int), skew=_split(skew, "skew", float),
                        dtypes=_split(dtype, "dtype"), backends=_split(backend, "backend"), causal=causal,
                        generator=generator, out=out, resume=resume, shard=shard, counters=counters, reps=reps,
-                       argv=list(sys.argv))
+                       gpus=gpus, argv=list(sys.argv))
     try:
         summary = run_sweep(req)
     except SweepInterrupted as exc:
         typer.echo(f"{exc}\nresume with: {exc.resume}", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(exc.exit_code)
     counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items())) or "no units"
     typer.echo(f"run folder: {summary.run_dir}  ({counts}"
                + (f"; {summary.skipped} were already done" if summary.skipped else "") + ")")
