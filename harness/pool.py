@@ -223,8 +223,8 @@ class WorkerPool:
         code = w.proc.wait()
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         last = _last_line(run_dir / LOG_DIR / f"{w.gpu.name}.log")
-        where = f"GPU {w.gpu.index} ({w.gpu.visible})" if w.gpu.index is not None else "a CPU worker"
-        said = f"worker {w.gpu.name} on {where} died ({how})" + (f"; its log ends: {last}" if last else "")
+        where = f" (CUDA_VISIBLE_DEVICES={w.gpu.visible}, {w.gpu.uuid or 'no UUID'})" if w.gpu.index is not None else ""
+        said = f"worker {w.gpu.name}{where} died ({how})" + (f"; its log ends: {last}" if last else "")
         uid, w.unit = w.unit, None
         if uid is not None:
             point, backend = units[uid]

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 UNIT_LOG_HOOK = "MSA_BENCH_UNIT_LOG"        # test hook: append "<worker> <unit>" to this file as a unit starts
-KILL_HOOK = "MSA_BENCH_KILL_WORKER"         # test hook: "<worker>:<k>": that worker SIGKILLs itself in its k-th unit
+KILL_HOOK = "MSA_BENCH_KILL_WORKER"         # test hook: "<worker>:<k>" (that worker, in its k-th unit) or a unit id
+                                            # (any worker that runs it) SIGKILLs itself mid-unit
 
 
 def main() -> int:
@@ -43,7 +44,8 @@ def main() -> int:
     name = config["worker"]
     runner = Runner(Path(config["run_dir"]), device, grid.timing, False, notes, where={"worker": name})
     send({"ready": name, "notes": notes})
-    kill_name, _, kill_at = os.environ.get(KILL_HOOK, "").partition(":")
+    kill = os.environ.get(KILL_HOOK, "")
+    kill_name, _, kill_at = kill.partition(":")
     held_key, workload, wl_stats, why = None, None, {}, ""
     count = 0
     for line in iter(sys.stdin.readline, ""):
@@ -62,7 +64,7 @@ def main() -> int:
             workload, wl_stats, why = build_workload(point, device)
             held_key = point.key()
         send({"state": f"{label(point)} · {backend}"})
-        if kill_name == name and kill_at.isdigit() and count == int(kill_at):
+        if kill == uid or (kill_name == name and kill_at.isdigit() and count == int(kill_at)):
             os.kill(os.getpid(), signal.SIGKILL)
         status = runner.run_unit(point, backend, workload, wl_stats, why)
         send({"done": uid, "status": status["status"], "seconds": time.monotonic() - start, "notes": notes})
