@@ -450,6 +450,47 @@ def merge(
                    f"{', '.join(kept)}, dropped the others")
 
 
+@app.command()
+def slurm(
+    scenario: str = typer.Argument(..., help="Scenario name (see `msa-bench scenarios`) or a TOML file."),
+    array: int = typer.Option(4, help="Shards: array tasks, each a `sweep --shard i/N` on its own GPU (or node)."),
+    out: str = typer.Option(None, help="Run root on the cluster's shared file system: RUN/shards/<i>, RUN/merged, "
+                                       "RUN/logs. Default: results/runs/<scenario>-slurm.", show_default=False),
+    backend: str = typer.Option(None, help="Override backends, comma-separated, as `sweep --backend`."),
+    dtype: str = typer.Option(None, help="Override data dtypes, comma-separated, as `sweep --dtype`."),
+    gpus_per_shard: int = typer.Option(1, help="GPUs per array task; above 1 each task runs `sweep --gpus all` "
+                                               "over its allocation."),
+    baseline: str = typer.Option(None, help="Baseline run folder: the merge job ends with `msa-bench compare "
+                                            "BASELINE RUN/merged` (the gate). Default: no gate.", show_default=False),
+    script: str = typer.Option(None, help="Write the script to this file (default: print it)."),
+):
+    """Write an sbatch script that runs one sweep across hosts as a Slurm job array: `bash SCRIPT` submits
+    ARRAY tasks (`sbatch --array=0-(ARRAY-1)`), each `msa-bench sweep --shard
+    $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT`, and a merge job that waits for them and runs merge,
+    report and, with --baseline, the gate. docs/harness.md has the walk-through."""
+    from pathlib import Path
+    from .errors import UserError
+    from .harness.slurm import sbatch_script
+    from .scenarios.grid import load_scenario, with_overrides
+
+    if array < 1 or gpus_per_shard < 1:
+        raise UserError("--array and --gpus-per-shard must be at least 1")
+    backends, dtypes = _split(backend, "backend"), _split(dtype, "dtype")
+    sc = load_scenario(scenario)
+    overrides = {k: v for k, v in dict(backends=backends, dtypes=dtypes).items() if v is not None}
+    points = len((with_overrides(sc, **overrides) if overrides else sc).points)
+    if array > points:
+        raise UserError(f"--array {array}: scenario {sc.name!r} has {points} point(s); a shard holds whole points")
+    sweep_args = (["--backend", ",".join(backends)] if backends else []) + (["--dtype", ",".join(dtypes)] if dtypes else [])
+    text = sbatch_script(scenario, array, out or f"results/runs/{sc.name}-slurm", sweep_args, gpus_per_shard, baseline)
+    if script is None:
+        typer.echo(text, nl=False)
+        return
+    Path(script).write_text(text)
+    Path(script).chmod(0o755)
+    typer.echo(f"wrote {script}; submit with: bash {script}")
+
+
 # ---- calibrate (device ceilings -> profile JSON) ---------------------------------------------------
 @app.command()
 def calibrate(
