@@ -9,7 +9,8 @@ per worker and point; with none left there, a point no other worker holds; at th
 A worker that dies (its GPU lost, a crash) is reported and its unit goes back to the queue; a unit
 that was running when two workers died is recorded failed instead of being dealt a third time. Dead
 workers are not restarted. Ctrl-C or SIGTERM stops every worker (SIGTERM, then SIGKILL after
-STOP_GRACE_S); finished units stay and `--resume` deals only the missing ones. A run covers one GPU
+STOP_GRACE_S), and so does a worker ended by SIGTERM, as `scancel` sends it to every process of a
+job; finished units stay and `--resume` deals only the missing ones. A run covers one GPU
 model: --gpus over GPUs of different models is refused. Without a GPU, `--gpus N` starts N CPU
 workers (for the CPU pipeline: their timings share the host's cores).
 """
@@ -30,6 +31,7 @@ from ..errors import UserError
 from .prediction import schedule_of
 from .request import Grid, SweepRequest
 from .runner import label
+from .signals import Terminated
 
 STOP_GRACE_S = 10.0
 LOG_DIR = "logs"                         # RUN/logs/<worker>.log: each worker's stderr
@@ -139,6 +141,8 @@ class WorkerPool:
     # ---- the run
     def run(self, run_dir: Path, req: SweepRequest, grid: Grid, todo: list[str], progress, notes: list[str]) -> None:
         """Deal `todo` (unit ids, in run order) until every one is written, or every worker is gone."""
+        if not todo:
+            return
         units = grid.units()
         queue = list(todo)
         deaths: dict[str, int] = {}
@@ -221,6 +225,8 @@ class WorkerPool:
     def _lost(self, w: _Worker, run_dir: Path, grid: Grid, units: dict, queue: list[str], deaths: dict,
               left: set, progress, notes: list[str]) -> None:
         code = w.proc.wait()
+        if code == -signal.SIGTERM:
+            raise Terminated()        # the scheduler stopping the job (scancel signals every process)
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         last = _last_line(run_dir / LOG_DIR / f"{w.gpu.name}.log")
         where = f" (CUDA_VISIBLE_DEVICES={w.gpu.visible}, {w.gpu.uuid or 'no UUID'})" if w.gpu.index is not None else ""

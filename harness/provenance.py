@@ -135,7 +135,7 @@ def gpu_identity(device, nvml_handle=None) -> dict:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     uuid = str(getattr(props, "uuid", "") or "")
-    out = {"gpu_index": os.environ.get(GPU_INDEX_ENV, str(index)), "gpu_name": props.name,
+    out = {"gpu_index": int(os.environ.get(GPU_INDEX_ENV, index)), "gpu_name": props.name,
            "gpu_uuid": uuid if uuid.startswith(("GPU-", "MIG-")) or not uuid else f"GPU-{uuid}"}
     if nvml_handle is not None:
         import pynvml as nv

@@ -3,17 +3,14 @@
 Each finished unit is written at once (results.write_unit), so an interrupted sweep keeps its work
 and `--resume` skips what is done (and redoes a unit whose files are damaged); `--resume` without
 `--out` continues the latest unfinished run of the same grid under results/runs. Ctrl-C or SIGTERM
-(what `timeout` and job schedulers send) raises SweepInterrupted, which names the folder and the
-exact command that resumes it. In this process the points run in order (each workload built once,
+(what `timeout` and job schedulers send: harness/signals.py) raises SweepInterrupted, which names the
+folder and the exact command that resumes it. In this process the points run in order (each workload built once,
 its backends inside), then the counter pass; with `--gpus`, harness/pool.py deals the same units.
 """
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,20 +20,12 @@ from .progress import SweepProgress
 from .request import Grid, SweepRequest, check_memory, resolve, resume_command
 from .run_folder import CPU_NOTE, RUNS_ROOT, SweepSummary, close_run, open_run, run_dir_for, set_aside_damaged, summarize
 from .runner import Runner, build_workload, label, wants_counters
+from .signals import EXIT_SIGINT, sigterm_interrupts
 
 __all__ = ["SweepRequest", "SweepSummary", "SweepInterrupted", "run_sweep", "RUNS_ROOT", "INTERRUPT_HOOK"]
 
 INTERRUPT_HOOK = "MSA_BENCH_INTERRUPT_AFTER_UNITS"   # test hook: KeyboardInterrupt after k units
 COUNTER_CHUNK = 8                                       # points per profiled ncu process
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143                    # 128 + the signal's number, as shells report it
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, turned into an interrupt so the sweep stops the same way as on Ctrl-C."""
-    exit_code = EXIT_SIGTERM
-
-    def __str__(self) -> str:
-        return "terminated (SIGTERM)"
 
 
 class SweepInterrupted(KeyboardInterrupt):
@@ -47,22 +36,6 @@ class SweepInterrupted(KeyboardInterrupt):
         super().__init__(f"{why}: {finished} of {planned} units finished in {run_dir}")
         self.run_dir, self.finished, self.planned, self.resume = run_dir, finished, planned, resume
         self.exit_code = exit_code
-
-
-@contextmanager
-def sigterm_interrupts():
-    """SIGTERM raises Terminated in the main thread for the duration (elsewhere it is left alone)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise Terminated()
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def _device() -> torch.device:

@@ -92,7 +92,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_stops_every_worker_and_prints_the_resume_command(tmp_path, cli):
+@pytest.mark.parametrize("target", ["parent", "worker"])
+def test_sigterm_stops_every_worker_and_prints_the_resume_command(tmp_path, cli, target):
+    """SIGTERM to the parent (`timeout`), or to a worker (`scancel` signals every process of a job)."""
     run, log = tmp_path / "run", tmp_path / "starts"
     exe = Path(sys.executable).parent / "msa-bench"
     # kv-outer runs in Triton's interpreter: seconds per unit, so the run is still going when SIGTERM comes
@@ -105,7 +107,10 @@ def test_sigterm_stops_every_worker_and_prints_the_resume_command(tmp_path, cli)
         time.sleep(0.2)
     workers = _children(proc.pid)
     assert len(workers) == 2 and proc.poll() is None
-    proc.send_signal(signal.SIGTERM)
+    if target == "parent":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.kill(workers[0], signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert "terminated (SIGTERM)" in err and f"resume with: msa-bench sweep --scenario smoke" in err
@@ -114,6 +119,8 @@ def test_sigterm_stops_every_worker_and_prints_the_resume_command(tmp_path, cli)
     time.sleep(0.5)
     assert not any(_alive(pid) for pid in workers)
     assert json.loads((run / "run.json").read_text())["complete"] is False
+    if target == "worker":
+        return
     before = finished_units(run)
     log.unlink()
     code, _, err = cli(*resume.split()[1:], env={UNIT_LOG_HOOK: str(log)})
