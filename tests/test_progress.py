@@ -1,7 +1,6 @@
 """The sweep's progress: an ETA from the units that ran (not the ones answered at once), a plain line
 at a fixed interval off a terminal, and SIGTERM ending a sweep like Ctrl-C with the resume command."""
 import io
-import os
 import signal
 import subprocess
 import sys
