@@ -155,3 +155,24 @@ def test_mixed_gpu_models_are_refused_in_one_line():
         one_model(h200 + [Gpu("gpu2", 2, "2", "NVIDIA H100 80GB HBM3")], "all")
     msg = str(exc.value)
     assert "\n" not in msg and "0, 1: NVIDIA H200" in msg and "2: NVIDIA H100" in msg and "--gpus 0,1" in msg
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_unit_names_its_gpu(tmp_path, cli):
+    import torch
+    run = tmp_path / "run"
+    code, _, err = cli("sweep", "--scenario", "smoke", "--backend", "reference", "--dtype", "fp32", "--reuse", "0.5",
+                       "--gpus", "all", "--out", run)
+    assert code == 0, err
+    s = load_run(run).status
+    assert s["gpu_uuid"].str.startswith("GPU-").all() and s["gpu_index"].isin(range(torch.cuda.device_count())).all()
+    assert (s["gpu_sm_clock_max_mhz"] > 0).all() and set(s["worker"]) <= {f"gpu{i}" for i in s["gpu_index"]}
+    workers = {w["worker"]: w for w in load_run(run).meta["workers"]}
+    for r in s.itertuples():
+        assert workers[r.worker]["gpu_uuid"] == r.gpu_uuid             # the worker ran where it was pinned
+
+
+def test_a_cpu_unit_names_no_gpu():
+    from msa_bench.harness.provenance import gpu_identity
+    assert gpu_identity("cpu") == {}
