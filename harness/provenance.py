@@ -139,12 +139,11 @@ def gpu_identity(device, nvml_handle=None) -> dict:
            "gpu_uuid": uuid if uuid.startswith(("GPU-", "MIG-")) or not uuid else f"GPU-{uuid}"}
     if nvml_handle is not None:
         import pynvml as nv
-        for key, read in (("gpu_sm_clock_max_mhz", lambda: nv.nvmlDeviceGetMaxClockInfo(nvml_handle, nv.NVML_CLOCK_SM)),
-                          ("gpu_mem_clock_max_mhz", lambda: nv.nvmlDeviceGetMaxClockInfo(nvml_handle, nv.NVML_CLOCK_MEM)),
-                          ("gpu_sm_clock_app_mhz",
-                           lambda: nv.nvmlDeviceGetApplicationsClock(nvml_handle, nv.NVML_CLOCK_SM))):
+        for key, read, clock in (("gpu_sm_clock_max_mhz", nv.nvmlDeviceGetMaxClockInfo, nv.NVML_CLOCK_SM),
+                                 ("gpu_mem_clock_max_mhz", nv.nvmlDeviceGetMaxClockInfo, nv.NVML_CLOCK_MEM),
+                                 ("gpu_sm_clock_app_mhz", nv.nvmlDeviceGetApplicationsClock, nv.NVML_CLOCK_SM)):
             try:
-                out[key] = float(read())
+                out[key] = float(read(nvml_handle, clock))
             except Exception:   # an NVMLError where the GPU or driver does not report it
                 out[key] = None
     return out

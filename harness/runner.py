@@ -63,7 +63,7 @@ class Runner:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.profile = profile_for_gpu(gpu) if gpu else None
         # every unit's status names the GPU (index, UUID, clocks) and, in a pool, the worker
-        self.where = {**provenance.gpu_identity(device, self.telemetry._handle), **(where or {})}
+        self.where = {**provenance.gpu_identity(device, self.telemetry.nvml_handle), **(where or {})}
 
     def run_unit(self, point, backend: str, workload, wl_stats: dict, why: str = "") -> dict:
         """Run one unit (or record why its workload could not be built) and write its folder; its status."""

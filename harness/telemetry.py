@@ -39,6 +39,10 @@ class Telemetry:
     reason: str = ""
     _handle: object = None
 
+    @property
+    def nvml_handle(self):
+        return self._handle
+
     def sample(self) -> dict:
         if not self.available:
             return {}
