@@ -329,24 +329,30 @@ def sweep(
                                               "instructions, kernel time); needs a GPU and ncu."),
     reps: int = typer.Option(None, help="Timed repetitions per stage (GPU: at least this many CUDA-graph replays; "
                                         "CPU: host-timed module runs)."),
+    gpus: str = typer.Option(None, help="One worker process per GPU, dealt units from one queue into one run folder: "
+                                        "all, N (the first N) or a list of indices (0,2; one GPU: 3,). Indices as "
+                                        "CUDA numbers them under CUDA_VISIBLE_DEVICES. GPUs of different models are "
+                                        "refused. Without a GPU, N CPU workers. Default: this process, one GPU.",
+                             show_default=False),
 ):
     """Time each stage and the whole module per point and backend (CUDA-graph replay, cold L2; seconds), with
     NVML telemetry and optional ncu counters, and check the output of the timed runs against the float64
     reference (a unit that disagrees fails; its timings are discarded). Each finished (point, backend) is
-    written at once; on Ctrl-C the folder and the command that resumes it are printed.
-    Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed), 2 on bad input or a
-    point that cannot fit in memory (refused before anything runs), 130 when interrupted."""
+    written at once; on Ctrl-C or SIGTERM the folder and the command that resumes it are printed.
+    Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed) or every --gpus worker
+    died, 2 on bad input or a point that cannot fit in memory (refused before anything runs), 130 when
+    interrupted (Ctrl-C), 143 when terminated (SIGTERM, as `timeout` and job schedulers send)."""
     from .harness.sweep import SweepInterrupted, SweepRequest, run_sweep
     req = SweepRequest(scenario=scenario, reuse=_split(reuse, "reuse", float), tokens=_split(tokens, "tokens", int),
                        context=_split(context, "context", int), skew=_split(skew, "skew", float),
                        dtypes=_split(dtype, "dtype"), backends=_split(backend, "backend"), causal=causal,
                        generator=generator, out=out, resume=resume, shard=shard, counters=counters, reps=reps,
-                       argv=list(sys.argv))
+                       gpus=gpus, argv=list(sys.argv))
     try:
         summary = run_sweep(req)
     except SweepInterrupted as exc:
         typer.echo(f"{exc}\nresume with: {exc.resume}", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(exc.exit_code)
     counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items())) or "no units"
     typer.echo(f"run folder: {summary.run_dir}  ({counts}"
                + (f"; {summary.skipped} were already done" if summary.skipped else "") + ")")
@@ -468,6 +474,47 @@ def merge(
         kept = sorted({a for _, a, _ in summary["duplicates"]})
         typer.echo(f"  {len(summary['duplicates'])} unit(s) were in more than one folder: kept the copies from "
                    f"{', '.join(kept)}, dropped the others")
+
+
+@app.command()
+def slurm(
+    scenario: str = typer.Argument(..., help="Scenario name (see `msa-bench scenarios`) or a TOML file."),
+    array: int = typer.Option(4, help="Shards: array tasks, each a `sweep --shard i/N` on its own GPU (or node)."),
+    out: str = typer.Option(None, help="Run root on the cluster's shared file system: RUN/shards/<i>, RUN/merged, "
+                                       "RUN/logs. Default: results/runs/<scenario>-slurm.", show_default=False),
+    backend: str = typer.Option(None, help="Override backends, comma-separated, as `sweep --backend`."),
+    dtype: str = typer.Option(None, help="Override data dtypes, comma-separated, as `sweep --dtype`."),
+    gpus_per_shard: int = typer.Option(1, help="GPUs per array task; above 1 each task runs `sweep --gpus all` "
+                                               "over its allocation."),
+    baseline: str = typer.Option(None, help="Baseline run folder: the merge job ends with `msa-bench compare "
+                                            "BASELINE RUN/merged` (the gate). Default: no gate.", show_default=False),
+    script: str = typer.Option(None, help="Write the script to this file (default: print it)."),
+):
+    """Write an sbatch script that runs one sweep across hosts as a Slurm job array: `bash SCRIPT` submits
+    ARRAY tasks (`sbatch --array=0-(ARRAY-1)`), each `msa-bench sweep --shard
+    $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT`, and a merge job that waits for them and runs merge,
+    report and, with --baseline, the gate. docs/harness.md has the walk-through."""
+    from pathlib import Path
+    from .errors import UserError
+    from .harness.slurm import sbatch_script
+    from .scenarios.grid import load_scenario, with_overrides
+
+    if array < 1 or gpus_per_shard < 1:
+        raise UserError("--array and --gpus-per-shard must be at least 1")
+    backends, dtypes = _split(backend, "backend"), _split(dtype, "dtype")
+    sc = load_scenario(scenario)
+    overrides = {k: v for k, v in dict(backends=backends, dtypes=dtypes).items() if v is not None}
+    points = len((with_overrides(sc, **overrides) if overrides else sc).points)
+    if array > points:
+        raise UserError(f"--array {array}: scenario {sc.name!r} has {points} point(s); a shard holds whole points")
+    sweep_args = (["--backend", ",".join(backends)] if backends else []) + (["--dtype", ",".join(dtypes)] if dtypes else [])
+    text = sbatch_script(scenario, array, out or f"results/runs/{sc.name}-slurm", sweep_args, gpus_per_shard, baseline)
+    if script is None:
+        typer.echo(text, nl=False)
+        return
+    Path(script).write_text(text)
+    Path(script).chmod(0o755)
+    typer.echo(f"wrote {script}; submit with: bash {script}")
 
 
 # ---- calibrate (device ceilings -> profile JSON) ---------------------------------------------------

@@ -122,3 +122,31 @@ def collect(device, scenario_name: str, scenario_file: str | Path | None, argv: 
         "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
     }
+
+
+def gpu_identity(device, nvml_handle=None) -> dict:
+    """The GPU a unit ran on, as its status.json names it: the index the parent process saw it under
+    (CUDA_VISIBLE_DEVICES as given to the sweep), its UUID, and its clock limits and settings (NVML).
+    Empty on a CPU."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(getattr(props, "uuid", "") or "")
+    out = {"gpu_index": int(os.environ.get(GPU_INDEX_ENV, index)), "gpu_name": props.name,
+           "gpu_uuid": uuid if uuid.startswith(("GPU-", "MIG-")) or not uuid else f"GPU-{uuid}"}
+    if nvml_handle is not None:
+        import pynvml as nv
+        for key, read, clock in (("gpu_sm_clock_max_mhz", nv.nvmlDeviceGetMaxClockInfo, nv.NVML_CLOCK_SM),
+                                 ("gpu_mem_clock_max_mhz", nv.nvmlDeviceGetMaxClockInfo, nv.NVML_CLOCK_MEM),
+                                 ("gpu_sm_clock_app_mhz", nv.nvmlDeviceGetApplicationsClock, nv.NVML_CLOCK_SM)):
+            try:
+                out[key] = float(read(nvml_handle, clock))
+            except Exception:   # an NVMLError where the GPU or driver does not report it
+                out[key] = None
+    return out
+
+
+GPU_INDEX_ENV = "MSA_BENCH_GPU_INDEX"     # set by the worker pool: the GPU's index in the sweep's own view

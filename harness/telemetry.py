@@ -58,6 +58,10 @@ class Telemetry:
         except Exception:
             return None
 
+    @property
+    def nvml_handle(self):
+        return self._handle
+
     def sample(self) -> dict:
         if not self.available:
             return {}

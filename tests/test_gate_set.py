@@ -119,12 +119,12 @@ def test_sweep_rows_carry_the_clock_columns_and_load_back(tmp_path):
     leaves them empty, and the unit written through the results format loads back validated."""
     import torch
     from msa_bench.harness import results
-    from msa_bench.harness.sweep import _Runner
+    from msa_bench.harness.runner import Runner
     from msa_bench.harness.timing import StageSamples, TimingConfig
     from msa_bench.scenarios.grid import Point
     from msa_bench.scenarios.workload import AttnShape
     point = Point("synthetic", 16, 256, 0.5, 0.0, False, "bf16", 0, None, 1.0, AttnShape())
-    runner = _Runner(tmp_path, torch.device("cpu"), TimingConfig(), False, [])
+    runner = Runner(tmp_path, torch.device("cpu"), TimingConfig(), False, [])
     timed = {"plan": StageSamples("plan", [0.1], "host", True),
              "module": StageSamples("module", [1e-3, 1.1e-3], "cuda-graph", True, [1980.0, 1800.0], [0, 4])}
     stats, rows = runner._timing_rows(point, "reference", timed, {})

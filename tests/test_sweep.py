@@ -195,7 +195,7 @@ def test_counters_are_added_to_finished_units_once(smoke_run, tmp_path, monkeypa
 
     import torch
 
-    from msa_bench.harness import counters, results, sweep
+    from msa_bench.harness import counters, results, runner as sweep_runner
     from msa_bench.harness.timing import TimingConfig
     run = tmp_path / "run"
     shutil.copytree(smoke_run["run"], run)
@@ -210,13 +210,13 @@ def test_counters_are_added_to_finished_units_once(smoke_run, tmp_path, monkeypa
         return {(0, "reference"): {"attention": {"hbm_bytes": 10.0, "l2_bytes": 20.0},
                                    "module": {"hbm_bytes": 10.0, "l2_bytes": 20.0}}}
     monkeypatch.setattr(counters, "collect", fake)
-    runner = sweep._Runner(run, torch.device("cpu"), TimingConfig.from_dict(None), False, [])
+    runner = sweep_runner.Runner(run, torch.device("cpu"), TimingConfig.from_dict(None), False, [])
     runner.ncu = "ncu"
-    assert sweep._wants_counters(results.read_unit_status(run, uid))
+    assert sweep_runner.wants_counters(results.read_unit_status(run, uid))
     for _ in range(2):                          # a repeated collection replaces, never duplicates
         runner.collect_counters([(point, ["reference"])])
     st = results.read_unit_status(run, uid)
-    assert st["counters"] == "ncu" and not sweep._wants_counters(st)
+    assert st["counters"] == "ncu" and not sweep_runner.wants_counters(st)
     stats = load_run(run).stats
     mine = stats[(stats["point_key"] == key) & (stats["statistic"] == "hbm_bytes")]
     assert sorted(mine["stage"]) == ["attention", "module"] and (mine["value"] == 10.0).all()
@@ -230,7 +230,7 @@ def test_counters_are_added_to_finished_units_once(smoke_run, tmp_path, monkeypa
     p2 = counters.point_from_dict(results.read_unit_status(run, other))
     runner.collect_counters([(p2, ["reference"])])
     assert results.read_unit_status(run, other)["counters"].startswith("failed: ncu failed")
-    assert sweep._wants_counters(results.read_unit_status(run, other))      # --resume --counters retries it
+    assert sweep_runner.wants_counters(results.read_unit_status(run, other))      # --resume --counters retries it
     runner.collect_counters([(p2, ["reference"])])
     assert runner.ncu is None and "disabled after two failed ncu runs" in runner.notes[-1]
 

@@ -1,0 +1,230 @@
+"""One sweep's units on one device: build a point's workload, plan, time, check, record.
+
+The Runner holds what the units of a sweep share (device, telemetry, timing settings, ncu) and never
+raises for a backend's failure: a unit that cannot run is recorded `unavailable`, one whose timing or
+check raises or whose output disagrees with the reference is recorded `failed`, its timings discarded.
+The single-process sweep and each worker of the pool run their units through it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from . import counters as ncu_counters
+from . import provenance, results
+from ..errors import UserError, one_line
+from ..roofline.model import ALL_SCHEDULES
+from .prediction import model_shape, plan_config, predict_stats, schedule_of
+from .telemetry import Poller, open_telemetry, point_telemetry
+from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
+
+CHECK_ROWS = 512                                        # rows checked against the reference on big points
+TFLOPS_STAGES = (MODULE, "attention")
+COUNTERS_PENDING = "pending"
+
+
+def scalar_stats(stats: dict) -> dict:
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, bool):
+            out[f"wl_{key}"] = value
+        elif isinstance(value, (int, float)) and math.isfinite(float(value)):
+            out[f"wl_{key}"] = float(value)
+    return out
+
+
+class Runner:
+    """State shared by the units of one sweep (device, telemetry, timing, counters)."""
+
+    def __init__(self, run_dir: Path, device, timing: TimingConfig, want_counters: bool, notes: list[str],
+                 where: dict | None = None):
+        self.run_dir = run_dir
+        self.device = device
+        self.timing = timing
+        self.timer = TIMER_GPU if device.type == "cuda" else TIMER_CPU
+        self.telemetry = open_telemetry(device)
+        if not self.telemetry.available:
+            notes.append(self.telemetry.reason)
+        self.ncu = None
+        self.notes = notes
+        self.counter_failures = 0
+        if want_counters:
+            if device.type != "cuda":
+                notes.append("--counters needs a CUDA GPU: continuing without hardware counters")
+            else:
+                self.ncu = ncu_counters.find_ncu()
+                if self.ncu is None:
+                    notes.append("--counters: ncu not found (PATH, /opt/nvidia/nsight-compute/*/ncu, "
+                                 "/usr/local/cuda/bin/ncu): continuing without hardware counters")
+        from ..roofline.devices import profile_for_gpu
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.profile = profile_for_gpu(gpu) if gpu else None
+        # every unit's status names the GPU (index, UUID, clocks) and, in a pool, the worker
+        self.where = {**provenance.gpu_identity(device, self.telemetry.nvml_handle), **(where or {})}
+
+    def run_unit(self, point, backend: str, workload, wl_stats: dict, why: str = "") -> dict:
+        """Run one unit (or record why its workload could not be built) and write its folder; its status."""
+        head = {"point_key": point.key(), **point.as_dict(), "timer": self.timer, **self.where, **wl_stats,
+                "backend": backend, "schedule": schedule_of(backend) or "none"}
+        if workload is None:
+            status, stats, samples = {**head, "status": results.STATUS_FAILED, "reason": why}, [], []
+        else:
+            status, stats, samples = self.unit(point, backend, workload, wl_stats, head)
+        results.write_unit(self.run_dir, results.unit_id(point.key(), backend), status, stats, samples)
+        return status
+
+    def unit(self, point, backend_name: str, workload, wl_stats: dict, base: dict) -> tuple[dict, list, list]:
+        """Status, tidy stat rows and sample rows of one unit. Never raises for a backend's failure.
+
+        The plan's outputs are poisoned with NaN, it is timed, and the output its last timed run left is
+        compared with the float64 reference: the numbers kept are those of a run that was checked, and a
+        unit whose output disagrees is recorded as failed with its timings discarded."""
+        from ..kernels.base import BackendUnavailable, get_backend
+        from .check import compare_output, poison
+        status = dict(base)
+        backend = get_backend(backend_name)
+        rows = None
+        if workload.n_tokens > 4 * CHECK_ROWS:
+            rows = torch.linspace(0, workload.n_tokens - 1, CHECK_ROWS).round().long().unique()
+        try:
+            plan = backend.plan(workload)          # BackendUnavailable when it cannot run this workload here
+            poison(plan)
+            before = self.telemetry.sample()
+            poller = Poller(self.telemetry.sample).start() if self.telemetry.available else None
+            try:
+                samples = time_plan(plan, self.timing, self.device,
+                                    self.telemetry.clock_reasons if self.telemetry.available else None)
+            finally:
+                during = poller.stop() if poller else []
+            after = self.telemetry.sample()
+        except BackendUnavailable as exc:
+            return {**status, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}, [], []
+        except Exception as exc:
+            return {**status, "status": results.STATUS_FAILED, "reason": f"timing raised {one_line(exc)}"}, [], []
+        try:
+            err, tol, _ = compare_output(plan, workload, rows, backend_name)
+        except Exception as exc:
+            return {**status, "status": results.STATUS_FAILED, "reason": f"check raised {one_line(exc)}"}, [], []
+        status.update(max_rel_err=float(err), tol=float(tol))
+        if not err <= tol:
+            return {**status, "status": results.STATUS_FAILED,
+                    "reason": f"output disagrees with the reference (max rel err {err:.3g} > tol {tol:.3g}); "
+                              "its timings are discarded"}, [], []
+        status.update(point_telemetry(before, after, during))
+        ref_clock = self.telemetry.max_sm_clock_mhz()
+        if ref_clock:
+            status["sm_clock_max_mhz"] = ref_clock
+        status.update(plan_info=json.dumps(plan.info, default=str, sort_keys=True))
+        config, info = plan_config(plan.info), plan.info
+        status["schedule"] = schedule_of(backend_name, info) or "none"
+        del plan
+        stats, sample_rows = self._timing_rows(point, backend_name, samples, wl_stats)
+        stats += self._model_rows(point, backend_name, wl_stats, config, info)
+        if self.ncu is not None:
+            status["counters"] = COUNTERS_PENDING
+        return {**status, "status": results.STATUS_OK, "reason": ""}, stats, sample_rows
+
+    def collect_counters(self, items: list[tuple]) -> None:
+        """ncu counters for timed units, [(point, backends)], from one profiled process for all of them.
+
+        Each unit's folder gets the counter rows and `counters: ncu`, or `counters: failed: <why>`.
+        """
+        try:
+            measured = ncu_counters.collect(self.ncu, [(p.as_dict(), bs) for p, bs in items])
+        except ncu_counters.CountersError as exc:
+            for p, bs in items:
+                for b in bs:
+                    results.update_unit(self.run_dir, results.unit_id(p.key(), b), {"counters": f"failed: {exc}"}, [])
+            self.counter_failures += 1
+            if self.counter_failures >= 2:   # e.g. no permission to read counters: stop asking
+                self.ncu = None
+                self.notes.append(f"hardware counters disabled after two failed ncu runs; last: {exc}")
+            return
+        self.counter_failures = 0
+        for i, (p, bs) in enumerate(items):
+            for b in bs:
+                uid = results.unit_id(p.key(), b)
+                got = measured.get((i, b))
+                if not got or "error" in got:
+                    why = got["error"] if got else "the unit is missing from the ncu output"
+                    results.update_unit(self.run_dir, uid, {"counters": f"failed: {why}"}, [])
+                    continue
+                rows = [self._row(p, b, stage, k, v) for stage, values in got.items() for k, v in values.items()]
+                results.update_unit(self.run_dir, uid, {"counters": "ncu"}, rows,
+                                    replace_statistics=ncu_counters.COUNTER_STATISTICS)
+
+    def _row(self, point, backend, stage, statistic, value, timer: str | None = None) -> dict:
+        return {"point_key": point.key(), "backend": backend, "schedule": schedule_of(backend) or "none",
+                "dtype": point.dtype, "stage": stage, "statistic": statistic, "value": float(value),
+                "timer": timer or self.timer}
+
+    def _timing_rows(self, point, backend, samples, wl_stats):
+        stats, raw = [], []
+        flops = wl_stats.get("wl_useful_flops", 0.0)
+        for stage, s in samples.items():
+            summary = summarize(s.seconds)
+            if stage in TFLOPS_STAGES and flops > 0 and summary["median_s"] > 0:
+                summary["tflops"] = flops / summary["median_s"] / 1e12
+            summary["converged"] = float(s.converged)
+            stats += [self._row(point, backend, stage, k, v, s.timer) for k, v in summary.items()]
+            rows = [{"point_key": point.key(), "backend": backend, "dtype": point.dtype, "stage": stage,
+                     "rep": i, "seconds": float(x), "timer": s.timer} for i, x in enumerate(s.seconds)]
+            for column in results.CLOCK_COLUMNS:   # GPU stages only; the host `plan` row leaves them NaN
+                values = getattr(s, column)
+                if values is not None:
+                    for row, v in zip(rows, values):
+                        row[column] = v
+            raw += rows
+        return stats, raw
+
+    def _model_rows(self, point, backend, wl_stats, config: dict | None = None, info: dict | None = None):
+        schedule = schedule_of(backend, info)
+        if self.profile is None or schedule not in ALL_SCHEDULES or "wl_nsb" not in wl_stats:
+            return []
+        sh = point.shape
+        pred = predict_stats(schedule, model_shape(sh.hq, sh.hkv, sh.head_dim, sh.block, sh.topk, point.dtype, config),
+                             wl_stats, self.profile, info)
+        if pred is None:
+            return []
+        values = {"model_time_s": pred.time_s, "model_hbm_bytes": pred.hbm_bytes,
+                  "model_l2_bytes": pred.l2_bytes, "model_flops": pred.flops}
+        return [self._row(point, backend, MODULE, k, v) for k, v in values.items()]
+
+
+def label(point) -> str:
+    """A short label of the point for the progress line: what differs between the points of a grid."""
+    d = point.as_dict()
+    if d["generator"] == "real-prefill":
+        return f"{d['case_id']} {d['dtype']}"
+    parts = [d["generator"], f"N{d['tokens']}", f"T{d['context']}"]
+    if d.get("reuse") is not None:
+        parts.append(f"r{d['reuse']:g}")
+    if d.get("skew"):
+        parts.append(f"z{d['skew']:g}")
+    if d.get("share") is not None:
+        parts.append(f"s{d['share']:g}")
+    parts += ["causal"] if d.get("causal") else []
+    return " ".join(parts + [d["dtype"]])
+
+
+def build_workload(point, device) -> tuple[object, dict, str]:
+    """(workload, its scalar stats, "") or (None, {}, why it could not be built)."""
+    from ..scenarios.grid import make_workload
+    from ..scenarios.stats import workload_stats
+    try:
+        workload = make_workload(point, device)
+        return workload, scalar_stats(workload_stats(workload)), ""
+    except UserError as exc:
+        return None, {}, f"workload could not be built: {exc}"
+    except Exception as exc:  # recorded, and the sweep goes on with the next point
+        return None, {}, f"workload could not be built: {one_line(exc)}"
+
+
+def wants_counters(status: dict) -> bool:
+    """A timed unit whose counters are not in yet (pending, or failed on an earlier try)."""
+    return status.get("status") == results.STATUS_OK and status.get("counters") != "ncu"
+
+
