@@ -6,6 +6,7 @@ The tables (harness/tables.py) and figures (harness/plots.py) are the same funct
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,14 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
 
 
 
+def _remove_old_figures(out: Path) -> None:
+    """The figures an earlier report in `out` named: a figure this run no longer draws must not stay."""
+    old = out / "summary.md"
+    if old.is_file():
+        for name in re.findall(r"!\[[^\]]*\]\(([^)/]+\.png)\)", old.read_text()):
+            (out / name).unlink(missing_ok=True)
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
                  device: DeviceProfile | None = None) -> Path:
     """Write the PNGs and summary.md into `out_dir` (default RUN/report); returns the summary path."""
@@ -123,6 +132,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
     dev = device_for_run(run.meta, device)
     out = Path(out_dir) if out_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
+    _remove_old_figures(out)
     names = []
     for name, fig in report_figures(run, dev):
         save_png(fig, out / name)
