@@ -450,7 +450,9 @@ def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]
     rows = -(-len(backends) // cols)
     panel_w = (MAX_WIDTH_PX - 40) / SAVE_DPI / cols
     fields_ = group_fields(t, axis)
-    xlabel = {CASE: "case: N query tokens over T context, heaviest call weight first"}.get(axis.kind, axis.label)
+    xlabel = {CASE: "case: N query tokens over T context, heaviest call weight first",
+              POINTS: "point: what differs, then the measured nsb/N and union_ratio u at P = 8"}.get(axis.kind,
+                                                                                                    axis.label)
     height = 3.0 * rows + 1.0
     for dtype, gd in t.groupby("dtype"):
         fig, axes = plt.subplots(rows, cols, figsize=(panel_w * cols, height), squeeze=False)
@@ -462,14 +464,17 @@ def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]
                 v = gb[f"{stage}.median_s"].fillna(0).to_numpy() * 1e6
                 ax.bar(x, v, bottom=bottom, color=colors[stage], label=stage)
                 bottom += v
+            top = bottom.max() if len(bottom) else 0.0
             if "module.median_s" in gb:
-                ax.plot(x, gb["module.median_s"].to_numpy() * 1e6, "k_", markersize=8, mew=1.5,
-                        label="module (one graph)")
+                module = gb["module.median_s"].to_numpy() * 1e6
+                ax.plot(x, module, "k_", markersize=8, mew=1.5, label="module (one graph)")
+                top = max(top, np.nanmax(module) if len(module) else 0.0)
             for i in starts:
                 ax.axvline(i - 0.5, color="grey", lw=0.8)
             ax.set_xticks(range(len(order)), labels, fontsize=6)       # one value per line: no rotated labels
             ax.set_xlim(-0.6, len(order) - 0.4)
-            ax.margins(y=0.08)
+            if top > 0:
+                ax.set_ylim(0, top * 1.08)           # the tallest bar and its module tick inside the frame
             ax.tick_params(axis="y", labelsize=7)
             ax.set_title(backend, fontsize=8)
         for ax in axes[:, 0]:
