@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..roofline.devices import DeviceProfile
 from ..roofline.model import PACKED, crossover, crossover_at
-from .axes import UNION, group_label, groups, varying_fields
+from .axes import UNION, group_label, varying_fields
 from .prediction import launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
 from .results import STATUS_OK, Run
 

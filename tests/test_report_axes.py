@@ -4,7 +4,6 @@ check which axis and which points, never a number); the committed H200 runs for 
 from pathlib import Path
 
 import matplotlib
-import numpy as np
 import pandas as pd
 import pytest
 
