@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
@@ -131,6 +132,9 @@ def throughput_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str
     return figs
 
 
+_plain = FuncFormatter(lambda v, _: short_number(v))     # 1, 8, 64, 128K: no 2^n
+
+
 def _crossover_lines(c) -> str:
     """Who stands for each schedule, then the crossover measured and predicted with their gap."""
     who = f"KV-outer: fastest of {c.kv_backend}; Q-outer: {c.q_backend}"
@@ -146,7 +150,7 @@ def _crossover_lines(c) -> str:
 
 def _log_axes(ax) -> None:
     """Log nsb/N (ticks 1/32 .. 64) and log TFLOP/s, both labelled as plain numbers."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: ratio_label(v)))
@@ -193,9 +197,10 @@ def line_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str, plt.
                     ax.plot(v.index, v.values, "--", color=SCHEDULE_COLORS.get(sched, "grey"), alpha=0.8,
                             label=f"{sched} roofline ({device.name})")
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(_plain)
             ax.set_xlabel(axis.label)
             ax.set_ylabel("useful TFLOP/s (module)")
-            ax.set_title(f"{dtype}, {group_label(group)}", fontsize=8)
+            ax.set_title(", ".join([dtype, *([group_label(group)] if group else [])]), fontsize=8)
             ax.grid(True, which="both", alpha=0.3)
         bottom = _legend_below(fig, axes, ncol=3)
         fig.suptitle(_title(run, f"Throughput vs {axis.kind}"), fontsize=10)
@@ -237,9 +242,10 @@ def bandwidth_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str,
                 ax.axhline(device.hbm_bytes_per_s / 1e9, color="black", ls="--", lw=1,
                            label=f"HBM roofline ({device.name}, {device.hbm_bytes_per_s / 1e12:.2f} TB/s)")
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(_plain)
             ax.set_xlabel(axis.label)
             ax.set_ylabel("GB/s (model HBM bytes / measured module time)")
-            ax.set_title(f"{dtype}, {group_label(group)}", fontsize=8)
+            ax.set_title(", ".join([dtype, *([group_label(group)] if group else [])]), fontsize=8)
             ax.grid(True, which="both", alpha=0.3)
         bottom = _legend_below(fig, axes, ncol=3)
         fig.suptitle(_title(run, "HBM bandwidth vs batch size"), fontsize=10)
@@ -441,7 +447,7 @@ def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]
     t = t[t["_pid"].isin(order)]
     pos = {pid: i for i, pid in enumerate(order)}
     stages = [s for s in STAGE_ORDER if f"{s}.median_s" in t]
-    colors = {s: f"C{i}" for i, s in enumerate(stages)}
+    colors = {s: f"C{STAGE_ORDER.index(s)}" for s in stages}        # a stage keeps its colour in every report
     starts = _group_starts(t, axis, order)
     backends = sorted(t["backend"].unique())
     # each bar's slot wide enough for a four-character label: fewer panels across when there are many bars
