@@ -25,7 +25,8 @@ FIELD_AXIS = {"requests": REQUESTS, "batch": REQUESTS, "share": UNION_AXIS, "dri
 POINT_FIELDS = tuple(dict.fromkeys([*(f.name for f in fields(Point) if f.name not in ("shape", "dtype", "seed",
                                                                                       "weight")),
                                     *SHAPE_KEYS, *FIELD_AXIS]))
-# when only fields without an axis of their own vary: the workload statistic that moved with them
+# when only fields without an axis of their own vary: the workload statistic that moved most with them
+# (relative spread; the first listed wins a tie)
 STAT_AXIS = ((UNION, UNION_AXIS), ("x", REUSE), ("wl_context_tokens", CONTEXT), ("wl_n_tokens", TOKENS))
 MIN_SPREAD = 1.1               # a statistic varies when its largest value is this much its smallest
 
@@ -93,10 +94,11 @@ def figure_axis(table: pd.DataFrame) -> FigureAxis:
     known = [(n, -order.index(FIELD_AXIS[f]), FIELD_AXIS[f]) for f, n in varying.items() if f in FIELD_AXIS]
     if known:
         return AXES[max(known)[2]]
-    if varying or _point_count(table) > 1:    # a field with no axis of its own: the statistic it moved
-        for column, kind in STAT_AXIS:
-            if column in table and _spread(table[column]) >= MIN_SPREAD:
-                return AXES[kind]
+    if varying or _point_count(table) > 1:    # a field with no axis of its own: the statistic it moved most
+        spreads = [(_spread(table[column]), -i, kind) for i, (column, kind) in enumerate(STAT_AXIS) if column in table]
+        moved = max((s for s in spreads if s[0] >= MIN_SPREAD), default=None)
+        if moved:
+            return AXES[moved[2]]
     return AXES[POINTS]
 
 

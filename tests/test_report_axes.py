@@ -70,9 +70,12 @@ def test_co_selection_and_drift_plot_against_union_ratio():
     assert axis_of(synthetic_run(shares)).kind == axes.UNION_AXIS
     drift = [{"reuse": 0.25, "drift": p, "wl_union_ratio_p8": 1 + 7 * p} for p in (0.0, 0.1, 0.5)]
     assert axis_of(synthetic_run(drift)).kind == axes.UNION_AXIS
-    # a field the helper does not know: the statistic that moved with it
+    # a field the helper does not know: the statistic that moved most with it
     unknown = [{"reuse": 0.25, "mystery": p, "wl_union_ratio_p8": 1 + 7 * p} for p in (0.0, 0.5)]
     assert axis_of(synthetic_run(unknown)).kind == axes.UNION_AXIS
+    unknown = [{"reuse": 0.25, "mystery": p, "wl_nsb_per_n": 0.25 * 4 ** p, "wl_union_ratio_p8": 7 + p}
+               for p in (0.0, 1.0, 2.0)]                   # reuse x16, union x1.3: along reuse
+    assert axis_of(synthetic_run(unknown)).kind == axes.REUSE
 
 
 def test_decode_plots_gbps_against_batch_size_under_the_hbm_roofline():
