@@ -34,7 +34,7 @@ from scipy.stats import mannwhitneyu
 
 from ..errors import UserError
 from .baseline import DEFAULT_FLOOR, clocked_samples, has_clock
-from .results import STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run
+from .results import SAMPLES_REMOVED, STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run, samples_kept
 from .timing import TIMER_GPU
 
 TIMED_STAGES = ("module", "attention")
@@ -166,7 +166,12 @@ def _units(run: Run):
 
 
 def _unusable(base: Run, new: Run) -> str | None:
-    """Why the new run cannot be judged against the baseline: units it lacks or did not time."""
+    """Why the new run cannot be judged against the baseline: raw samples removed, units it lacks or did
+    not time."""
+    for label, run in (("baseline", base), ("new run", new)):
+        if not samples_kept(run.meta):
+            return (f"the {label} {run.path} keeps no raw timing samples ({run.meta[SAMPLES_REMOVED]}); "
+                    "the gate judges samples")
     st_b, st_n = _units(base), _units(new)
     if st_b is None:
         return None

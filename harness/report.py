@@ -6,13 +6,14 @@ The tables (harness/tables.py) and figures (harness/plots.py) are the same funct
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile
-from .plots import bytes_figure, co_selection_figures, plt, save_png, stage_figures, throughput_figures
+from .plots import plt, report_figures, save_png
 from .prediction import device_for_run
 from .results import STATUS_OK, Run, load_run
 from .tables import (accuracy_table, achieved_table, bytes_table, crossovers, is_prefill_run, prefill_aggregate, roofline_picks,
@@ -30,6 +31,10 @@ def _fmt(v) -> str:
         a = abs(v)
         return f"{v:.3e}" if a and (a < 1e-3 or a >= 1e6) else f"{v:.4g}"
     return "–" if v is None else str(v)
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:+.0%}"
 
 
 def markdown_table(df: pd.DataFrame, max_rows: int = 200) -> str:
@@ -81,9 +86,13 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
     cr = crossovers(run, device)
     if cr:
         out += ["## Crossover (nsb/N where KV-outer and Q-outer meet)", "",
-                markdown_table(pd.DataFrame([{"group": c.group, "dtype": c.dtype, "KV-outer": c.kv_backend,
-                                              "Q-outer": c.q_backend, "measured": c.measured,
-                                              "how": c.measured_note, "predicted (L2 capacity, this N)": c.predicted,
+                "Over points that differ in reuse and nothing else. KV-outer: the fastest of its backends at "
+                "each nsb/N; measured: log-interpolated between the two measured points around the sign change; "
+                "predicted: the roofline with Q-outer's L2 capacity at this N; gap: measured / predicted - 1.", "",
+                markdown_table(pd.DataFrame([{"points": c.group, "dtype": c.dtype, "N": c.n_tokens,
+                                              "KV-outer": c.kv_backend, "Q-outer": c.q_backend,
+                                              "measured": c.measured if c.measured is not None else c.measured_note,
+                                              "predicted": c.predicted, "gap": _pct(c.gap),
                                               "predicted (capacity-free)": c.predicted_capacity_free}
                                              for c in cr]))]
     out += ["## Per-stage median latency (s)", "", markdown_table(stage_table(run))]
@@ -108,6 +117,14 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
 
 
 
+def _remove_old_figures(out: Path) -> None:
+    """The figures an earlier report in `out` named: a figure this run no longer draws must not stay."""
+    old = out / "summary.md"
+    if old.is_file():
+        for name in re.findall(r"!\[[^\]]*\]\(([^)/]+\.png)\)", old.read_text()):
+            (out / name).unlink(missing_ok=True)
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
                  device: DeviceProfile | None = None) -> Path:
     """Write the PNGs and summary.md into `out_dir` (default RUN/report); returns the summary path."""
@@ -115,9 +132,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
     dev = device_for_run(run.meta, device)
     out = Path(out_dir) if out_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
+    _remove_old_figures(out)
     names = []
-    for name, fig in (throughput_figures(run, dev) + co_selection_figures(run, dev) + stage_figures(run)
-                      + bytes_figure(run, dev)):
+    for name, fig in report_figures(run, dev):
         save_png(fig, out / name)
         plt.close(fig)
         names.append(name)

@@ -33,6 +33,7 @@ from .timing import TIMER_GPU
 SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
 UNITS_DIR = "units"
+SAMPLES_REMOVED = "samples_removed"    # run.json: why and where a committed run's raw samples went
 STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE = "ok", "failed", "unavailable"
 STATUSES = (STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE)
 STAT_COLUMNS = ["point_key", "backend", "schedule", "dtype", "stage", "statistic", "value", "timer"]
@@ -208,12 +209,21 @@ def _read_table(path: Path, columns: list[str], required: bool) -> pd.DataFrame 
     return table
 
 
-def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.DataFrame) -> None:
-    """The content of a timed unit: its own rows only, finite positive times, the samples its stats claim."""
+def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.DataFrame | None) -> None:
+    """The content of a timed unit: its own rows only, finite positive times, the samples its stats claim
+    (samples None: a run whose raw samples were removed, see SAMPLES_REMOVED)."""
     for name, table in (("stats.parquet", stats), ("samples.parquet", samples)):
+        if table is None:
+            continue
         foreign = (table["point_key"] != status["point_key"]) | (table["backend"] != status["backend"])
         if foreign.any():
             raise UserError(f"corrupt results file {folder / name}: {int(foreign.sum())} row(s) of another unit")
+    values = pd.to_numeric(stats["value"], errors="coerce").to_numpy(dtype=float)
+    if not np.isfinite(values).all():
+        raise UserError(f"corrupt results file {folder / 'stats.parquet'}: "
+                        f"{int((~np.isfinite(values)).sum())} values are not finite numbers")
+    if samples is None:
+        return
     seconds = pd.to_numeric(samples["seconds"], errors="coerce").to_numpy(dtype=float)
     bad = ~np.isfinite(seconds)
     if bad.any():
@@ -223,10 +233,6 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
         raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int((seconds <= 0).sum())} of "
                         f"{len(seconds)} times are not positive")
     _check_clocks(folder, samples)
-    values = pd.to_numeric(stats["value"], errors="coerce").to_numpy(dtype=float)
-    if not np.isfinite(values).all():
-        raise UserError(f"corrupt results file {folder / 'stats.parquet'}: "
-                        f"{int((~np.isfinite(values)).sum())} values are not finite numbers")
     by_stage = pd.Series(seconds).groupby(samples["stage"].to_numpy())
     claims = stats[stats["statistic"].isin(("n_reps", "median_s"))]
     claimed = {(r.stage, r.statistic): float(r.value) for r in claims.itertuples()}
@@ -260,8 +266,9 @@ def _check_clocks(folder: Path, samples: pd.DataFrame) -> None:
                             f"{column} values are missing, not finite or out of range")
 
 
-def read_unit(folder: Path) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:
-    """(status, stats, samples) of one finished unit folder; UserError (one line) when it is damaged."""
+def read_unit(folder: Path, samples_kept: bool = True) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:
+    """(status, stats, samples) of one finished unit folder; UserError (one line) when it is damaged.
+    samples_kept False (the run says its raw samples were removed): no samples read or required."""
     status_path = folder / "status.json"
     if not status_path.is_file():
         raise UserError(f"corrupt results file {status_path}: missing")
@@ -274,19 +281,26 @@ def read_unit(folder: Path) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | N
                         "is named after")
     timed = status["status"] == STATUS_OK
     stats = _read_table(folder / "stats.parquet", STAT_COLUMNS, required=timed)
-    samples = _read_table(folder / "samples.parquet", SAMPLE_COLUMNS, required=timed)
+    samples = _read_table(folder / "samples.parquet", SAMPLE_COLUMNS, required=timed) if samples_kept else None
     if timed:
         _check_timed(folder, status, stats, samples)
     return status, stats, samples
 
 
+def samples_kept(meta: dict) -> bool:
+    """False for a committed run whose raw samples.parquet were removed to keep results/ small; its
+    run.json says so under SAMPLES_REMOVED (where they are), and its stats.parquet keeps their statistics."""
+    return not meta.get(SAMPLES_REMOVED)
+
+
 def damaged_units(run_dir: str | Path) -> dict[str, str]:
     """Finished units whose files cannot be trusted: unit id -> why (one line)."""
     units = Path(run_dir) / UNITS_DIR
+    kept = samples_kept(read_meta(run_dir))
     out = {}
     for uid in sorted(finished_units(run_dir)):
         try:
-            read_unit(units / uid)
+            read_unit(units / uid, kept)
         except UserError as exc:
             out[uid] = str(exc)
     return out
@@ -314,9 +328,10 @@ def load_run(run_dir: str | Path) -> Run:
     meta = read_meta(run_dir)
     status_rows, stats, samples, damaged = [], [], [], []
     done = finished_units(run_dir)
+    kept = samples_kept(meta)
     for uid in sorted(done):
         try:
-            status, st, sa = read_unit(run_dir / UNITS_DIR / uid)
+            status, st, sa = read_unit(run_dir / UNITS_DIR / uid, kept)
         except UserError as exc:
             damaged.append(str(exc))
             continue
@@ -343,6 +358,9 @@ def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = 
         raise UserError("merge needs at least one shard folder")
     out_dir = Path(out_dir)
     metas = [read_meta(d) for d in shard_dirs]
+    for d, m in zip(shard_dirs, metas):
+        if not samples_kept(m):
+            raise UserError(f"{d} keeps no raw timing samples ({m[SAMPLES_REMOVED]}): merge needs whole runs")
     first = metas[0]
     for d, m in zip(shard_dirs[1:], metas[1:]):
         for key, what in (("grid_sha256", "scenario grid"), ("scenario", "scenario")):

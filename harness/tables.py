@@ -10,14 +10,12 @@ import pandas as pd
 
 from ..roofline.devices import DeviceProfile
 from ..roofline.model import PACKED, crossover, crossover_at
+from .axes import UNION, group_label, varying_fields
 from .prediction import launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
 from .results import STATUS_OK, Run
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
-GROUP_FIELDS = ("generator", "tokens", "context", "skew", "causal")
-MAX_GROUP_VALUES = 6           # a field with more distinct values varies along x, not per figure
 KV_OUTER, Q_OUTER = "kv-outer", "q-outer"
-UNION = "wl_union_ratio_p8"    # co-selection of a unit's workload (scenarios.stats.union_ratio at P = 8)
 SHAPE_DEFAULTS = {"hq": 64, "hkv": 4, "head_dim": 128, "block": 128, "topk": 16}
 
 
@@ -69,30 +67,6 @@ def _predict_row(row, schedule: str, device: DeviceProfile):
     return predict_stats(schedule, row_model_shape(row), row, device, row.get("plan_info"))
 
 
-def group_fields(table: pd.DataFrame) -> list[str]:
-    return [f for f in GROUP_FIELDS if f in table and 1 < table[f].nunique(dropna=False) <= MAX_GROUP_VALUES]
-
-
-def groups(table: pd.DataFrame):
-    fields = group_fields(table)
-    if not fields:
-        yield {}, table
-        return
-    for values, g in table.groupby(fields, dropna=False, sort=True):
-        values = values if isinstance(values, tuple) else (values,)
-        yield dict(zip(fields, values)), g
-
-
-def group_label(group: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in group.items()) or "all points"
-
-
-def slug(group: dict, extra: str = "") -> str:
-    text = "_".join(f"{k}{v}" for k, v in group.items()) or "all"
-    text = f"{extra}_{text}" if extra else text
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
-
-
 def status_table(run: Run) -> pd.DataFrame:
     st = run.status
     if st.empty:
@@ -104,7 +78,8 @@ def throughput_table(run: Run) -> pd.DataFrame:
     t = ok_units(run)
     if t.empty:
         return t
-    cols = {"backend": "backend", "dtype": "dtype", **{f: f for f in group_fields(t)}, "x": "nsb/N",
+    shown = [f for f in varying_fields(t) if f != "reuse"]       # the measured nsb/N stands for it
+    cols = {"backend": "backend", "dtype": "dtype", **{f: f for f in shown}, "x": "nsb/N",
             UNION: "union_ratio P8", "wl_n_tokens": "N", "module.median_s": "module_s", "module.cv": "cv",
             "module.tflops": "TFLOP/s", "max_rel_err": "max rel err", "attention.tflops": "attention TFLOP/s",
             "module.converged": "CV converged", "throttled": "throttled"}
@@ -122,7 +97,7 @@ def throughput_table(run: Run) -> pd.DataFrame:
         for col in ("kernel", "tile order"):
             if col in labels and labels[col].notna().any():
                 out.insert(2, col, labels[col].fillna(""))
-    order = [c for c in ("dtype", "backend", *group_fields(t), "nsb/N", "union_ratio P8") if c in out]
+    order = [c for c in ("dtype", "backend", *shown, "nsb/N", "union_ratio P8") if c in out]
     return out.sort_values(order).reset_index(drop=True)
 
 
@@ -169,10 +144,10 @@ def stage_table(run: Run) -> pd.DataFrame:
     t = ok_units(run)
     if t.empty:
         return t
-    groups = group_fields(t)
-    cols = ["backend", "dtype", *groups, "x"] + [f"{s}.median_s" for s in (*STAGE_ORDER, "module", "plan")
+    shown = [f for f in varying_fields(t) if f != "reuse"]
+    cols = ["backend", "dtype", *shown, "x"] + [f"{s}.median_s" for s in (*STAGE_ORDER, "module", "plan")
                                                  if f"{s}.median_s" in t]
-    return (t[cols].rename(columns={"x": "nsb/N"}).sort_values(["dtype", "backend", *groups, "nsb/N"])
+    return (t[cols].rename(columns={"x": "nsb/N"}).sort_values(["dtype", "backend", *shown, "nsb/N"])
             .reset_index(drop=True))
 
 
@@ -212,12 +187,21 @@ def bytes_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
 class Crossover:
     group: str
     dtype: str
-    kv_backend: str
-    q_backend: str
+    n_tokens: float
+    kv_backend: str                 # KV-outer: the fastest of these backends at each nsb/N
+    q_backend: str                  # Q-outer: the fastest of these
     measured: float | None          # nsb/N where the two meet (log-interpolated), None if they never do
     measured_note: str
     predicted: float | None         # capacity-aware, at the group's N (what the curves show)
     predicted_capacity_free: float | None
+    reuse_range: tuple = (float("nan"), float("nan"))    # the nsb/N both were measured over
+
+    @property
+    def gap(self) -> float | None:
+        """measured / predicted - 1: how far the measured crossover lies from the capacity-aware one."""
+        if self.measured is None or not self.predicted:
+            return None
+        return self.measured / self.predicted - 1.0
 
 
 def measured_crossover(x: np.ndarray, kv_s: np.ndarray, q_s: np.ndarray) -> tuple[float | None, str]:
@@ -243,29 +227,56 @@ def _finite_or_none(v: float) -> float | None:
     return float(v) if v is not None and math.isfinite(v) else None
 
 
+def schedule_backends(table: pd.DataFrame, schedule: str) -> list[str]:
+    """Backends that ran `schedule` at every unit (`auto` and the hybrid pick per point: never one)."""
+    per = table.groupby("backend")["schedule"].agg(lambda s: set(s))
+    return sorted(b for b, s in per.items() if s == {schedule} and b != "auto")
+
+
+def reuse_groups(table: pd.DataFrame):
+    """(group dict, sub-table) of points that differ in reuse and nothing else (seeds are replicates);
+    only groups with at least two reuse values. A run whose points do not vary reuse has none."""
+    varying = varying_fields(table)
+    if "reuse" not in varying:
+        return
+    others = [f for f in varying if f != "reuse"]
+    keys = [table[f].astype(object).where(table[f].notna(), None).map(repr) for f in others]
+    for _, g in (table.groupby(keys, sort=False) if others else [(None, table)]):
+        if g["reuse"].nunique() > 1:
+            yield {f: g.iloc[0][f] for f in others}, g
+
+
+def _fastest(table: pd.DataFrame, backends: list[str]) -> pd.Series:
+    """Per nsb/N, the smallest module median among `backends`."""
+    g = table[table["backend"].isin(backends)]
+    return g.groupby(["x", "backend"])["module.median_s"].median().groupby(level="x").min()
+
+
 def crossovers(run: Run, device: DeviceProfile | None) -> list[Crossover]:
+    """KV-outer against Q-outer over points that differ in reuse only, per group and dtype: measured
+    (the fastest KV-outer backend against the fastest Q-outer one, log-interpolated) and predicted."""
     t = ok_units(run)
     out = []
     if t.empty or "module.median_s" not in t:
         return out
-    for group, g in groups(t):
+    for group, g in reuse_groups(t):
         for dtype, gd in g.groupby("dtype"):
-            kv = sorted(gd.loc[gd["schedule"] == KV_OUTER, "backend"].unique())
-            qo = sorted(gd.loc[gd["schedule"] == Q_OUTER, "backend"].unique())
-            for kb in kv:
-                for qb in qo:
-                    a = gd[gd["backend"] == kb].groupby("x")["module.median_s"].median()
-                    b = gd[gd["backend"] == qb].groupby("x")["module.median_s"].median()
-                    common = a.index.intersection(b.index)
-                    value, note = measured_crossover(common.to_numpy(float), a[common].to_numpy(float),
-                                                     b[common].to_numpy(float))
-                    pred = free = None
-                    if device is not None:
-                        row = gd[gd["backend"] == kb].iloc[0]
-                        shape = row_model_shape(row)
-                        free = _finite_or_none(crossover(shape, device))
-                        pred = _finite_or_none(crossover_at(shape, device, float(gd["wl_n_tokens"].median())))
-                    out.append(Crossover(group_label(group), dtype, kb, qb, value, note, pred, free))
+            kv, qo = schedule_backends(gd, KV_OUTER), schedule_backends(gd, Q_OUTER)
+            if not kv or not qo:
+                continue
+            a, b = _fastest(gd, kv), _fastest(gd, qo)
+            common = a.index.intersection(b.index)
+            value, note = measured_crossover(common.to_numpy(float), a[common].to_numpy(float),
+                                             b[common].to_numpy(float))
+            n = float(gd["wl_n_tokens"].median())
+            pred = free = None
+            if device is not None:
+                shape = row_model_shape(gd[gd["backend"] == kv[0]].iloc[0])
+                free = _finite_or_none(crossover(shape, device))
+                pred = _finite_or_none(crossover_at(shape, device, n))
+            span = (float(common.min()), float(common.max())) if len(common) else (float("nan"),) * 2
+            out.append(Crossover(group_label(group), dtype, n, ", ".join(kv), ", ".join(qo), value, note, pred, free,
+                                 span))
     return out
 
 

@@ -31,7 +31,7 @@ if "ipykernel" not in sys.modules:
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from msa_bench.harness import plots, report, tables
+from msa_bench.harness import axes, plots, report, tables
 from msa_bench.harness.prediction import device_for_run
 from msa_bench.harness.results import load_run
 
@@ -53,7 +53,7 @@ def show(figures):
     """Save each figure next to the run and show it when a notebook front end is attached."""
     FIG_DIR.mkdir(parents=True, exist_ok=True)
     for name, fig in figures:
-        fig.savefig(FIG_DIR / name, dpi=100)
+        plots.save_png(fig, FIG_DIR / name)
         print(f"figure: {FIG_DIR / name}")
         if "ipykernel" in sys.modules:
             plt.show()
@@ -70,27 +70,21 @@ def show(figures):
 print(report.markdown_table(tables.status_table(run)))
 
 # %% [markdown]
-# ## Throughput against reuse
-# Useful TFLOP/s of the whole module (all stages in one CUDA graph) against the measured reuse nsb/N,
-# with the roofline of each schedule (dashed) for the run's GPU. The predicted crossover is where the
-# KV-outer and Q-outer roofline curves meet; the measured one interpolates the two backends' latencies
-# on the log reuse axis.
+# ## Throughput along what the run varies
+# `harness/axes.py` reads which point field the run varies and plots along it: reuse nsb/N with the
+# rooflines and the KV-outer/Q-outer crossovers (measured only across points that differ in reuse and
+# nothing else), co-selection union_ratio with the three schedules' rooflines, real-prefill cases by
+# call weight with the call-weighted aggregate, batch size in GB/s under the HBM roofline, context or
+# query tokens; points that differ in several things side by side, never joined by lines.
 
 # %%
+axis = axes.figure_axis(tables.ok_units(run))
+print(f"axis: {axis.kind} ({axis.label}); groups: {axes.group_fields(tables.ok_units(run), axis) or 'none'}")
 print(report.markdown_table(tables.throughput_table(run)))
 for c in tables.crossovers(run, device):
-    print(f"{c.group} {c.dtype}: {c.kv_backend} vs {c.q_backend}: measured {c.measured} ({c.measured_note}), "
-          f"predicted {c.predicted}")
-show(plots.throughput_figures(run, device))
-
-# %% [markdown]
-# ## Throughput against co-selection
-# For runs whose points vary union_ratio (the `co-selection` scenario): module TFLOP/s against the
-# union_ratio at 8 tokens per tile, with the KV-outer, Q-outer and q-packed rooflines, and strips of the
-# fastest schedule measured (top) and predicted (bottom).
-
-# %%
-show(plots.co_selection_figures(run, device))
+    print(f"{c.group} {c.dtype}: KV-outer ({c.kv_backend}) vs Q-outer ({c.q_backend}): measured {c.measured} "
+          f"({c.measured_note}), predicted {c.predicted}")
+show(plots.axis_figures(run, device))
 
 # %% [markdown]
 # ## Accuracy and how close each backend gets to its roofline
@@ -104,7 +98,8 @@ print(report.markdown_table(tables.achieved_table(run)))
 # %% [markdown]
 # ## Where the time goes
 # Each stage timed alone (its inputs prepared by the preceding stages, L2 flushed), stacked, with the
-# whole-module graph as a black tick: the gap between the stack and the tick is launch overlap.
+# whole-module graph as a black tick: the gap between the stack and the tick is launch overlap. One
+# panel per backend, the bars in the order of the run's axis, the same order in every dtype.
 
 # %%
 print(report.markdown_table(tables.stage_table(run)))
