@@ -98,6 +98,16 @@ def dense_sizes(w: Workload, buckets: list[Bucket], layout: str) -> dict:
             "dense_keys": keys, "executed_flops": 4.0 * s.hq * s.head_dim * keys}
 
 
+def free_bytes(device) -> int | None:
+    """Memory a plan may allocate: the free device memory plus what torch's allocator holds unused
+    (a workload's float32 draw leaves its cache there), or the host's available memory."""
+    device = torch.device(device)
+    free = free_memory_bytes(device)
+    if device.type == "cuda" and free is not None:
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free
+
+
 def _sdpa_backends(kernel: str):
     from torch.nn.attention import SDPBackend
     return [{"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -237,7 +247,7 @@ class DenseMasked(Backend):
         if reason:
             return reason
         buckets = dense_buckets(w)
-        free = free_memory_bytes(w.device)
+        free = free_bytes(w.device)
         need = min(dense_sizes(w, buckets, lay)["total_bytes"] for _, lay in self.candidates(w.device))
         if free is not None and need > free * MEMORY_HEADROOM:
             sz = dense_sizes(w, buckets, "expand")
@@ -248,11 +258,11 @@ class DenseMasked(Backend):
 
     def _plan(self, w: Workload) -> Plan:
         buckets = dense_buckets(w)
-        free = free_memory_bytes(w.device)
         tried, best = [], None
         for kernel, layout in self.candidates(w.device):
             sizes = dense_sizes(w, buckets, layout)
             label = f"{kernel}-{layout}"
+            free = free_bytes(w.device)
             if free is not None and sizes["total_bytes"] > free * MEMORY_HEADROOM:
                 tried.append(f"{label}: needs {sizes['total_bytes'] / 2**30:,.1f} GiB")
                 continue
