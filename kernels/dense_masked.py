@@ -163,7 +163,9 @@ def build_stages(w: Workload, buckets: list[Bucket], kernel: str, layout: str):
             sel = torch.where((sel >= 0) & (sel < bk.blocks), sel, bk.blocks)
             chosen = torch.zeros(hkv, bk.batch, bk.rows, bk.blocks + 1, dtype=torch.bool, device=dev)
             chosen.scatter_(3, sel, True)
-            seen = chosen[..., :bk.blocks].repeat_interleave(b, dim=3)
+            # expand + reshape, not repeat_interleave: no output size to read back inside a CUDA graph
+            seen = chosen[..., :bk.blocks].unsqueeze(-1).expand(hkv, bk.batch, bk.rows, bk.blocks, b)
+            seen = seen.reshape(hkv, bk.batch, bk.rows, bk.blocks * b)
             seen &= pos.view(1, 1, 1, -1) <= w.q_limit[tok].long().view(1, bk.batch, bk.rows, 1)
             torch.any(seen, dim=3, out=e)
             m.zero_().masked_fill_(~seen, float("-inf"))
