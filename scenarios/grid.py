@@ -483,7 +483,9 @@ def with_overrides(s: Scenario, *, reuse=None, tokens=None, context=None, skew=N
 
 OPTION_OF_AXIS = {"tokens": "--tokens", "context": "--context", "reuse": "--reuse", "skew": "--skew",
                   "causal": "--causal", "cases": "--case", "dtypes": "--dtype", "seed": "--seed",
-                  "share": "--share", "share_group": "--share-group"}
+                  "share": "--share", "share_group": "--share-group", "requests": "--requests",
+                  "query_tokens": "--query-tokens", "context_min": "--context-min", "chunks": "--chunks",
+                  "drift": "--drift"}
 OPTION_DEFAULTS = {"tokens": 16384, "context": 131072, "reuse": 0.25, "skew": 0.0, "causal": False, "seed": 0}
 
 
@@ -491,7 +493,8 @@ def point_from_options(generator: str, shape: AttnShape, dtype: str, defaults: d
     """The point the workload (or check) command's options describe, refused the way a scenario grid is: an
     option its generator does not use, a missing case, or a point that cannot be built is a one-line
     UserError. `given` holds the options set on the command line (tokens, context, reuse, skew, causal, cases,
-    seed, share, share_group); `defaults` the command's own values for options not given (over
+    seed, share, share_group, and for decode, mixed and drift: requests, query_tokens, context_min, chunks,
+    drift); `defaults` the command's own values for options not given (over
     OPTION_DEFAULTS)."""
     if generator not in GENERATORS:
         raise UserError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
@@ -512,6 +515,12 @@ def point_from_options(generator: str, shape: AttnShape, dtype: str, defaults: d
         c = get_case(given["cases"])
         p = Point("real-prefill", c.total_q, c.max_final_kv, None, 0.0, True, dtype, value("seed"), c.case_id,
                   c.weight, shape)
+    elif generator in SERVING:
+        p = serving_point(generator, shape, dtype, value("seed"),
+                          tokens=value("tokens") if generator != "decode" else None, context=value("context"),
+                          context_min=given.get("context_min"), requests=given.get("requests"),
+                          query_tokens=given.get("query_tokens"),
+                          chunks=given.get("chunks", 1) if generator == "mixed" else None, drift=given.get("drift"))
     else:
         share = given.get("share")
         p = Point(generator, value("tokens"), value("context"), value("reuse") if generator == "synthetic" else None,

@@ -79,7 +79,9 @@ def serving_problem(shape: AttnShape, generator: str, tokens: int | None, contex
         if not 1 <= t <= MAX_QUERY_TOKENS:
             return "query_tokens", f"query_tokens (per decode request) must be 1 to {MAX_QUERY_TOKENS}, got {t}"
         least = 0 if generator == "mixed" else 1
-        if requests is None or requests < least:
+        if requests is None:
+            return "requests", f"generator {generator} needs requests (its decode requests)"
+        if requests < least:
             return "requests", f"requests (decode requests) must be at least {least}, got {requests}"
         if requests:
             cmin = context if context_min is None else context_min

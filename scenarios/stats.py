@@ -200,7 +200,12 @@ def stat_rows(st: dict) -> list[tuple[str, str]]:
              f"{st['share']:g} / {st['target_union_ratio']:.3f}")] if "share" in st else []),
         ("union_ratio at P = 8 / 16 tokens (1: a tile's tokens select alike)",
          " / ".join(num(st.get(f"union_ratio_p{p}"), ".3f") for p in UNION_TILES)),
+        *([("drift p: neighbour Jaccard / union_ratio at P = 8, measured (closed form)",
+            f"{st['drift']:g}: {num(st['neighbour_jaccard'], '.3f')} ({num(st['target_neighbour_jaccard'], '.3f')})"
+            f" / {num(st['union_ratio_p8'], '.3f')} ({num(st['target_union_ratio'], '.3f')})")]
+          if st.get("drift") is not None else []),
         ("visible selected key tokens per (query, KV head)", num(st["selected_tokens_per_query"], ".5g")),
+        ("sparsity ratio (visible context keys / selected keys)", num(st.get("sparsity_ratio"), ".3g")),
         ("useful work (GFLOP)", num(st["useful_flops"] / 1e9, ",.2f")),
     ]
     if "crossover_nsb_per_n" in st:

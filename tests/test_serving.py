@@ -301,3 +301,34 @@ def test_the_crossover_figure_is_drawn():
     from msa_bench.harness.dense_crossover import crossover_figures
     figs = crossover_figures(_fake_run([1.0, 4.0, 16.0], [2.0, 2.0, 2.0], [2048, 8192, 32768]), None)
     assert [name for name, _ in figs] == ["dense_crossover_bf16.png"]
+
+
+# ---- the commands --------------------------------------------------------------------------------
+
+def test_workload_command_prints_the_drift_against_its_closed_form(cli):
+    code, out, _ = cli("workload", "--generator", "drift", "--drift", "0.07", "--tokens", "2048", "--context",
+                       "32768", "--json")
+    assert code == 0
+    import json
+    st = json.loads(out)
+    assert st["generator"] == "drift" and st["union_ratio_p8"] == pytest.approx(st["target_union_ratio"], rel=0.05)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--generator", "decode"], "--requests"),
+    (["--generator", "decode", "--requests", "4", "--causal"], "--causal"),
+    (["--generator", "synthetic", "--drift", "0.1"], "--drift"),
+    (["--generator", "mixed", "--requests", "4", "--chunks", "0"], "--chunks"),
+    (["--generator", "decode", "--requests", "4", "--query-tokens", "8"], "--query-tokens"),
+])
+def test_workload_command_refuses_bad_serving_options(cli, one_error_line, args, option):
+    code, _, err = cli("workload", *args)
+    assert code == 2
+    assert option in one_error_line(err)
+
+
+def test_check_command_runs_dense_masked_on_a_mixed_step(cli):
+    code, out, _ = cli("check", "--backend", "dense-masked", "--generator", "mixed", "--requests", "5", "--tokens",
+                       "24", "--drift", "0.1", "--dtype", "bf16")
+    assert code == 0, out
+    assert "mixed/C1x24/R5x1" in out and out.strip().splitlines()[-1].endswith("PASS")
