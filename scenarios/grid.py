@@ -40,10 +40,10 @@ from pathlib import Path
 
 from ..errors import UserError
 from .coselection import DEFAULT_GROUP
+from .serving import GENERATORS as SERVING
 from .workload import (DATA_DTYPES, AttnShape, Workload, WorkloadError, check_fits, footprint_bytes,
                        size_problem)
 
-SERVING = ("decode", "mixed", "drift")
 GENERATORS = ("synthetic", "real-prefill", "indexer", *SERVING)
 TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
 TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool, "cv_target": float}   # see timing.TimingConfig
@@ -278,7 +278,7 @@ def point_problem(p: Point) -> tuple[str, str] | None:
     if p.generator in SERVING:
         from .serving import serving_problem
         problem = serving_problem(s, p.generator, p.chunk_tokens, p.context, p.context_min, p.requests,
-                                  p.query_tokens, p.chunks, p.drift, p.seed)
+                                  p.query_tokens, p.chunks, p.drift)
         return problem or size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
     problems = [
         ("tokens", p.tokens <= 0, f"tokens must be positive, got {p.tokens}"),

@@ -62,8 +62,8 @@ def _history_blocks(shape: AttnShape, kv: int, n: int) -> int:
 
 
 def serving_problem(shape: AttnShape, generator: str, tokens: int | None, context: int, context_min: int | None,
-                    requests: int | None, query_tokens: int | None, chunks: int | None, drift: float | None,
-                    seed: int) -> tuple[str, str] | None:
+                    requests: int | None, query_tokens: int | None, chunks: int | None,
+                    drift: float | None) -> tuple[str, str] | None:
     """(axis, why) for a serving point that cannot be built as asked, else None. Cheap: no tensors."""
     k = shape.topk - 1
     if context <= 0:
@@ -197,8 +197,7 @@ def serving_workload(shape: AttnShape, dtype: str, generator: str, tokens: int |
                      chunks: int | None = None, drift: float | None = None, seed: int = 0, device="cpu",
                      with_tensors: bool = True) -> Workload:
     """A decode, mixed or drift workload (module docstring); a point it cannot build is a WorkloadError."""
-    problem = serving_problem(shape, generator, tokens, context, context_min, requests, query_tokens, chunks,
-                              drift, seed)
+    problem = serving_problem(shape, generator, tokens, context, context_min, requests, query_tokens, chunks, drift)
     if problem:
         raise WorkloadError(f"{problem[0]}: {problem[1]}")
     kv_lens, q_counts = layout(generator, tokens, context, context_min, requests, query_tokens, chunks, seed)
