@@ -27,6 +27,15 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 # ---- workloads and scenarios (selection generators, statistics, shipped scenario files) -------
+SERVING_HELP = {
+    "query_tokens": "Query tokens per decode request, 1 to 4 (decode, mixed). Default 1.",
+    "context_min": "Decode contexts are drawn uniformly from [--context-min, --context] tokens (decode, mixed). "
+                   "Default: --context (fixed).",
+    "chunks": "Prefill chunks of --tokens tokens in the step (mixed). Default 1.",
+    "drift": "Probability (0 to 1) that a token replaces each history block of its predecessor's selection "
+             "(drift, where it is needed; decode, mixed). Neighbour Jaccard is about (1 - p) / (1 + p). "
+             "Default (decode, mixed): every token draws afresh.",
+}
 DEVICE_HELP = ("Roofline device profile: b200, h100, h200 or a PROFILE.json from `msa-bench calibrate`. "
                "Default: the profile of this machine's GPU where one matches it, else h200.")
 
@@ -34,14 +43,24 @@ DEVICE_HELP = ("Roofline device profile: b200, h100, h200 or a PROFILE.json from
 @app.command()
 def workload(
     generator: str = typer.Option("synthetic", help="synthetic (hits a target reuse), real-prefill (an MSA production "
-                                                   "prefill case, see --case) or indexer (top-k by query . mean-pooled "
-                                                   "keys of structured Q/K; draws the tensors, so it is slower)."),
+                                                   "prefill case, see --case), indexer (top-k by query . mean-pooled "
+                                                   "keys of structured Q/K; draws the tensors, so it is slower), "
+                                                   "decode (--requests of --query-tokens each), mixed (--chunks "
+                                                   "prefill chunks of --tokens plus --requests decode requests) or "
+                                                   "drift (a causal chunk of --tokens, --drift p)."),
     reuse: float = typer.Option(None, help="Target reuse nsb/N for synthetic: distinct selected (KV head, block) pairs "
                                            "per query token. At most Hkv x context blocks / N and Hkv x topk. "
                                            "Default 0.25.", show_default=False),
-    tokens: int = typer.Option(None, help="N query tokens (synthetic, indexer). Default 16384.", show_default=False),
+    tokens: int = typer.Option(None, help="N query tokens (synthetic, indexer), or the prefill chunk's (mixed, "
+                                          "drift). Default 16384.", show_default=False),
     context: int = typer.Option(None, help="Context length in tokens, i.e. context / --block blocks (synthetic, "
-                                           "indexer). Default 131072.", show_default=False),
+                                           "indexer, the chunk's for mixed and drift, the longest for decode). "
+                                           "Default 131072.", show_default=False),
+    requests: int = typer.Option(None, help="Decode requests (decode, mixed; needed there).", show_default=False),
+    query_tokens: int = typer.Option(None, help=SERVING_HELP["query_tokens"], show_default=False),
+    context_min: int = typer.Option(None, help=SERVING_HELP["context_min"], show_default=False),
+    chunks: int = typer.Option(None, help=SERVING_HELP["chunks"], show_default=False),
+    drift: float = typer.Option(None, help=SERVING_HELP["drift"], show_default=False),
     skew: float = typer.Option(None, help="Zipf exponent of block popularity for synthetic (0: uniform). Default 0.",
                                show_default=False),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Chunked causal prefill (synthetic, indexer): the N "
@@ -79,7 +98,8 @@ def workload(
     shape = AttnShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk)
     point = point_from_options(generator, shape, dtype, tokens=tokens, context=context, reuse=reuse, skew=skew,
                                causal=causal, cases=case, seed=seed,
-                               share=share, share_group=share_group)
+                               share=share, share_group=share_group, requests=requests, query_tokens=query_tokens,
+                               context_min=context_min, chunks=chunks, drift=drift)
     profile = load_device(device or default_device_name())
     check_point_fits(point, "cpu", with_tensors=False, partials=False)
     stats = workload_stats(make_workload(point, with_tensors=False), profile)
@@ -143,8 +163,9 @@ def check(
     backend: str = typer.Option("kv-outer", help="Backend to check: kv-outer, msa-scatter, flashinfer, reference, ..."),
     dtype: str = typer.Option(None, help="Data type: bf16, fp8 (e4m3), fp16 or fp32 (default: bf16 on a GPU, fp16 on CPU, "
                                          "where Triton's interpreter gets bf16 wrong).", show_default=False),
-    generator: str = typer.Option("synthetic", help="Workload generator: synthetic, indexer or real-prefill (with "
-                                                    "--case), as `msa-bench workload` takes them."),
+    generator: str = typer.Option("synthetic", help="Workload generator: synthetic, indexer, real-prefill (with "
+                                                    "--case), decode, mixed or drift, as `msa-bench workload` takes "
+                                                    "them."),
     tokens: int = typer.Option(None, help="N query tokens (default: 40 on CPU, 4096 on a GPU).", show_default=False),
     context: int = typer.Option(None, help="Context length in tokens (default: 256 on CPU, 32768 on a GPU).",
                                  show_default=False),
@@ -154,10 +175,15 @@ def check(
                                 "its last selected block. Default: not causal.", show_default=False),
     case: str = typer.Option(None, "--case", help="MSA prefill case id for real-prefill (`msa-bench scenarios --cases` "
                                                   "lists them)."),
-    requests: int = typer.Option(None, help="K requests instead of one (synthetic's tokens and context split over "
-                                            "them, each on its own context length) on a scattered page table, with "
-                                            "-1 padding, a hot block and, not causal, tokens that select nothing.",
+    requests: int = typer.Option(None, help="Synthetic: K requests instead of one (its tokens and context split "
+                                            "over them, each on its own context length) on a scattered page table, "
+                                            "with -1 padding, a hot block and, not causal, tokens that select "
+                                            "nothing. Decode, mixed: the decode requests.",
                                  show_default=False),
+    query_tokens: int = typer.Option(None, help=SERVING_HELP["query_tokens"], show_default=False),
+    context_min: int = typer.Option(None, help=SERVING_HELP["context_min"], show_default=False),
+    chunks: int = typer.Option(None, help=SERVING_HELP["chunks"], show_default=False),
+    drift: float = typer.Option(None, help=SERVING_HELP["drift"], show_default=False),
     seed: int = typer.Option(None, help="Seed of the selection and the tensors. Default 0.", show_default=False),
     hq: int = typer.Option(None, help="Query heads (default: 8 on CPU, 64 on a GPU).", show_default=False),
     hkv: int = typer.Option(None, help="KV heads (default: 2 on CPU, 4 on a GPU).", show_default=False),
@@ -172,6 +198,7 @@ def check(
     5e-2). An option the generator does not use is refused. Without a GPU the Triton kernels run in the CPU
     interpreter."""
     from .harness.check import CPU_SHAPE, check_fits_here, check_point, describe, run_check
+    from .scenarios.grid import SERVING
     from .errors import UserError
     from .scenarios.workload import DATA_DTYPES, AttnShape
 
@@ -188,7 +215,10 @@ def check(
     shape = AttnShape(hq=hq or base.hq, hkv=hkv or base.hkv, head_dim=head_dim or base.head_dim,
                       block=block or base.block, topk=topk or base.topk)
     point = check_point(generator, shape, dtype, requests, on_gpu, tokens=tokens, context=context, reuse=reuse,
-                        causal=causal, cases=case, seed=seed)
+                        causal=causal, cases=case, seed=seed, query_tokens=query_tokens, context_min=context_min,
+                        chunks=chunks, drift=drift)
+    if point.generator in SERVING:           # --requests counted the decode requests of the point itself
+        requests = None
     check_fits_here(point, requests, "cuda" if on_gpu else "cpu")
     w, (err, tol, details) = run_check(backend, point, requests)
     s = w.shape

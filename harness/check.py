@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from ..errors import UserError
 from ..scenarios.reference import reference_attention, relative_error
-from ..scenarios.grid import Point, check_point_fits, make_workload, point_from_options
+from ..scenarios.grid import SERVING, Point, check_point_fits, make_workload, point_from_options
 from ..scenarios.workload import AttnShape, Workload, WorkloadError, build_workload, check_fits, footprint_bytes
 
 TOLERANCE = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8": 5e-2}
@@ -113,6 +113,8 @@ def check_point(generator: str, shape: AttnShape, dtype: str, requests: int | No
     point's tokens and context as K requests of edge-case selections (check_workload), which have no reuse
     target."""
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    if generator in SERVING:                 # --requests: the point's decode requests
+        return point_from_options(generator, shape, dtype, defaults, requests=requests, **given)
     if requests is None:
         return point_from_options(generator, shape, dtype, defaults, **given)
     if generator != "synthetic":
@@ -165,6 +167,8 @@ def describe(point: Point, requests: int | None) -> str:
         return f"context={point.context} {requests} requests (edge cases: padding, hot blocks){causal}"
     if point.generator == "real-prefill":
         return f"real-prefill {point.case_id} context={point.context}"
+    if point.generator in SERVING:
+        return "/".join(point.key().split("/")[:-3])
     if point.generator == "indexer":
         return f"context={point.context} indexer{causal}"
     return f"context={point.context} reuse={point.reuse:g}{causal}"

@@ -245,10 +245,11 @@ def point_from_dict(d: dict):
     from ..scenarios.grid import SHAPE_KEYS, Point
     from ..scenarios.workload import AttnShape
     names = [f.name for f in fields(Point) if f.name != "shape"]
-    missing = [n for n in names + list(SHAPE_KEYS) if n not in d]
+    optional = {f.name for f in fields(Point) if f.default is None}     # axes added later: absent in older rows
+    missing = [n for n in names + list(SHAPE_KEYS) if n not in d and n not in optional]
     if missing:
         raise UserError(f"--point lacks {', '.join(missing)}")
-    return Point(**{n: d[n] for n in names}, shape=AttnShape(**{k: int(d[k]) for k in SHAPE_KEYS}))
+    return Point(**{n: d[n] for n in names if n in d}, shape=AttnShape(**{k: int(d[k]) for k in SHAPE_KEYS}))
 
 
 def _marker_kernel():

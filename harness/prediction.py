@@ -9,7 +9,8 @@ import math
 
 from ..roofline.devices import DeviceProfile, profile_for_gpu
 from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noqa: F401  (the launch's model terms)
-from ..roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, PACKED, SCHEDULE_OF_BACKEND, ModelShape, Prediction, predict
+from ..roofline.model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, DENSE, PACKED, SCHEDULE_OF_BACKEND, ModelShape,
+                              Prediction, predict, predict_dense)
 
 
 HYBRID = "hybrid"      # packed tiles plus a KV-outer residual: a schedule of its own, modelled as their sum by `auto`
@@ -22,7 +23,7 @@ def schedule_of(backend: str, plan_info=None) -> str | None:
     base = split_name(backend)[0]
     recorded = _info(plan_info).get("schedule")
     if SCHEDULE_OF_BACKEND.get(base) is None and recorded:     # auto, hybrid: what the plan ran
-        return recorded if recorded in (*ALL_SCHEDULES, HYBRID) else None
+        return recorded if recorded in (*ALL_SCHEDULES, HYBRID, DENSE) else None
     return SCHEDULE_OF_BACKEND.get(base)
 
 
@@ -120,6 +121,11 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
         value = stats.get(key) if key in stats else stats.get(f"wl_{key}")
         return value if _usable(value) or value == 0 else None
     tile = tile_tokens(plan_info)
+    if schedule == DENSE:
+        blocks, keys, n = get("dense_kv_blocks"), get("dense_keys"), get("n_tokens")
+        if not (_usable(blocks) and _usable(keys) and _usable(n)):
+            return None
+        return predict_dense(shape, n, blocks, keys, device, flops=get("useful_flops"))
     return predict_point(schedule, shape, get("n_tokens") or float("nan"), get("nsb"), device,
                          flops=get("useful_flops"), selected_per_query=get("selected_blocks_per_query"),
                          union_ratio=union_ratio_for(stats, tile), tile=tile)

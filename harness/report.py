@@ -14,6 +14,7 @@ import pandas as pd
 
 from ..roofline.devices import DeviceProfile
 from .plots import plt, report_figures, save_png
+from .dense_crossover import crossover_figures, crossover_table
 from .prediction import device_for_run
 from .results import STATUS_OK, Run, load_run
 from .tables import (accuracy_table, achieved_table, bytes_table, crossovers, is_prefill_run, prefill_aggregate, roofline_picks,
@@ -95,6 +96,12 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
                                               "predicted": c.predicted, "gap": _pct(c.gap),
                                               "predicted (capacity-free)": c.predicted_capacity_free}
                                              for c in cr]))]
+    dense = crossover_table(run, device)
+    if not dense.empty:
+        out += ["## Sparse against dense-masked: the context above which sparse wins", "",
+                "ratio: visible context / selected keys there; model: the least sparse model time against "
+                "dense-masked's (K/V gathered, mask built); paged dense: a dense kernel that reads the paged "
+                "cache where it is.", "", markdown_table(dense)]
     out += ["## Per-stage median latency (s)", "", markdown_table(stage_table(run))]
     bt = bytes_table(run, device)
     if not bt.empty:
@@ -134,7 +141,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
     out.mkdir(parents=True, exist_ok=True)
     _remove_old_figures(out)
     names = []
-    for name, fig in report_figures(run, dev):
+    for name, fig in report_figures(run, dev) + crossover_figures(run, dev):
         save_png(fig, out / name)
         plt.close(fig)
         names.append(name)

@@ -204,8 +204,10 @@ class Crossover:
         return self.measured / self.predicted - 1.0
 
 
-def measured_crossover(x: np.ndarray, kv_s: np.ndarray, q_s: np.ndarray) -> tuple[float | None, str]:
-    """Where KV-outer stops being faster, on the log nsb/N axis. Inputs: nsb/N and module latencies."""
+def measured_crossover(x: np.ndarray, kv_s: np.ndarray, q_s: np.ndarray, names=("KV-outer", "Q-outer"),
+                       axis: str = "nsb/N") -> tuple[float | None, str]:
+    """Where the first (KV-outer) stops being faster than the second (Q-outer), on the log x axis (nsb/N).
+    Inputs: x and the two module latencies."""
     order = np.argsort(x)
     x, d = x[order], np.log(kv_s[order]) - np.log(q_s[order])     # d < 0: KV-outer faster
     if len(x) == 0:
@@ -218,9 +220,8 @@ def measured_crossover(x: np.ndarray, kv_s: np.ndarray, q_s: np.ndarray) -> tupl
             return float(math.exp(lx0 + (lx1 - lx0) * d[i] / (d[i] - d[i + 1]))), "interpolated"
     if d[-1] == 0:
         return float(x[-1]), "measured tie"
-    if (d < 0).all():
-        return None, f"KV-outer faster over the whole measured range (nsb/N {x[0]:.3g} to {x[-1]:.3g})"
-    return None, f"Q-outer faster over the whole measured range (nsb/N {x[0]:.3g} to {x[-1]:.3g})"
+    name = names[0] if (d < 0).all() else names[1]
+    return None, f"{name} faster over the whole measured range ({axis} {x[0]:.3g} to {x[-1]:.3g})"
 
 
 def _finite_or_none(v: float) -> float | None:

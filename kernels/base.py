@@ -116,7 +116,7 @@ def _load_all():
     # Importing a backend module registers it; a module whose optional dependency is missing still
     # registers and reports itself unavailable instead of failing the import.
     import importlib
-    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "flashinfer_packed", "dense_gather",
+    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "flashinfer_packed", "dense_gather", "dense_masked",
                 "cute.backend", "q_packed.backend", "q_packed.cute_backend", "q_packed.hybrid", "auto",
                 "reference_backend"):
         try:

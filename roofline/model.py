@@ -28,12 +28,13 @@ from .devices import DeviceProfile
 SCHEDULES = ("q-outer", "kv-outer", "msa-scatter")       # bytes and FLOPs independent of co-selection
 PACKED = "q-packed"                                        # token-packed Q-outer: needs union_ratio
 ALL_SCHEDULES = (*SCHEDULES, PACKED)
+DENSE = "dense-masked"         # dense attention over the visible context, the selection as a mask: predict_dense
 DEFAULT_TILE_TOKENS = 8                                    # P of q-packed unless a plan records its own
 # `auto` picks a schedule per workload; its unit's plan records which (harness/prediction.py)
 SCHEDULE_OF_BACKEND = {"kv-outer": "kv-outer", "kv-outer-cute": "kv-outer", "flashinfer": "q-outer",
                        "flashinfer-fa3": "q-outer", "msa-scatter": "msa-scatter", "reference": None,
                        "flashinfer-packed": PACKED, "dense-gather": PACKED, "q-packed": PACKED,
-                       "q-packed-cute": PACKED, "hybrid": None, "auto": None}
+                       "q-packed-cute": PACKED, "hybrid": None, "auto": None, "dense-masked": DENSE}
 MASK_BITS = 1                  # q-packed: membership of each tile token in each union block
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 INDEX_BYTES = 4
@@ -290,3 +291,39 @@ def crossover_at(shape: ModelShape, device: DeviceProfile, n_tokens: float, chal
     """The capacity-aware crossover for a given N (Q-outer's working set grows with nsb)."""
     return crossover_numeric(shape, device, challenger, n_tokens=n_tokens, l2_capacity=True,
                              hi=float(shape.topk * shape.hkv))
+
+
+def dense_traffic(shape: ModelShape, n_tokens: float, kv_blocks: float, dense_keys: float,
+                  gathered: bool = True) -> tuple[dict, dict]:
+    """Byte terms of the dense masked schedule: every request's whole visible context read once per KV
+    head (`kv_blocks`: context blocks summed over requests), and an additive bf16 mask of one entry per
+    (KV head, query, key) written and read (`dense_keys`: context keys summed over queries). gathered:
+    the paged cache is first copied contiguous in bf16 (kernels/dense_masked.py), then read; False: a
+    paged dense kernel reading the cache where it is. L2 re-reads by the G heads of a KV head are not
+    counted (the same as HBM here)."""
+    s = shape
+    n = float(n_tokens)
+    kv_cache = kv_blocks * s.hkv * s.kv_block_bytes
+    hbm = {"q_read": n * s.hq * s.head_dim * s.data_bytes, "kv_read": kv_cache,
+           "out_write": n * s.hq * s.head_dim * DTYPE_BYTES[s.out_dtype]}
+    if gathered:
+        copy = kv_blocks * s.hkv * 2 * s.block * s.head_dim * 2          # bf16 K and V
+        hbm.update(kv_gather_write=copy, kv_gather_read=copy)
+        mask = dense_keys * s.hkv * 2
+        hbm.update(mask_write=mask, mask_read=mask)
+    return hbm, dict(hbm)
+
+
+def predict_dense(shape: ModelShape, n_tokens: float, kv_blocks: float, dense_keys: float, device: DeviceProfile,
+                  flops: float | None = None, gathered: bool = True) -> Prediction:
+    """The dense masked schedule's roofline time: executed FLOPs are 4 x Hq x D per context key per query,
+    masked keys included (bf16 MMAs: the compute is bf16 in both dtypes); `flops` the useful ones."""
+    hbm_terms, l2_terms = dense_traffic(shape, n_tokens, kv_blocks, dense_keys, gathered)
+    executed = 4.0 * shape.hq * shape.head_dim * dense_keys
+    hbm_b, l2_b = sum(hbm_terms.values()), sum(l2_terms.values())
+    times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
+             "mma": executed / device.peak_flops("bf16")}
+    binding = max(times, key=times.get)
+    return Prediction(schedule=DENSE, time_s=times[binding], binding=binding, hbm_bytes=hbm_b, l2_bytes=l2_b,
+                      flops=executed if flops is None else flops, hbm_s=times["hbm"], l2_s=times["l2"],
+                      mma_s=times["mma"], hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed)

@@ -7,9 +7,16 @@ A scenario file (scenarios/*.toml) holds:
     [shape]                                      # optional: hq, hkv, head_dim, block, topk (AttnShape defaults)
     [timing]                                     # optional: reps, warmup, cold_l2, cv_target
     [[grid]]                                     # one or more grids (a single [grid] table works too)
-    generator = "synthetic"                      # "synthetic" | "indexer" | "real-prefill", or a list
-    tokens = 16384                               # N query tokens          (synthetic, indexer)
-    context = [131072, 262144]                   # context tokens          (synthetic, indexer)
+    generator = "synthetic"                      # "synthetic" | "indexer" | "real-prefill" | "decode" | "mixed"
+                                                 #   | "drift", or a list
+    tokens = 16384                               # N query tokens (synthetic, indexer); prefill chunk (mixed, drift)
+    context = [131072, 262144]                   # context tokens (synthetic, indexer); the largest (decode, mixed),
+                                                 #   the chunk's (mixed, drift)
+    requests = [16, 256]                         # decode requests          (decode, mixed; see serving.py)
+    query_tokens = 1                             # tokens per decode request, 1 to 4 (decode, mixed)
+    context_min = 8192                           # decode contexts drawn in [context_min, context] (decode, mixed)
+    chunks = 1                                   # prefill chunks in the step (mixed)
+    drift = [0.03, 0.15]                         # per-token replacement probability (drift; decode, mixed)
     reuse = [0.25, 1.0]                          # target nsb / N          (synthetic)
     skew = 0.0                                   # Zipf exponent           (synthetic)
     share = [0.0, 0.5, 1.0]                      # fraction of the top-k a token group shares (synthetic;
@@ -33,28 +40,36 @@ from pathlib import Path
 
 from ..errors import UserError
 from .coselection import DEFAULT_GROUP
+from .serving import GENERATORS as SERVING
 from .workload import (DATA_DTYPES, AttnShape, Workload, WorkloadError, check_fits, footprint_bytes,
                        size_problem)
 
-GENERATORS = ("synthetic", "real-prefill", "indexer")
+GENERATORS = ("synthetic", "real-prefill", "indexer", *SERVING)
 TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
 TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool, "cv_target": float}   # see timing.TimingConfig
 SHAPE_KEYS = ("hq", "hkv", "head_dim", "block", "topk")
 # axis -> (element type, generators it applies to, default)
 AXES = {
     "generator": (str, GENERATORS, None),
-    "tokens": (int, ("synthetic", "indexer"), None),
-    "context": (int, ("synthetic", "indexer"), None),
+    "tokens": (int, ("synthetic", "indexer", "mixed", "drift"), None),
+    "context": (int, ("synthetic", "indexer", *SERVING), None),
     "reuse": (float, ("synthetic",), None),
     "skew": (float, ("synthetic",), [0.0]),
     "share": (float, ("synthetic",), [None]),
     "share_group": (int, ("synthetic",), None),
     "causal": (bool, ("synthetic", "indexer"), [False]),
     "cases": (str, ("real-prefill",), None),
+    "requests": (int, ("decode", "mixed"), None),
+    "query_tokens": (int, ("decode", "mixed"), [1]),
+    "context_min": (int, ("decode", "mixed"), [None]),
+    "chunks": (int, ("mixed",), [1]),
+    "drift": (float, SERVING, [None]),
     "dtypes": (str, GENERATORS, ["bf16"]),
     "seed": (int, GENERATORS, [0]),
 }
-REQUIRED = {"synthetic": ("tokens", "context", "reuse"), "indexer": ("tokens", "context"), "real-prefill": ("cases",)}
+REQUIRED = {"synthetic": ("tokens", "context", "reuse"), "indexer": ("tokens", "context"), "real-prefill": ("cases",),
+            "decode": ("context", "requests"), "mixed": ("tokens", "context", "requests"),
+            "drift": ("tokens", "context", "drift")}
 
 
 def _num(x: float) -> str:
@@ -77,6 +92,13 @@ class Point:
     shape: AttnShape
     share: float | None = None        # co-selection axis (synthetic); None: the plain synthetic generator
     share_group: int | None = None
+    # serving generators (serving.py): decode requests x query_tokens, mixed chunks x chunk_tokens + decode
+    requests: int | None = None
+    query_tokens: int | None = None
+    context_min: int | None = None
+    chunks: int | None = None
+    chunk_tokens: int | None = None
+    drift: float | None = None
 
     def key(self) -> str:
         """Stable, human-readable unique id (matches points across runs; resume)."""
@@ -84,6 +106,17 @@ class Point:
         parts = [self.generator]
         if self.generator == "real-prefill":
             parts.append(self.case_id or "")
+        elif self.generator in SERVING:
+            if self.generator == "mixed":
+                parts.append(f"C{self.chunks}x{self.chunk_tokens}")
+            elif self.generator == "drift":
+                parts.append(f"N{self.tokens}")
+            if self.requests:
+                parts.append(f"R{self.requests}x{self.query_tokens}")
+            low = self.context if self.context_min is None else self.context_min
+            parts.append(f"T{self.context}" if low == self.context else f"T{low}-{self.context}")
+            if self.drift is not None:
+                parts.append(f"drift{_num(self.drift)}")
         else:
             parts += [f"N{self.tokens}", f"T{self.context}"]
             if self.reuse is not None:
@@ -193,6 +226,9 @@ def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
                 _check_point(src, where, p)
                 points.append(p)
             continue
+        if gen in SERVING:
+            points += _expand_serving(src, where, gen, grid, shape)
+            continue
         reuses = ax("reuse") if gen == "synthetic" else [None]
         skews = ax("skew") if gen == "synthetic" else [0.0]
         if "share_group" in grid and "share" not in grid:
@@ -208,11 +244,42 @@ def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
     return points
 
 
+def _expand_serving(src: str, where: str, gen: str, grid: dict, shape: AttnShape) -> list[Point]:
+    ax = lambda key: grid.get(key, AXES[key][2]) if gen in AXES[key][1] else [None]
+    points = []
+    for n, t, cmin, r, qt, c, dr, dt, seed in itertools.product(
+            ax("tokens"), ax("context"), ax("context_min"), ax("requests"), ax("query_tokens"), ax("chunks"),
+            ax("drift"), ax("dtypes"), ax("seed")):
+        p = serving_point(gen, shape, dt, seed, tokens=n, context=t, context_min=cmin, requests=r,
+                          query_tokens=qt, chunks=c, drift=dr)
+        _check_point(src, where, p)
+        points.append(p)
+    return points
+
+
+def serving_point(gen: str, shape: AttnShape, dtype: str, seed: int, *, tokens, context, context_min=None,
+                  requests=None, query_tokens=None, chunks=None, drift=None) -> Point:
+    """The Point of a decode, mixed or drift workload: tokens holds every query token of the call."""
+    decode = (requests or 0) * (query_tokens or 1)
+    chunk = tokens if gen in ("mixed", "drift") else None
+    n_chunks = chunks if gen == "mixed" else (1 if gen == "drift" else None)
+    total = (n_chunks or 0) * (chunk or 0) + (decode if gen != "drift" else 0)
+    return Point(gen, total, context, None, 0.0, True, dtype, seed, None, 1.0, shape,
+                 requests=requests if gen != "drift" else None,
+                 query_tokens=(query_tokens or 1) if gen != "drift" else None,
+                 context_min=context_min, chunks=n_chunks, chunk_tokens=chunk, drift=drift)
+
+
 def point_problem(p: Point) -> tuple[str, str] | None:
     """(axis, why) for a point that cannot be built as asked (bad sizes, overflowing indices or seed,
     an infeasible reuse target), else None. Cheap: nothing is allocated."""
     from .selection import check_synthetic
     s = p.shape
+    if p.generator in SERVING:
+        from .serving import serving_problem
+        problem = serving_problem(s, p.generator, p.chunk_tokens, p.context, p.context_min, p.requests,
+                                  p.query_tokens, p.chunks, p.drift)
+        return problem or size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
     problems = [
         ("tokens", p.tokens <= 0, f"tokens must be positive, got {p.tokens}"),
         ("context", p.context <= 0, f"context must be positive, got {p.context}"),
@@ -254,7 +321,16 @@ def point_pages(p: Point) -> int:
     if p.generator == "real-prefill":
         from .prefill_cases import get_case
         return sum(-(-kv // p.shape.block) for kv in get_case(p.case_id).final_kv_lens)
+    if p.generator in SERVING:
+        return sum(-(-kv // p.shape.block) for kv in serving_kv_lens(p))
     return max(1, -(-p.context // p.shape.block))
+
+
+def serving_kv_lens(p: Point) -> list[int]:
+    """Every request's context of a serving point (deterministic from its seed)."""
+    from .serving import layout
+    return layout(p.generator, p.chunk_tokens, p.context, p.context_min, p.requests, p.query_tokens, p.chunks,
+                  p.seed)[0]
 
 
 def point_footprint(p: Point, with_tensors: bool = True, partials: bool = True) -> int:
@@ -407,7 +483,9 @@ def with_overrides(s: Scenario, *, reuse=None, tokens=None, context=None, skew=N
 
 OPTION_OF_AXIS = {"tokens": "--tokens", "context": "--context", "reuse": "--reuse", "skew": "--skew",
                   "causal": "--causal", "cases": "--case", "dtypes": "--dtype", "seed": "--seed",
-                  "share": "--share", "share_group": "--share-group"}
+                  "share": "--share", "share_group": "--share-group", "requests": "--requests",
+                  "query_tokens": "--query-tokens", "context_min": "--context-min", "chunks": "--chunks",
+                  "drift": "--drift"}
 OPTION_DEFAULTS = {"tokens": 16384, "context": 131072, "reuse": 0.25, "skew": 0.0, "causal": False, "seed": 0}
 
 
@@ -415,7 +493,8 @@ def point_from_options(generator: str, shape: AttnShape, dtype: str, defaults: d
     """The point the workload (or check) command's options describe, refused the way a scenario grid is: an
     option its generator does not use, a missing case, or a point that cannot be built is a one-line
     UserError. `given` holds the options set on the command line (tokens, context, reuse, skew, causal, cases,
-    seed, share, share_group); `defaults` the command's own values for options not given (over
+    seed, share, share_group, and for decode, mixed and drift: requests, query_tokens, context_min, chunks,
+    drift); `defaults` the command's own values for options not given (over
     OPTION_DEFAULTS)."""
     if generator not in GENERATORS:
         raise UserError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
@@ -436,6 +515,12 @@ def point_from_options(generator: str, shape: AttnShape, dtype: str, defaults: d
         c = get_case(given["cases"])
         p = Point("real-prefill", c.total_q, c.max_final_kv, None, 0.0, True, dtype, value("seed"), c.case_id,
                   c.weight, shape)
+    elif generator in SERVING:
+        p = serving_point(generator, shape, dtype, value("seed"),
+                          tokens=value("tokens") if generator != "decode" else None, context=value("context"),
+                          context_min=given.get("context_min"), requests=given.get("requests"),
+                          query_tokens=given.get("query_tokens"),
+                          chunks=given.get("chunks", 1) if generator == "mixed" else None, drift=given.get("drift"))
     else:
         share = given.get("share")
         p = Point(generator, value("tokens"), value("context"), value("reuse") if generator == "synthetic" else None,
@@ -461,6 +546,11 @@ def make_workload(point: Point, device="cpu", with_tensors: bool = True) -> Work
         from .selection import synthetic_workload
         w = synthetic_workload(point.shape, point.dtype, point.tokens, point.context, point.reuse, point.skew,
                                point.causal, point.seed, device, with_tensors)
+    elif point.generator in SERVING:
+        from .serving import serving_workload
+        w = serving_workload(point.shape, point.dtype, point.generator, point.chunk_tokens, point.context,
+                             point.context_min, point.requests, point.query_tokens, point.chunks, point.drift,
+                             point.seed, device, with_tensors)
     elif point.generator == "indexer":
         from .indexer import indexer_workload
         w = indexer_workload(point.shape, point.dtype, point.tokens, point.context, point.causal, point.seed, device)

@@ -95,6 +95,18 @@ def kv_lens(w: Workload) -> list[int]:
     return [int((row >= 0).sum()) * w.shape.block for row in w.page_table.cpu()]
 
 
+def dense_extent(w: Workload) -> tuple[int, int]:
+    """(context blocks summed over requests, keys summed over queries) of dense attention over each
+    request's visible context: blocks 0 to its last query's local block (the dense-masked schedule)."""
+    req = w.q_request.long().cpu()
+    lim = w.q_limit.long().cpu()
+    if req.numel() == 0:
+        return 0, 0
+    last = torch.full((int(w.page_table.shape[0]),), -1, dtype=torch.long).scatter_reduce(0, req, lim, "amax")
+    blocks = torch.where(last >= 0, last // w.shape.block + 1, 0)
+    return int(blocks.sum()), int(blocks[req].sum()) * w.shape.block
+
+
 def workload_stats(w: Workload, device_profile=None) -> dict:
     """Flat dict of statistics; with a device profile (roofline.devices.DeviceProfile or preset name)
     also the roofline's predicted time and binding resource per schedule."""
@@ -119,9 +131,16 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "selected_tokens_per_query": vis / (n * s.hkv) if n else 0.0,
         "useful_flops": useful_flops(w),
     }
+    out["dense_kv_blocks"], out["dense_keys"] = dense_extent(w)
+    out["sparsity_ratio"] = out["dense_keys"] * s.hkv / (valid_entries * s.block) if valid_entries else None
     if "share" in w.meta:
         out.update(share=w.meta["share"], share_group=w.meta["share_group"],
                    target_union_ratio=w.meta["target_union_ratio"])
+    if "drift" in w.meta:
+        from .serving import neighbour_jaccard
+        out.update(drift=w.meta["drift"], neighbour_jaccard=neighbour_jaccard(w.selection, w.q_request),
+                   target_neighbour_jaccard=w.meta.get("target_neighbour_jaccard"),
+                   target_union_ratio=w.meta.get("target_union_ratio"))
     if "case_id" in w.meta:
         out["case_id"] = w.meta["case_id"]
         out["weight"] = w.meta.get("weight", 0.0)
@@ -181,7 +200,12 @@ def stat_rows(st: dict) -> list[tuple[str, str]]:
              f"{st['share']:g} / {st['target_union_ratio']:.3f}")] if "share" in st else []),
         ("union_ratio at P = 8 / 16 tokens (1: a tile's tokens select alike)",
          " / ".join(num(st.get(f"union_ratio_p{p}"), ".3f") for p in UNION_TILES)),
+        *([("drift p: neighbour Jaccard / union_ratio at P = 8, measured (closed form)",
+            f"{st['drift']:g}: {num(st['neighbour_jaccard'], '.3f')} ({num(st['target_neighbour_jaccard'], '.3f')})"
+            f" / {num(st['union_ratio_p8'], '.3f')} ({num(st['target_union_ratio'], '.3f')})")]
+          if st.get("drift") is not None else []),
         ("visible selected key tokens per (query, KV head)", num(st["selected_tokens_per_query"], ".5g")),
+        ("sparsity ratio (visible context keys / selected keys)", num(st.get("sparsity_ratio"), ".3g")),
         ("useful work (GFLOP)", num(st["useful_flops"] / 1e9, ",.2f")),
     ]
     if "crossover_nsb_per_n" in st:

@@ -1,0 +1,159 @@
+"""Is sparsity worth its kernel: the fastest sparse schedule against `dense-masked` over context.
+
+Per regime (a decode batch of R requests x T tokens, or a prefill chunk of N tokens) and dtype, the
+crossover is the context where the fastest sparse backend's module time meets dense-masked's
+(log-interpolated between measured contexts, tables.measured_crossover): above it, sparse wins. The
+model's crossover comes from the same rows: the least model time of the sparse backends against
+predict_dense, for dense-masked as it runs (K/V gathered contiguous, mask built) and for a paged
+dense kernel that reads the cache where it is. `auto` is no sparse schedule here: it may pick dense.
+"""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from ..roofline.devices import DeviceProfile
+from ..roofline.model import DENSE, predict_dense
+from .results import Run
+from .tables import measured_crossover, model_time, ok_units, row_model_shape
+
+NOT_SPARSE = ("auto", "reference", "dense-gather")
+REGIME_FIELDS = ("generator", "requests", "query_tokens", "chunks", "chunk_tokens")
+
+
+def _base(backend: str) -> str:
+    return backend.partition("@")[0]
+
+
+def regime_label(row) -> str:
+    """'decode 16 x 1', 'prefill chunk N 2048' (a drift chunk), 'mixed 1 x 8192 + 512 x 1'."""
+    def num(key):
+        v = row.get(key)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+    gen = row.get("generator")
+    if gen == "decode":
+        return f"decode {num('requests')} x {num('query_tokens')}"
+    if gen == "drift":
+        return f"prefill chunk N {num('chunk_tokens')}"
+    if gen == "mixed":
+        return f"mixed {num('chunks')} x {num('chunk_tokens')} + {num('requests')} x {num('query_tokens')}"
+    return f"{gen} N {num('tokens')}"
+
+
+def dense_units(run: Run) -> pd.DataFrame:
+    """OK units of runs that hold dense-masked and vary the context per regime, with a `regime` column;
+    empty otherwise."""
+    t = ok_units(run)
+    if t.empty or "module.median_s" not in t or not (t["backend"].map(_base) == DENSE).any():
+        return pd.DataFrame()
+    t = t.copy()
+    t["regime"] = [regime_label(r) for r in t.to_dict("records")]
+    keep = t.groupby("regime")["context"].transform("nunique") > 1
+    return t[keep]
+
+
+def _sparse(g: pd.DataFrame) -> pd.DataFrame:
+    base = g["backend"].map(_base)
+    return g[(base != DENSE) & ~base.isin(NOT_SPARSE)]
+
+
+def _paged_dense_time(row, device: DeviceProfile) -> float:
+    pred = predict_dense(row_model_shape(row), row["wl_n_tokens"], row["wl_dense_kv_blocks"], row["wl_dense_keys"],
+                         device, gathered=False)
+    return pred.time_s
+
+
+def _ratio_at(g: pd.DataFrame, context: float | None) -> float | None:
+    """The sparsity ratio at a (possibly interpolated) context: it is proportional to the context."""
+    if context is None or "wl_sparsity_ratio" not in g:
+        return None
+    per = (g["wl_sparsity_ratio"] / g["context"]).median()
+    return float(per * context) if math.isfinite(per) else None
+
+
+def crossover_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
+    """One row per regime and dtype: measured and predicted crossover context and sparsity ratio."""
+    t = dense_units(run)
+    rows = []
+    if t.empty:
+        return pd.DataFrame()
+    for (regime, dtype), g in t.groupby(["regime", "dtype"], sort=True):
+        dense = g[g["backend"].map(_base) == DENSE].groupby("context")["module.median_s"].median()
+        sparse_units = _sparse(g)
+        if dense.empty or sparse_units.empty:
+            continue
+        sparse = sparse_units.groupby("context")["module.median_s"].min()
+        common = sparse.index.intersection(dense.index)
+        x = common.to_numpy(float)
+        value, note = measured_crossover(x, dense[common].to_numpy(float), sparse[common].to_numpy(float),
+                                         names=("dense-masked", "sparse"), axis="context")
+        top = common.max() if len(common) else None
+        fastest = (sparse_units[sparse_units["context"] == top].sort_values("module.median_s")["backend"].iloc[0]
+                   if top is not None else "")
+        row = {"regime": regime, "dtype": dtype, "fastest sparse (largest context)": fastest,
+               "measured context": value, "measured ratio": _ratio_at(g, value), "how": note}
+        if device is not None:
+            d_rows = g[g["backend"].map(_base) == DENSE].drop_duplicates("context").set_index("context")
+            model_sparse = sparse_units.assign(m=[model_time(r, r["schedule"], device)
+                                                  for _, r in sparse_units.iterrows()])
+            ms = model_sparse.groupby("context")["m"].min().reindex(common)
+            md = pd.Series([model_time(d_rows.loc[c], DENSE, device) for c in common], index=common)
+            mp = pd.Series([_paged_dense_time(d_rows.loc[c], device) for c in common], index=common)
+            for label, dense_model in (("model", md), ("model, paged dense", mp)):
+                ok = ms.notna() & dense_model.notna()
+                v, _ = (measured_crossover(x[ok.to_numpy()], dense_model[ok].to_numpy(float),
+                                           ms[ok].to_numpy(float)) if ok.any() else (None, ""))
+                row[f"{label} context"] = v
+                row[f"{label} ratio"] = _ratio_at(g, v)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _tokens(v: float) -> str:
+    return f"{v / 1024:,.1f}K" if v >= 1024 else f"{v:,.0f}"
+
+
+def crossover_figures(run: Run, device: DeviceProfile | None):
+    """One figure per dtype: module time against context (log-log), a panel per regime, every sparse
+    backend and dense-masked, the measured crossover (solid line) and the model's (dotted)."""
+    from .plots import MEASURED_STYLES, _title, plt
+    t = dense_units(run)
+    if t.empty:
+        return []
+    table = crossover_table(run, device)
+    out = []
+    for dtype, gd in t.groupby("dtype", sort=True):
+        regimes = sorted(gd["regime"].unique())
+        fig, axes = plt.subplots(1, len(regimes), figsize=(4.2 * len(regimes), 3.8), squeeze=False)
+        backends = sorted(gd["backend"].unique())
+        styles = [st for st in MEASURED_STYLES if st[0] != "black"]          # black is dense-masked's
+        for ax, regime in zip(axes[0], regimes):
+            g = gd[gd["regime"] == regime]
+            for i, b in enumerate(backends):
+                gb = g[g["backend"] == b].groupby("context")["module.median_s"].median()
+                if gb.empty:
+                    continue
+                dense = _base(b) == DENSE
+                color, marker = ("black", "o") if dense else styles[i % len(styles)]
+                ax.plot(gb.index, gb.values * 1e3, marker=marker, color=color, lw=2.2 if dense else 1.2,
+                        ls="--" if dense else "-", ms=4, label=b)
+            row = table[(table["regime"] == regime) & (table["dtype"] == dtype)] if not table.empty else table
+            if not row.empty:
+                r = row.iloc[0]
+                for key, style in (("measured context", "-"), ("model context", ":")):
+                    v = r.get(key)
+                    if v is not None and isinstance(v, float) and math.isfinite(v):
+                        ax.axvline(v, color="tab:red", ls=style, lw=1.2,
+                                   label=f"{key.split()[0]} crossover {_tokens(v)}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("module time (ms)")
+            ax.set_title(regime, fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6)
+        fig.suptitle(_title(run, f"Sparse schedules against dense-masked, {dtype}"), fontsize=10)
+        fig.tight_layout()
+        out.append((f"dense_crossover_{dtype}.png", fig))
+    return out
