@@ -10,9 +10,7 @@ import math
 from ..roofline.devices import DeviceProfile, profile_for_gpu
 from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noqa: F401  (the launch's model terms)
 from ..roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, PACKED, SCHEDULE_OF_BACKEND, ModelShape, Prediction, predict
-
-
-HYBRID = "hybrid"      # packed tiles plus a KV-outer residual: a schedule of its own, modelled as their sum by `auto`
+from ..roofline.hybrid import HYBRID
 
 
 def schedule_of(backend: str, plan_info=None) -> str | None:
