@@ -195,6 +195,9 @@ def check(
     typer.echo(f"{backend} {dtype} on {w.device}: N={w.n_tokens} Hq={s.hq} Hkv={s.hkv} D={s.head_dim} "
                f"block={s.block} topk={s.topk} {describe(point, requests)}; compared {details['rows']} rows")
     typer.echo(f"plan: {details['info']}")
+    if "auto" in details["info"]:
+        from .kernels.auto import auto_line
+        typer.echo(auto_line(details["info"]))
     failed = False
     for stage, (ok, msg) in details.get("stage_checks", {}).items():
         failed |= not ok

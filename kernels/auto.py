@@ -89,7 +89,7 @@ def auto_line(info: dict) -> str:
     a = info.get("auto") or {}
     pred = a.get("predicted_s") or {}
     ranked = sorted(pred, key=pred.get)
-    parts = ", ".join(f"{k} {pred[k] * 1e6:.1f}" for k in ranked)
+    parts = ", ".join(f"{k} {pred[k] * 1e6:.3g}" for k in ranked)
     line = f"auto picked {a.get('picked')} (predicted us: {parts})"
     if a.get("skipped"):
         line += f"; skipped {len(a['skipped'])}: {', '.join(sorted(a['skipped']))}"

@@ -77,7 +77,7 @@ print(report.markdown_table(tables.status_table(run)))
 # on the log reuse axis.
 
 # %%
-print(report.markdown_table(tables.throughput_table(run)))
+print(report.markdown_table(tables.throughput_table(run, device)))
 for c in tables.crossovers(run, device):
     print(f"{c.group} {c.dtype}: {c.kv_backend} vs {c.q_backend}: measured {c.measured} ({c.measured_note}), "
           f"predicted {c.predicted}")
