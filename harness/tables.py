@@ -220,7 +220,7 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     dtype = row["dtype"] if row["dtype"] in ("bf16", "fp8") else "bf16"
     stages = [s for s in STAGE_ORDER + ("gather", "output")
               if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
-    return roof / achieved(device, row["backend"], dtype) + fixed_cost(device, row["backend"], stages)[0]
+    return roof / achieved(device, row["backend"], dtype) + fixed_cost(device, row["backend"], stages, dtype)[0]
 
 
 def fidelity_table(run: Run, device: DeviceProfile | None, within: float = 0.25) -> pd.DataFrame:

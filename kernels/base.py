@@ -101,7 +101,7 @@ class Backend:
         costs of this backend's stages."""
         from ..roofline.model import fixed_cost
         t, used = self.roofline(w, inputs, profile)
-        fixed, _ = fixed_cost(profile, self.name, self.stage_names)
+        fixed, _ = fixed_cost(profile, self.name, self.stage_names, model_dtype(w.dtype))
         return t + fixed, {**used, "fixed_s": fixed}
 
     def unavailable_reason(self, dtype: str, device: torch.device | str) -> str | None:

@@ -95,16 +95,16 @@ class Prediction:
         return self.time_s - self.fixed_s
 
 
-def fixed_cost(device: DeviceProfile, backend: str, stages) -> tuple[float, dict]:
+def fixed_cost(device: DeviceProfile, backend: str, stages, dtype: str | None = None) -> tuple[float, dict]:
     """(seconds, per stage) a module of `backend` (BASE@OPTION counts as BASE) running `stages` costs
-    whatever its size: each stage's calibrated cost, at least its launches x the launch cost; 0 for a
-    stage the profile has not measured."""
+    whatever its size: each stage's calibrated cost ("backend/stage/dtype", else "backend/stage"), at
+    least its launches x the launch cost; 0 for a stage the profile has not measured."""
     fc = device.fixed_costs or {}
     launch, table = float(fc.get("launch_s", 0.0)), fc.get("stages") or {}
     base = backend.partition("@")[0]
     per = {}
     for stage in stages:
-        got = table.get(f"{base}/{stage}") or {}
+        got = table.get(f"{base}/{stage}/{dtype}") or table.get(f"{base}/{stage}") or {}
         per[stage] = max(float(got.get("s", 0.0)), got.get("launches", 0) * launch)
     return sum(per.values()), per
 
