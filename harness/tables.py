@@ -218,9 +218,12 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     if not isinstance(roof, (int, float)) or not math.isfinite(roof):
         return float("nan")
     dtype = row["dtype"] if row["dtype"] in ("bf16", "fp8") else "bf16"
-    stages = [s for s in STAGE_ORDER + ("gather", "output")
-              if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
-    return roof / achieved(device, row["backend"], dtype) + fixed_cost(device, row["backend"], stages, dtype)[0]
+    fixed = row.get("module.model_fixed_s", np.nan)
+    if not isinstance(fixed, float) or not math.isfinite(fixed):      # a run made before fixed costs were stored
+        stages = [s for s in STAGE_ORDER + ("gather", "output")
+                  if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
+        fixed = fixed_cost(device, row["backend"], stages, dtype)[0]
+    return roof / achieved(device, row["backend"], dtype) + fixed
 
 
 def fidelity_table(run: Run, device: DeviceProfile | None, within: float = 0.25) -> pd.DataFrame:
