@@ -226,6 +226,41 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     return roof / achieved(device, row["backend"], dtype) + fixed
 
 
+def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
+    """Per point and dtype: the backend the model predicts fastest among those measured there (hybrid's
+    prediction from an `auto` unit's plan, where one ran), against the fastest measured. Replays the pick
+    of today's model on a run made with any `auto`, or none."""
+    from ..kernels.auto import candidate_names
+    from ..roofline.devices import has_achieved
+    t = ok_units(run)
+    if device is None or t.empty or "module.median_s" not in t:
+        return pd.DataFrame()
+    names = set(candidate_names())
+    rows = []
+    for (key, dtype), g in t.groupby(["point_key", "dtype"], sort=True):
+        measured = g[g["backend"] != "auto"].set_index("backend")["module.median_s"]
+        if len(measured) < 2:
+            continue
+        # auto's rules: candidates only, with a measured fraction, flashinfer-packed at union_ratio 1 only
+        weighed = g[g["backend"].isin(names) & np.array([has_achieved(device, b, dtype) for b in g["backend"]])]
+        if UNION in weighed:
+            weighed = weighed[(weighed["backend"] != "flashinfer-packed") | (weighed[UNION] <= 1 + 1e-9)]
+        pred = {r["backend"]: predicted_module_s(r, device) for _, r in weighed.iterrows()}
+        for _, a in g[g["backend"] == "auto"].iterrows():
+            recorded = ((_info(a.get("plan_info")).get("auto") or {}).get("predicted_s") or {})
+            if "hybrid" in recorded and "hybrid" in measured.index:
+                pred["hybrid"] = float(recorded["hybrid"])
+        pred = {b: v for b, v in pred.items() if math.isfinite(v)}
+        if not pred:
+            continue
+        pick = min(pred, key=pred.get)
+        fastest = measured.idxmin()
+        rows.append({"dtype": dtype, "N": g["wl_n_tokens"].iloc[0] if "wl_n_tokens" in g else np.nan,
+                     "nsb/N": g["x"].iloc[0], "union_ratio P8": g[UNION].iloc[0] if UNION in g else np.nan,
+                     "model pick": pick, "fastest": fastest, "pick/fastest": measured[pick] / measured[fastest]})
+    return pd.DataFrame(rows)
+
+
 def fidelity_table(run: Run, device: DeviceProfile | None, within: float = 0.25) -> pd.DataFrame:
     """Per backend and dtype: how many units' predicted module time is within `within` of the measured one,
     and the median and worst predicted/measured."""

@@ -1,0 +1,54 @@
+"""Out-of-sample check of `auto` and of the model, on committed run folders (CPU, a few seconds each).
+
+The device profile's achieved fractions were fitted on results/h200/co-selection; every other run is out of
+sample. Per run: `auto` as measured against the fastest backend per point; today's model's pick replayed
+over the backends measured at each point (ratio pick / fastest); and the fraction of units whose predicted
+module time (roofline / achieved + fixed costs) is within 25 % of the measured one.
+
+    python scripts/auto-validation.py results/h200/*/ [--device h200|PROFILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from msa_bench.errors import UserError
+from msa_bench.harness import tables
+from msa_bench.harness.results import load_run
+from msa_bench.roofline.devices import load_device
+
+FITTED_ON = "co-selection"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="run folders (msa-bench sweep --out)")
+    ap.add_argument("--device", default="h200", help="device profile: a preset name or PROFILE.json (default h200)")
+    ap.add_argument("--within", type=float, default=0.05, help="auto's target, a fraction of the fastest (0.05)")
+    args = ap.parse_args(argv)
+    dev = load_device(args.device)
+    print(f"{'run':<28} {'pts':>4} {'auto<=5%':>8} {'worst':>6} | {'pick<=5%':>8} {'worst':>6} | "
+          f"{'fid<=25%':>8} {'units':>5}")
+    for path in args.runs:
+        try:
+            run = load_run(path)
+        except UserError as exc:
+            print(f"{path}: {exc}", file=sys.stderr)
+            return 2
+        name = path.rstrip("/").split("/")[-1] + (" (fit)" if path.rstrip("/").endswith(FITTED_ON) else "")
+        av = tables.auto_summary(tables.auto_vs_fastest(run), args.within)
+        mp = tables.model_pick_table(run, dev)
+        fid = tables.fidelity_table(run, dev)
+        within = fid.filter(like="within").sum(axis=1).sum() if not fid.empty else 0
+        units = int(fid["units"].sum()) if not fid.empty else 0
+        r = mp["pick/fastest"] if not mp.empty else None
+        print(f"{name:<28} {av.get('points', 0):>4} "
+              f"{(format(av['share_within'], '.0%') if av else '-'):>8} {(format(av['worst'], '.3f') if av else '-'):>6} | "
+              f"{(format(float((r <= 1 + args.within).mean()), '.0%') if r is not None else '-'):>8} "
+              f"{(format(float(r.max()), '.3f') if r is not None else '-'):>6} | "
+              f"{(format(within / units, '.0%') if units else '-'):>8} {units:>5}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
