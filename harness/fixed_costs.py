@@ -52,7 +52,9 @@ def launch_seconds(device) -> tuple[float, list]:
 
 def count_launches(fn) -> int:
     """GPU kernels (and memsets/copies) one eager call of `fn` issues, by the PyTorch profiler; 0 if it
-    cannot tell."""
+    cannot tell (or off a GPU)."""
+    if not torch.cuda.is_available():
+        return 0
     try:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -64,37 +66,48 @@ def count_launches(fn) -> int:
         return 0
 
 
-def calibration_points(dtype: str):
+def calibration_points(dtype: str, shape=None, tokens=TOKENS, context=CONTEXT):
+    """One request of n tokens each, most of a token's selected blocks its own (reuse half the most the
+    context allows, at most topk x Hkv / 2)."""
     from ..scenarios.grid import point_from_options
     from ..scenarios.workload import AttnShape
-    shape = AttnShape()
-    pairs = shape.hkv * CONTEXT // shape.block
-    for n in TOKENS:
+    shape = shape or AttnShape()
+    pairs = shape.hkv * context // shape.block
+    for n in tokens:
         reuse = min(float(shape.hkv * shape.topk) / 2, 0.5 * pairs / n)
-        yield point_from_options("synthetic", shape, dtype, tokens=n, context=CONTEXT, reuse=reuse)
+        yield point_from_options("synthetic", shape, dtype, tokens=n, context=context, reuse=reuse)
 
 
-def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print) -> dict:
+def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, device="cuda", points=None,
+                   timing: TimingConfig = TIMING) -> dict:
     """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches})]} for every candidate here."""
+    from ..errors import one_line
     from ..kernels.auto import candidate_names
     from ..kernels.base import ModelInputs, get_backend
     from ..scenarios.grid import make_workload
-    device = torch.device("cuda")
+    device = torch.device(device)
+    points = points or calibration_points
     series: dict = {}
+    launches: dict = {}
     for dtype in dtypes:
-        for point in calibration_points(dtype):
+        for point in points(dtype):
             w = make_workload(point, device)
             inputs = ModelInputs(w)
             for name in candidate_names():
                 backend = get_backend(name)
                 if backend.workload_unavailable_reason(w):     # model fit aside: a fixed cost is the same
                     continue
-                plan = backend.plan(w)
-                roof, _ = backend.roofline(w, inputs, profile)
-                samples = time_plan(plan, TIMING, device)
+                try:
+                    plan = backend.plan(w)
+                    roof, _ = backend.roofline(w, inputs, profile)
+                    samples = time_plan(plan, timing, device)
+                except Exception as exc:    # one backend that fails here leaves the others' costs measured
+                    log(f"  fixed costs: {name} {dtype} N {w.n_tokens} skipped: {one_line(exc)}")
+                    continue
                 medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
-                launches = {s: count_launches(fn) for s, fn in plan.stages.items()}
-                series.setdefault((name, dtype), []).append((roof, medians, launches))
+                if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
+                    launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
+                series.setdefault((name, dtype), []).append((roof, medians, launches[(name, dtype)]))
                 del plan
             del w
             torch.cuda.empty_cache()

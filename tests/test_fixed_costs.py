@@ -199,3 +199,21 @@ def test_a_result_row_stores_the_fixed_costs_of_the_stages_the_plan_ran():
     picked = {"schedule": "hybrid", "auto": {"backend": "kv-outer"}}
     rows = {r["statistic"]: r["value"] for r in runner._model_rows(point, "auto", wl, None, picked, stages)}
     assert rows == {"model_fixed_s": pytest.approx(34e-6)}      # hybrid: no one closed form, its fixed costs kept
+
+
+def test_the_calibration_series_times_every_candidate_stage_and_fits_it(monkeypatch):
+    """The GPU procedure's loop on the CPU (host timer, Triton's interpreter) over two candidates."""
+    from msa_bench.harness import fixed_costs
+    from msa_bench.harness.timing import TimingConfig
+    monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer", "flashinfer"])
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), 1024)
+    series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu", points=points,
+                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
+    assert set(series) == {("kv-outer", "fp32")}          # flashinfer: no GPU here
+    rows = series[("kv-outer", "fp32")]
+    assert len(rows) == 2 and len({r[0] for r in rows}) == 2
+    assert set(rows[0][1]) == {"index_map", "schedule", "attention", "combine", "module"}
+    stages = fit_series(series)
+    assert {k.split("/")[1] for k in stages if k.startswith("kv-outer/")} == {"index_map", "schedule", "attention",
+                                                                             "combine"}
+    assert all(e["s"] >= 0 for e in stages.values())
