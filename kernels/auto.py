@@ -62,10 +62,13 @@ class AutoBackend(Backend):
                 if missing:
                     why = f"{name}: profile {profile.name} has no achieved fraction of {missing[0]}/{model_dtype(w.dtype)}"
             if why is None:
-                seconds, used = backend.predict_module(w, inputs, profile)
-                out[name] = (backend, seconds, used)
-            else:
-                skipped[name] = why
+                try:
+                    seconds, used = backend.predict_module(w, inputs, profile)
+                    out[name] = (backend, seconds, used)
+                    continue
+                except BackendUnavailable as exc:     # e.g. a launch configuration this shape cannot take
+                    why = str(exc)
+            skipped[name] = why
         if not out:
             raise BackendUnavailable(f"{self.name}: no candidate runs here"
                                      + (f" ({next(iter(skipped.values()))})" if skipped else ""))

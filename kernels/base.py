@@ -42,14 +42,15 @@ class ModelInputs:
         self.per_query = self.selected / (n * s.hkv) if n else 0.0
         self.nsb = float(selected_pairs(w)[1].numel())
         self.flops = useful_flops(w)
-        self._union: dict[int, float] = {}
+        self._union: dict[tuple, float] = {}
 
-    def union_ratio(self, tile: int) -> float:
-        """The workload's union_ratio at tiles of `tile` tokens (1 where nothing is selected)."""
-        if tile not in self._union:
+    def union_ratio(self, tile: int, padded: bool = False) -> float:
+        """The workload's union_ratio at tiles of `tile` tokens (1 where nothing is selected); padded: with
+        every tile counted as `tile` tokens, what a token-packed kernel executes (scenarios/stats.py)."""
+        if (tile, padded) not in self._union:
             from ..scenarios.stats import union_ratio
-            self._union[tile] = union_ratio(self.w.selection, self.w.q_request, tile) or 1.0
-        return self._union[tile]
+            self._union[(tile, padded)] = union_ratio(self.w.selection, self.w.q_request, tile, padded) or 1.0
+        return self._union[(tile, padded)]
 
 
 def model_dtype(dtype: str) -> str:
@@ -87,7 +88,8 @@ class Backend:
         the fraction of it the backend reaches on this device. Fixed costs are not in it."""
         from ..roofline.devices import achieved
         from ..roofline.model import PACKED, predict
-        union = inputs.union_ratio(self.tile_tokens) if self.schedule == PACKED else None
+        # a packed tile runs P x G rows per union block however few tokens it holds (decode: one)
+        union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == PACKED else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=self.tile_tokens)
         frac = achieved(profile, self.name, model_dtype(w.dtype))

@@ -57,11 +57,13 @@ def tile_slots(q_request: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.
     return ids, pos, torch.bincount(ids, minlength=int(ids.max()) + 1 if n else 0)
 
 
-def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int) -> float | None:
+def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int, padded: bool = False) -> float | None:
     """Co-selection at tile size P = `tile`: sum over (tile, KV head) of tokens in the tile x distinct
     valid blocks its tokens select, over the valid (token, KV head, block) entries. 1 when every token
     of every tile selects the same blocks, at most P; the FLOPs a token-packed schedule executes are
-    the useful ones times this. None when nothing is selected."""
+    the useful ones times this. None when nothing is selected.
+    padded: count every tile as P tokens, as a kernel of P-token tiles computes them: a request's last,
+    shorter tile (a decode request's single token) still runs P x G rows per union block."""
     sel = selection.to(torch.int32).cpu()
     hkv, n, topk = sel.shape
     total = int(torch.count_nonzero(sel >= 0))
@@ -77,7 +79,8 @@ def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int) -> 
     rows = rows.view(hkv, tiles, tile * topk)
     srt = rows.sort(-1).values
     distinct = (srt[..., 1:] != srt[..., :-1]).sum(-1) + (srt[..., 0] >= 0).long()
-    return float((distinct * sizes.view(1, -1)).sum()) / total
+    weight = torch.full_like(sizes, tile) if padded else sizes
+    return float((distinct * weight.view(1, -1)).sum()) / total
 
 
 def _quantiles(counts: torch.Tensor) -> dict:

@@ -217,3 +217,18 @@ def test_the_calibration_series_times_every_candidate_stage_and_fits_it(monkeypa
     assert {k.split("/")[1] for k in stages if k.startswith("kv-outer/")} == {"index_map", "schedule", "attention",
                                                                              "combine"}
     assert all(e["s"] >= 0 for e in stages.values())
+
+
+def test_a_packed_candidate_pays_full_tiles_on_decode():
+    """One token per request: each tile holds one token, yet the packed kernel runs P x G rows per block."""
+    from msa_bench.harness.check import edge_case_workload
+    from msa_bench.kernels.base import ModelInputs
+    from msa_bench.roofline.model import predict
+    w = edge_case_workload(SMALL, "fp32", [256] * 16, [1] * 16, False, seed=2)
+    inputs = ModelInputs(w)
+    assert inputs.union_ratio(8) == pytest.approx(1.0)
+    assert inputs.union_ratio(8, padded=True) == pytest.approx(8.0)
+    t, used = get_backend("q-packed").roofline(w, inputs, replace(PRESETS["h200"], achieved={}))
+    full = predict("q-packed", get_backend("q-packed").model_shape(w), w.n_tokens, inputs.nsb, PRESETS["h200"],
+                   inputs.per_query, inputs.flops, union_ratio=8.0)
+    assert used["union_ratio"] == pytest.approx(8.0) and t == pytest.approx(full.time_s)

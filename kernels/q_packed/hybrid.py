@@ -125,7 +125,7 @@ class HybridBackend(Backend):
         selected, flops = inputs.selected, inputs.flops
         residual = float((res >= 0).sum())
         packed = selected - residual
-        executed = float(sch.tile_count.double() @ sch.tile_ntok.double().repeat(s.hkv))
+        executed = float(sch.tile_count.double().sum()) * self.tokens_per_tile     # P x G rows per union block
         head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
         t, parts = 0.0, {}
         if packed > 0:
