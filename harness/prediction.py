@@ -42,9 +42,11 @@ def tile_tokens(plan_info) -> int:
 
 
 def union_ratio_for(stats, tile: int) -> float | None:
-    """The workload's union_ratio at tile size `tile` from its statistics (workload_stats keys, or a result
-    row's wl_ columns); None when not measured at that P."""
-    for key in (f"union_ratio_p{tile}", f"wl_union_ratio_p{tile}"):
+    """The union_ratio a token-packed kernel of `tile`-token tiles executes, from the workload's statistics
+    (workload_stats keys, or a result row's wl_ columns): every tile counted as P tokens where recorded
+    (runs made before 2026-12-02 record only the plain one); None when not measured at that P."""
+    for key in (f"executed_union_ratio_p{tile}", f"wl_executed_union_ratio_p{tile}", f"union_ratio_p{tile}",
+                f"wl_union_ratio_p{tile}"):
         value = stats.get(key) if hasattr(stats, "get") else None
         if _usable(value):
             return float(value)

@@ -121,6 +121,7 @@ def throughput_table(run: Run, device: DeviceProfile | None = None) -> pd.DataFr
             "attention.tflops": "attention TFLOP/s", "module.converged": "CV converged", "throttled": "throttled"}
     t = t.copy()
     t["GB/s"], t["HBM frac"] = hbm_rate(t, device)
+    t = t.drop(columns=[c for c in ("GB/s", "HBM frac") if t[c].isna().all()])     # no model bytes or profile
     out = t[[c for c in cols if c in t]].rename(columns=cols)
     if "CV converged" in out:
         out["CV converged"] = out["CV converged"].fillna(0).astype(bool)

@@ -118,6 +118,8 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "selected_blocks_per_query": valid_entries / (n * s.hkv) if n else 0.0,
         **_quantiles(fanin),
         **{f"union_ratio_p{p}": union_ratio(w.selection, w.q_request, p) for p in UNION_TILES},
+        # what a kernel of P-token tiles executes: a request's shorter last tile counted as P tokens
+        **{f"executed_union_ratio_p{p}": union_ratio(w.selection, w.q_request, p, padded=True) for p in UNION_TILES},
         "selected_tokens": vis,
         "selected_tokens_per_query": vis / (n * s.hkv) if n else 0.0,
         "useful_flops": useful_flops(w),
@@ -130,7 +132,7 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         out["weight"] = w.meta.get("weight", 0.0)
     if device_profile is not None:
         out.update(predicted_times(w, nsb, valid_entries, out["useful_flops"], device_profile,
-                                   out[f"union_ratio_p{UNION_TILES[0]}"]))
+                                   out[f"executed_union_ratio_p{UNION_TILES[0]}"]))
     return out
 
 
