@@ -232,7 +232,7 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
     prediction from an `auto` unit's plan, where one ran), against the fastest measured. Replays the pick
     of today's model on a run made with any `auto`, or none."""
     from ..kernels.auto import candidate_names
-    from ..roofline.devices import has_achieved
+    from ..roofline.devices import has_achieved, has_fixed_costs
     t = ok_units(run)
     if device is None or t.empty or "module.median_s" not in t:
         return pd.DataFrame()
@@ -243,14 +243,17 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
         if len(measured) < 2:
             continue
         # auto's rules: candidates only, with a measured fraction, flashinfer-packed at union_ratio 1 only
-        weighed = g[g["backend"].isin(names) & np.array([has_achieved(device, b, dtype) for b in g["backend"]])]
+        weighed = g[g["backend"].isin(names) & np.array([has_achieved(device, b, dtype)
+                                                           and has_fixed_costs(device, b, dtype) for b in g["backend"]])]
         if UNION in weighed:
             weighed = weighed[(weighed["backend"] != "flashinfer-packed") | (weighed[UNION] <= 1 + 1e-9)]
         pred = {r["backend"]: predicted_module_s(r, device) for _, r in weighed.iterrows()}
         for _, a in g[g["backend"] == "auto"].iterrows():
             recorded = ((_info(a.get("plan_info")).get("auto") or {}).get("predicted_s") or {})
-            if "hybrid" in recorded and "hybrid" in measured.index:
-                pred["hybrid"] = float(recorded["hybrid"])
+            if "hybrid" in recorded and "hybrid" in measured.index and has_fixed_costs(device, "hybrid", dtype):
+                # recorded before fixed costs were stored: its stages' costs added here
+                pred["hybrid"] = float(recorded["hybrid"]) + fixed_cost(device, "hybrid", ("schedule", "attention",
+                                                                                       "combine"), dtype)[0]
         pred = {b: v for b, v in pred.items() if math.isfinite(v)}
         if not pred:
             continue

@@ -4,13 +4,13 @@ Candidates: every registered backend that declares itself one (`Backend.candidat
 model knows (`Backend.schedule`: roofline/model.py's schedules, or the hybrid split), so a new backend joins
 by declaring both. A candidate is skipped, with the reason kept, where it cannot run the workload here, where
 the model does not fit it (flashinfer-packed off union_ratio 1), or where the device profile measured other
-backends' achieved fractions and not its own (1 would flatter it). Each prediction is the candidate's roofline
+backends' achieved fractions or fixed costs and not its own (1, or 0 s, would flatter it). Each prediction is the candidate's roofline
 time over its achieved fraction, plus the fixed costs of its stages (`DeviceProfile.fixed_costs`). The plan
 records every prediction, the skipped candidates and the pick under "auto", the schedule under "schedule".
 """
 from __future__ import annotations
 
-from ..roofline.devices import device_profile, has_achieved
+from ..roofline.devices import device_profile, has_achieved, has_fixed_costs
 from ..roofline.hybrid import HYBRID
 from ..roofline.model import ALL_SCHEDULES, PACKED
 from ..scenarios.workload import Workload
@@ -61,6 +61,8 @@ class AutoBackend(Backend):
                 missing = [b for b in backend.achieved_names(w) if not has_achieved(profile, b, model_dtype(w.dtype))]
                 if missing:
                     why = f"{name}: profile {profile.name} has no achieved fraction of {missing[0]}/{model_dtype(w.dtype)}"
+                elif not has_fixed_costs(profile, name, model_dtype(w.dtype)):
+                    why = f"{name}: profile {profile.name} has no fixed costs for it in {model_dtype(w.dtype)}"
             if why is None:
                 try:
                     seconds, used = backend.predict_module(w, inputs, profile)

@@ -102,6 +102,15 @@ def has_achieved(profile: DeviceProfile, backend: str, dtype: str) -> bool:
     return not profile.achieved or f"{backend.partition('@')[0]}/{dtype}" in profile.achieved
 
 
+def has_fixed_costs(profile: DeviceProfile, backend: str, dtype: str) -> bool:
+    """Whether the profile measured `backend`'s stages (in `dtype`, or for every dtype), or measured no
+    stage at all (then every fixed cost is 0, or its launches')."""
+    stages = (profile.fixed_costs or {}).get("stages") or {}
+    base = backend.partition("@")[0]
+    keys = [k.split("/") for k in stages]
+    return not stages or any(k[0] == base and (len(k) == 2 or k[2] == dtype) for k in keys)
+
+
 def device_profile(device) -> DeviceProfile:
     """The roofline profile of a workload's device: its GPU's preset, the H200's on a CPU or unknown GPU."""
     import torch

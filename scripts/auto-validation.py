@@ -5,19 +5,40 @@ sample. Per run: `auto` as measured against the fastest backend per point; today
 over the backends measured at each point (ratio pick / fastest); and the fraction of units whose predicted
 module time (roofline / achieved + fixed costs) is within 25 % of the measured one.
 
-    python scripts/auto-validation.py results/h200/*/ [--device h200|PROFILE.json]
+    python scripts/auto-validation.py results/h200/*/ [--device h200|PROFILE.json] [--fit-fixed RUN ...]
+
+--fit-fixed fits the fixed costs on the named runs instead (the calibration's rule, roofline time as x,
+each stage's and the module's median as y; the GPU's own `msa-bench calibrate` measures them on
+small workloads) and checks them on every run: the runs named there are in sample.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from dataclasses import replace
+
 from msa_bench.errors import UserError
 from msa_bench.harness import tables
+from msa_bench.harness.fixed_costs import fit_series
 from msa_bench.harness.results import load_run
 from msa_bench.roofline.devices import load_device
 
 FITTED_ON = "co-selection"
+
+
+def series_of(runs) -> dict:
+    """fit_series' input from measured units: (roofline s, {stage: median s}) per backend and dtype."""
+    out = {}
+    for run in runs:
+        t = tables.ok_units(run)
+        if "module.model_time_s" not in t:
+            continue
+        for _, r in t[t["module.model_time_s"].notna()].iterrows():
+            medians = {s: r[f"{s}.median_s"] for s in (*tables.STAGE_ORDER, "gather", "output", "module")
+                       if f"{s}.median_s" in r and r[f"{s}.median_s"] == r[f"{s}.median_s"]}
+            out.setdefault((r["backend"], r["dtype"]), []).append((r["module.model_time_s"], medians, {}))
+    return out
 
 
 def main(argv=None) -> int:
@@ -25,8 +46,15 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="+", help="run folders (msa-bench sweep --out)")
     ap.add_argument("--device", default="h200", help="device profile: a preset name or PROFILE.json (default h200)")
     ap.add_argument("--within", type=float, default=0.05, help="auto's target, a fraction of the fastest (0.05)")
+    ap.add_argument("--fit-fixed", nargs="+", default=[], metavar="RUN",
+                    help="fit the fixed costs on these runs (in sample) instead of the profile's")
     args = ap.parse_args(argv)
     dev = load_device(args.device)
+    if args.fit_fixed:
+        dev = replace(dev, fixed_costs={"stages": fit_series(series_of([load_run(p) for p in args.fit_fixed]))})
+        print(f"fixed costs fitted on {', '.join(args.fit_fixed)}: " + ", ".join(
+            f"{k} {v['s'] * 1e6:.0f} us" for k, v in sorted(dev.fixed_costs["stages"].items())
+            if k.split("/")[0] in ("kv-outer-cute", "q-packed-cute", "flashinfer", "hybrid")))
     print(f"{'run':<28} {'pts':>4} {'auto<=5%':>8} {'worst':>6} | {'pick<=5%':>8} {'worst':>6} | "
           f"{'fid<=25%':>8} {'units':>5}")
     for path in args.runs:

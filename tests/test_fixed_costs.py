@@ -157,6 +157,7 @@ def test_a_candidate_without_a_measured_fraction_is_skipped_where_others_have_on
 def test_fixed_costs_move_the_pick(fakes, monkeypatch):
     big = {"stages": {f"{b}/{s}": {"s": 0.5, "launches": 0} for b in ("kv-outer", "msa-scatter", "q-packed", "hybrid")
                       for s in ("index_map", "schedule", "attention", "combine")}}
+    big["stages"]["fake-q-outer/attention"] = {"s": 0.0, "launches": 0}
     profile_with(monkeypatch, achieved={}, fixed_costs=big)
     w = workload(with_tensors=True)
     plan = get_backend("auto").plan(w)
@@ -232,3 +233,14 @@ def test_a_packed_candidate_pays_full_tiles_on_decode():
     full = predict("q-packed", get_backend("q-packed").model_shape(w), w.n_tokens, inputs.nsb, PRESETS["h200"],
                    inputs.per_query, inputs.flops, union_ratio=8.0)
     assert used["union_ratio"] == pytest.approx(8.0) and t == pytest.approx(full.time_s)
+
+
+def test_a_candidate_without_measured_fixed_costs_is_skipped_where_others_have_some(fakes, monkeypatch):
+    profile_with(monkeypatch, achieved={}, fixed_costs={"stages": {"kv-outer/index_map/bf16": {"s": 1e-5},
+                                                                   "q-packed/schedule": {"s": 1e-5}}})
+    cands, skipped = get_backend("auto").candidates(workload())
+    assert {"kv-outer", "q-packed"} <= set(cands)
+    assert "no fixed costs" in skipped["msa-scatter"] and "no fixed costs" in skipped["hybrid"]
+    profile_with(monkeypatch, achieved={}, fixed_costs={"stages": {"kv-outer/index_map/fp8": {"s": 1e-5},
+                                                                   "q-packed/schedule": {"s": 1e-5}}})
+    assert "kv-outer" in get_backend("auto").candidates(workload())[1]          # fp32 counts as bf16
