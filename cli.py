@@ -225,6 +225,9 @@ def check(
     typer.echo(f"{backend} {dtype} on {w.device}: N={w.n_tokens} Hq={s.hq} Hkv={s.hkv} D={s.head_dim} "
                f"block={s.block} topk={s.topk} {describe(point, requests)}; compared {details['rows']} rows")
     typer.echo(f"plan: {details['info']}")
+    if "auto" in details["info"]:
+        from .kernels.auto import auto_line
+        typer.echo(auto_line(details["info"]))
     failed = False
     for stage, (ok, msg) in details.get("stage_checks", {}).items():
         failed |= not ok
@@ -553,21 +556,43 @@ def calibrate(
     out: str = typer.Option("", help="Output folder for profile.json and the bandwidth plot (default: results/calibration/<gpu>)."),
     quick: bool = typer.Option(False, help="Smaller buffers and fewer repetitions (a smoke test; the profile is less exact)."),
     name: str = typer.Option("", help="Profile name (default: <gpu>-calibrated)."),
+    fixed_costs_only: bool = typer.Option(False, "--fixed-costs-only", help="Measure only the fixed costs (seconds "
+                                          "per kernel launch and per backend stage) into the existing OUT/profile.json."),
 ):
     """Measure this GPU's HBM read and copy bandwidth, the L2 read plateau (working-set sweep) and the bf16/fp8
-    matmul peaks, then write a device profile for `msa-bench roofline --device PROFILE.json` and a PNG of
-    bandwidth versus working set. Needs a CUDA GPU; about a minute on an H200."""
+    matmul peaks, then the fixed costs (seconds per kernel launch in a CUDA graph, and per stage of every `auto`
+    candidate: its time at zero roofline time), and write a device profile for `msa-bench roofline --device
+    PROFILE.json` and a PNG of bandwidth versus working set. Needs a CUDA GPU; about two minutes on an H200,
+    the fixed costs alone under one."""
+    import json
     from pathlib import Path
-    from .errors import require_cuda
+    from .errors import UserError, require_cuda
     require_cuda("msa-bench calibrate")
-    from .roofline.calibrate import calibrate as run
+    from .harness.fixed_costs import calibrate_fixed_costs
+    from .roofline.calibrate import calibrate as run, with_fixed_costs, write_profile
     import torch
     folder = Path(out) if out else Path("results/calibration") / torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-")
-    result = run(folder, quick=quick, name=name or None, log=typer.echo)
-    p = result["profile"]
-    typer.echo(f"wrote {result['profile_path']} (hbm {p.hbm_bytes_per_s / 1e12:.2f} TB/s, l2 {p.l2_bytes_per_s / 1e12:.2f} TB/s, "
-               f"bf16 {p.mma_flops['bf16'] / 1e12:.0f} / fp8 {p.mma_flops['fp8'] / 1e12:.0f} TFLOP/s) and {result['png_path']} "
-               f"in {result['seconds']:.0f} s")
+    path = folder / "profile.json"
+    if fixed_costs_only:
+        if not path.is_file():
+            raise UserError(f"--fixed-costs-only writes into an existing profile and {path} does not exist; "
+                            "run `msa-bench calibrate` first or pass --out")
+        from .roofline.devices import load_device
+        profile = load_device(str(path))
+        data = json.loads(path.read_text())
+    else:
+        result = run(folder, quick=quick, name=name or None, log=typer.echo)
+        p = profile = result["profile"]
+        typer.echo(f"wrote {result['profile_path']} (hbm {p.hbm_bytes_per_s / 1e12:.2f} TB/s, l2 {p.l2_bytes_per_s / 1e12:.2f} TB/s, "
+                   f"bf16 {p.mma_flops['bf16'] / 1e12:.0f} / fp8 {p.mma_flops['fp8'] / 1e12:.0f} TFLOP/s) and {result['png_path']} "
+                   f"in {result['seconds']:.0f} s")
+        data = json.loads(path.read_text())
+    fc = calibrate_fixed_costs(profile, log=typer.echo)
+    write_profile(with_fixed_costs(data, fc, str(path)), path)
+    typer.echo(f"wrote the fixed costs into {path} ({len(fc['stages'])} stages, launch "
+               f"{fc['launch_s'] * 1e6:.2f} us) in {fc['seconds']:.0f} s")
+    for key, e in sorted(fc["stages"].items()):
+        typer.echo(f"  {key:<36} {e['s'] * 1e6:8.1f} us  ({e['launches']} launches)")
 
 
 EXIT_INTERNAL = 3     # a crash: never a verdict's code (compare: 0 pass, 1 regression, 2 unusable input)

@@ -11,9 +11,7 @@ from ..roofline.devices import DeviceProfile, profile_for_gpu
 from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noqa: F401  (the launch's model terms)
 from ..roofline.model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, DENSE, PACKED, SCHEDULE_OF_BACKEND, ModelShape,
                               Prediction, predict, predict_dense)
-
-
-HYBRID = "hybrid"      # packed tiles plus a KV-outer residual: a schedule of its own, modelled as their sum by `auto`
+from ..roofline.hybrid import HYBRID
 
 
 def schedule_of(backend: str, plan_info=None) -> str | None:
@@ -45,9 +43,11 @@ def tile_tokens(plan_info) -> int:
 
 
 def union_ratio_for(stats, tile: int) -> float | None:
-    """The workload's union_ratio at tile size `tile` from its statistics (workload_stats keys, or a result
-    row's wl_ columns); None when not measured at that P."""
-    for key in (f"union_ratio_p{tile}", f"wl_union_ratio_p{tile}"):
+    """The union_ratio a token-packed kernel of `tile`-token tiles executes, from the workload's statistics
+    (workload_stats keys, or a result row's wl_ columns): every tile counted as P tokens where recorded
+    (runs made before 2026-12-02 record only the plain one); None when not measured at that P."""
+    for key in (f"executed_union_ratio_p{tile}", f"wl_executed_union_ratio_p{tile}", f"union_ratio_p{tile}",
+                f"wl_union_ratio_p{tile}"):
         value = stats.get(key) if hasattr(stats, "get") else None
         if _usable(value):
             return float(value)

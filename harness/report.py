@@ -17,8 +17,9 @@ from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
 from .prediction import device_for_run
 from .results import STATUS_OK, Run, load_run
-from .tables import (accuracy_table, achieved_table, bytes_table, crossovers, is_prefill_run, prefill_aggregate, roofline_picks,
-                     stage_table, status_table, throughput_table)
+from .tables import (accuracy_table, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
+                     fidelity_table, is_prefill_run, prefill_aggregate, roofline_picks, stage_table, status_table,
+                     throughput_table)
 
 
 # ---- Markdown -----------------------------------------------------------------------------------
@@ -75,7 +76,19 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
                 "(column `throttled`).", ""]
     out += ["## Throughput", "", "union_ratio P8: co-selection of the workload (distinct blocks of an 8-token tile "
             "over one token's); max rel err: the unit's measured error against the float64 reference; "
-            "quantization: what the backend states it quantizes.", "", markdown_table(throughput_table(run))]
+            "quantization: what the backend states it quantizes; GB/s: the model's HBM bytes over the measured module "
+            "time, HBM frac: that over the profile's HBM bandwidth (the figures of merit of a memory-bound point).",
+            "", markdown_table(throughput_table(run, device))]
+    av = auto_vs_fastest(run)
+    if not av.empty:
+        s = auto_summary(av)
+        out += ["## auto against the fastest backend measured", "",
+                f"auto is within 5 % of the fastest at {s['share_within']:.0%} of {s['points']} points; worst "
+                f"{s['worst']:.3f}x, median {s['median']:.3f}x.", "", markdown_table(av)]
+    fid = fidelity_table(run, device)
+    if not fid.empty:
+        out += ["## Model fidelity: predicted module time (roofline / achieved + fixed costs) against measured", "",
+                markdown_table(fid)]
     acc = accuracy_table(run)
     if not acc.empty:
         out += ["## Accuracy: what each backend quantizes, and its error against the float64 reference", "",

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..roofline.devices import DeviceProfile
-from ..roofline.model import PACKED, crossover, crossover_at
+from ..roofline.devices import DeviceProfile, achieved
+from ..roofline.model import PACKED, crossover, crossover_at, fixed_cost
 from .axes import UNION, group_label, varying_fields
-from .prediction import launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
+from .prediction import _info, launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
 from .results import STATUS_OK, Run
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
@@ -74,15 +74,29 @@ def status_table(run: Run) -> pd.DataFrame:
     return st.groupby(["backend", "status"]).size().rename("units").reset_index()
 
 
-def throughput_table(run: Run) -> pd.DataFrame:
+def hbm_rate(t: pd.DataFrame, device: DeviceProfile | None) -> tuple[pd.Series, pd.Series]:
+    """(GB/s, fraction of the HBM roofline) per unit row: the model's HBM bytes over the measured module
+    median, the rate a memory-bound point (decode) is judged by; NaN where the unit has no model bytes."""
+    if "module.model_hbm_bytes" not in t or "module.median_s" not in t:
+        nan = pd.Series(np.nan, index=t.index)
+        return nan, nan
+    rate = t["module.model_hbm_bytes"] / t["module.median_s"]
+    frac = rate / device.hbm_bytes_per_s if device is not None else pd.Series(np.nan, index=t.index)
+    return rate / 1e9, frac
+
+
+def throughput_table(run: Run, device: DeviceProfile | None = None) -> pd.DataFrame:
     t = ok_units(run)
     if t.empty:
         return t
     shown = [f for f in varying_fields(t) if f != "reuse"]       # the measured nsb/N stands for it
     cols = {"backend": "backend", "dtype": "dtype", **{f: f for f in shown}, "x": "nsb/N",
             UNION: "union_ratio P8", "wl_n_tokens": "N", "module.median_s": "module_s", "module.cv": "cv",
-            "module.tflops": "TFLOP/s", "max_rel_err": "max rel err", "attention.tflops": "attention TFLOP/s",
-            "module.converged": "CV converged", "throttled": "throttled"}
+            "module.tflops": "TFLOP/s", "GB/s": "GB/s", "HBM frac": "HBM frac", "max_rel_err": "max rel err",
+            "attention.tflops": "attention TFLOP/s", "module.converged": "CV converged", "throttled": "throttled"}
+    t = t.copy()
+    t["GB/s"], t["HBM frac"] = hbm_rate(t, device)
+    t = t.drop(columns=[c for c in ("GB/s", "HBM frac") if t[c].isna().all()])     # no model bytes or profile
     out = t[[c for c in cols if c in t]].rename(columns=cols)
     if "CV converged" in out:
         out["CV converged"] = out["CV converged"].fillna(0).astype(bool)
@@ -136,6 +150,111 @@ def achieved_table(run: Run) -> pd.DataFrame:
     rows = [{"backend": b, "dtype": d, "units": len(g), "achieved (median)": float(g.median()),
              "min": float(g.min()), "max": float(g.max())}
             for (b, d), g in frac.groupby([t["backend"], t["dtype"]])]
+    return pd.DataFrame(rows).sort_values(["dtype", "backend"]).reset_index(drop=True)
+
+
+def auto_vs_fastest(run: Run) -> pd.DataFrame:
+    """Per point and dtype where `auto` ran: its module time against the fastest other backend measured,
+    and what it picked. ratio = auto / fastest (1 = auto is the fastest)."""
+    t = ok_units(run)
+    if t.empty or "module.median_s" not in t or not (t["backend"] == "auto").any():
+        return pd.DataFrame()
+    rows = []
+    for (key, dtype), g in t.groupby(["point_key", "dtype"], sort=True):
+        auto, rest = g[g["backend"] == "auto"], g[g["backend"] != "auto"]
+        if auto.empty or rest.empty:
+            continue
+        a = auto.iloc[0]
+        best = rest.loc[rest["module.median_s"].idxmin()]
+        picked = (_info(a.get("plan_info")).get("auto") or {}).get("picked", "")
+        rows.append({"dtype": dtype, "N": a.get("wl_n_tokens"), "nsb/N": a.get("x"), "union_ratio P8": a.get(UNION),
+                     "auto picked": picked, "auto_s": a["module.median_s"], "fastest": best["backend"],
+                     "fastest_s": best["module.median_s"], "auto/fastest": a["module.median_s"] / best["module.median_s"]})
+    return pd.DataFrame(rows)
+
+
+def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
+    """How often `auto` is within `within` of the fastest, and its worst ratio."""
+    if table.empty:
+        return {}
+    r = table["auto/fastest"]
+    return {"points": len(r), "within": within, "share_within": float((r <= 1 + within).mean()),
+            "worst": float(r.max()), "median": float(r.median())}
+
+
+def predicted_module_s(row, device: DeviceProfile) -> float:
+    """The model's module time for a unit row: `auto` units carry their pick's prediction in plan_info;
+    others, the roofline (model_time_s) over the profile's achieved fraction plus the fixed costs of the
+    stages the unit ran. NaN where the unit has no model time (hybrid, CPU runs)."""
+    info = _info(row.get("plan_info"))
+    if row["backend"] == "auto":
+        a = info.get("auto") or {}
+        return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
+    roof = row.get("module.model_time_s", np.nan)
+    if not isinstance(roof, (int, float)) or not math.isfinite(roof):
+        return float("nan")
+    dtype = row["dtype"] if row["dtype"] in ("bf16", "fp8") else "bf16"
+    fixed = row.get("module.model_fixed_s", np.nan)
+    if not isinstance(fixed, float) or not math.isfinite(fixed):      # a run made before fixed costs were stored
+        stages = [s for s in STAGE_ORDER + ("gather", "output")
+                  if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
+        fixed = fixed_cost(device, row["backend"], stages, dtype)[0]
+    return roof / achieved(device, row["backend"], dtype) + fixed
+
+
+def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
+    """Per point and dtype: the backend the model predicts fastest among those measured there (hybrid's
+    prediction from an `auto` unit's plan, where one ran), against the fastest measured. Replays the pick
+    of today's model on a run made with any `auto`, or none."""
+    from ..kernels.auto import candidate_names
+    from ..roofline.devices import has_achieved, has_fixed_costs
+    t = ok_units(run)
+    if device is None or t.empty or "module.median_s" not in t:
+        return pd.DataFrame()
+    names = set(candidate_names())
+    rows = []
+    for (key, dtype), g in t.groupby(["point_key", "dtype"], sort=True):
+        measured = g[g["backend"] != "auto"].set_index("backend")["module.median_s"]
+        if len(measured) < 2:
+            continue
+        # auto's rules: candidates only, with a measured fraction, flashinfer-packed at union_ratio 1 only
+        weighed = g[g["backend"].isin(names) & np.array([has_achieved(device, b, dtype)
+                                                           and has_fixed_costs(device, b, dtype) for b in g["backend"]])]
+        if UNION in weighed:
+            weighed = weighed[(weighed["backend"] != "flashinfer-packed") | (weighed[UNION] <= 1 + 1e-9)]
+        pred = {r["backend"]: predicted_module_s(r, device) for _, r in weighed.iterrows()}
+        for _, a in g[g["backend"] == "auto"].iterrows():
+            recorded = ((_info(a.get("plan_info")).get("auto") or {}).get("predicted_s") or {})
+            if "hybrid" in recorded and "hybrid" in measured.index and has_fixed_costs(device, "hybrid", dtype):
+                # recorded before fixed costs were stored: its stages' costs added here
+                pred["hybrid"] = float(recorded["hybrid"]) + fixed_cost(device, "hybrid", ("schedule", "attention",
+                                                                                       "combine"), dtype)[0]
+        pred = {b: v for b, v in pred.items() if math.isfinite(v)}
+        if not pred:
+            continue
+        pick = min(pred, key=pred.get)
+        fastest = measured.idxmin()
+        rows.append({"dtype": dtype, "N": g["wl_n_tokens"].iloc[0] if "wl_n_tokens" in g else np.nan,
+                     "nsb/N": g["x"].iloc[0], "union_ratio P8": g[UNION].iloc[0] if UNION in g else np.nan,
+                     "model pick": pick, "fastest": fastest, "pick/fastest": measured[pick] / measured[fastest]})
+    return pd.DataFrame(rows)
+
+
+def fidelity_table(run: Run, device: DeviceProfile | None, within: float = 0.25) -> pd.DataFrame:
+    """Per backend and dtype: how many units' predicted module time is within `within` of the measured one,
+    and the median and worst predicted/measured."""
+    t = ok_units(run)
+    if device is None or t.empty or "module.median_s" not in t:
+        return pd.DataFrame()
+    t = t.copy()
+    t["ratio"] = [predicted_module_s(r, device) for _, r in t.iterrows()] / t["module.median_s"]
+    t = t[np.isfinite(t["ratio"])]
+    if t.empty:
+        return pd.DataFrame()
+    ok = (t["ratio"] - 1).abs() <= within
+    rows = [{"backend": b, "dtype": d, "units": len(g), f"within {within:.0%}": int(ok[g.index].sum()),
+             "predicted/measured (median)": float(g["ratio"].median()), "min": float(g["ratio"].min()),
+             "max": float(g["ratio"].max())} for (b, d), g in t.groupby(["backend", "dtype"])]
     return pd.DataFrame(rows).sort_values(["dtype", "backend"]).reset_index(drop=True)
 
 

@@ -31,10 +31,80 @@ class Plan:
         return self.output
 
 
+class ModelInputs:
+    """What the roofline needs of a workload, computed once for every backend `auto` weighs."""
+
+    def __init__(self, w: Workload):
+        from ..scenarios.stats import selected_pairs, useful_flops
+        s, n = w.shape, w.n_tokens
+        self.w = w
+        self.selected = float((w.selection >= 0).sum())
+        self.per_query = self.selected / (n * s.hkv) if n else 0.0
+        self.nsb = float(selected_pairs(w)[1].numel())
+        self.flops = useful_flops(w)
+        self._union: dict[tuple, float] = {}
+
+    def union_ratio(self, tile: int, padded: bool = False) -> float:
+        """The workload's union_ratio at tiles of `tile` tokens (1 where nothing is selected); padded: with
+        every tile counted as `tile` tokens, what a token-packed kernel executes (scenarios/stats.py)."""
+        if (tile, padded) not in self._union:
+            from ..scenarios.stats import union_ratio
+            self._union[(tile, padded)] = union_ratio(self.w.selection, self.w.q_request, tile, padded) or 1.0
+        return self._union[(tile, padded)]
+
+
+def model_dtype(dtype: str) -> str:
+    """The dtype a profile's achieved fractions are keyed by: fp16 and fp32 count as bf16."""
+    return dtype if dtype in ("bf16", "fp8") else "bf16"
+
+
 class Backend:
     name: str = ""
     description: str = ""
     dtypes: tuple[str, ...] = ()
+    schedule: str | None = None              # the roofline model's schedule it runs (roofline/model.py)
+    candidate: bool = False                  # `auto` weighs it where the model predicts it
+    stage_names: tuple[str, ...] = ()        # the stages its plans run, in order (their fixed costs)
+    tile_tokens: int = 8                     # P of a token-packed schedule
+
+    def model_shape(self, w: Workload):
+        from ..roofline.model import ModelShape
+        s = w.shape
+        return ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+
+    def model_unfit_reason(self, w: Workload, inputs: ModelInputs) -> str | None:
+        """None where the model predicts this backend on `w`, else why not."""
+        from ..roofline.model import ALL_SCHEDULES
+        if self.schedule not in ALL_SCHEDULES:
+            return f"{self.name}: the model has no schedule {self.schedule!r}"
+        return None
+
+    def achieved_names(self, w: Workload) -> tuple[str, ...]:
+        """The backends whose achieved fractions this backend's prediction divides by."""
+        return (self.name,)
+
+    def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
+        """(seconds, what the prediction used): the roofline time of this backend's schedule on `w` over
+        the fraction of it the backend reaches on this device. Fixed costs are not in it."""
+        from ..roofline.devices import achieved
+        from ..roofline.model import PACKED, predict
+        # a packed tile runs P x G rows per union block however few tokens it holds (decode: one)
+        union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == PACKED else None
+        p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
+                    inputs.flops, union_ratio=union, tile_tokens=self.tile_tokens)
+        frac = achieved(profile, self.name, model_dtype(w.dtype))
+        used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
+        if union is not None:
+            used["union_ratio"] = union
+        return p.time_s / frac, used
+
+    def predict_module(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
+        """(seconds, what the prediction used): roofline time over the achieved fraction plus the fixed
+        costs of this backend's stages."""
+        from ..roofline.model import fixed_cost
+        t, used = self.roofline(w, inputs, profile)
+        fixed, _ = fixed_cost(profile, self.name, self.stage_names, model_dtype(w.dtype))
+        return t + fixed, {**used, "fixed_s": fixed}
 
     def unavailable_reason(self, dtype: str, device: torch.device | str) -> str | None:
         """None if this backend can run `dtype` on `device`, else one line saying why not."""
@@ -61,6 +131,12 @@ class Backend:
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}
+
+
+def registered_names() -> list[str]:
+    """Every registered backend name, in registration order."""
+    _load_all()
+    return list(_REGISTRY)
 
 
 def register(name: str):

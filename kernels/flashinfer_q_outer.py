@@ -118,6 +118,9 @@ def folded_views(w: Workload, fold: str):
 
 class FlashInferQOuter(Backend):
     description = "Q-outer: FlashInfer paged attention, one request per (query token, KV head)"
+    schedule = "q-outer"
+    candidate = True
+    stage_names = ("attention",)
 
     def __init__(self, variant: str = DEFAULT_VARIANT, name: str = "flashinfer", fold: str | None = None):
         if variant not in VARIANTS:

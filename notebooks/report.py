@@ -80,7 +80,7 @@ print(report.markdown_table(tables.status_table(run)))
 # %%
 axis = axes.figure_axis(tables.ok_units(run))
 print(f"axis: {axis.kind} ({axis.label}); groups: {axes.group_fields(tables.ok_units(run), axis) or 'none'}")
-print(report.markdown_table(tables.throughput_table(run)))
+print(report.markdown_table(tables.throughput_table(run, device)))
 for c in tables.crossovers(run, device):
     print(f"{c.group} {c.dtype}: KV-outer ({c.kv_backend}) vs Q-outer ({c.q_backend}): measured {c.measured} "
           f"({c.measured_note}), predicted {c.predicted}")

@@ -5,7 +5,7 @@ Presets carry their sources. A profile written by `msa-bench calibrate` (JSON) l
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..errors import UserError
@@ -26,6 +26,9 @@ class DeviceProfile:
     measured: dict = field(default_factory=dict)
     # "backend/dtype" -> the fraction of its roofline time the backend's kernel reaches here, measured
     achieved: dict = field(default_factory=dict)
+    # what a module costs whatever its size (`msa-bench calibrate`): "launch_s", one kernel launch inside a
+    # CUDA graph; "stages", "backend/stage" -> {"s": the stage's time at zero roofline time, "launches"}
+    fixed_costs: dict = field(default_factory=dict)
 
     def peak_flops(self, dtype: str) -> float:
         # fp16 runs at the bf16 rate and fp32 inputs run tf32-or-slower: bf16's rate is an upper bound.
@@ -55,11 +58,65 @@ PRESETS: dict[str, DeviceProfile] = {
                "(`msa-bench report results/h200/co-selection`, 'Achieved fraction')",
         achieved={"kv-outer-cute/bf16": 0.68, "kv-outer-cute/fp8": 0.82, "q-packed-cute/bf16": 0.89,
                   "q-packed-cute/fp8": 0.59, "kv-outer/bf16": 0.61, "kv-outer/fp8": 0.71,
-                  "q-packed/bf16": 0.60, "q-packed/fp8": 0.33}),
+                  "q-packed/bf16": 0.60, "q-packed/fp8": 0.33, "msa-scatter/bf16": 0.56,
+                  "msa-scatter/fp8": 0.64, "flashinfer/bf16": 1.55, "flashinfer/fp8": 0.51,
+                  # flashinfer-packed is a candidate only at union_ratio 1: its u 1 point
+                  "flashinfer-packed/bf16": 0.48, "flashinfer-packed/fp8": 0.18}),
 }
 
 _REQUIRED = {"name": str, "hbm_bytes_per_s": (int, float), "l2_bytes_per_s": (int, float),
              "mma_flops": dict, "l2_bytes": int, "sms": int}
+
+
+# above 1 where the model over-counts a kernel's bytes (FlashInfer's Q-outer bf16 L2 re-reads: 1.55)
+MAX_ACHIEVED = 2.0
+
+
+def _seconds(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1.0
+
+
+def fixed_costs_problem(fc) -> str | None:
+    """None if `fc` is a valid fixed_costs table, else what is wrong with it."""
+    if not isinstance(fc, dict):
+        return "must be a JSON object"
+    if "launch_s" in fc and not _seconds(fc["launch_s"]):
+        return "launch_s must be seconds in [0, 1)"
+    stages = fc.get("stages", {})
+    if not isinstance(stages, dict):
+        return "stages must map 'backend/stage' to {'s': seconds, 'launches': count}"
+    for key, v in stages.items():
+        if "/" not in key or not isinstance(v, dict) or not _seconds(v.get("s")) or \
+                not isinstance(v.get("launches", 0), int) or v.get("launches", 0) < 0:
+            return f"stages[{key!r}] must be {{'s': seconds in [0, 1), 'launches': count}}"
+    return None
+
+
+def achieved(profile: DeviceProfile, backend: str, dtype: str) -> float:
+    """The measured fraction of its roofline a backend reaches on this device, 1 where none is recorded."""
+    return float((profile.achieved or {}).get(f"{backend.partition('@')[0]}/{dtype}", 1.0))
+
+
+def has_achieved(profile: DeviceProfile, backend: str, dtype: str) -> bool:
+    """Whether the profile measured `backend` in `dtype`, or measured nothing (then every fraction is 1)."""
+    return not profile.achieved or f"{backend.partition('@')[0]}/{dtype}" in profile.achieved
+
+
+def has_fixed_costs(profile: DeviceProfile, backend: str, dtype: str) -> bool:
+    """Whether the profile measured `backend`'s stages (in `dtype`, or for every dtype), or measured no
+    stage at all (then every fixed cost is 0, or its launches')."""
+    stages = (profile.fixed_costs or {}).get("stages") or {}
+    base = backend.partition("@")[0]
+    keys = [k.split("/") for k in stages]
+    return not stages or any(k[0] == base and (len(k) == 2 or k[2] == dtype) for k in keys)
+
+
+def device_profile(device) -> DeviceProfile:
+    """The roofline profile of a workload's device: its GPU's preset, the H200's on a CPU or unknown GPU."""
+    import torch
+    if torch.device(device).type == "cuda":
+        return profile_for_gpu(torch.cuda.get_device_name(device)) or preset(FALLBACK_DEVICE)
+    return preset(FALLBACK_DEVICE)
 
 
 def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
@@ -76,17 +133,42 @@ def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
         raise UserError(f"device profile {origin}: mma_flops needs a positive 'bf16' rate (flop/s)")
     achieved = data.get("achieved", {})
     if not isinstance(achieved, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
-                                                 and not isinstance(v, bool) and 0 < v <= 1.5 for k, v in achieved.items()):
-        raise UserError(f"device profile {origin}: achieved must map 'backend/dtype' to a fraction in (0, 1.5]")
+                                                 and not isinstance(v, bool) and 0 < v <= MAX_ACHIEVED
+                                                 for k, v in achieved.items()):
+        raise UserError(f"device profile {origin}: achieved must map 'backend/dtype' to a fraction in "
+                        f"(0, {MAX_ACHIEVED:g}]")
+    problem = fixed_costs_problem(data.get("fixed_costs", {}))
+    if problem:
+        raise UserError(f"device profile {origin}: fixed_costs {problem}")
     known = {k: data[k] for k in DeviceProfile.__dataclass_fields__ if k in data}
     return DeviceProfile(**known)
+
+
+# where `msa-bench calibrate --fixed-costs-only` stores a preset GPU's fixed costs (the committed calibration)
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+CALIBRATION_FILES = {"h200": "results/h200/calibration/profile.json"}
+
+
+def preset(name: str) -> DeviceProfile:
+    """The preset `name` with the fixed costs of its committed calibration, where that holds some."""
+    base = PRESETS[name]
+    path = PACKAGE_ROOT / CALIBRATION_FILES.get(name, "-")
+    if base.fixed_costs or not path.is_file():
+        return base
+    try:
+        fc = json.loads(path.read_text()).get("fixed_costs") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return base
+    if not fc or fixed_costs_problem(fc):
+        return base
+    return replace(base, fixed_costs=fc, source=f"{base.source}; fixed costs: {CALIBRATION_FILES[name]}")
 
 
 def load_device(name_or_path: str) -> DeviceProfile:
     """A preset by name (b200, h100, h200) or a profile JSON written by `msa-bench calibrate`."""
     key = name_or_path.lower()
     if key in PRESETS:
-        return PRESETS[key]
+        return preset(key)
     path = Path(name_or_path)
     if path.suffix != ".json" and not path.exists():
         raise UserError(f"unknown device {name_or_path!r}; use one of {', '.join(PRESETS)} or a profile .json file")
@@ -106,7 +188,7 @@ def profile_for_gpu(gpu_name: str) -> DeviceProfile | None:
     lowered = gpu_name.lower()
     for key in ("b200", "h200", "h100"):
         if key in lowered:
-            return PRESETS[key]
+            return preset(key)
     return None
 
 

@@ -1,7 +1,9 @@
 """The one byte/FLOP model of the schedules, per memory level.
 
 HBM traffic is deduplicated (each tensor crosses HBM once); L2 traffic counts every re-read.
-Predicted time = max(HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, executed FLOPs / MMA peak).
+Predicted time = max(HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, executed FLOPs / MMA peak),
+plus the fixed costs of the stages a backend's plan runs (`fixed_cost`: what a stage costs whatever its
+size, measured by `msa-bench calibrate`; a stage never measured costs its kernel launches).
 
 Schedules: Q-outer (each query token alone: its blocks re-read per token), KV-outer (each block loaded
 once, per-block partials merged by a combine), the MSA-style scatter (KV-outer with a slot store), and
@@ -87,6 +89,25 @@ class Prediction:
     hbm_terms: dict = field(default_factory=dict)
     l2_terms: dict = field(default_factory=dict)
     executed_flops: float | None = None   # what the MMAs run (q-packed: flops x union_ratio); flops is useful work
+    fixed_s: float = 0.0                  # the stages' fixed costs, in time_s (roofline_s is time_s without them)
+
+    @property
+    def roofline_s(self) -> float:
+        return self.time_s - self.fixed_s
+
+
+def fixed_cost(device: DeviceProfile, backend: str, stages, dtype: str | None = None) -> tuple[float, dict]:
+    """(seconds, per stage) a module of `backend` (BASE@OPTION counts as BASE) running `stages` costs
+    whatever its size: each stage's calibrated cost ("backend/stage/dtype", else "backend/stage"), at
+    least its launches x the launch cost; 0 for a stage the profile has not measured."""
+    fc = device.fixed_costs or {}
+    launch, table = float(fc.get("launch_s", 0.0)), fc.get("stages") or {}
+    base = backend.partition("@")[0]
+    per = {}
+    for stage in stages:
+        got = table.get(f"{base}/{stage}/{dtype}") or table.get(f"{base}/{stage}") or {}
+        per[stage] = max(float(got.get("s", 0.0)), got.get("launches", 0) * launch)
+    return sum(per.values()), per
 
 
 def useful_flops(shape: ModelShape, n_tokens: float, selected_per_query: float | None = None) -> float:
@@ -178,9 +199,10 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
 def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
             selected_per_query: float | None = None, flops: float | None = None,
             l2_capacity: bool = True, union_ratio: float | None = None,
-            tile_tokens: int = DEFAULT_TILE_TOKENS) -> Prediction:
+            tile_tokens: int = DEFAULT_TILE_TOKENS, fixed_s: float = 0.0) -> Prediction:
     """`flops`: the useful FLOPs (default: every query sees all its selected keys); q-packed executes
-    them x union_ratio (masked positions still cost MMA work)."""
+    them x union_ratio (masked positions still cost MMA work). `fixed_s` (a backend's `fixed_cost`) is
+    added to the largest roofline term."""
     hbm_terms, l2_terms = traffic(schedule, shape, n_tokens, nsb, selected_per_query,
                                   device if l2_capacity else None, union_ratio, tile_tokens)
     fl = useful_flops(shape, n_tokens, selected_per_query) if flops is None else flops
@@ -189,9 +211,9 @@ def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, devic
     times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
              "mma": executed / device.peak_flops(shape.dtype)}
     binding = max(times, key=times.get)
-    return Prediction(schedule=schedule, time_s=times[binding], binding=binding, hbm_bytes=hbm_b, l2_bytes=l2_b,
-                      flops=fl, hbm_s=times["hbm"], l2_s=times["l2"], mma_s=times["mma"],
-                      hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed)
+    return Prediction(schedule=schedule, time_s=times[binding] + fixed_s, binding=binding, hbm_bytes=hbm_b,
+                      l2_bytes=l2_b, flops=fl, hbm_s=times["hbm"], l2_s=times["l2"], mma_s=times["mma"],
+                      hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed, fixed_s=fixed_s)
 
 
 def union_ratio_floor(shape: ModelShape, nsb_per_n: float, tile_tokens: int = DEFAULT_TILE_TOKENS,

@@ -57,11 +57,13 @@ def tile_slots(q_request: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.
     return ids, pos, torch.bincount(ids, minlength=int(ids.max()) + 1 if n else 0)
 
 
-def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int) -> float | None:
+def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int, padded: bool = False) -> float | None:
     """Co-selection at tile size P = `tile`: sum over (tile, KV head) of tokens in the tile x distinct
     valid blocks its tokens select, over the valid (token, KV head, block) entries. 1 when every token
     of every tile selects the same blocks, at most P; the FLOPs a token-packed schedule executes are
-    the useful ones times this. None when nothing is selected."""
+    the useful ones times this. None when nothing is selected.
+    padded: count every tile as P tokens, as a kernel of P-token tiles computes them: a request's last,
+    shorter tile (a decode request's single token) still runs P x G rows per union block."""
     sel = selection.to(torch.int32).cpu()
     hkv, n, topk = sel.shape
     total = int(torch.count_nonzero(sel >= 0))
@@ -77,7 +79,8 @@ def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int) -> 
     rows = rows.view(hkv, tiles, tile * topk)
     srt = rows.sort(-1).values
     distinct = (srt[..., 1:] != srt[..., :-1]).sum(-1) + (srt[..., 0] >= 0).long()
-    return float((distinct * sizes.view(1, -1)).sum()) / total
+    weight = torch.full_like(sizes, tile) if padded else sizes
+    return float((distinct * weight.view(1, -1)).sum()) / total
 
 
 def _quantiles(counts: torch.Tensor) -> dict:
@@ -127,6 +130,8 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "selected_blocks_per_query": valid_entries / (n * s.hkv) if n else 0.0,
         **_quantiles(fanin),
         **{f"union_ratio_p{p}": union_ratio(w.selection, w.q_request, p) for p in UNION_TILES},
+        # what a kernel of P-token tiles executes: a request's shorter last tile counted as P tokens
+        **{f"executed_union_ratio_p{p}": union_ratio(w.selection, w.q_request, p, padded=True) for p in UNION_TILES},
         "selected_tokens": vis,
         "selected_tokens_per_query": vis / (n * s.hkv) if n else 0.0,
         "useful_flops": useful_flops(w),
@@ -146,7 +151,7 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         out["weight"] = w.meta.get("weight", 0.0)
     if device_profile is not None:
         out.update(predicted_times(w, nsb, valid_entries, out["useful_flops"], device_profile,
-                                   out[f"union_ratio_p{UNION_TILES[0]}"]))
+                                   out[f"executed_union_ratio_p{UNION_TILES[0]}"]))
     return out
 
 

@@ -61,6 +61,14 @@ def check_shape(w: Workload, tile_q: int, name: str) -> None:
 class KVStationaryBackend(Backend):
     """Shared availability and configuration of the two KV-stationary schedules."""
     dtypes = ("bf16", "fp8", "fp16", "fp32")
+    candidate = True
+    stage_names = ("index_map", "schedule", "attention", "combine")
+
+    def model_shape(self, w: Workload):
+        """The model's shape at the launch configuration this backend plans `w` with (tile order, ranges)."""
+        from .config import model_shape
+        s = w.shape
+        return model_shape(s.hq, s.hkv, s.head_dim, s.block, s.topk, w.dtype, self.resolved_config(w).__dict__)
 
     def __init__(self, attention_impl: str = "triton", config: KVOuterConfig | None = None):
         self.attention_impl = attention_impl
@@ -94,6 +102,7 @@ class KVStationaryBackend(Backend):
 @register("kv-outer")
 class KVOuterBackend(KVStationaryBackend):
     name = "kv-outer"
+    schedule = "kv-outer"
     description = ("KV-stationary: each selected (KV head, block) loaded once per CTA visit, raw partial "
                    "tiles stored contiguously, gathered and merged in a separate combine")
 

@@ -11,6 +11,7 @@ from ..kv_outer.backend import KVStationaryBackend, partial_dtype
 @register("msa-scatter")
 class MSAScatterBackend(KVStationaryBackend):
     name = "msa-scatter"
+    schedule = "msa-scatter"
     description = ("KV-stationary like MiniMax MSA: partials normalized in the attention epilogue and "
                    "scattered to [topk, N, Hq, D] slots, merged by a contiguous-slot combine")
 

@@ -11,6 +11,7 @@ import torch
 from ..base import Backend, Plan, register
 from ..kv_outer.backend import check_shape, partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
+from ...roofline.model import PACKED
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 
@@ -39,10 +40,13 @@ class QPackedBackend(Backend):
     description = ("token-packed Q-outer: P tokens x G heads share a tile that walks the union of their "
                    "selected blocks with an online softmax; O written once, no partials, no combine")
     dtypes = ("bf16", "fp8", "fp16", "fp32")
+    schedule = PACKED
+    candidate = True
+    stage_names = ("schedule", "attention")
 
     def __init__(self, tokens_per_tile: int = DEFAULT_TILE_TOKENS, num_warps: int | None = None,
                  num_stages: int = 2):
-        self.tokens_per_tile = tokens_per_tile
+        self.tokens_per_tile = self.tile_tokens = tokens_per_tile
         self.num_warps = num_warps
         self.num_stages = num_stages
 

@@ -14,6 +14,7 @@ import torch
 from ..base import Backend, Plan, register
 from ..kv_outer.backend import partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
+from ...roofline.model import PACKED
 from ...scenarios.workload import Workload
 from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig, device_arch,
                              fp8_v_key_order, parse_option)
@@ -85,6 +86,10 @@ class QPackedCuteBackend(Backend):
     description = ("q-packed with the attention stage as a CuTe DSL sm_90a kernel (warp-specialized, TMA K/V, "
                    "online softmax over the tile's union blocks; prebuilt, loaded with ctypes)")
     dtypes = DTYPES
+    schedule = PACKED
+    candidate = True
+    stage_names = ("schedule", "attention")
+    tile_tokens = TILE_TOKENS
 
     def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None):
         self.pingpong, self.s_ahead = pingpong, s_ahead

@@ -17,13 +17,13 @@ from dataclasses import replace
 
 import torch
 
-from ..base import Backend, BackendUnavailable, Plan, get_backend, register
+from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
 from ..kv_outer.backend import partial_dtype
 from ..kv_outer.combine import Combine
 from ..kv_outer.triton_mode import triton_unavailable_reason
-from ...roofline.devices import load_device, profile_for_gpu
-from ...roofline.hybrid import min_shared_tokens
-from ...roofline.model import ModelShape
+from ...roofline.devices import achieved, device_profile
+from ...roofline.hybrid import HYBRID, min_shared_tokens
+from ...roofline.model import PACKED, ModelShape, predict
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 from .attention import PackedAttention, packed_quantization
@@ -47,24 +47,15 @@ def parse_option(option: str) -> dict:
     return out
 
 
-def achieved(profile, backend: str, dtype: str) -> float:
-    """The measured fraction of its roofline a backend reaches on this device, 1 where none is recorded."""
-    return float((profile.achieved or {}).get(f"{backend}/{dtype}", 1.0))
-
-
-def device_profile(device) -> object:
-    """The roofline profile of the workload's GPU; the H200 preset on a CPU or an unknown GPU."""
-    if torch.device(device).type == "cuda":
-        return profile_for_gpu(torch.cuda.get_device_name(device)) or load_device("h200")
-    return load_device("h200")
-
-
 @register("hybrid")
 class HybridBackend(Backend):
     name = "hybrid"
     description = ("token-packed tiles for the blocks a tile's tokens share, KV-outer for the rest; the "
                    "combine merges the packed output as one more partial")
     dtypes = ("bf16", "fp8", "fp16", "fp32")
+    schedule = HYBRID
+    candidate = True
+    stage_names = ("schedule", "attention", "combine")
 
     def __init__(self, tokens_per_tile: int = 8, min_share: int | None = None, kv_stage: str | None = None):
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
@@ -105,16 +96,53 @@ class HybridBackend(Backend):
             return QPackedCuteAttention(w, packed, out, lse, get_backend("q-packed-cute").config_for(w.dtype))
         return PackedAttention(w, packed, out, lse)
 
-    def threshold(self, w: Workload, kv: Backend, packed: str) -> tuple[int, str]:
+    def threshold(self, w: Workload, kv: Backend, packed: str, dev=None) -> tuple[int, str]:
         if self.min_share is not None:
             return self.min_share, "option"
         s = w.shape
-        dev = device_profile(w.device)
-        dtype = w.dtype if w.dtype in ("bf16", "fp8") else "bf16"
+        dev = dev or device_profile(w.device)
+        dtype = model_dtype(w.dtype)
         shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=dtype)
         share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, packed, dtype),
                                   achieved(dev, kv.name, dtype))
         return share, f"roofline ({dev.name})"
+
+    def model_unfit_reason(self, w: Workload, inputs: ModelInputs) -> str | None:
+        return None
+
+    def achieved_names(self, w: Workload) -> tuple[str, ...]:
+        return self.packed_backend(w), self.kv_backend(w.dtype, w.device, w).name
+
+    def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
+        """The split at this plan's threshold: the packed part's roofline plus the residual's KV-outer one,
+        each over its kernel's achieved fraction."""
+        s, n, dtype = w.shape, w.n_tokens, model_dtype(w.dtype)
+        kv, packed_kernel = self.kv_backend(w.dtype, w.device, w), self.packed_backend(w)
+        share, _ = self.threshold(w, kv, packed_kernel, profile)
+        sch = PackedSchedule(w, self.tokens_per_tile, min_share=share, residual=True)
+        sch()
+        res = sch.residual_pages
+        selected, flops = inputs.selected, inputs.flops
+        residual = float((res >= 0).sum())
+        packed = selected - residual
+        executed = float(sch.tile_count.double().sum()) * self.tokens_per_tile     # P x G rows per union block
+        head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
+        t, parts = 0.0, {}
+        if packed > 0:
+            tiles = sch.tile_page.view(s.hkv, -1)
+            nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
+            shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+            p = predict(PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
+                        union_ratio=executed / packed, tile_tokens=self.tokens_per_tile)
+            parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype)
+        if residual > 0:
+            nsb_res = float(torch.unique((res + head)[res >= 0]).numel())
+            p = predict("kv-outer", kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
+                        flops * residual / selected)
+            parts["kv_outer_s"] = p.time_s / achieved(profile, kv.name, dtype)
+        t = sum(parts.values())
+        return t, {**parts, "min_share": share, "packed_entry_share": packed / selected if selected else 0.0,
+                   "packed": packed_kernel, "kv_outer": kv.name}
 
     def _plan(self, w: Workload) -> Plan:
         s, dev = w.shape, w.device

@@ -1,0 +1,148 @@
+"""Measure the fixed costs the model adds to a module's roofline time (`msa-bench calibrate`).
+
+Launch: a CUDA graph of k one-element kernels, k = 1 .. 64; the cost of one launch is the Theil-Sen slope
+of replay time against k.
+Stages: every `auto` candidate that runs here is planned and timed (harness/timing.py: CUDA graphs, cold
+L2) on a series of small synthetic workloads (one request, N = 8 .. 1024 tokens, 128K context, each
+token selecting mostly its own blocks, as decode does); a stage's fixed cost is the Theil-Sen intercept of
+its time against the backend's roofline time on the same workloads (roofline/calibrate.py). The stages
+are timed one graph each and the module as one graph, so the stage intercepts are scaled to sum to the
+module's. Kernel launches per stage are counted with the PyTorch profiler on one eager run.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..roofline.calibrate import fixed_costs_entry, theil_sen
+from ..roofline.devices import DeviceProfile
+from .timing import MODULE, TimingConfig, time_plan
+
+TOKENS = (8, 16, 64, 256, 1024)
+CONTEXT = 131072
+LAUNCH_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+TIMING = TimingConfig(warmup=3, reps=20, max_reps=40)
+
+
+def launch_seconds(device) -> tuple[float, list]:
+    """(seconds per kernel launch inside a CUDA graph, [(launches, median replay seconds)])."""
+    x = torch.zeros(1, device=device)
+    points = []
+    for k in LAUNCH_COUNTS:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(k):
+                x.add_(1.0)
+        for _ in range(3):
+            graph.replay()
+        times = []
+        for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        points.append((k, statistics.median(times)))
+    _, slope = theil_sen([p[0] for p in points], [p[1] for p in points])
+    return max(0.0, slope), points
+
+
+def count_launches(fn) -> int:
+    """GPU kernels (and memsets/copies) one eager call of `fn` issues, by the PyTorch profiler; 0 if it
+    cannot tell (or off a GPU)."""
+    if not torch.cuda.is_available():
+        return 0
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if getattr(e, "device_type", None) is not None
+                   and str(e.device_type).endswith("CUDA"))
+    except Exception:   # a profiler that cannot start (another one running): the count is unknown
+        return 0
+
+
+def calibration_points(dtype: str, shape=None, tokens=TOKENS, context=CONTEXT):
+    """One request of n tokens each, most of a token's selected blocks its own (reuse half the most the
+    context allows, at most topk x Hkv / 2)."""
+    from ..scenarios.grid import point_from_options
+    from ..scenarios.workload import AttnShape
+    shape = shape or AttnShape()
+    pairs = shape.hkv * context // shape.block
+    for n in tokens:
+        reuse = min(float(shape.hkv * shape.topk) / 2, 0.5 * pairs / n)
+        yield point_from_options("synthetic", shape, dtype, tokens=n, context=context, reuse=reuse)
+
+
+def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, device="cuda", points=None,
+                   timing: TimingConfig = TIMING) -> dict:
+    """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches})]} for every candidate here."""
+    from ..errors import one_line
+    from ..kernels.auto import candidate_names
+    from ..kernels.base import ModelInputs, get_backend
+    from ..scenarios.grid import make_workload
+    device = torch.device(device)
+    points = points or calibration_points
+    series: dict = {}
+    launches: dict = {}
+    for dtype in dtypes:
+        for point in points(dtype):
+            w = make_workload(point, device)
+            inputs = ModelInputs(w)
+            for name in candidate_names():
+                backend = get_backend(name)
+                if backend.workload_unavailable_reason(w):     # model fit aside: a fixed cost is the same
+                    continue
+                try:
+                    plan = backend.plan(w)
+                    roof, _ = backend.roofline(w, inputs, profile)
+                    samples = time_plan(plan, timing, device)
+                except Exception as exc:    # one backend that fails here leaves the others' costs measured
+                    log(f"  fixed costs: {name} {dtype} N {w.n_tokens} skipped: {one_line(exc)}")
+                    continue
+                medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
+                if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
+                    launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
+                series.setdefault((name, dtype), []).append((roof, medians, launches[(name, dtype)]))
+                del plan
+            del w
+            torch.cuda.empty_cache()
+        log(f"  fixed costs: {dtype} timed on {len(TOKENS)} workloads")
+    return series
+
+
+def fit_series(series: dict) -> dict:
+    """The profile's "stages" table from measure_series: per backend, stage and dtype, the stage's
+    intercept scaled so a backend's stages sum to its module's intercept."""
+    stages = {}
+    for (name, dtype), rows in series.items():
+        if len({r[0] for r in rows}) < 2:
+            continue
+        xs = [r[0] for r in rows]
+        module = max(0.0, theil_sen(xs, [r[1][MODULE] for r in rows])[0])
+        names = [s for s in rows[0][1] if s != MODULE]
+        raw = {s: fixed_costs_entry(xs, [r[1][s] for r in rows], max(r[2].get(s, 0) for r in rows)) for s in names}
+        total = sum(e["s"] for e in raw.values())
+        for s, e in raw.items():
+            share = e["s"] / total if total > 0 else 1.0 / len(raw)
+            stages[f"{name}/{s}/{dtype}"] = {**e, "stage_intercept_s": e["s"], "s": module * share,
+                                             "module_intercept_s": module}
+    return stages
+
+
+def calibrate_fixed_costs(profile: DeviceProfile, log=print) -> dict:
+    """The fixed_costs table for `profile`'s GPU (this one): launch cost and per-stage costs."""
+    from ..errors import require_cuda
+    require_cuda("fixed-cost calibration")
+    t0 = time.perf_counter()
+    launch, points = launch_seconds(torch.device("cuda"))
+    log(f"  kernel launch in a CUDA graph: {launch * 1e6:.2f} us")
+    stages = fit_series(measure_series(profile, log=log))
+    return {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
+            "method": f"Theil-Sen intercept of stage time against roofline time, synthetic N {list(TOKENS)}, "
+                      f"context {CONTEXT}; stage intercepts scaled to sum to the module's",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}

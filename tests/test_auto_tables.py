@@ -1,0 +1,57 @@
+"""The report's view of `auto` and of the model on the committed H200 runs: GB/s and the HBM fraction per
+unit, auto against the fastest backend per point, today's model's pick replayed, predicted vs measured."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from msa_bench.harness import tables
+from msa_bench.harness.results import load_run
+from msa_bench.roofline.devices import PRESETS
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "h200"
+H200 = PRESETS["h200"]
+
+
+@pytest.fixture(scope="module")
+def default_run():
+    return load_run(RESULTS / "default")
+
+
+def test_throughput_states_gb_per_s_and_the_hbm_fraction(default_run):
+    t = tables.throughput_table(default_run, H200)
+    row = t.iloc[0]
+    src = tables.ok_units(default_run)
+    src = src[(src["backend"] == row["backend"]) & (src["dtype"] == row["dtype"]) & (src["x"] == row["nsb/N"])].iloc[0]
+    assert row["GB/s"] == pytest.approx(src["module.model_hbm_bytes"] / src["module.median_s"] / 1e9)
+    assert row["HBM frac"] == pytest.approx(row["GB/s"] * 1e9 / H200.hbm_bytes_per_s)
+    assert t["HBM frac"].between(0, 1.2).all()
+    assert "HBM frac" not in tables.throughput_table(default_run)              # no profile: no fraction
+    cols = list(t.columns)
+    assert cols.index("GB/s") == cols.index("TFLOP/s") + 1
+
+
+def test_auto_against_the_fastest_names_the_fastest_other_backend(default_run):
+    av = tables.auto_vs_fastest(default_run)
+    t = tables.ok_units(default_run)
+    assert len(av) == t[t["backend"] == "auto"].groupby(["point_key", "dtype"]).ngroups == 10
+    for _, r in av.iterrows():
+        assert r["auto/fastest"] == pytest.approx(r["auto_s"] / r["fastest_s"]) and r["fastest"] != "auto"
+    s = tables.auto_summary(av)
+    assert s["points"] == 10 and s["worst"] == pytest.approx(av["auto/fastest"].max())
+
+
+def test_fidelity_holds_in_sample_and_counts_units():
+    run = load_run(RESULTS / "co-selection")
+    fid = tables.fidelity_table(run, H200).set_index(["backend", "dtype"])
+    for key in (("kv-outer-cute", "bf16"), ("kv-outer-cute", "fp8"), ("q-packed-cute", "bf16")):
+        assert fid.loc[key, "within 25%"] == fid.loc[key, "units"] == 7          # where the fractions were fitted
+    assert fid.loc[("flashinfer-packed", "bf16"), "within 25%"] < 7            # its masks: not modelled off u 1
+    assert tables.fidelity_table(run, None).empty
+
+
+def test_the_replayed_pick_follows_autos_candidate_rules():
+    run = load_run(RESULTS / "real-prefill")
+    mp = tables.model_pick_table(run, H200)
+    assert len(mp) == 32 and not mp["model pick"].isin(["dense-gather", "reference"]).any()
+    assert np.all(mp["pick/fastest"] >= 1.0)

@@ -1,0 +1,246 @@
+"""Fixed costs: the calibration rule (Theil-Sen intercept), the profile's table, the model adding them, and
+`auto` weighing every declared candidate with them (device profile patched)."""
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from msa_bench.errors import UserError
+from msa_bench.harness.check import CPU_SHAPE  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
+from msa_bench.harness.fixed_costs import fit_series
+from msa_bench.kernels import auto as auto_mod
+from msa_bench.kernels import base
+from msa_bench.kernels.auto import auto_line
+from msa_bench.kernels.base import get_backend
+from msa_bench.kernels.reference_backend import ReferenceBackend
+from msa_bench.roofline import devices
+from msa_bench.roofline.calibrate import theil_sen
+from msa_bench.roofline.devices import PRESETS, load_device, profile_from_dict
+from msa_bench.roofline.model import ModelShape, fixed_cost, predict
+from msa_bench.scenarios.coselection import coselected_workload
+from msa_bench.scenarios.workload import AttnShape
+
+
+# ---- the rule ------------------------------------------------------------------------------------
+
+def test_theil_sen_finds_the_intercept_of_a_noisy_series_with_outliers():
+    rng = random.Random(7)
+    xs = [1e-6 * 1.5 ** k for k in range(14)]
+    ys = [40e-6 + x / 0.7 + rng.gauss(0, 1e-6) for x in xs]
+    ys[3] += 80e-6                  # a replay that met a clock drop
+    ys[9] *= 3
+    intercept, slope = theil_sen(xs, ys)
+    assert intercept == pytest.approx(40e-6, rel=0.05)
+    assert slope == pytest.approx(1 / 0.7, rel=0.05)
+    # least squares is pulled far off by the same two points: the rule matters
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    ls = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert abs(my - ls * mx - 40e-6) > 0.1 * 40e-6
+
+
+def test_theil_sen_refuses_a_series_without_two_roofline_times():
+    with pytest.raises(UserError):
+        theil_sen([1e-6], [2e-6])
+    with pytest.raises(UserError):
+        theil_sen([1e-6, 1e-6], [2e-6, 3e-6])
+
+
+def test_stage_intercepts_are_scaled_to_sum_to_the_module_intercept():
+    rows = [(x, {"module": 50e-6 + x, "a": 20e-6 + 0.3 * x, "b": 40e-6 + 0.7 * x}, {"a": 3, "b": 1})
+            for x in (1e-6, 4e-6, 2e-5, 9e-5)]
+    got = fit_series({("kv-outer", "fp8"): rows})
+    assert set(got) == {"kv-outer/a/fp8", "kv-outer/b/fp8"}
+    assert got["kv-outer/a/fp8"]["s"] + got["kv-outer/b/fp8"]["s"] == pytest.approx(50e-6)
+    assert got["kv-outer/a/fp8"]["s"] == pytest.approx(50e-6 / 3)
+    assert got["kv-outer/a/fp8"]["launches"] == 3
+
+
+# ---- the profile and the model -------------------------------------------------------------------
+
+FIXED = {"launch_s": 2e-6, "stages": {"kv-outer/index_map": {"s": 30e-6, "launches": 4},
+                                      "kv-outer/combine/fp8": {"s": 1e-6, "launches": 2},
+                                      "kv-outer/combine": {"s": 9e-6, "launches": 2}}}
+
+
+def test_fixed_cost_takes_the_stage_cost_at_least_its_launches_and_the_dtype_entry_first():
+    dev = replace(PRESETS["h200"], fixed_costs=FIXED)
+    total, per = fixed_cost(dev, "kv-outer@v23", ("index_map", "schedule", "combine"), "fp8")
+    assert per == {"index_map": 30e-6, "schedule": 0.0, "combine": 4e-6}     # combine: 2 launches x 2 us > 1 us
+    assert total == pytest.approx(34e-6)
+    assert fixed_cost(dev, "kv-outer", ("combine",), "bf16")[0] == pytest.approx(9e-6)
+    assert fixed_cost(PRESETS["b200"], "kv-outer", ("index_map",))[0] == 0.0
+
+
+def test_predicted_time_is_the_largest_roofline_term_plus_the_fixed_costs():
+    dev = PRESETS["h200"]
+    plain = predict("kv-outer", ModelShape(), 16, 16 * 64, dev)
+    fixed = predict("kv-outer", ModelShape(), 16, 16 * 64, dev, fixed_s=300e-6)
+    assert fixed.time_s == pytest.approx(max(plain.hbm_s, plain.l2_s, plain.mma_s) + 300e-6)
+    assert fixed.roofline_s == pytest.approx(plain.time_s) and fixed.binding == plain.binding
+
+
+def test_profile_json_round_trips_fixed_costs_and_refuses_bad_ones(tmp_path):
+    data = {**json.loads(json.dumps(devices.asdict(PRESETS["h200"]))), "fixed_costs": FIXED}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert load_device(str(path)).fixed_costs == FIXED
+    for bad in ({"launch_s": -1}, {"stages": {"nostage": {"s": 1e-6}}}, {"stages": {"a/b": {"s": "x"}}},
+                {"stages": {"a/b": {"s": 1e-6, "launches": 1.5}}}):
+        with pytest.raises(UserError, match="fixed_costs"):
+            profile_from_dict({**data, "fixed_costs": bad}, "test")
+
+
+def test_a_preset_takes_the_fixed_costs_of_its_committed_calibration(tmp_path, monkeypatch):
+    calibrated = {**json.loads(json.dumps(devices.asdict(PRESETS["h200"]))), "fixed_costs": FIXED}
+    (tmp_path / "profile.json").write_text(json.dumps(calibrated))
+    monkeypatch.setattr(devices, "PACKAGE_ROOT", tmp_path)
+    monkeypatch.setitem(devices.CALIBRATION_FILES, "h200", "profile.json")
+    got = load_device("h200")
+    assert got.fixed_costs == FIXED and got.achieved == PRESETS["h200"].achieved
+    assert devices.device_profile("cpu").fixed_costs == FIXED
+
+
+# ---- auto's candidates ---------------------------------------------------------------------------
+
+SMALL = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
+
+
+def workload(share=0.0, with_tensors=False):
+    return coselected_workload(SMALL, "fp32", 64, 2048, 2.0 if share < 1 else 0.25, share, group=8, seed=3,
+                               device="cpu", with_tensors=with_tensors)
+
+
+class FakeQOuter(ReferenceBackend):
+    """A backend that declares the Q-outer schedule and candidacy (runs the reference on the CPU)."""
+    name = "fake-q-outer"
+    schedule = "q-outer"
+    candidate = True
+    stage_names = ("attention", "combine")
+
+
+class FakeDense(FakeQOuter):
+    name = "fake-dense"
+    schedule = "dense-not-modelled"
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    monkeypatch.setitem(base._REGISTRY, "fake-q-outer", FakeQOuter)
+    monkeypatch.setitem(base._REGISTRY, "fake-dense", FakeDense)
+
+
+def profile_with(monkeypatch, **changes):
+    prof = replace(PRESETS["h200"], **changes)
+    monkeypatch.setattr(auto_mod, "device_profile", lambda device: prof)
+    return prof
+
+
+def test_every_declared_candidate_is_weighed_and_the_rest_skipped_with_a_reason(fakes, monkeypatch):
+    profile_with(monkeypatch, achieved={})               # nothing measured: every fraction is 1
+    cands, skipped = get_backend("auto").candidates(workload())
+    assert {"kv-outer", "msa-scatter", "q-packed", "hybrid", "fake-q-outer"} <= set(cands)
+    assert "reference" not in cands and "reference" not in skipped and "dense-gather" not in cands
+    assert "model has no schedule 'dense-not-modelled'" in skipped["fake-dense"]
+    for name in ("flashinfer", "flashinfer-packed", "kv-outer-cute", "q-packed-cute"):     # no GPU here
+        assert name in skipped and skipped[name]
+
+
+def test_a_candidate_without_a_measured_fraction_is_skipped_where_others_have_one(fakes, monkeypatch):
+    profile_with(monkeypatch)
+    cands, skipped = get_backend("auto").candidates(workload())
+    assert "fake-q-outer" not in cands and "no achieved fraction of fake-q-outer/bf16" in skipped["fake-q-outer"]
+    assert "kv-outer" in cands
+
+
+def test_fixed_costs_move_the_pick(fakes, monkeypatch):
+    big = {"stages": {f"{b}/{s}": {"s": 0.5, "launches": 0} for b in ("kv-outer", "msa-scatter", "q-packed", "hybrid")
+                      for s in ("index_map", "schedule", "attention", "combine")}}
+    big["stages"]["fake-q-outer/attention"] = {"s": 0.0, "launches": 0}
+    profile_with(monkeypatch, achieved={}, fixed_costs=big)
+    w = workload(with_tensors=True)
+    plan = get_backend("auto").plan(w)
+    a = plan.info["auto"]
+    assert a["picked"] == "fake-q-outer" and plan.info["schedule"] == "q-outer"
+    assert a["used"]["kv-outer"]["fixed_s"] == pytest.approx(2.0)
+    assert a["predicted_s"]["kv-outer"] == pytest.approx(a["used"]["kv-outer"]["roofline_s"] + 2.0)
+    assert auto_line(plan.info).startswith("auto picked fake-q-outer (predicted us: fake-q-outer ")
+
+
+def test_flashinfer_packed_is_modelled_only_where_tiles_select_alike():
+    from msa_bench.kernels.base import ModelInputs
+    fp = get_backend("flashinfer-packed")
+    shared, scattered = workload(1.0), workload(0.0)
+    assert fp.model_unfit_reason(shared, ModelInputs(shared)) is None
+    assert "union_ratio 1" in fp.model_unfit_reason(scattered, ModelInputs(scattered))
+
+
+def test_check_prints_the_pick_and_every_prediction_on_one_line(cli):
+    code, out, _ = cli("check", "--backend", "auto", "--dtype", "fp32")
+    assert code == 0, out
+    lines = [ln for ln in out.splitlines() if ln.startswith("auto picked ")]
+    assert len(lines) == 1
+    for name in ("kv-outer", "q-packed", "hybrid", "msa-scatter"):
+        assert f" {name} " in lines[0]
+    assert "skipped" in lines[0] and "flashinfer" in lines[0]
+
+
+def test_a_result_row_stores_the_fixed_costs_of_the_stages_the_plan_ran():
+    from msa_bench.harness import sweep
+    from msa_bench.scenarios.grid import make_workload, point_from_options
+    from msa_bench.scenarios.stats import workload_stats
+    runner = sweep._Runner.__new__(sweep._Runner)
+    runner.profile, runner.timer = replace(PRESETS["h200"], fixed_costs=FIXED), "cuda-graph"
+    point = point_from_options("synthetic", SMALL, "fp8", tokens=64, context=2048, reuse=2.0)
+    wl = sweep._scalar_stats(workload_stats(make_workload(point, with_tensors=False)))
+    stages = ["index_map", "schedule", "attention", "combine"]
+    rows = {r["statistic"]: r["value"] for r in runner._model_rows(point, "kv-outer", wl, None, {}, stages)}
+    assert rows["model_fixed_s"] == pytest.approx(34e-6) and rows["model_time_s"] > 0
+    picked = {"schedule": "hybrid", "auto": {"backend": "kv-outer"}}
+    rows = {r["statistic"]: r["value"] for r in runner._model_rows(point, "auto", wl, None, picked, stages)}
+    assert rows == {"model_fixed_s": pytest.approx(34e-6)}      # hybrid: no one closed form, its fixed costs kept
+
+
+def test_the_calibration_series_times_every_candidate_stage_and_fits_it(monkeypatch):
+    """The GPU procedure's loop on the CPU (host timer, Triton's interpreter) over two candidates."""
+    from msa_bench.harness import fixed_costs
+    from msa_bench.harness.timing import TimingConfig
+    monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer", "flashinfer"])
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), 1024)
+    series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu", points=points,
+                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
+    assert set(series) == {("kv-outer", "fp32")}          # flashinfer: no GPU here
+    rows = series[("kv-outer", "fp32")]
+    assert len(rows) == 2 and len({r[0] for r in rows}) == 2
+    assert set(rows[0][1]) == {"index_map", "schedule", "attention", "combine", "module"}
+    stages = fit_series(series)
+    assert {k.split("/")[1] for k in stages if k.startswith("kv-outer/")} == {"index_map", "schedule", "attention",
+                                                                             "combine"}
+    assert all(e["s"] >= 0 for e in stages.values())
+
+
+def test_a_packed_candidate_pays_full_tiles_on_decode():
+    """One token per request: each tile holds one token, yet the packed kernel runs P x G rows per block."""
+    from msa_bench.harness.check import edge_case_workload
+    from msa_bench.kernels.base import ModelInputs
+    from msa_bench.roofline.model import predict
+    w = edge_case_workload(SMALL, "fp32", [256] * 16, [1] * 16, False, seed=2)
+    inputs = ModelInputs(w)
+    assert inputs.union_ratio(8) == pytest.approx(1.0)
+    assert inputs.union_ratio(8, padded=True) == pytest.approx(8.0)
+    t, used = get_backend("q-packed").roofline(w, inputs, replace(PRESETS["h200"], achieved={}))
+    full = predict("q-packed", get_backend("q-packed").model_shape(w), w.n_tokens, inputs.nsb, PRESETS["h200"],
+                   inputs.per_query, inputs.flops, union_ratio=8.0)
+    assert used["union_ratio"] == pytest.approx(8.0) and t == pytest.approx(full.time_s)
+
+
+def test_a_candidate_without_measured_fixed_costs_is_skipped_where_others_have_some(fakes, monkeypatch):
+    profile_with(monkeypatch, achieved={}, fixed_costs={"stages": {"kv-outer/index_map/bf16": {"s": 1e-5},
+                                                                   "q-packed/schedule": {"s": 1e-5}}})
+    cands, skipped = get_backend("auto").candidates(workload())
+    assert {"kv-outer", "q-packed"} <= set(cands)
+    assert "no fixed costs" in skipped["msa-scatter"] and "no fixed costs" in skipped["hybrid"]
+    profile_with(monkeypatch, achieved={}, fixed_costs={"stages": {"kv-outer/index_map/fp8": {"s": 1e-5},
+                                                                   "q-packed/schedule": {"s": 1e-5}}})
+    assert "kv-outer" in get_backend("auto").candidates(workload())[1]          # fp32 counts as bf16
