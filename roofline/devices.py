@@ -144,9 +144,9 @@ def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
     return DeviceProfile(**known)
 
 
-# where `msa-bench calibrate --fixed-costs-only` stores a preset GPU's fixed costs (the committed calibration)
+# a preset GPU's fixed costs as `msa-bench calibrate --fixed-costs-only` measured them (the committed copy)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-CALIBRATION_FILES = {"h200": "results/h200/calibration/profile.json"}
+CALIBRATION_FILES = {"h200": "roofline/profiles/h200.json"}     # package data: an installed copy reads it too
 
 
 def preset(name: str) -> DeviceProfile:

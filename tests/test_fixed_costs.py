@@ -187,13 +187,13 @@ def test_check_prints_the_pick_and_every_prediction_on_one_line(cli):
 
 
 def test_a_result_row_stores_the_fixed_costs_of_the_stages_the_plan_ran():
-    from msa_bench.harness import sweep
+    from msa_bench.harness import runner as sweep
     from msa_bench.scenarios.grid import make_workload, point_from_options
     from msa_bench.scenarios.stats import workload_stats
-    runner = sweep._Runner.__new__(sweep._Runner)
+    runner = sweep.Runner.__new__(sweep.Runner)
     runner.profile, runner.timer = replace(PRESETS["h200"], fixed_costs=FIXED), "cuda-graph"
     point = point_from_options("synthetic", SMALL, "fp8", tokens=64, context=2048, reuse=2.0)
-    wl = sweep._scalar_stats(workload_stats(make_workload(point, with_tensors=False)))
+    wl = sweep.scalar_stats(workload_stats(make_workload(point, with_tensors=False)))
     stages = ["index_map", "schedule", "attention", "combine"]
     rows = {r["statistic"]: r["value"] for r in runner._model_rows(point, "kv-outer", wl, None, {}, stages)}
     assert rows["model_fixed_s"] == pytest.approx(34e-6) and rows["model_time_s"] > 0
