@@ -176,7 +176,7 @@ def test_throughput_table_names_each_units_tile_order_and_kernel():
     """The committed H200 default run: the CuTe units name their dtype's default kernel (bf16 v23, fp8
     v28) and the order the workload chose (2 query ranges in phases for bf16 at nsb/N 1/16 and 1/4, key
     order elsewhere); the Triton units their key order, with no kernel."""
-    t = tables.throughput_table(load_run(REPO / "results" / "h200" / "default"))
+    t = tables.throughput_table(load_run(REPO / "results" / "h200" / "baseline"))
     cute = t[t["backend"] == "kv-outer-cute"]
     assert dict(zip(cute["dtype"], cute["kernel"])) == {"bf16": "v23", "fp8": "v28"}
     grouped = cute[cute["tile order"] == "2:p"]
