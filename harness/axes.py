@@ -88,12 +88,14 @@ def figure_axis(table: pd.DataFrame) -> FigureAxis:
     varying = varying_fields(table)
     if "case_id" in varying:
         return AXES[CASE]
-    if _decode_like(table):
-        return AXES[REQUESTS]
+    if "requests" in varying:
+        varying.pop("tokens", None)      # N = requests x query tokens per request: not an axis of its own
     order = list(dict.fromkeys(FIELD_AXIS.values()))
     known = [(n, -order.index(FIELD_AXIS[f]), FIELD_AXIS[f]) for f, n in varying.items() if f in FIELD_AXIS]
-    if known:
+    if known:                            # the field with the most values (decode: requests; sparsity: context)
         return AXES[max(known)[2]]
+    if _decode_like(table):
+        return AXES[REQUESTS]
     if varying or _point_count(table) > 1:    # a field with no axis of its own: the statistic it moved most
         spreads = [(_spread(table[column]), -i, kind) for i, (column, kind) in enumerate(STAT_AXIS) if column in table]
         moved = max((s for s in spreads if s[0] >= MIN_SPREAD), default=None)

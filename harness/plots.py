@@ -175,6 +175,20 @@ def _reuse_rooflines(ax, gd, device: DeviceProfile) -> None:
                 label=f"{PACKED} roofline ({device.name}, at each point's union_ratio)")
 
 
+def _measured_panel(ax, gd, style, axis, value: str, ylabel: str, dtype: str, group) -> None:
+    """One dtype's panel along a log2 axis: each backend's median `value` per axis point, joined."""
+    for backend, gb in gd.groupby("backend"):
+        color, marker = style[backend]
+        m = gb.groupby(axis.column)[value].median()
+        ax.plot(m.index, m.values, "-", color=color, marker=marker, ms=4, label=f"{backend} (measured)")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(_plain)
+    ax.set_xlabel(axis.label)
+    ax.set_ylabel(ylabel)
+    ax.set_title(", ".join([dtype, *([group_label(group)] if group else [])]), fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def line_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str, plt.Figure]]:
     """TFLOP/s against a numeric axis other than reuse or co-selection (context, query tokens), one panel
     per dtype, one figure per group; each schedule's roofline at the measured points."""
@@ -188,20 +202,11 @@ def line_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str, plt.
         fig, axes = plt.subplots(1, len(dtypes), figsize=(6.4 * len(dtypes), 5.6), squeeze=False)
         for ax, dtype in zip(axes[0], dtypes):
             gd = g[g["dtype"] == dtype]
-            for backend, gb in gd.groupby("backend"):
-                color, marker = style[backend]
-                m = gb.groupby(axis.column)["module.tflops"].median()
-                ax.plot(m.index, m.values, "-", color=color, marker=marker, ms=4, label=f"{backend} (measured)")
+            _measured_panel(ax, gd, style, axis, "module.tflops", "useful TFLOP/s (module)", dtype, group)
             if device is not None:
                 for sched, v in _model_tflops(gd, device, axis.column).items():
                     ax.plot(v.index, v.values, "--", color=SCHEDULE_COLORS.get(sched, "grey"), alpha=0.8,
                             label=f"{sched} roofline ({device.name})")
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(_plain)
-            ax.set_xlabel(axis.label)
-            ax.set_ylabel("useful TFLOP/s (module)")
-            ax.set_title(", ".join([dtype, *([group_label(group)] if group else [])]), fontsize=8)
-            ax.grid(True, which="both", alpha=0.3)
         bottom = _legend_below(fig, axes, ncol=3)
         fig.suptitle(_title(run, f"Throughput vs {axis.kind}"), fontsize=10)
         fig.tight_layout(rect=(0, bottom, 1, 1))
@@ -234,19 +239,11 @@ def bandwidth_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str,
         fig, axes = plt.subplots(1, len(dtypes), figsize=(6.4 * len(dtypes), 5.2), squeeze=False)
         for ax, dtype in zip(axes[0], dtypes):
             gd = g[g["dtype"] == dtype]
-            for backend, gb in gd.groupby("backend"):
-                color, marker = style[backend]
-                m = gb.groupby(axis.column)["gbps"].median()
-                ax.plot(m.index, m.values, "-", color=color, marker=marker, ms=4, label=f"{backend} (measured)")
+            _measured_panel(ax, gd, style, axis, "gbps", "GB/s (model HBM bytes / measured module time)",
+                            dtype, group)
             if device is not None:
                 ax.axhline(device.hbm_bytes_per_s / 1e9, color="black", ls="--", lw=1,
                            label=f"HBM roofline ({device.name}, {device.hbm_bytes_per_s / 1e12:.2f} TB/s)")
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(_plain)
-            ax.set_xlabel(axis.label)
-            ax.set_ylabel("GB/s (model HBM bytes / measured module time)")
-            ax.set_title(", ".join([dtype, *([group_label(group)] if group else [])]), fontsize=8)
-            ax.grid(True, which="both", alpha=0.3)
         bottom = _legend_below(fig, axes, ncol=3)
         fig.suptitle(_title(run, "HBM bandwidth vs batch size"), fontsize=10)
         fig.tight_layout(rect=(0, bottom, 1, 1))

@@ -120,8 +120,9 @@ def test_reuse_grids_and_the_fallbacks():
 
 
 @pytest.mark.parametrize("scenario, kind", [("real-prefill", axes.CASE), ("co-selection", axes.UNION_AXIS),
-                                            ("reuse-sweep", axes.REUSE), ("default", axes.REUSE),
-                                            ("indexer", axes.POINTS)])
+                                            ("reuse-sweep", axes.REUSE), ("baseline", axes.REUSE),
+                                            ("indexer", axes.POINTS), ("decode", axes.REQUESTS),
+                                            ("drift", axes.UNION_AXIS), ("sparsity", axes.CONTEXT)])
 def test_committed_runs_get_their_axis(scenario, kind):
     assert axis_of(load_run(H200 / scenario)).kind == kind
 
