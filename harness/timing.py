@@ -26,6 +26,7 @@ from ..errors import UserError
 
 TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"
+TIMER_HOST = "host"          # the plan stage: host time to build the plan, on any device
 MODULE = "module"
 PLAN = "plan"
 MIN_GPU_REPS = 20          # the protocol's floor on the GPU, whatever a scenario asks
@@ -186,7 +187,7 @@ def _time_host(plan, config: TimingConfig) -> dict[str, StageSamples]:
 def time_plan(plan, config: TimingConfig, device: torch.device | str) -> dict[str, StageSamples]:
     """Samples for `plan` (host planning time), each stage in order, and `module` (all stages)."""
     device = torch.device(device)
-    results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], "host", True)}
+    results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], TIMER_HOST, True)}
     if device.type != "cuda":
         return results | _time_host(plan, config)
     clock = _GraphClock(plan, device, config.cold_l2)
