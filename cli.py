@@ -299,9 +299,11 @@ def _split(text: str | None, name: str, kind=str) -> list | None:
     if text is None:
         return None
     from .errors import UserError
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
+    items = [t.strip() for t in text.split(",")]
+    if not any(items):
         raise UserError(f"--{name} is empty")
+    if not all(items):
+        raise UserError(f"--{name} has an empty item in {text!r}")
     try:
         return [kind(t) for t in items]
     except ValueError:
@@ -484,6 +486,13 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except OSError as exc:
+        if exc.filename is None:
+            _internal_error(exc)
+        # a path the user named that cannot be read or written: bad input, not a crash
+        where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename
+        typer.echo(f"error: cannot use {where}: {exc.strerror or type(exc).__name__}", err=True)
+        sys.exit(2)
     except ModuleNotFoundError as exc:
         typer.echo(f"error: internal error: Python package {exc.name!r} is not installed; install the project "
                    "with its dependencies (pip install -e .)", err=True)
@@ -494,9 +503,13 @@ def main() -> None:
             sys.exit(exc.exit_code)
         if type(exc).__name__ == "Abort":
             sys.exit(130)
-        typer.echo(f"error: internal error: {type(exc).__name__}: {' '.join(str(exc).split())}", err=True)
-        sys.exit(EXIT_INTERNAL)
+        _internal_error(exc)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _internal_error(exc: BaseException) -> None:
+    typer.echo(f"error: internal error: {type(exc).__name__}: {' '.join(str(exc).split())}", err=True)
+    sys.exit(EXIT_INTERNAL)
 
 
 if __name__ == "__main__":
