@@ -8,8 +8,9 @@ import typer
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Benchmark and roofline analysis of top-k block-sparse attention: KV-outer (ours), "
-         "Q-outer (FlashInfer) and MSA-style scatter, side by side on one GPU.",
+    help="Benchmark and roofline analysis of top-k block-sparse attention: KV-outer, token-packed Q-outer, "
+         "their hybrid and the per-workload pick (auto), FlashInfer's Q-outer and packed paths, MSA-style "
+         "scatter and a dense cuDNN ceiling, side by side on one GPU against one L2/HBM roofline.",
 )
 
 
@@ -152,6 +153,11 @@ def check(
                                 show_default=False),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Chunked causal prefill: each query's own block is "
                                 "its last selected block. Default: not causal.", show_default=False),
+    share: float = typer.Option(None, help="Co-selection for synthetic: the fraction (0 to 1) of its top-k each group "
+                                           "of --share-group consecutive tokens shares. Default: not co-selected.",
+                                show_default=False),
+    share_group: int = typer.Option(None, help="Tokens per co-selection group (with --share). Default 8.",
+                                    show_default=False),
     case: str = typer.Option(None, "--case", help="MSA prefill case id for real-prefill (`msa-bench scenarios --cases` "
                                                   "lists them)."),
     requests: int = typer.Option(None, help="K requests instead of one (synthetic's tokens and context split over "
@@ -171,7 +177,7 @@ def check(
     the maximum relative error is printed last. Exit 0 only within tolerance (fp32 1e-5, fp16/bf16 1e-2, fp8
     5e-2). An option the generator does not use is refused. Without a GPU the Triton kernels run in the CPU
     interpreter."""
-    from .harness.check import CPU_SHAPE, check_fits_here, check_point, describe, run_check
+    from .harness.check import CPU_SHAPE, check_fits_here, check_point, describe, plan_lines, run_check
     from .errors import UserError
     from .scenarios.workload import DATA_DTYPES, AttnShape
 
@@ -188,13 +194,15 @@ def check(
     shape = AttnShape(hq=hq or base.hq, hkv=hkv or base.hkv, head_dim=head_dim or base.head_dim,
                       block=block or base.block, topk=topk or base.topk)
     point = check_point(generator, shape, dtype, requests, on_gpu, tokens=tokens, context=context, reuse=reuse,
-                        causal=causal, cases=case, seed=seed)
+                        causal=causal, cases=case, seed=seed, share=share, share_group=share_group)
     check_fits_here(point, requests, "cuda" if on_gpu else "cpu")
     w, (err, tol, details) = run_check(backend, point, requests)
     s = w.shape
     typer.echo(f"{backend} {dtype} on {w.device}: N={w.n_tokens} Hq={s.hq} Hkv={s.hkv} D={s.head_dim} "
                f"block={s.block} topk={s.topk} {describe(point, requests)}; compared {details['rows']} rows")
-    typer.echo(f"plan: {details['info']}")
+    typer.echo("plan:")
+    for line in plan_lines(details["info"]):
+        typer.echo(line)
     failed = False
     for stage, (ok, msg) in details.get("stage_checks", {}).items():
         failed |= not ok
@@ -310,6 +318,25 @@ def _split(text: str | None, name: str, kind=str) -> list | None:
         raise UserError(f"--{name} must be a comma-separated list of {kind.__name__} values, got {text!r}") from None
 
 
+CPU_SCENARIO, CPU_SCENARIO_TIME = "smoke", "under a minute on 2 cores"
+
+
+def _gpu_scenario_on_cpu(scenario: str | None, cpu_ok: bool) -> None:
+    """A shipped scenario other than smoke, without a GPU: refused before anything runs, or with --cpu-ok
+    run after a warning. A scenario file is the user's own sizing and runs as given."""
+    import torch
+    from .errors import UserError
+    from .scenarios.grid import shipped_names
+    if scenario in (None, CPU_SCENARIO) or scenario not in shipped_names() or torch.cuda.is_available():
+        return
+    smoke = f"`msa-bench sweep --scenario {CPU_SCENARIO}` ({CPU_SCENARIO_TIME})"
+    if not cpu_ok:
+        raise UserError(f"scenario {scenario!r} is sized for a GPU and would run for hours on this machine, which "
+                        f"has none: run {smoke}, or pass --cpu-ok to run it anyway")
+    typer.echo(f"warning: no GPU here: {scenario!r} will run for hours in Triton's interpreter; {smoke} shows "
+               "the pipeline working", err=True)
+
+
 @app.command()
 def sweep(
     scenario: str = typer.Option(None, help="Scenario name (see `msa-bench scenarios`) or a TOML file. Default: "
@@ -322,6 +349,10 @@ def sweep(
     backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@KERNEL runs that CuTe kernel (e.g. kv-outer-cute@v23) in every dtype instead of each dtype's default; @KERNEL+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles)."),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Override causal (chunked prefill) or not."),
     generator: str = typer.Option(None, help="Override the selection generator."),
+    share: str = typer.Option(None, help="Override co-selection (synthetic), comma-separated: the fraction (0 to 1) of "
+                                         "its top-k each group of --share-group tokens shares."),
+    share_group: str = typer.Option(None, help="Override tokens per co-selection group (with --share), "
+                                               "comma-separated. Default 8."),
     out: str = typer.Option(None, help="Run folder (default results/runs/<scenario>-<UTC time>; with --resume: the "
                                        "latest unfinished run of the same options there)."),
     resume: bool = typer.Option(False, help="Continue an interrupted run (--out, or the latest unfinished one), "
@@ -330,7 +361,10 @@ def sweep(
     counters: bool = typer.Option(False, help="Also collect ncu counters per stage (DRAM and L2 bytes, tensor-pipe "
                                               "instructions, kernel time); needs a GPU and ncu."),
     reps: int = typer.Option(None, help="Timed repetitions per stage (GPU: at least this many CUDA-graph replays; "
-                                        "CPU: host-timed module runs)."),
+                                        "CPU: host-timed module runs). Default: the scenario's timing.reps, "
+                                        "else 20 on a GPU, 5 on a CPU.", show_default=False),
+    cpu_ok: bool = typer.Option(False, "--cpu-ok", help="Run a shipped GPU scenario on a machine without a GPU "
+                                                        "anyway (hours in Triton's interpreter)."),
 ):
     """Time each stage and the whole module per point and backend (CUDA-graph replay, cold L2; seconds), with
     NVML telemetry and optional ncu counters, and check the output of the timed runs against the float64
@@ -339,10 +373,12 @@ def sweep(
     Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed), 2 on bad input or a
     point that cannot fit in memory (refused before anything runs), 130 when interrupted."""
     from .harness.sweep import SweepInterrupted, SweepRequest, run_sweep
+    _gpu_scenario_on_cpu(scenario, cpu_ok)
     req = SweepRequest(scenario=scenario, reuse=_split(reuse, "reuse", float), tokens=_split(tokens, "tokens", int),
                        context=_split(context, "context", int), skew=_split(skew, "skew", float),
                        dtypes=_split(dtype, "dtype"), backends=_split(backend, "backend"), causal=causal,
-                       generator=generator, out=out, resume=resume, shard=shard, counters=counters, reps=reps,
+                       generator=generator, share=_split(share, "share", float),
+                       share_group=_split(share_group, "share-group", int), out=out, resume=resume, shard=shard, counters=counters, reps=reps,
                        argv=list(sys.argv))
     try:
         summary = run_sweep(req)

@@ -346,11 +346,13 @@ def test_fp8_v_key_order_is_a_permutation_within_16():
 
 # ---- backend and CLI surface -------------------------------------------------------------------
 
-def test_backend_reports_unavailable_without_gpu():
+def test_backend_says_first_that_it_needs_the_gpu():
+    """Without a GPU, the GPU is named before any dtype: it is what the user must change first."""
     b = get_backend("kv-outer-cute")
-    assert b.unavailable_reason("fp16", "cpu").startswith("kv-outer-cute does not support dtype fp16")
-    if not torch.cuda.is_available():
-        assert "CUDA GPU" in b.unavailable_reason("bf16", "cpu")
+    for dtype in ("fp16", "bf16"):
+        assert b.unavailable_reason(dtype, "cpu") == "kv-outer-cute runs only on a CUDA GPU (sm_90a)"
+    if torch.cuda.is_available():
+        assert b.unavailable_reason("fp16", "cuda").startswith("kv-outer-cute does not support dtype fp16")
 
 
 def test_config_for_other_geometry_is_unavailable():
