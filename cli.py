@@ -431,6 +431,8 @@ def compare(
     fails. Exit 2 on unusable input: a missing or damaged run or unit, or a baseline unit the new run lacks
     or did not time. Exit 3 on an internal error. 0 otherwise. Host (CPU) timings are listed, never judged:
     on CPU runs only a unit that now fails is a regression. Times in microseconds."""
+    import shutil
+
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -440,21 +442,33 @@ def compare(
     threshold = parse_threshold(max_regression)
     tol = parse_threshold(counter_tolerance, "--counter-tolerance")
     result = compare_runs(load_run(baseline), load_run(new), threshold, tol)
-    console = Console(width=None if sys.stdout.isatty() else 220)   # logs and CI: do not truncate rows
+    width = shutil.get_terminal_size((80, 24)).columns     # COLUMNS, else the terminal, else 80 (pipes, logs)
+    console = Console(width=width, soft_wrap=False)
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)     # whole lines, text as is
     shown = result.findings if show_all else result.of(REGRESSION) + result.of(IMPROVEMENT)
     if shown:
-        table = Table(title=f"{new} vs {baseline}")
-        for col in ("verdict", "backend", "dtype", "stage", "what", "baseline", "new", "new/base", "p", "point"):
-            table.add_column(col)
+        columns = ("verdict", "backend", "dtype", "stage", "what", "baseline", "new", "new/base", "p", "point")
+        rows = []
         for f in shown:
-            color = {"regression": "red", "improvement": "green"}.get(f.verdict, "")
             fmt = (lambda v: f"{v * 1e6:.2f} µs") if f.kind == "time" else (lambda v: f"{v:.4g}")
-            table.add_row(f"[{color}]{f.verdict}[/]" if color else f.verdict, f.backend, f.dtype, f.stage, f.kind,
-                          fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}", "" if f.p_value is None else f"{f.p_value:.3g}",
-                          escape(f.note or f.point_key))
-        console.print(table)
+            rows.append((f.verdict, f.backend, f.dtype, f.stage, f.kind, fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}",
+                         "" if f.p_value is None else f"{f.p_value:.3g}", f.note or f.point_key))
+        table = Table(title=f"{new} vs {baseline}")
+        for col in columns:
+            table.add_column(col, no_wrap=True)
+        for row in rows:
+            color = {"regression": "red", "improvement": "green"}.get(row[0], "")
+            table.add_row(f"[{color}]{row[0]}[/]" if color else row[0], *map(escape, row[1:]))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        if sum(w + 3 for w in widths) + 1 <= width:           # cells, their padding and rules: shown whole
+            console.print(table)
+        else:        # too wide to show whole: one record per finding, every value in full
+            console.print(f"{new} vs {baseline}", soft_wrap=True)
+            for row in rows:
+                verdict, backend, dtype, stage, what, base, now, ratio, p, point = row
+                console.print(f"{verdict}: {backend} {dtype} {stage} {what} {base} -> {now} (new/base {ratio}"
+                              + (f", p {p}" if p else "") + f") at {escape(point)}", soft_wrap=True, highlight=False)
     n_reg, n_imp = len(result.of(REGRESSION)), len(result.of(IMPROVEMENT))
     console.print(f"{len(result.findings)} compared: {n_reg} regression(s), {n_imp} improvement(s) "
                   f"(threshold {threshold:.1%}, counters {tol:.1%}"
