@@ -49,3 +49,15 @@ def test_ci_pins_one_torch_that_the_package_accepts():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     floor = next(d for d in deps if d.startswith("torch>="))[len("torch>="):]
     assert pin >= tuple(int(x) for x in floor.split("."))
+
+
+def test_readme_torch_install_gives_up_fast_and_falls_back():
+    """The README's CPU torch line bounds its wait on PyTorch's index and names a fallback."""
+    readme = (ROOT / "README.md").read_text()
+    line = re.search(r"^pip install (.*)--index-url https://download.pytorch.org/whl/cpu \\\n\s*\|\| (pip install .*)$",
+                     readme, re.M)
+    assert line, "the CPU torch line and its fallback"
+    assert "--timeout 5" in line.group(1) and "--retries 1" in line.group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    version = re.search(r"^TORCH_VERSION=(\S+)$", ci, re.M).group(1)
+    assert f"torch=={version}" in line.group(1) and line.group(2) == f"pip install torch=={version}"
