@@ -227,7 +227,8 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
     from .timing import PLAN, TIMER_HOST
     planning = samples["stage"] == PLAN
     timers, expected = set(samples.loc[~planning, "timer"].astype(str)), status.get("timer")
-    if len(timers) > 1 or (expected is not None and timers - {expected}) or set(samples.loc[planning, "timer"]) - {TIMER_HOST}:
+    foreign_plan_timer = set(samples.loc[planning, "timer"].astype(str)) - {TIMER_HOST}
+    if len(timers) > 1 or (expected is not None and timers - {expected}) or foreign_plan_timer:
         found = ", ".join(sorted(set(samples["timer"].astype(str))))
         raise UserError(f"corrupt results file {folder / 'samples.parquet'}: timers {found}, the unit's status says "
                         f"{expected!r} (one timer per run and device; {TIMER_HOST!r} for the plan stage)")
