@@ -37,6 +37,7 @@ def split_pairs(w, sch):
     return packed, residual
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), P=st.sampled_from([8, 16]), share=st.integers(2, 16), causal=st.booleans(),
        hot=st.sampled_from([0.0, 0.5, 0.95]), pad=st.sampled_from([0.0, 0.4]),
@@ -150,6 +151,7 @@ def picks(w) -> tuple[str, dict]:
     return min(cands, key=lambda k: cands[k][1]), {k: v[1] for k, v in cands.items()}
 
 
+@pytest.mark.slow
 def test_auto_packs_shared_selections_and_not_scattered_ones():
     pick, predicted = picks(coselected(1.0))
     assert pick == "q-packed"
@@ -157,6 +159,7 @@ def test_auto_packs_shared_selections_and_not_scattered_ones():
     assert pick != "q-packed" and predicted[pick] < predicted["q-packed"]
 
 
+@pytest.mark.slow
 def test_auto_divides_by_the_measured_fraction(monkeypatch):
     from dataclasses import replace
     from msa_bench.kernels import auto
@@ -165,6 +168,7 @@ def test_auto_divides_by_the_measured_fraction(monkeypatch):
     assert picks(coselected(1.0))[0] == "kv-outer"
 
 
+@pytest.mark.slow
 def test_auto_records_its_pick_and_matches_the_reference(poisoned_run):
     small = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
     for share in (1.0, 0.0):

@@ -274,6 +274,7 @@ def test_closed_form_schedule_equals_the_sorted_one(case, order, num_ctas):
         assert torch.equal(getattr(fast, name), getattr(general, name)), name
 
 
+@pytest.mark.slow
 def test_closed_form_schedules_fuzzed_against_the_sorted_path():
     """Random small selections (1-3 KV heads, padding, every third with a KV head that has no tiles,
     tile_q 1-3, 1-9 CTAs), every order against the sorted path, buffer for buffer. The empty head is
