@@ -77,8 +77,9 @@ def test_schedule_matches_oracle(seed, P, causal, pad, hot, reqs):
 
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "fp8"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, dtype", [     # each case and each dtype in the default run; every pair in the slow one
+    pytest.param(c, d, id=f"{c}-{d}", marks=() if (i - j) % len(CASES) == 0 else pytest.mark.slow)
+    for i, c in enumerate(CASES) for j, d in enumerate(["fp32", "fp16", "fp8"])])
 def test_output_matches_reference(case, dtype, poisoned_run, matches_reference):
     w = workload(case, dtype)
     plan = get_backend("q-packed").plan(w)
