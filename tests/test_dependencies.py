@@ -61,3 +61,15 @@ def test_readme_torch_install_gives_up_fast_and_falls_back():
     ci = (ROOT / ".ci" / "run").read_text()
     version = re.search(r"^TORCH_VERSION=(\S+)$", ci, re.M).group(1)
     assert f"torch=={version}" in line.group(1) and line.group(2) == f"pip install torch=={version}"
+
+
+def test_ci_runs_every_test_and_the_default_command_leaves_out_the_slow_ones():
+    """`python3 -m pytest` deselects `slow` (pyproject's addopts); .ci/run selects every test, and the
+    README names both commands."""
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "-m 'not slow'" in addopts
+    ci = (ROOT / ".ci" / "run").read_text()
+    runs = [line for line in ci.splitlines() if line.startswith("python3 -m pytest")]
+    assert runs == ['python3 -m pytest -m "slow or not slow"']
+    readme = (ROOT / "README.md").read_text()
+    assert '`python3 -m pytest -m "slow or not slow"`' in readme and "| `python3 -m pytest` |" in readme
