@@ -8,8 +8,9 @@ import typer
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Benchmark and roofline analysis of top-k block-sparse attention: KV-outer (ours), "
-         "Q-outer (FlashInfer) and MSA-style scatter, side by side on one GPU.",
+    help="Benchmark and roofline analysis of top-k block-sparse attention: KV-outer, token-packed Q-outer, "
+         "their hybrid and the per-workload pick (auto), FlashInfer's Q-outer and packed paths, MSA-style "
+         "scatter and a dense cuDNN ceiling, side by side on one GPU against one L2/HBM roofline.",
 )
 
 
@@ -173,6 +174,11 @@ def check(
                                 show_default=False),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Chunked causal prefill: each query's own block is "
                                 "its last selected block. Default: not causal.", show_default=False),
+    share: float = typer.Option(None, help="Co-selection for synthetic: the fraction (0 to 1) of its top-k each group "
+                                           "of --share-group consecutive tokens shares. Default: not co-selected.",
+                                show_default=False),
+    share_group: int = typer.Option(None, help="Tokens per co-selection group (with --share). Default 8.",
+                                    show_default=False),
     case: str = typer.Option(None, "--case", help="MSA prefill case id for real-prefill (`msa-bench scenarios --cases` "
                                                   "lists them)."),
     requests: int = typer.Option(None, help="Synthetic: K requests instead of one (its tokens and context split "
@@ -197,7 +203,7 @@ def check(
     the maximum relative error is printed last. Exit 0 only within tolerance (fp32 1e-5, fp16/bf16 1e-2, fp8
     5e-2). An option the generator does not use is refused. Without a GPU the Triton kernels run in the CPU
     interpreter."""
-    from .harness.check import CPU_SHAPE, check_fits_here, check_point, describe, run_check
+    from .harness.check import CPU_SHAPE, check_fits_here, check_point, describe, plan_lines, run_check
     from .scenarios.grid import SERVING
     from .errors import UserError
     from .scenarios.workload import DATA_DTYPES, AttnShape
@@ -216,7 +222,7 @@ def check(
                       block=block or base.block, topk=topk or base.topk)
     point = check_point(generator, shape, dtype, requests, on_gpu, tokens=tokens, context=context, reuse=reuse,
                         causal=causal, cases=case, seed=seed, query_tokens=query_tokens, context_min=context_min,
-                        chunks=chunks, drift=drift)
+                        chunks=chunks, drift=drift, share=share, share_group=share_group)
     if point.generator in SERVING:           # --requests counted the decode requests of the point itself
         requests = None
     check_fits_here(point, requests, "cuda" if on_gpu else "cpu")
@@ -224,7 +230,9 @@ def check(
     s = w.shape
     typer.echo(f"{backend} {dtype} on {w.device}: N={w.n_tokens} Hq={s.hq} Hkv={s.hkv} D={s.head_dim} "
                f"block={s.block} topk={s.topk} {describe(point, requests)}; compared {details['rows']} rows")
-    typer.echo(f"plan: {details['info']}")
+    typer.echo("plan:")
+    for line in plan_lines(details["info"]):
+        typer.echo(line)
     if "auto" in details["info"]:
         from .kernels.auto import auto_line
         typer.echo(auto_line(details["info"]))
@@ -332,13 +340,34 @@ def _split(text: str | None, name: str, kind=str) -> list | None:
     if text is None:
         return None
     from .errors import UserError
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
+    items = [t.strip() for t in text.split(",")]
+    if not any(items):
         raise UserError(f"--{name} is empty")
+    if not all(items):
+        raise UserError(f"--{name} has an empty item in {text!r}")
     try:
         return [kind(t) for t in items]
     except ValueError:
         raise UserError(f"--{name} must be a comma-separated list of {kind.__name__} values, got {text!r}") from None
+
+
+CPU_SCENARIO, CPU_SCENARIO_TIME = "smoke", "under a minute on 2 cores"
+
+
+def _gpu_scenario_on_cpu(scenario: str | None, cpu_ok: bool) -> None:
+    """A shipped scenario other than smoke, without a GPU: refused before anything runs, or with --cpu-ok
+    run after a warning. A scenario file is the user's own sizing and runs as given."""
+    import torch
+    from .errors import UserError
+    from .scenarios.grid import shipped_names
+    if scenario in (None, CPU_SCENARIO) or scenario not in shipped_names() or torch.cuda.is_available():
+        return
+    smoke = f"`msa-bench sweep --scenario {CPU_SCENARIO}` ({CPU_SCENARIO_TIME})"
+    if not cpu_ok:
+        raise UserError(f"scenario {scenario!r} is sized for a GPU and would run for hours on this machine, which "
+                        f"has none: run {smoke}, or pass --cpu-ok to run it anyway")
+    typer.echo(f"warning: no GPU here: {scenario!r} will run for hours in Triton's interpreter; {smoke} shows "
+               "the pipeline working", err=True)
 
 
 @app.command()
@@ -353,6 +382,10 @@ def sweep(
     backend: str = typer.Option(None, help="Override backends, comma-separated (e.g. kv-outer,flashinfer,msa-scatter). kv-outer-cute@KERNEL runs that CuTe kernel (e.g. kv-outer-cute@v23) in every dtype instead of each dtype's default; @KERNEL+ORDER (or @ORDER) also sets the scheduler's tile order: phases (CTAs walk one KV head at a time), S:p (S query ranges per head, dealt in phases) or S:k (dealt in chunks of k tiles). Any backend takes a planted delay as the option's last part: NAME@delay5 or NAME@v28+delay5 adds a stage costing 5 % of the module (a known regression for the gate)."),
     causal: bool = typer.Option(None, "--causal/--no-causal", help="Override causal (chunked prefill) or not."),
     generator: str = typer.Option(None, help="Override the selection generator."),
+    share: str = typer.Option(None, help="Override co-selection (synthetic), comma-separated: the fraction (0 to 1) of "
+                                         "its top-k each group of --share-group tokens shares."),
+    share_group: str = typer.Option(None, help="Override tokens per co-selection group (with --share), "
+                                               "comma-separated. Default 8."),
     out: str = typer.Option(None, help="Run folder (default results/runs/<scenario>-<UTC time>; with --resume: the "
                                        "latest unfinished run of the same options there)."),
     resume: bool = typer.Option(False, help="Continue an interrupted run (--out, or the latest unfinished one), "
@@ -361,7 +394,10 @@ def sweep(
     counters: bool = typer.Option(False, help="Also collect ncu counters per stage (DRAM and L2 bytes, tensor-pipe "
                                               "instructions, kernel time); needs a GPU and ncu."),
     reps: int = typer.Option(None, help="Timed repetitions per stage (GPU: at least this many CUDA-graph replays; "
-                                        "CPU: host-timed module runs)."),
+                                        "CPU: host-timed module runs). Default: the scenario's timing.reps, "
+                                        "else 20 on a GPU, 5 on a CPU.", show_default=False),
+    cpu_ok: bool = typer.Option(False, "--cpu-ok", help="Run a shipped GPU scenario on a machine without a GPU "
+                                                        "anyway (hours in Triton's interpreter)."),
     gpus: str = typer.Option(None, help="One worker process per GPU, dealt units from one queue into one run folder: "
                                         "all, N (the first N) or a list of indices (0,2; one GPU: 3,). Indices as "
                                         "CUDA numbers them under CUDA_VISIBLE_DEVICES. GPUs of different models are "
@@ -376,11 +412,13 @@ def sweep(
     died, 2 on bad input or a point that cannot fit in memory (refused before anything runs), 130 when
     interrupted (Ctrl-C), 143 when terminated (SIGTERM, as `timeout` and job schedulers send)."""
     from .harness.sweep import SweepInterrupted, SweepRequest, run_sweep
+    _gpu_scenario_on_cpu(scenario, cpu_ok)
     req = SweepRequest(scenario=scenario, reuse=_split(reuse, "reuse", float), tokens=_split(tokens, "tokens", int),
                        context=_split(context, "context", int), skew=_split(skew, "skew", float),
                        dtypes=_split(dtype, "dtype"), backends=_split(backend, "backend"), causal=causal,
-                       generator=generator, out=out, resume=resume, shard=shard, counters=counters, reps=reps,
-                       gpus=gpus, argv=list(sys.argv))
+                       generator=generator, share=_split(share, "share", float),
+                       share_group=_split(share_group, "share-group", int), out=out, resume=resume, shard=shard,
+                       counters=counters, reps=reps, gpus=gpus, argv=list(sys.argv))
     try:
         summary = run_sweep(req)
     except SweepInterrupted as exc:
@@ -439,10 +477,12 @@ def compare(
     """Regression gate. Exit 1 if any point is slower by more than --max-regression AND distinguishable from
     the baseline's raw samples (Mann-Whitney U p < 0.05 or disjoint IQRs), or moves more bytes, or now
     fails. Against a baseline set it flags at half --max-regression and must also be slower than the
-    slowest of the K baseline run medians (the run-to-run spread, column `spread`). Exit 2 on unusable input: a missing or damaged run or unit,
-    a set of mismatched grids, or a baseline unit the new run lacks or did not time. Exit 3 on an internal
-    error. 0 otherwise. Host (CPU) timings are listed, never judged: on CPU runs only a unit that now
-    fails is a regression. Times in microseconds."""
+    slowest of the K baseline run medians (the run-to-run spread, column `spread`). Exit 2 on unusable
+    input: a missing or damaged run or unit, a set of mismatched grids, or a baseline unit the new run
+    lacks or did not time. Exit 3 on an internal error. 0 otherwise. Host (CPU) timings are listed,
+    never judged: on CPU runs only a unit that now fails is a regression. Times in microseconds."""
+    import shutil
+
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -459,28 +499,43 @@ def compare(
         raise UserError(f"--floor must be a fraction in (0, 1], got {floor}")
     bases = load_baseline(baseline)
     result = compare_runs(bases, load_run(new), threshold, tol, clock=clock, floor=floor)
-    console = Console(width=None if sys.stdout.isatty() else 220)   # logs and CI: do not truncate rows
+    width = shutil.get_terminal_size((80, 24)).columns     # COLUMNS, else the terminal, else 80 (pipes, logs)
+    console = Console(width=width, soft_wrap=False)
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)     # whole lines, text as is
     shown = result.findings if show_all else result.of(REGRESSION) + result.of(IMPROVEMENT)
     if shown:
         title = f"{new} vs {baseline}" + (f" ({len(bases)} baseline runs)" if len(bases) > 1 else "")
-        table = Table(title=title)
         columns = ["verdict", "backend", "dtype", "stage", "what", "baseline", "new", "new/base", "p", "point"]
         if len(bases) > 1:
             columns.insert(8, "spread")
-        for col in columns:
-            table.add_column(col)
+        rows = []
         for f in shown:
-            color = {"regression": "red", "improvement": "green"}.get(f.verdict, "")
             fmt = (lambda v: f"{v * 1e6:.2f} µs") if f.kind == "time" else (lambda v: f"{v:.4g}")
-            cells = [f"[{color}]{f.verdict}[/]" if color else f.verdict, f.backend, f.dtype, f.stage, f.kind,
-                     fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}", "" if f.p_value is None else f"{f.p_value:.3g}",
-                     escape(f.note or f.point_key)]
+            row = [f.verdict, f.backend, f.dtype, f.stage, f.kind, fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}",
+                   "" if f.p_value is None else f"{f.p_value:.3g}", f.note or f.point_key]
             if len(bases) > 1:
-                cells.insert(8, "" if f.spread is None else f"{f.spread:.3f}")
-            table.add_row(*cells)
-        console.print(table)
+                row.insert(8, "" if f.spread is None else f"{f.spread:.3f}")
+            rows.append(row)
+        table = Table(title=title)
+        for col in columns:
+            table.add_column(col, no_wrap=True)
+        for row in rows:
+            color = {"regression": "red", "improvement": "green"}.get(row[0], "")
+            table.add_row(f"[{color}]{row[0]}[/]" if color else row[0], *map(escape, row[1:]))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        if sum(w + 3 for w in widths) + 1 <= width:           # cells, their padding and rules: shown whole
+            console.print(table)
+        else:        # too wide to show whole: one record per finding, every value in full
+            console.print(title, soft_wrap=True)
+            for row in rows:
+                named = dict(zip(columns, row))
+                spread = f", spread {named['spread']}" if named.get("spread") else ""
+                p = f", p {named['p']}" if named["p"] else ""
+                console.print(f"{named['verdict']}: {named['backend']} {named['dtype']} {named['stage']} "
+                              f"{named['what']} {named['baseline']} -> {named['new']} (new/base "
+                              f"{named['new/base']}{p}{spread}) at {escape(named['point'])}",
+                              soft_wrap=True, highlight=False)
     n_reg, n_imp = len(result.of(REGRESSION)), len(result.of(IMPROVEMENT))
     console.print(f"{len(result.findings)} compared: {n_reg} regression(s), {n_imp} improvement(s) "
                   f"(threshold {threshold:.1%}, counters {tol:.1%}, clock {clock}"
@@ -612,6 +667,13 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except OSError as exc:
+        if exc.filename is None:
+            _internal_error(exc)
+        # a path the user named that cannot be read or written: bad input, not a crash
+        where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename
+        typer.echo(f"error: cannot use {where}: {exc.strerror or type(exc).__name__}", err=True)
+        sys.exit(2)
     except ModuleNotFoundError as exc:
         typer.echo(f"error: internal error: Python package {exc.name!r} is not installed; install the project "
                    "with its dependencies (pip install -e .)", err=True)
@@ -622,9 +684,13 @@ def main() -> None:
             sys.exit(exc.exit_code)
         if type(exc).__name__ == "Abort":
             sys.exit(130)
-        typer.echo(f"error: internal error: {type(exc).__name__}: {' '.join(str(exc).split())}", err=True)
-        sys.exit(EXIT_INTERNAL)
+        _internal_error(exc)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _internal_error(exc: BaseException) -> None:
+    typer.echo(f"error: internal error: {type(exc).__name__}: {' '.join(str(exc).split())}", err=True)
+    sys.exit(EXIT_INTERNAL)
 
 
 if __name__ == "__main__":

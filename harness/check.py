@@ -160,6 +160,17 @@ def check_fits_here(point: Point, requests: int | None, device) -> None:
         raise UserError(str(exc)) from None
 
 
+def plan_lines(info: dict, width: int = 80) -> list[str]:
+    """A plan's info as one named entry per line (a nested table as "key value, ..."), wrapped to `width`."""
+    import textwrap
+    lines = []
+    for key, value in info.items():
+        text = ", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
+        lines += textwrap.wrap(text, width, initial_indent=f"  {key:<16} ", subsequent_indent=" " * 19,
+                               break_on_hyphens=False) or [f"  {key}"]
+    return lines
+
+
 def describe(point: Point, requests: int | None) -> str:
     """The workload's generator and sizes, as the check's first line names them."""
     causal = " causal" if point.causal else ""
@@ -171,7 +182,8 @@ def describe(point: Point, requests: int | None) -> str:
         return "/".join(point.key().split("/")[:-3])
     if point.generator == "indexer":
         return f"context={point.context} indexer{causal}"
-    return f"context={point.context} reuse={point.reuse:g}{causal}"
+    share = f" share={point.share:g} group={point.share_group}" if point.share is not None else ""
+    return f"context={point.context} reuse={point.reuse:g}{share}{causal}"
 
 
 def edge_case_workload(shape: AttnShape, dtype: str, kv_lens: list[int], tokens: list[int], causal: bool,

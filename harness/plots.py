@@ -16,15 +16,15 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..roofline.devices import DeviceProfile  # noqa: E402
-from ..roofline.model import ALL_SCHEDULES, PACKED, packed_crossover  # noqa: E402
+from ..roofline.model import ALL_SCHEDULES, PACKED, ModelShape, packed_crossover_by_dtype  # noqa: E402
 
 from .axes import (AXES, CASE, CONTEXT, POINTS, REQUESTS, REUSE, TOKENS, UNION, UNION_AXIS,  # noqa: E402
                    FigureAxis, figure_axis, group_fields, group_label, groups, point_id, point_order, ratio_label,
                    short, short_number, slug, varying_fields)
 from .prediction import predict_point  # noqa: E402
 from .results import Run  # noqa: E402
-from .tables import (KV_OUTER, PICK_SCHEDULES, STAGE_ORDER, _predict_row, bytes_table, crossovers,  # noqa: E402
-                     model_time, ok_units, prefill_aggregate, row_model_shape)
+from .tables import (KV_OUTER, PICK_SCHEDULES, STAGE_ORDER, _predict_row, attention_shape, bytes_table,  # noqa: E402
+                     crossovers, model_time, ok_units, prefill_aggregate, row_model_shape)
 
 SCHEDULE_COLORS = {"kv-outer": "tab:blue", "q-outer": "tab:orange", PACKED: "tab:green", "msa-scatter": "tab:purple",
                    "hybrid": "dimgrey"}
@@ -408,10 +408,12 @@ def co_selection_figures(run: Run, device: DeviceProfile | None, tile: int = 8) 
 
 
 def _co_selection_rooflines(ax, gd, device: DeviceProfile, tile: int) -> list[str]:
-    """The three rooflines over union_ratio 1..P and the predicted-winner strip; returns the winners."""
-    kv_rows = gd[gd["schedule"] == KV_OUTER]
-    row = (kv_rows if len(kv_rows) else gd).iloc[0]
-    shape = row_model_shape(row)
+    """The three rooflines over union_ratio 1..P and the predicted-winner strip; returns the winners. The
+    model's shape for the panel's dtype (its default KV-outer), as `msa-bench roofline` has it, so the
+    crossover drawn is the one the CLI and the README quote."""
+    row = gd.iloc[0]
+    dtype, attention = str(row["dtype"]), attention_shape(row)
+    shape = ModelShape(dtype=dtype, **attention)
     n, r = float(gd["wl_n_tokens"].median()), float(gd["x"].median())
     us = np.geomspace(1.0, float(tile), 80)
     preds = {s: [predict_point(s, shape, n, r * n, device, union_ratio=u, tile=tile) for u in us]
@@ -421,9 +423,9 @@ def _co_selection_rooflines(ax, gd, device: DeviceProfile, tile: int) -> list[st
                 label=f"{s} roofline ({device.name}, nsb/N {r:.3g})")
     winners = [min(PICK_SCHEDULES, key=lambda s: preds[s][i].time_s) for i in range(len(us))]
     _bands(ax, us, winners, 0.0, 0.05)
-    cross = packed_crossover(shape, device, n, r, tile)
+    cross = packed_crossover_by_dtype(device, n, r, tile, dtypes=(dtype,), **attention)[dtype]
     if cross is not None and np.isfinite(cross):
-        ax.axvline(cross, color="grey", ls=":", label=f"predicted: q-packed beats kv-outer below {cross:.3g}")
+        ax.axvline(cross, color="grey", ls=":", label=f"predicted ({dtype}): q-packed beats kv-outer below {cross:.3g}")
     return winners
 
 

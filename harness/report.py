@@ -31,6 +31,8 @@ def _fmt(v) -> str:
         if not math.isfinite(v):
             return "–"
         a = abs(v)
+        if v == int(v) and a < 1e7:       # counts (N, context) read whole: 16384, not 1.638e+04
+            return str(int(v))
         return f"{v:.3e}" if a and (a < 1e-3 or a >= 1e6) else f"{v:.4g}"
     return "–" if v is None else str(v)
 

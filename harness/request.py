@@ -25,6 +25,8 @@ class SweepRequest:
     backends: list[str] | None = None
     causal: bool | None = None
     generator: str | None = None
+    share: list[float] | None = None
+    share_group: list[int] | None = None
     out: str | None = None
     resume: bool = False
     shard: str | None = None
@@ -37,7 +39,8 @@ class SweepRequest:
         """What decides the grid (and nothing about where or how it runs): a worker resolves the same."""
         return dict(scenario=self.scenario, reuse=self.reuse, tokens=self.tokens, context=self.context,
                     skew=self.skew, dtypes=self.dtypes, backends=self.backends, causal=self.causal,
-                    generator=self.generator, shard=self.shard, reps=self.reps)
+                    generator=self.generator, share=self.share, share_group=self.share_group, shard=self.shard,
+                    reps=self.reps)
 
 
 @dataclass
@@ -80,7 +83,8 @@ def resolve_scenario(req: SweepRequest, device, notes: list[str]):
     scenario = load_scenario(name)
     overrides = {k: v for k, v in dict(reuse=req.reuse, tokens=req.tokens, context=req.context, skew=req.skew,
                                        dtypes=req.dtypes, backends=req.backends, causal=req.causal,
-                                       generator=req.generator).items() if v is not None}
+                                       generator=req.generator, share=req.share,
+                                       share_group=req.share_group).items() if v is not None}
     if overrides:
         scenario = with_overrides(scenario, **overrides)
     return scenario, overrides
@@ -142,7 +146,8 @@ def resume_command(req: SweepRequest, scenario_name: str, run_dir) -> str:
         return ",".join(str(v) for v in values)
     args = ["msa-bench", "sweep", "--scenario", req.scenario or scenario_name]
     for option, values in (("--reuse", req.reuse), ("--tokens", req.tokens), ("--context", req.context),
-                           ("--skew", req.skew), ("--dtype", req.dtypes), ("--backend", req.backends)):
+                           ("--skew", req.skew), ("--dtype", req.dtypes), ("--backend", req.backends),
+                           ("--share", req.share), ("--share-group", req.share_group)):
         if values is not None:
             args += [option, listed(values)]
     if req.causal is not None:

@@ -10,7 +10,9 @@ complete or not at all: an interrupted sweep keeps every finished unit and `--re
 
 Every reader goes through load_run, which checks content as well as bytes: the columns of each
 table, finite and positive times, the samples the stats claim (count and median per stage), a
-status file that names its own folder, and every planned unit of a run that says it is complete.
+status file that names its own folder, an `ok` whose own error is within its tolerance, one timer
+per run (the unit's; the plan stage's is `host`), no timings kept by a unit that did not pass, and
+every planned unit of a run that says it is complete.
 A damaged unit is never read as data: compare, merge and report refuse the run, naming the units,
 and `sweep --resume` redoes them.
 """
@@ -233,6 +235,14 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
         raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int((seconds <= 0).sum())} of "
                         f"{len(seconds)} times are not positive")
     _check_clocks(folder, samples)
+    from .timing import PLAN, TIMER_HOST
+    planning = samples["stage"] == PLAN
+    timers, expected = set(samples.loc[~planning, "timer"].astype(str)), status.get("timer")
+    foreign_plan_timer = set(samples.loc[planning, "timer"].astype(str)) - {TIMER_HOST}
+    if len(timers) > 1 or (expected is not None and timers - {expected}) or foreign_plan_timer:
+        found = ", ".join(sorted(set(samples["timer"].astype(str))))
+        raise UserError(f"corrupt results file {folder / 'samples.parquet'}: timers {found}, the unit's status says "
+                        f"{expected!r} (one timer per run and device; {TIMER_HOST!r} for the plan stage)")
     by_stage = pd.Series(seconds).groupby(samples["stage"].to_numpy())
     claims = stats[stats["statistic"].isin(("n_reps", "median_s"))]
     claimed = {(r.stage, r.statistic): float(r.value) for r in claims.itertuples()}
@@ -280,6 +290,13 @@ def read_unit(folder: Path, samples_kept: bool = True) -> tuple[dict, pd.DataFra
         raise UserError(f"corrupt results file {status_path}: its point and backend are not the ones its folder "
                         "is named after")
     timed = status["status"] == STATUS_OK
+    if timed:
+        _check_passed(status_path, status)
+    else:
+        kept = [name for name in ("stats.parquet", "samples.parquet") if (folder / name).exists()]
+        if kept:
+            raise UserError(f"corrupt results file {status_path}: status {status['status']!r} but the unit keeps "
+                            f"{' and '.join(kept)} (a unit that did not pass keeps no timings)")
     stats = _read_table(folder / "stats.parquet", STAT_COLUMNS, required=timed)
     samples = _read_table(folder / "samples.parquet", SAMPLE_COLUMNS, required=timed) if samples_kept else None
     if timed:
@@ -291,6 +308,17 @@ def samples_kept(meta: dict) -> bool:
     """False for a committed run whose raw samples.parquet were removed to keep results/ small; its
     run.json says so under SAMPLES_REMOVED (where they are), and its stats.parquet keeps their statistics."""
     return not meta.get(SAMPLES_REMOVED)
+
+
+def _check_passed(path: Path, status: dict) -> None:
+    """An ok unit's own check: a finite error within a finite tolerance."""
+    err, tol = status.get("max_rel_err"), status.get("tol")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (err, tol)):
+        raise UserError(f"corrupt results file {path}: status 'ok' without a finite max_rel_err and tol "
+                        f"({err!r}, {tol!r})")
+    if not err <= tol:
+        raise UserError(f"corrupt results file {path}: status 'ok' but max_rel_err {err:.3g} exceeds its tol "
+                        f"{tol:.3g}")
 
 
 def damaged_units(run_dir: str | Path) -> dict[str, str]:
@@ -334,6 +362,10 @@ def load_run(run_dir: str | Path) -> Run:
             status, st, sa = read_unit(run_dir / UNITS_DIR / uid, kept)
         except UserError as exc:
             damaged.append(str(exc))
+            continue
+        if not meta.get("merged_from") and status.get("timer", meta.get("timer")) != meta.get("timer"):
+            damaged.append(f"corrupt results file {run_dir / UNITS_DIR / uid / 'status.json'}: timer "
+                           f"{status.get('timer')!r} in a run timed by {meta.get('timer')!r}")
             continue
         status_rows.append({"unit": uid, **status})
         stats += [st] if st is not None and len(st) else []

@@ -48,7 +48,7 @@ def ok_units(run: Run) -> pd.DataFrame:
     return t[t["status"] == STATUS_OK] if not t.empty else t
 
 
-def _shape(row) -> dict:
+def attention_shape(row) -> dict:
     out = {}
     for k, default in SHAPE_DEFAULTS.items():
         value = next((row[c] for c in (k, f"wl_{k}") if c in row and pd.notna(row[c])), default)
@@ -58,7 +58,7 @@ def _shape(row) -> dict:
 
 def row_model_shape(row):
     """The model's shape for a unit row: its attention shape, dtype and launch configuration."""
-    return model_shape(**_shape(row), dtype=row["dtype"], config=plan_config(row.get("plan_info")))
+    return model_shape(**attention_shape(row), dtype=row["dtype"], config=plan_config(row.get("plan_info")))
 
 
 def _predict_row(row, schedule: str, device: DeviceProfile):

@@ -27,6 +27,7 @@ from ..kernels.clock import probe_mhz, record_spin
 
 TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"
+TIMER_HOST = "host"          # the plan stage: host time to build the plan, on any device
 MODULE = "module"
 PLAN = "plan"
 MIN_GPU_REPS = 20          # the protocol's floor on the GPU, whatever a scenario asks
@@ -209,7 +210,7 @@ def time_plan(plan, config: TimingConfig, device: torch.device | str,
     """Samples for `plan` (host planning time), each stage in order, and `module` (all stages).
     `read_reasons` returns NVML's clock-event reason mask (GPU only; none: 0)."""
     device = torch.device(device)
-    results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], "host", True)}
+    results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], TIMER_HOST, True)}
     if device.type != "cuda":
         return results | _time_host(plan, config)
     clock = _GraphClock(plan, device, config.cold_l2, read_reasons)

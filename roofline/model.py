@@ -248,6 +248,17 @@ def packed_crossover(shape: ModelShape, device: DeviceProfile, n_tokens: float, 
     return hi
 
 
+def packed_crossover_by_dtype(device: DeviceProfile, n_tokens: float, nsb_per_n: float,
+                              tile_tokens: int = DEFAULT_TILE_TOKENS, dtypes=("bf16", "fp8"),
+                              **attention) -> dict[str, float | None]:
+    """The union_ratio below which q-packed beats KV-outer, per data dtype: packed_crossover on the
+    model's shape for each dtype (its default KV-outer, partials bf16). `attention`: hq, hkv, head_dim,
+    block, topk where not the MiniMax-M3 shape. The one source of this number for the CLI, the report
+    and the README."""
+    return {d: packed_crossover(ModelShape(dtype=d, **attention), device, n_tokens, nsb_per_n, tile_tokens)
+            for d in dtypes}
+
+
 def _lines(schedule: str, shape: ModelShape, device: DeviceProfile) -> list[tuple[float, float]]:
     """Per-query-token time as max over lines a + b * r of reuse r = nsb / N (capacity-free model)."""
     h0, l0 = (sum(t.values()) for t in traffic(schedule, shape, 1.0, 0.0))

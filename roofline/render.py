@@ -17,6 +17,10 @@ def _fmt_r(x):
     return "never (for any reuse)" if x is None else f"{x:.3f}"
 
 
+def _fmt_u(u) -> str:
+    return "never" if u is None else "always" if u == "always" else f"{u:.2f}"
+
+
 def print_roofline(summary: dict, console: Console | None = None) -> None:
     con = console or Console()
     sh = summary["shape"]
@@ -30,6 +34,9 @@ def print_roofline(summary: dict, console: Console | None = None) -> None:
               f"MSA-style scatter vs Q-outer: {_fmt_r(summary['crossover_msa_scatter_nsb_per_n'])}")
     con.print(f"With Q-outer's L2 capacity misses at N = {summary['n_tokens']}: nsb/N < "
               f"{_fmt_r(summary['crossover_nsb_per_n_l2_capacity'])}")
+    packed = summary["q_packed_beats_kv_outer_below_union_ratio"]
+    con.print(f"[bold]q-packed beats KV-outer[/bold] at nsb/N {packed['nsb_per_n']:g}, N = {summary['n_tokens']} "
+              "below union_ratio (P = 8): " + ", ".join(f"{d} {_fmt_u(u)}" for d, u in packed["by_dtype"].items()))
 
     table = Table(title=f"Bytes per query token at nsb = 0; K/V adds nsb/N x "
                         f"{summary['kv_block_bytes_per_unit_reuse']:,} B at HBM (and at L2 for the KV-outer schedules)",
@@ -66,7 +73,8 @@ def print_co_selection(summary: dict, console: Console | None = None) -> None:
     con = console or Console()
     co = summary["co_selection"]
     p = co["tile_tokens"]
-    table = Table(box=box.SIMPLE_HEAD, title=f"Predicted winner at N = {co['n_tokens']}: schedule and useful TFLOP/s",
+    table = Table(box=box.SIMPLE_HEAD, title=f"Predicted winner at N = {co['n_tokens']}, "
+                                              f"{summary['shape']['dtype']}: schedule and useful TFLOP/s",
                   caption=f"u: union_ratio at P = {p} tokens per tile (distinct blocks a tile selects over "
                           "the blocks one token selects; 1: its tokens select alike). KV = kv-outer, "
                           "Q = q-outer, QP = q-packed (token-packed Q-outer); -: this reuse needs a larger u. "

@@ -5,7 +5,7 @@ import math
 
 from .devices import DeviceProfile
 from .model import (DEFAULT_TILE_TOKENS, PACKED, SCHEDULES, ModelShape, crossover, crossover_at, crossover_numeric,
-                    packed_crossover, predict, traffic, union_ratio_floor)
+                    packed_crossover, packed_crossover_by_dtype, predict, traffic, union_ratio_floor)
 
 DEFAULT_REUSE_POINTS = (0.0625, 0.25, 1.0, 2.0, 4.0, 16.0)
 # the co-selection table: reuse rows x union_ratio columns, the winner among the three schedule families
@@ -13,6 +13,7 @@ DEFAULT_REUSE_POINTS = (0.0625, 0.25, 1.0, 2.0, 4.0, 16.0)
 CO_SELECTION_REUSE = (0.0625, 0.25, 1.0, 4.0, 16.0)
 CO_SELECTION_UNION = (1.0, 1.5, 2.0, 4.0, 8.0)
 CO_SELECTION_SCHEDULES = ("kv-outer", "q-outer", PACKED)
+CROSSOVER_REUSE = 0.25      # the reuse at which the q-packed / KV-outer crossover is quoted, per dtype
 
 
 def _finite(x: float):
@@ -50,7 +51,17 @@ def roofline_summary(shape: ModelShape, device: DeviceProfile, n_tokens: int = 1
         "per_query_token_bytes": per_token,
         "reuse_points": points,
         "co_selection": co_selection_summary(shape, device, n_tokens),
+        "q_packed_beats_kv_outer_below_union_ratio": {
+            "nsb_per_n": CROSSOVER_REUSE,
+            "by_dtype": {d: _finite_or_inf(u) for d, u in packed_crossover_by_dtype(
+                device, n_tokens, CROSSOVER_REUSE, hq=shape.hq, hkv=shape.hkv, head_dim=shape.head_dim,
+                block=shape.block, topk=shape.topk).items()}},
     }
+
+
+def _finite_or_inf(u: float | None):
+    """None: q-packed never wins; "always": it wins at every union_ratio a tile can have."""
+    return None if u is None else "always" if math.isinf(u) else u
 
 
 def co_selection_summary(shape: ModelShape, device: DeviceProfile, n_tokens: int = 16384,

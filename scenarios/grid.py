@@ -297,6 +297,8 @@ def point_problem(p: Point) -> tuple[str, str] | None:
         return size
     if p.generator == "synthetic" and p.share is not None:
         from .coselection import check_coselection
+        if p.share_group < 1:             # named on its own: the option to fix is --share-group
+            return "share_group", f"tokens per group must be a positive integer, got {p.share_group}"
         try:
             check_coselection(s, p.tokens, p.context, p.reuse, p.share, p.share_group, p.causal)
         except WorkloadError as exc:
@@ -416,6 +418,10 @@ def _read(path, src: str) -> dict:
         raise UserError(f"{src}: invalid TOML: {' '.join(str(exc).split())}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{src}: cannot read: {exc}") from None
+
+
+def shipped_names() -> list[str]:
+    return sorted(_shipped())
 
 
 def list_scenarios() -> list[tuple[str, str]]:

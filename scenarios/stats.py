@@ -160,7 +160,7 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
     """Predicted time and binding resource per schedule; q-packed (tiles of UNION_TILES[0] tokens) only
     where the selection has a union_ratio."""
     from ..roofline.devices import load_device
-    from ..roofline.model import PACKED, ModelShape, crossover, packed_crossover, predict
+    from ..roofline.model import PACKED, ModelShape, crossover, packed_crossover_by_dtype, predict
     dev = load_device(device_profile) if isinstance(device_profile, str) else device_profile
     s, n = w.shape, w.n_tokens
     shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
@@ -176,7 +176,8 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
     cross = crossover(shape, dev)
     out["crossover_nsb_per_n"] = cross if math.isfinite(cross) else None
     if n:
-        packed = packed_crossover(shape, dev, n, nsb / n, UNION_TILES[0])
+        packed = packed_crossover_by_dtype(dev, n, nsb / n, UNION_TILES[0], dtypes=(w.dtype,), hq=s.hq, hkv=s.hkv,
+                                           head_dim=s.head_dim, block=s.block, topk=s.topk)[w.dtype]
         out["packed_crossover_union_ratio"] = (None if packed is None else
                                                float(UNION_TILES[0]) if math.isinf(packed) else packed)
     return out
@@ -217,7 +218,8 @@ def stat_rows(st: dict) -> list[tuple[str, str]]:
         rows.append((f"predicted crossover nsb/N on {st['device']} (KV-outer faster below)",
                      num(st["crossover_nsb_per_n"], ".4g") if st["crossover_nsb_per_n"] is not None else "none"))
     if "packed_crossover_union_ratio" in st:
-        rows.append((f"union_ratio (P = {UNION_TILES[0]}) below which q-packed beats KV-outer at this reuse",
+        rows.append((f"union_ratio (P = {UNION_TILES[0]}) below which q-packed beats KV-outer at this reuse "
+                     f"({st['dtype']})",
                      num(st["packed_crossover_union_ratio"], ".3g") if st["packed_crossover_union_ratio"]
                      is not None else "none"))
     return rows

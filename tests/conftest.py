@@ -133,7 +133,8 @@ def _fake_run(path, units, scenario="gate-test", grid="g1", ref_clock=1980.0, cl
                 samples.append(row)
         uid = results.unit_id(key, backend)
         ids.append(uid)
-        status = {"status": "ok", "reason": "", "point_key": key, "backend": backend, "dtype": "bf16"}
+        status = {"status": "ok", "reason": "", "point_key": key, "backend": backend, "dtype": "bf16",
+                  "max_rel_err": 1e-3, "tol": 1e-2}
         if clocks:
             status["sm_clock_max_mhz"] = ref_clock
         results.write_unit(path, uid, status, stats, samples)

@@ -119,10 +119,10 @@ def test_cpu_timings_are_listed_not_judged(tmp_path, cli):
     for unit in timed_units(new):
         scale_samples(unit, 1.5)
     for a, b in ((FIXTURE, new), (new, FIXTURE)):
-        code, out, err = cli("compare", a, b, "--all")
+        code, out, err = cli("compare", a, b, "--all", env={"COLUMNS": "80"})
         text = " ".join(out.split())
         assert code == 0, out + err
-        assert "timings not judged" in text and "0 regression(s)" in text and "not judged │" in text
+        assert "timings not judged" in text and "0 regression(s)" in text and "\nnot judged: kv-outer" in out
 
 
 def test_more_bytes_moved_is_a_regression(tmp_path, cli):
@@ -213,3 +213,16 @@ def test_parse_threshold():
     for bad in ("5", "x", "-1%"):
         with pytest.raises(UserError):
             parse_threshold(bad)
+
+
+def test_compare_all_never_cuts_a_value(cli):
+    """At 80 columns (COLUMNS is honoured in a pipe too) the wide table falls back to one record per
+    finding, every number, backend and point in full; where it fits, it is a table."""
+    code, out, _ = cli("compare", GPU_RUN, GPU_RUN, "--all", env={"COLUMNS": "80"})
+    run = load_run(GPU_RUN)
+    medians = run.value("median_s").query("stage == 'module'")
+    assert code == 0 and "…" not in out
+    assert all(f"{v * 1e6:.2f} µs -> {v * 1e6:.2f} µs" in out for v in medians["value"])
+    assert all(key in out for key in medians["point_key"]) and all(b in out for b in set(medians["backend"]))
+    code, wide, _ = cli("compare", GPU_RUN, GPU_RUN, "--all", env={"COLUMNS": "300"})
+    assert code == 0 and "┃ verdict" in wide and "…" not in wide

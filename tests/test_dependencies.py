@@ -49,3 +49,27 @@ def test_ci_pins_one_torch_that_the_package_accepts():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     floor = next(d for d in deps if d.startswith("torch>="))[len("torch>="):]
     assert pin >= tuple(int(x) for x in floor.split("."))
+
+
+def test_readme_torch_install_gives_up_fast_and_falls_back():
+    """The README's CPU torch line bounds its wait on PyTorch's index and names a fallback."""
+    readme = (ROOT / "README.md").read_text()
+    line = re.search(r"^pip install (.*)--index-url https://download.pytorch.org/whl/cpu \\\n\s*\|\| (pip install .*)$",
+                     readme, re.M)
+    assert line, "the CPU torch line and its fallback"
+    assert "--timeout 5" in line.group(1) and "--retries 1" in line.group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    version = re.search(r"^TORCH_VERSION=(\S+)$", ci, re.M).group(1)
+    assert f"torch=={version}" in line.group(1) and line.group(2) == f"pip install torch=={version}"
+
+
+def test_ci_runs_every_test_and_the_default_command_leaves_out_the_slow_ones():
+    """`python3 -m pytest` deselects `slow` (pyproject's addopts); .ci/run selects every test, and the
+    README names both commands."""
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "-m 'not slow'" in addopts
+    ci = (ROOT / ".ci" / "run").read_text()
+    runs = [line for line in ci.splitlines() if line.startswith("python3 -m pytest")]
+    assert runs == ['python3 -m pytest -m "slow or not slow"']
+    readme = (ROOT / "README.md").read_text()
+    assert '`python3 -m pytest -m "slow or not slow"`' in readme and "| `python3 -m pytest` |" in readme

@@ -132,7 +132,8 @@ def test_sweep_rows_carry_the_clock_columns_and_load_back(tmp_path):
     assert [r["sm_clock_mhz"] for r in module] == [1980.0, 1800.0] and module[1]["clock_event_reasons"] == 4
     assert "sm_clock_mhz" not in next(r for r in rows if r["stage"] == "plan")
     uid = results.unit_id(point.key(), "reference")
-    results.write_unit(tmp_path, uid, {"status": "ok", "point_key": point.key(), "backend": "reference"}, stats, rows)
+    results.write_unit(tmp_path, uid, {"status": "ok", "point_key": point.key(), "backend": "reference",
+                                       "max_rel_err": 0.0, "tol": 1e-5}, stats, rows)
     results.write_meta(tmp_path, {"scenario": "t", "units_planned": [uid]})
     s = load_run(tmp_path).samples
     assert s.loc[s["stage"] == "module", "sm_clock_mhz"].tolist() == [1980.0, 1800.0]

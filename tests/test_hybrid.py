@@ -37,6 +37,7 @@ def split_pairs(w, sch):
     return packed, residual
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), P=st.sampled_from([8, 16]), share=st.integers(2, 16), causal=st.booleans(),
        hot=st.sampled_from([0.0, 0.5, 0.95]), pad=st.sampled_from([0.0, 0.4]),
@@ -69,8 +70,13 @@ def test_threshold_from_the_roofline_by_hand():
     assert min_shared_tokens(s, h200, 8) == math.ceil(packed_block_seconds(s, h200, 8) / one) == 3
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "fp8"])
-@pytest.mark.parametrize("option", ["", "@m1", "@m3", "@m16+p16"])
+# each option and each dtype in the default run; every pair in the slow one
+FAST_PAIRS = {("", "fp32"), ("@m1", "fp16"), ("@m3", "fp8"), ("@m16+p16", "fp32")}
+
+
+@pytest.mark.parametrize("option, dtype", [
+    pytest.param(o, d, id=f"{o}-{d}", marks=() if (o, d) in FAST_PAIRS else pytest.mark.slow)
+    for o in ("", "@m1", "@m3", "@m16+p16") for d in ("fp32", "fp16", "fp8")])
 def test_output_matches_reference(option, dtype, poisoned_run):
     w = edge_case_workload(SHAPE, dtype, [300, 140], [29, 40], True, 0.6, 0.2, seed=1, device=DEVICE)
     plan = get_backend(f"hybrid{option}").plan(w)
@@ -150,6 +156,7 @@ def picks(w) -> tuple[str, dict]:
     return min(cands, key=lambda k: cands[k][1]), {k: v[1] for k, v in cands.items()}
 
 
+@pytest.mark.slow
 def test_auto_packs_shared_selections_and_not_scattered_ones():
     pick, predicted = picks(coselected(1.0))
     assert pick == "q-packed"
@@ -157,6 +164,7 @@ def test_auto_packs_shared_selections_and_not_scattered_ones():
     assert pick != "q-packed" and predicted[pick] < predicted["q-packed"]
 
 
+@pytest.mark.slow
 def test_auto_divides_by_the_measured_fraction(monkeypatch):
     from dataclasses import replace
     from msa_bench.kernels import auto
@@ -165,6 +173,7 @@ def test_auto_divides_by_the_measured_fraction(monkeypatch):
     assert picks(coselected(1.0))[0] == "kv-outer"
 
 
+@pytest.mark.slow
 def test_auto_records_its_pick_and_matches_the_reference(poisoned_run):
     small = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
     for share in (1.0, 0.0):

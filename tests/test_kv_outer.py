@@ -150,8 +150,9 @@ ATTENTION_VARIANTS = {   # name: (tile_q, Attention keyword arguments)
 }
 
 
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS))
+@pytest.mark.parametrize("variant, dtype", [     # each variant and dtype in the default run; every pair in the slow one
+    pytest.param(v, d, id=f"{v}-{d}", marks=() if (i - j) % len(CPU_DTYPES) == 0 else pytest.mark.slow)
+    for i, v in enumerate(ATTENTION_VARIANTS) for j, d in enumerate(CPU_DTYPES)])
 def test_attention_variants_match_reference(variant, dtype, poisoned_run, matches_reference):
     """Every launch variant of the Triton attention stage (chunked grids, 64-row tiles) writes the same
     partials as the reference, checked stage by stage and end to end."""
@@ -169,10 +170,14 @@ def test_attention_variants_match_reference(variant, dtype, poisoned_run, matche
     matches_reference(plan, w, tol)
 
 
-@pytest.mark.parametrize("q_ranges,order_chunk,attn_chunk,phases",
-                         [(3, 0, 0, False), (1, 2, 0, False), (2, 5, 0, False), (4, 3, 2, False),
-                          (1, 0, 0, True), (3, 0, 0, True), (2, 0, 2, True)])
-@pytest.mark.parametrize("backend", ["kv-outer", "msa-scatter"])
+ORDERS = [(3, 0, 0, False), (1, 2, 0, False), (2, 5, 0, False), (4, 3, 2, False), (1, 0, 0, True), (3, 0, 0, True),
+          (2, 0, 2, True)]
+
+
+@pytest.mark.parametrize("backend,q_ranges,order_chunk,attn_chunk,phases", [   # msa-scatter: two orders by default
+    pytest.param(b, *o, id="-".join(map(str, (b, *o))),
+                 marks=pytest.mark.slow if b == "msa-scatter" and o not in (ORDERS[0], ORDERS[-1]) else ())
+    for b in ("kv-outer", "msa-scatter") for o in ORDERS])
 def test_grouped_tile_order_matches_reference(backend, q_ranges, order_chunk, attn_chunk, phases, poisoned_run, matches_reference):
     """Any tile order the scheduler lays out keeps the stage checks and the output exact; a grouped
     order puts tiles in (KV head, query range) groups, dealt to persistent CTAs chunk by chunk, or in
@@ -274,6 +279,7 @@ def test_closed_form_schedule_equals_the_sorted_one(case, order, num_ctas):
         assert torch.equal(getattr(fast, name), getattr(general, name)), name
 
 
+@pytest.mark.slow
 def test_closed_form_schedules_fuzzed_against_the_sorted_path():
     """Random small selections (1-3 KV heads, padding, every third with a KV head that has no tiles,
     tile_q 1-3, 1-9 CTAs), every order against the sorted path, buffer for buffer. The empty head is

@@ -10,6 +10,7 @@ ends, and every combine-index entry pointing at the slot that holds its own (que
 Examples: the `ci` profile (default) draws 300, `slow` 2,000: HYPOTHESIS_PROFILE=slow python -m pytest
 tests/test_kv_outer_properties.py, or pytest's --hypothesis-profile=slow.
 """
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -117,6 +118,7 @@ def check_schedule(sched: Schedule, m: IndexMap, c: dict) -> None:
                 assert int(csr_query[int(edge[p]) + slot]) == q
 
 
+@pytest.mark.slow
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_index_map_schedule_and_combine_index(c):

@@ -52,6 +52,7 @@ def oracle(w, P):
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), P=st.sampled_from([1, 8, 16]), causal=st.booleans(),
        pad=st.sampled_from([0.0, 0.5]), hot=st.sampled_from([0.0, 0.8]),
@@ -76,8 +77,9 @@ def test_schedule_matches_oracle(seed, P, causal, pad, hot, reqs):
 
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "fp8"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, dtype", [     # each case and each dtype in the default run; every pair in the slow one
+    pytest.param(c, d, id=f"{c}-{d}", marks=() if (i - j) % len(CASES) == 0 else pytest.mark.slow)
+    for i, c in enumerate(CASES) for j, d in enumerate(["fp32", "fp16", "fp8"])])
 def test_output_matches_reference(case, dtype, poisoned_run, matches_reference):
     w = workload(case, dtype)
     plan = get_backend("q-packed").plan(w)
@@ -85,6 +87,7 @@ def test_output_matches_reference(case, dtype, poisoned_run, matches_reference):
     matches_reference(plan, w, tolerance(dtype))
 
 
+@pytest.mark.slow
 def test_sixteen_token_tiles_and_union_ratio(poisoned_run, matches_reference):
     w = workload("causal-3req-unaligned", "fp32")
     plan = get_backend("q-packed@p16").plan(w)
@@ -93,6 +96,7 @@ def test_sixteen_token_tiles_and_union_ratio(poisoned_run, matches_reference):
     assert plan.info["tile_tokens"] == 16 and plan.info["executed_union_ratio"] >= 1.0
 
 
+@pytest.mark.slow
 def test_plan_twice_is_bitwise_equal():
     w = workload("random-padded-2req", "fp16")
     a, b = get_backend("q-packed").plan(w), get_backend("q-packed").plan(w)

@@ -100,11 +100,13 @@ def test_find_library_says_what_to_rebuild(tmp_path):
 
 # ---- backend wiring -----------------------------------------------------------------------------------
 
-def test_backend_reports_unavailable_without_gpu():
+def test_backend_says_first_that_it_needs_the_gpu():
+    """Without a GPU, the GPU is named before any dtype: it is what the user must change first."""
     b = get_backend("q-packed-cute")
-    assert b.unavailable_reason("fp16", "cpu").startswith("q-packed-cute does not support dtype fp16")
-    if not torch.cuda.is_available():
-        assert "runs only on a CUDA GPU" in b.unavailable_reason("bf16", "cpu")
+    for dtype in ("fp16", "bf16"):
+        assert b.unavailable_reason(dtype, "cpu") == "q-packed-cute runs only on a CUDA GPU (sm_90a)"
+    if torch.cuda.is_available():
+        assert b.unavailable_reason("fp16", "cuda").startswith("q-packed-cute does not support dtype fp16")
 
 
 class _Library:

@@ -184,3 +184,14 @@ def test_throughput_table_names_each_units_tile_order_and_kernel():
     assert set(cute["tile order"]) == {"1:0", "2:p"}
     triton = t[t["backend"] == "kv-outer"]
     assert set(triton["tile order"]) == {"1:0"} and set(triton["kernel"]) == {""}
+
+
+def test_counts_print_whole_in_reports_and_committed_summaries():
+    """N and other counts read as 16384, not 1.638e+04: in new reports and in the committed ones."""
+    import re
+    from msa_bench.harness.report import _fmt
+    assert _fmt(16384.0) == "16384" and _fmt(1048576.0) == "1048576" and _fmt(0.0025) == "0.0025"
+    assert _fmt(12345.5) == "1.235e+04" and _fmt(2.5e9) == "2.500e+09"
+    for summary in sorted((REPO / "results").glob("**/report/summary.md")):
+        whole = re.findall(r"\|\s*(\d\.\d+e\+0[3-6])\s*(?=\|)", summary.read_text())
+        assert not [v for v in whole if float(v) == int(float(v)) and float(v) < 1e7], (summary, whole[:3])

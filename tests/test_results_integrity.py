@@ -60,8 +60,40 @@ def moved_folder(unit):
     return unit.rename(unit.with_name(unit.name[:-4] + "0000"))      # its status names another folder
 
 
+def _edit_status(unit, **changes):
+    status = json.loads((unit / "status.json").read_text())
+    status.update(changes)
+    (unit / "status.json").write_text(json.dumps(status))
+
+
+def ok_beyond_its_tolerance(unit):
+    _edit_status(unit, max_rel_err=5.0, tol=0.01)
+
+
+def ok_with_nan_error(unit):
+    _edit_status(unit, max_rel_err=float("nan"))
+
+
+def failed_keeping_its_timings(unit):
+    _edit_status(unit, status="failed", reason="planted")
+
+
+def another_timer(unit):
+    s = _samples(unit)
+    s.loc[s.index[:3], "timer"] = "cpu"          # a GPU run's unit whose samples claim the host timer
+    s.to_parquet(unit / "samples.parquet", index=False)
+
+
+def another_timer_in_the_whole_unit(unit):
+    s = _samples(unit)
+    s["timer"] = "cpu"
+    s.to_parquet(unit / "samples.parquet", index=False)
+    _edit_status(unit, timer="cpu")
+
+
 DAMAGE = [nan_all, nan_half, negative, renamed_column, emptied, fewer_samples, deleted_samples, truncated,
-          moved_folder]
+          moved_folder, ok_beyond_its_tolerance, ok_with_nan_error, failed_keeping_its_timings, another_timer,
+          another_timer_in_the_whole_unit]
 
 
 def damaged_copy(tmp_path, damage, name="new") -> tuple[Path, Path]:

@@ -141,3 +141,22 @@ def test_grouped_tile_order_shrinks_the_live_queries_only_when_ctas_walk_togethe
     phased_4 = q_miss({"attn_chunk": 0, "order_chunk": 0, "order_phases": True, "q_ranges": 4})
     assert slices > dealt_1 > dealt_4 >= 0.0
     assert chunked_4 == dealt_4 and phased_4 == dealt_4 and phased_1 == dealt_1
+
+
+def test_packed_crossover_is_one_number_per_dtype_everywhere(cli):
+    """README, `msa-bench roofline` (either --dtype) and `msa-bench workload` quote the q-packed / KV-outer
+    crossover from one function, with the dtype named."""
+    import re
+    from pathlib import Path
+    from msa_bench.roofline.devices import load_device
+    from msa_bench.roofline.model import packed_crossover_by_dtype
+    u = packed_crossover_by_dtype(load_device("h200"), 16384, 0.25)
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert f"union_ratio of {u['bf16']:.2f} bf16 / {u['fp8']:.2f} fp8 at nsb/N 0.25, N 16384 on the H200" in readme
+    for dtype in ("fp8", "bf16"):
+        code, out, _ = cli("roofline", "--device", "h200", "--dtype", dtype)
+        text = " ".join(out.split())
+        assert code == 0 and f"below union_ratio (P = 8): bf16 {u['bf16']:.2f}, fp8 {u['fp8']:.2f}" in text
+        assert re.search(rf"0\.25 .* {u[dtype]:.2f}", text)          # the table's QP < u column, this dtype
+    code, out, _ = cli("workload", "--device", "h200", "--dtype", "fp8")
+    assert code == 0 and f"{u['fp8']:.3g}" in out and "reuse (fp8)" in " ".join(out.replace("│", " ").split())

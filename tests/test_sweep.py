@@ -107,6 +107,8 @@ def test_existing_run_needs_resume_and_same_grid(smoke_run, cli, one_error_line)
     (["--scenario", "no-such-scenario"], "unknown scenario 'no-such-scenario'"),
     (["--reuse", ","], "--reuse is empty"),
     (["--reuse", "a,b"], "--reuse must be a comma-separated list"),
+    (["--reuse", "1,,2"], "--reuse has an empty item in '1,,2'"),
+    (["--backend", "kv-outer,"], "--backend has an empty item"),
     (["--shard", "3/2"], "--shard"),
     (["--dtype", "fp64"], "unknown dtype 'fp64'"),
 ])
@@ -114,6 +116,17 @@ def test_bad_sweep_input_is_one_line(tmp_path, args, needle, cli, one_error_line
     code, _, err = cli("sweep", "--scenario", "smoke", *args, "--out", tmp_path / "r")
     assert code == 2
     assert needle in one_error_line(err)
+
+
+def test_unusable_paths_exit_2_with_one_line(smoke_run, tmp_path, cli, one_error_line):
+    """A file where a folder must go, a path under a file, a path that cannot be created: bad input."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for args in (["sweep", "--scenario", "smoke", "--out", a_file], ["sweep", "--scenario", "smoke", "--out", a_file / "run"],
+                 ["sweep", "--scenario", "smoke", "--out", "/proc/no-such-run"], ["report", smoke_run["run"], "--out", a_file],
+                 ["merge", a_file, smoke_run["run"]], ["merge", a_file / "merged", smoke_run["run"]]):
+        code, _, err = cli(*args)
+        assert code == 2 and "cannot use" in one_error_line(err), args
 
 
 def test_bad_scenario_files_are_one_line(tmp_path, cli, one_error_line):

@@ -55,6 +55,7 @@ CHILD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_scheduler_kernels_compile_for_sm90_with_ints_specialized_to_one():
     pytest.importorskip("triton.backends.nvidia")
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -101,6 +102,7 @@ PACKED_CHILD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_packed_kernels_compile_for_sm90():
     """q-packed's schedule and attention kernels and the combine with the packed partial, compiled as the GPU
     compiles them (the interpreter accepted a global the compiler refuses)."""

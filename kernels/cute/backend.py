@@ -156,12 +156,12 @@ class KVOuterCuteBackend(KVOuterBackend):
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 
     def unavailable_reason(self, dtype, device):
+        if torch.device(device).type != "cuda" or not torch.cuda.is_available():      # the first thing to fix
+            return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
         if dtype not in self.dtypes:
             return f"{self.name} does not support dtype {dtype} (supports {', '.join(self.dtypes)})"
         if dtype not in KERNELS[self.kernel_for(dtype)].dtypes:
             return f"{self.name}: kernel {self.kernel_for(dtype)} is not built for {dtype}"
-        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-            return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
         arch = device_arch(device)
         if arch not in SUPPORTED_ARCHS:
             return f"{self.name} is built for {', '.join(SUPPORTED_ARCHS)}; this GPU is {arch}"

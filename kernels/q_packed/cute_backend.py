@@ -104,11 +104,11 @@ class QPackedCuteBackend(Backend):
         return QPackedConfig(dtype, pingpong, s_ahead, tile_tokens=TILE_TOKENS)
 
     def unavailable_reason(self, dtype, device):
+        if torch.device(device).type != "cuda" or not torch.cuda.is_available():      # the first thing to fix
+            return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
         reason = super().unavailable_reason(dtype, device)
         if reason:
             return reason
-        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-            return f"{self.name} runs only on a CUDA GPU ({', '.join(SUPPORTED_ARCHS)})"
         arch = device_arch(device)
         if arch not in SUPPORTED_ARCHS:
             return f"{self.name} is built for {', '.join(SUPPORTED_ARCHS)}; this GPU is {arch}"

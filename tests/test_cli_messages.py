@@ -1,0 +1,75 @@
+"""What a new user meets at the command line: a GPU scenario on a CPU, options of every command that
+makes a workload, the plan `check` prints, help that states defaults and names every schedule."""
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+
+from msa_bench.cli import app
+from msa_bench.harness.check import plan_lines
+from msa_bench.harness.request import SweepRequest, resolve_scenario, resume_command
+from msa_bench.harness.timing import MIN_GPU_REPS, TimingConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ("KV-outer", "token-packed", "hybrid", "auto", "FlashInfer", "MSA-style scatter", "dense")
+
+
+def _help(command: str, option: str) -> str:
+    cmd = typer.main.get_command(app).commands[command]
+    return next(p.help for p in cmd.params if p.name == option)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal applies where no GPU is visible")
+def test_a_shipped_gpu_scenario_is_refused_on_a_cpu_unless_cpu_ok(tmp_path, cli, one_error_line):
+    code, _, err = cli("sweep", "--scenario", "real-prefill", "--out", tmp_path / "r")
+    line = one_error_line(err)
+    assert code == 2 and "--scenario smoke" in line and "under a minute" in line and "--cpu-ok" in line
+    assert not (tmp_path / "r").exists()
+    code, _, err = cli("sweep", "--scenario", "real-prefill", "--cpu-ok", "--dtype", "fp64", "--out", tmp_path / "r")
+    warning, error = err.strip().splitlines()
+    assert warning.startswith("warning: no GPU here") and "--scenario smoke" in warning
+    assert code == 2 and "unknown dtype 'fp64'" in error       # past the refusal, stopped by the bad dtype
+
+
+def test_share_group_errors_name_share_group(cli, one_error_line):
+    code, _, err = cli("workload", "--share", "0.5", "--share-group", "0")
+    assert code == 2 and one_error_line(err).startswith("error: --share-group: ")
+
+
+def test_sweep_takes_share_and_share_group_and_resumes_with_them():
+    req = SweepRequest(scenario="smoke", reuse=[1.5], share=[0.5], share_group=[4], dtypes=["fp32"])
+    scenario, overrides = resolve_scenario(req, torch.device("cpu"), [])
+    synthetic = [p for p in scenario.points if p.generator == "synthetic"]
+    assert synthetic and all(p.share == 0.5 and p.share_group == 4 for p in synthetic)
+    assert overrides["share"] == [0.5] and overrides["share_group"] == [4]
+    assert "--share 0.5 --share-group 4" in resume_command(req, "smoke", Path("r"))
+
+
+def test_check_takes_share_and_prints_the_plan_as_named_lines(cli):
+    code, out, err = cli("check", "--backend", "reference", "--share", "1", "--share-group", "4")
+    assert code == 0, err
+    assert "share=1 group=4" in out.splitlines()[0]
+    assert "{" not in out and "\nplan:\n  compute_dtype    float32\n" in out
+
+
+def test_plan_lines_name_each_entry_within_80_columns():
+    info = {"attention_impl": "triton", "config": {f"option_{i}": i for i in range(20)}, "tile_rows": 16}
+    lines = plan_lines(info)
+    assert lines[0] == "  attention_impl   triton" and lines[-1] == "  tile_rows        16"
+    assert len(lines) > 4 and all(len(line) <= 80 for line in lines)
+    assert lines[1].startswith("  config           option_0 0, option_1 1")
+
+
+def test_sweep_reps_help_states_its_defaults():
+    text = _help("sweep", "reps")
+    assert f"else {TimingConfig.reps} on a GPU, {TimingConfig.cpu_reps} on a CPU" in text
+    assert TimingConfig.reps == MIN_GPU_REPS
+
+
+def test_top_level_help_and_package_description_name_every_schedule():
+    description = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"]
+    for text in (app.info.help, description):
+        missing = [s for s in SCHEDULES if s not in text]
+        assert not missing, (missing, text)
