@@ -115,17 +115,34 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     return series
 
 
+def pick_dependent(name: str) -> bool:
+    """True for a backend that declares no stages of its own (`auto`): its units run the stages of
+    whichever candidate it picked, so no one fixed cost belongs to it."""
+    from ..kernels.base import get_backend
+    try:
+        return not get_backend(name).stage_names
+    except KeyError:            # not registered here (a series from elsewhere): fit what it holds
+        return False
+
+
 def fit_series(series: dict) -> dict:
     """The profile's "stages" table from measure_series: per backend, stage and dtype, the stage's
-    intercept scaled so a backend's stages sum to its module's intercept."""
+    intercept scaled so a backend's stages sum to its module's intercept. A stage is fitted on the rows
+    that ran it (a hybrid unit may run fewer stages than another) and skipped where those rows hold
+    fewer than two roofline times; a backend whose stages depend on its pick is skipped."""
     stages = {}
     for (name, dtype), rows in series.items():
-        if len({r[0] for r in rows}) < 2:
+        if len({r[0] for r in rows}) < 2 or pick_dependent(name):
             continue
         xs = [r[0] for r in rows]
         module = max(0.0, theil_sen(xs, [r[1][MODULE] for r in rows])[0])
-        names = [s for s in rows[0][1] if s != MODULE]
-        raw = {s: fixed_costs_entry(xs, [r[1][s] for r in rows], max(r[2].get(s, 0) for r in rows)) for s in names}
+        names = list(dict.fromkeys(s for r in rows for s in r[1] if s != MODULE))
+        raw = {}
+        for s in names:
+            have = [r for r in rows if s in r[1]]
+            if len({r[0] for r in have}) >= 2:
+                raw[s] = fixed_costs_entry([r[0] for r in have], [r[1][s] for r in have],
+                                           max(r[2].get(s, 0) for r in have))
         total = sum(e["s"] for e in raw.values())
         for s, e in raw.items():
             share = e["s"] / total if total > 0 else 1.0 / len(raw)

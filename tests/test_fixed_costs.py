@@ -57,6 +57,21 @@ def test_stage_intercepts_are_scaled_to_sum_to_the_module_intercept():
     assert got["kv-outer/a/fp8"]["launches"] == 3
 
 
+def test_each_stage_is_fitted_on_the_rows_that_ran_it_and_auto_is_skipped():
+    """A hybrid unit may run only some stages; an auto unit runs its pick's, so no cost is its own."""
+    xs = (1e-6, 4e-6, 2e-5, 9e-5)
+    full = [(x, {"module": 30e-6 + x, "schedule": 10e-6, "attention": 10e-6 + x, "combine": 10e-6}, {})
+            for x in xs]
+    packed = [(x, {"module": 20e-6 + x, "schedule": 10e-6, "attention": 10e-6 + x}, {}) for x in xs]
+    one = [(xs[0], {"module": 30e-6, "schedule": 10e-6, "attention": 10e-6, "combine": 10e-6, "gather": 5e-6}, {})]
+    auto = [(x, {"module": 5e-6 + x, "attention": 5e-6 + x}, {}) for x in xs[:2]] + full[2:]
+    got = fit_series({("hybrid", "bf16"): full + packed + one, ("auto", "bf16"): auto})
+    assert set(got) == {"hybrid/schedule/bf16", "hybrid/attention/bf16", "hybrid/combine/bf16"}
+    assert got["hybrid/combine/bf16"]["stage_intercept_s"] == pytest.approx(10e-6)
+    assert got["hybrid/combine/bf16"]["points"] == len(full) + 1
+    assert sum(e["s"] for e in got.values()) == pytest.approx(got["hybrid/combine/bf16"]["module_intercept_s"])
+
+
 # ---- the profile and the model -------------------------------------------------------------------
 
 FIXED = {"launch_s": 2e-6, "stages": {"kv-outer/index_map": {"s": 30e-6, "launches": 4},
