@@ -8,6 +8,9 @@ token selecting mostly its own blocks, as decode does); a stage's fixed cost is 
 its time against the backend's roofline time on the same workloads (roofline/calibrate.py). The stages
 are timed one graph each and the module as one graph, so the stage intercepts are scaled to sum to the
 module's. Kernel launches per stage are counted with the PyTorch profiler on one eager run.
+A candidate whose first plan would JIT-build a kernel (Backend.build_pending_reason), or whose plan and
+timing on one workload take over CANDIDATE_SECONDS, is skipped with its reason printed, so the step stays
+within its time.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ TOKENS = (8, 16, 64, 256, 1024)
 CONTEXT = 131072
 LAUNCH_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 TIMING = TimingConfig(warmup=3, reps=20, max_reps=40)
+# a candidate whose plan and timing on one workload takes longer built something or stalled: the step is
+# meant to finish in about a minute, so it is dropped (the few ms its timing needs are far below this)
+CANDIDATE_SECONDS = 20.0
 
 
 def launch_seconds(device) -> tuple[float, list]:
@@ -89,20 +95,34 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     points = points or calibration_points
     series: dict = {}
     launches: dict = {}
+    dropped: set = set()            # (backend, dtype) skipped for the rest of the series
     for dtype in dtypes:
         for point in points(dtype):
             w = make_workload(point, device)
             inputs = ModelInputs(w)
             for name in candidate_names():
                 backend = get_backend(name)
-                if backend.workload_unavailable_reason(w):     # model fit aside: a fixed cost is the same
+                if (name, dtype) in dropped or backend.workload_unavailable_reason(w):  # model fit aside
                     continue
+                pending = backend.build_pending_reason(w)
+                if pending:                 # a JIT build inside the step would take it past its time
+                    dropped.add((name, dtype))
+                    log(f"  fixed costs: {name} {dtype} skipped: {pending}")
+                    continue
+                start = time.perf_counter()
                 try:
                     plan = backend.plan(w)
                     roof, _ = backend.roofline(w, inputs, profile)
                     samples = time_plan(plan, timing, device)
                 except Exception as exc:    # one backend that fails here leaves the others' costs measured
                     log(f"  fixed costs: {name} {dtype} N {w.n_tokens} skipped: {one_line(exc)}")
+                    continue
+                took = time.perf_counter() - start
+                if took > CANDIDATE_SECONDS:
+                    dropped.add((name, dtype))
+                    log(f"  fixed costs: {name} {dtype} skipped after N {w.n_tokens}: planning and timing took "
+                        f"{took:.0f} s, over {CANDIDATE_SECONDS:.0f} s a workload (a build or a stall in it)")
+                    del plan
                     continue
                 medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
