@@ -8,6 +8,9 @@ token selecting mostly its own blocks, as decode does); a stage's fixed cost is 
 its time against the backend's roofline time on the same workloads (roofline/calibrate.py). The stages
 are timed one graph each and the module as one graph, so the stage intercepts are scaled to sum to the
 module's. Kernel launches per stage are counted with the PyTorch profiler on one eager run.
+A candidate whose first plan would JIT-build a kernel (Backend.build_pending_reason), or whose plan and
+timing on one workload take over CANDIDATE_SECONDS, is skipped with its reason printed, so the step stays
+within its time.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ TOKENS = (8, 16, 64, 256, 1024)
 CONTEXT = 131072
 LAUNCH_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 TIMING = TimingConfig(warmup=3, reps=20, max_reps=40)
+# a candidate whose plan and timing on one workload takes longer built something or stalled: the step is
+# meant to finish in about a minute, so it is dropped (the few ms its timing needs are far below this)
+CANDIDATE_SECONDS = 20.0
 
 
 def launch_seconds(device) -> tuple[float, list]:
@@ -89,20 +95,34 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     points = points or calibration_points
     series: dict = {}
     launches: dict = {}
+    dropped: set = set()            # (backend, dtype) skipped for the rest of the series
     for dtype in dtypes:
         for point in points(dtype):
             w = make_workload(point, device)
             inputs = ModelInputs(w)
             for name in candidate_names():
                 backend = get_backend(name)
-                if backend.workload_unavailable_reason(w):     # model fit aside: a fixed cost is the same
+                if (name, dtype) in dropped or backend.workload_unavailable_reason(w):  # model fit aside
                     continue
+                pending = backend.build_pending_reason(w)
+                if pending:                 # a JIT build inside the step would take it past its time
+                    dropped.add((name, dtype))
+                    log(f"  fixed costs: {name} {dtype} skipped: {pending}")
+                    continue
+                start = time.perf_counter()
                 try:
                     plan = backend.plan(w)
                     roof, _ = backend.roofline(w, inputs, profile)
                     samples = time_plan(plan, timing, device)
                 except Exception as exc:    # one backend that fails here leaves the others' costs measured
                     log(f"  fixed costs: {name} {dtype} N {w.n_tokens} skipped: {one_line(exc)}")
+                    continue
+                took = time.perf_counter() - start
+                if took > CANDIDATE_SECONDS:
+                    dropped.add((name, dtype))
+                    log(f"  fixed costs: {name} {dtype} skipped after N {w.n_tokens}: planning and timing took "
+                        f"{took:.0f} s, over {CANDIDATE_SECONDS:.0f} s a workload (a build or a stall in it)")
+                    del plan
                     continue
                 medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
@@ -115,17 +135,34 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     return series
 
 
+def pick_dependent(name: str) -> bool:
+    """True for a backend that declares no stages of its own (`auto`): its units run the stages of
+    whichever candidate it picked, so no one fixed cost belongs to it."""
+    from ..kernels.base import get_backend
+    try:
+        return not get_backend(name).stage_names
+    except KeyError:            # not registered here (a series from elsewhere): fit what it holds
+        return False
+
+
 def fit_series(series: dict) -> dict:
     """The profile's "stages" table from measure_series: per backend, stage and dtype, the stage's
-    intercept scaled so a backend's stages sum to its module's intercept."""
+    intercept scaled so a backend's stages sum to its module's intercept. A stage is fitted on the rows
+    that ran it (a hybrid unit may run fewer stages than another) and skipped where those rows hold
+    fewer than two roofline times; a backend whose stages depend on its pick is skipped."""
     stages = {}
     for (name, dtype), rows in series.items():
-        if len({r[0] for r in rows}) < 2:
+        if len({r[0] for r in rows}) < 2 or pick_dependent(name):
             continue
         xs = [r[0] for r in rows]
         module = max(0.0, theil_sen(xs, [r[1][MODULE] for r in rows])[0])
-        names = [s for s in rows[0][1] if s != MODULE]
-        raw = {s: fixed_costs_entry(xs, [r[1][s] for r in rows], max(r[2].get(s, 0) for r in rows)) for s in names}
+        names = list(dict.fromkeys(s for r in rows for s in r[1] if s != MODULE))
+        raw = {}
+        for s in names:
+            have = [r for r in rows if s in r[1]]
+            if len({r[0] for r in have}) >= 2:
+                raw[s] = fixed_costs_entry([r[0] for r in have], [r[1][s] for r in have],
+                                           max(r[2].get(s, 0) for r in have))
         total = sum(e["s"] for e in raw.values())
         for s, e in raw.items():
             share = e["s"] / total if total > 0 else 1.0 / len(raw)

@@ -184,8 +184,8 @@ def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
 
 def predicted_module_s(row, device: DeviceProfile) -> float:
     """The model's module time for a unit row: `auto` units carry their pick's prediction in plan_info;
-    others, the roofline (model_time_s) over the profile's achieved fraction plus the fixed costs of the
-    stages the unit ran. NaN where the unit has no model time (hybrid, CPU runs)."""
+    others, the roofline (model_time_s) over the profile's achieved fraction plus the profile's fixed
+    costs of the stages the unit ran. NaN where the unit has no model time (hybrid, CPU runs)."""
     info = _info(row.get("plan_info"))
     if row["backend"] == "auto":
         a = info.get("auto") or {}
@@ -194,11 +194,10 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     if not isinstance(roof, (int, float)) or not math.isfinite(roof):
         return float("nan")
     dtype = row["dtype"] if row["dtype"] in ("bf16", "fp8") else "bf16"
-    fixed = row.get("module.model_fixed_s", np.nan)
-    if not isinstance(fixed, float) or not math.isfinite(fixed):      # a run made before fixed costs were stored
-        stages = [s for s in STAGE_ORDER + ("gather", "output")
-                  if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
-        fixed = fixed_cost(device, row["backend"], stages, dtype)[0]
+    # `device`'s fixed costs, not the run's module.model_fixed_s: that one is the profile's at run time
+    stages = [s for s in STAGE_ORDER + ("gather", "output")
+              if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
+    fixed = fixed_cost(device, row["backend"], stages, dtype)[0]
     return roof / achieved(device, row["backend"], dtype) + fixed
 
 

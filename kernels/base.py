@@ -117,6 +117,12 @@ class Backend:
         shape, its shape), else one line saying why not."""
         return self.unavailable_reason(workload.dtype, workload.device)
 
+    def build_pending_reason(self, workload: Workload) -> str | None:
+        """None if planning `workload` builds nothing first, else one line: what a first plan would build
+        (a JIT-compiled kernel, minutes) and how to build it ahead. A timed step that must stay short
+        skips such a backend."""
+        return None
+
     def plan(self, workload: Workload) -> Plan:
         reason = self.workload_unavailable_reason(workload)
         if reason:

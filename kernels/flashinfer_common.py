@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,26 @@ def import_flashinfer():
         raise BackendUnavailable(_IMPORT["error"]) from None
     _IMPORT["module"] = flashinfer
     return flashinfer
+
+
+def jit_dirs() -> list:
+    """The folders FlashInfer loads built modules from: its JIT cache and, where installed, its AOT ones."""
+    try:
+        import_flashinfer()
+        from flashinfer.jit import env
+    except Exception:           # no FlashInfer, or one without flashinfer.jit.env: nothing known built
+        return []
+    names = ("FLASHINFER_JIT_DIR", "FLASHINFER_AOT_DIR", "FLASHINFER_JIT_CACHE_DIR")
+    return [Path(getattr(env, n)) for n in names if getattr(env, n, None)]
+
+
+def jit_module_built(pattern: str) -> bool:
+    """Whether a built module (a shared library) whose folder or file name matches the glob `pattern` is
+    where FlashInfer loads modules from, so using it compiles nothing."""
+    for d in jit_dirs():
+        if d.is_dir() and (any(d.glob(f"**/{pattern}/*.so")) or any(d.glob(f"**/{pattern}.so"))):
+            return True
+    return False
 
 
 def gpu_reason(name: str, device, what: str = "FlashInfer kernels") -> str | None:

@@ -26,9 +26,10 @@ import torch
 
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
-from .flashinfer_common import MIB, import_flashinfer, workspace_sizes  # noqa: F401  (import_flashinfer: re-exported)
+from .flashinfer_common import MIB, import_flashinfer, jit_module_built, workspace_sizes  # noqa: F401  (import_flashinfer: re-exported)
 
 VARIANTS = ("prefill-fa2", "decode-tc", "prefill-fa3")
+FA3_MODULE_GLOB = "batch_prefill_with_kv_cache_*_sm90"       # FlashInfer's name for its FA3 prefill modules
 FOLD_OF_VARIANT = {"prefill-fa2": "heads", "decode-tc": "heads", "prefill-fa3": "rows"}
 
 # The registered "flashinfer" default: the faster of prefill-fa2 and decode-tc on the H200
@@ -152,6 +153,14 @@ class FlashInferQOuter(Backend):
         if major < 8:
             return f"{self.name} needs sm_80 or newer (this GPU is sm_{major}{minor})"
         return None
+
+    def build_pending_reason(self, w: Workload) -> str | None:
+        # FA3 (sm_90) prefill modules are not in FlashInfer's prebuilt set: a first plan JIT-builds one
+        # (about 165 s on the H200, 2026-12-01); FA2 and decode load prebuilt ones
+        if self.variant != "prefill-fa3" or jit_module_built(FA3_MODULE_GLOB):
+            return None
+        return (f"{self.name}: no built FA3 prefill module ({FA3_MODULE_GLOB}) in FlashInfer's JIT cache; a first "
+                f"plan JIT-builds it (minutes); build it ahead with `msa-bench check --backend {self.name}`")
 
     # ---- plan ---------------------------------------------------------------------------------
     def _plan(self, w: Workload) -> Plan:

@@ -6,15 +6,20 @@ over the backends measured at each point (ratio pick / fastest); and the fractio
 module time (roofline / achieved + fixed costs) is within 25 % of the measured one.
 
     python scripts/auto-validation.py results/h200/*/ [--device h200|PROFILE.json] [--fit-fixed RUN ...]
+                                      [--write-profile PATH]
 
 --fit-fixed fits the fixed costs on the named runs instead (the calibration's rule, roofline time as x,
 each stage's and the module's median as y; the GPU's own `msa-bench calibrate` measures them on
-small workloads) and checks them on every run: the runs named there are in sample.
+small workloads) and checks them on every run: the runs named there are in sample. --write-profile writes
+them as a preset's fixed-costs file (roofline/profiles/<gpu>.json, package data). A candidate with no
+fitted costs (hybrid: its units have no model time) is named, since `auto` then skips it.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
 from dataclasses import replace
 
@@ -22,6 +27,7 @@ from msa_bench.errors import UserError
 from msa_bench.harness import tables
 from msa_bench.harness.fixed_costs import fit_series
 from msa_bench.harness.results import load_run
+from msa_bench.kernels.auto import candidate_names
 from msa_bench.roofline.devices import load_device
 
 FITTED_ON = "co-selection"
@@ -48,13 +54,32 @@ def main(argv=None) -> int:
     ap.add_argument("--within", type=float, default=0.05, help="auto's target, a fraction of the fastest (0.05)")
     ap.add_argument("--fit-fixed", nargs="+", default=[], metavar="RUN",
                     help="fit the fixed costs on these runs (in sample) instead of the profile's")
+    ap.add_argument("--write-profile", default="", metavar="PATH",
+                    help="write the fitted fixed costs to PATH as a preset's fixed-costs JSON (needs --fit-fixed)")
     args = ap.parse_args(argv)
+    if args.write_profile and not args.fit_fixed:
+        print("--write-profile writes fitted fixed costs: name the runs to fit with --fit-fixed", file=sys.stderr)
+        return 2
     dev = load_device(args.device)
     if args.fit_fixed:
-        dev = replace(dev, fixed_costs={"stages": fit_series(series_of([load_run(p) for p in args.fit_fixed]))})
+        try:
+            fitted = fit_series(series_of([load_run(p) for p in args.fit_fixed]))
+        except UserError as exc:
+            print(f"--fit-fixed: {exc}", file=sys.stderr)
+            return 2
+        dev = replace(dev, fixed_costs={"stages": fitted})
         print(f"fixed costs fitted on {', '.join(args.fit_fixed)}: " + ", ".join(
-            f"{k} {v['s'] * 1e6:.0f} us" for k, v in sorted(dev.fixed_costs["stages"].items())
+            f"{k} {v['s'] * 1e6:.0f} us" for k, v in sorted(fitted.items())
             if k.split("/")[0] in ("kv-outer-cute", "q-packed-cute", "flashinfer", "hybrid")))
+        fitted_backends = {k.split("/")[0] for k in fitted}
+        print("no fixed costs fitted for (auto skips them): "
+              + (", ".join(sorted(set(candidate_names()) - fitted_backends)) or "none"))
+        if args.write_profile:
+            source = (f"fitted by scripts/auto-validation.py --fit-fixed on {', '.join(args.fit_fixed)}, "
+                      f"date {time.strftime('%Y-%m-%d')}")
+            with open(args.write_profile, "w") as f:
+                json.dump({"source": source, "fixed_costs": {"stages": fitted}}, f, indent=1, sort_keys=True)
+            print(f"wrote {args.write_profile} ({len(fitted)} stages)")
     print(f"{'run':<28} {'pts':>4} {'auto<=5%':>8} {'worst':>6} | {'pick<=5%':>8} {'worst':>6} | "
           f"{'fid<=25%':>8} {'units':>5}")
     for path in args.runs:

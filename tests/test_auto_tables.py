@@ -55,3 +55,18 @@ def test_the_replayed_pick_follows_autos_candidate_rules():
     mp = tables.model_pick_table(run, H200)
     assert len(mp) == 32 and not mp["model pick"].isin(["dense-gather", "reference"]).any()
     assert np.all(mp["pick/fastest"] >= 1.0)
+
+
+def test_the_replay_uses_the_profiles_fixed_costs_not_the_ones_the_run_recorded():
+    """results/h200/decode recorded model_fixed_s 0 (no costs then): a profile's costs must still count."""
+    from dataclasses import replace
+    run = load_run(RESULTS / "decode")
+    t = tables.ok_units(run)
+    row = t[(t["backend"] == "kv-outer-cute") & (t["dtype"] == "fp8")].iloc[0]
+    assert row["module.model_fixed_s"] == 0.0
+    stages = {f"{b}/attention": {"s": 1e-9} for b in set(t["backend"])}      # every backend has some
+    costly = replace(H200, fixed_costs={"stages": {**stages, "kv-outer-cute/index_map": {"s": 1e-3}}})
+    assert tables.predicted_module_s(row, costly) == pytest.approx(tables.predicted_module_s(row, H200) + 1e-3, rel=1e-4)
+    picks = tables.model_pick_table(run, costly)
+    assert "kv-outer-cute" not in set(picks["model pick"]) and "kv-outer-cute" in set(
+        tables.model_pick_table(run, H200)["model pick"])

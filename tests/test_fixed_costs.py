@@ -57,6 +57,21 @@ def test_stage_intercepts_are_scaled_to_sum_to_the_module_intercept():
     assert got["kv-outer/a/fp8"]["launches"] == 3
 
 
+def test_each_stage_is_fitted_on_the_rows_that_ran_it_and_auto_is_skipped():
+    """A hybrid unit may run only some stages; an auto unit runs its pick's, so no cost is its own."""
+    xs = (1e-6, 4e-6, 2e-5, 9e-5)
+    full = [(x, {"module": 30e-6 + x, "schedule": 10e-6, "attention": 10e-6 + x, "combine": 10e-6}, {})
+            for x in xs]
+    packed = [(x, {"module": 20e-6 + x, "schedule": 10e-6, "attention": 10e-6 + x}, {}) for x in xs]
+    one = [(xs[0], {"module": 30e-6, "schedule": 10e-6, "attention": 10e-6, "combine": 10e-6, "gather": 5e-6}, {})]
+    auto = [(x, {"module": 5e-6 + x, "attention": 5e-6 + x}, {}) for x in xs[:2]] + full[2:]
+    got = fit_series({("hybrid", "bf16"): full + packed + one, ("auto", "bf16"): auto})
+    assert set(got) == {"hybrid/schedule/bf16", "hybrid/attention/bf16", "hybrid/combine/bf16"}
+    assert got["hybrid/combine/bf16"]["stage_intercept_s"] == pytest.approx(10e-6)
+    assert got["hybrid/combine/bf16"]["points"] == len(full) + 1
+    assert sum(e["s"] for e in got.values()) == pytest.approx(got["hybrid/combine/bf16"]["module_intercept_s"])
+
+
 # ---- the profile and the model -------------------------------------------------------------------
 
 FIXED = {"launch_s": 2e-6, "stages": {"kv-outer/index_map": {"s": 30e-6, "launches": 4},
@@ -244,3 +259,48 @@ def test_a_candidate_without_measured_fixed_costs_is_skipped_where_others_have_s
     profile_with(monkeypatch, achieved={}, fixed_costs={"stages": {"kv-outer/index_map/fp8": {"s": 1e-5},
                                                                    "q-packed/schedule": {"s": 1e-5}}})
     assert "kv-outer" in get_backend("auto").candidates(workload())[1]          # fp32 counts as bf16
+
+
+def test_the_calibration_skips_a_candidate_whose_plan_would_build_a_kernel(monkeypatch):
+    """A JIT build inside the step (FlashInfer FA3: minutes) is skipped, said, and never planned."""
+    from msa_bench.harness import fixed_costs
+    from msa_bench.harness.timing import TimingConfig
+    from msa_bench.kernels.q_packed.backend import QPackedBackend
+    monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer", "q-packed"])
+    monkeypatch.setattr(QPackedBackend, "build_pending_reason", lambda self, w: "q-packed: its kernel is not built")
+
+    def never(self, w):
+        raise AssertionError("planned a candidate that needs a build")
+    monkeypatch.setattr(QPackedBackend, "_plan", never)
+    lines = []
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), 1024)
+    series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lines.append, device="cpu", points=points,
+                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
+    assert set(series) == {("kv-outer", "fp32")}
+    assert [ln for ln in lines if "q-packed" in ln] == ["  fixed costs: q-packed fp32 skipped: q-packed: its kernel "
+                                                        "is not built"]
+
+
+def test_the_calibration_drops_a_candidate_that_runs_past_its_time(monkeypatch):
+    from msa_bench.harness import fixed_costs
+    from msa_bench.harness.timing import TimingConfig
+    monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer"])
+    monkeypatch.setattr(fixed_costs, "CANDIDATE_SECONDS", 0.0)
+    lines = []
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), 1024)
+    series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lines.append, device="cpu", points=points,
+                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
+    assert series == {}
+    assert sum("kv-outer fp32 skipped after N 8" in ln and "over 0 s" in ln for ln in lines) == 1
+
+
+def test_flashinfer_fa3_needs_a_build_until_its_module_is_in_the_jit_cache(tmp_path, monkeypatch):
+    from msa_bench.kernels import flashinfer_common
+    monkeypatch.setattr(flashinfer_common, "jit_dirs", lambda: [tmp_path])
+    w = workload()
+    fa3, fa2 = get_backend("flashinfer-fa3"), get_backend("flashinfer")
+    assert "JIT-builds" in fa3.build_pending_reason(w) and fa2.build_pending_reason(w) is None
+    built = tmp_path / "0.7.2" / "90a" / "cached_ops" / "batch_prefill_with_kv_cache_dtype_q_bf16_sm90"
+    built.mkdir(parents=True)
+    (built / "batch_prefill_with_kv_cache_dtype_q_bf16_sm90.so").write_bytes(b"")
+    assert fa3.build_pending_reason(w) is None
