@@ -15,7 +15,7 @@ H200 = PRESETS["h200"]
 
 @pytest.fixture(scope="module")
 def default_run():
-    return load_run(RESULTS / "default")
+    return load_run(RESULTS / "baseline")
 
 
 def test_throughput_states_gb_per_s_and_the_hbm_fraction(default_run):

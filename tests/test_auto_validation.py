@@ -7,7 +7,7 @@ from msa_bench.roofline import devices
 from msa_bench.roofline.devices import PRESETS, load_device
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = str(ROOT / "results" / "h200" / "default")
+RUN = str(ROOT / "results" / "h200" / "baseline")
 
 
 def script():
