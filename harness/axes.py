@@ -125,13 +125,23 @@ def groups(table: pd.DataFrame, axis: FigureAxis | None = None):
         yield {f: first[f] for f in fields_}, g
 
 
+def _given(group: dict) -> dict:
+    """The group's fields that have a value (a field some points leave unset, such as drift, is dropped)."""
+    return {k: v for k, v in group.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+
+
+def _plain_value(v):
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
 def group_label(group: dict) -> str:
     """'tokens 2048, context 4M'; 'all points' for no group."""
-    return ", ".join(f"{k} {short_number(v) if k == 'context' else v}" for k, v in group.items()) or "all points"
+    return ", ".join(f"{k} {short_number(v) if k.startswith('context') else _plain_value(v)}"
+                     for k, v in _given(group).items()) or "all points"
 
 
 def slug(group: dict, extra: str = "") -> str:
-    text = "_".join(f"{k}{v}" for k, v in group.items()) or "all"
+    text = "_".join(f"{k}{_plain_value(v)}" for k, v in _given(group).items()) or "all"
     text = f"{extra}_{text}" if extra else text
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
 
