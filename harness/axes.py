@@ -68,6 +68,14 @@ def varying_fields(table: pd.DataFrame) -> dict[str, int]:
     return out
 
 
+def _varying(table: pd.DataFrame) -> dict[str, int]:
+    """varying_fields less those another one derives: N = requests x query tokens per request."""
+    varying = varying_fields(table)
+    if "requests" in varying:
+        varying.pop("tokens", None)
+    return varying
+
+
 def _spread(values: pd.Series) -> float:
     v = pd.to_numeric(values, errors="coerce").dropna()
     v = v[v > 0]
@@ -85,11 +93,9 @@ def figure_axis(table: pd.DataFrame) -> FigureAxis:
     """The axis a run's figures are plotted along, from what varies among its units' points."""
     if table is None or table.empty:
         return AXES[POINTS]
-    varying = varying_fields(table)
+    varying = _varying(table)
     if "case_id" in varying:
         return AXES[CASE]
-    if "requests" in varying:
-        varying.pop("tokens", None)      # N = requests x query tokens per request: not an axis of its own
     order = list(dict.fromkeys(FIELD_AXIS.values()))
     known = [(n, -order.index(FIELD_AXIS[f]), FIELD_AXIS[f]) for f, n in varying.items() if f in FIELD_AXIS]
     if known:                            # the field with the most values (decode: requests; sparsity: context)
@@ -110,7 +116,7 @@ def group_fields(table: pd.DataFrame, axis: FigureAxis | None = None) -> list[st
     axis = axis or figure_axis(table)
     if axis.categorical:
         return []
-    return [f for f in varying_fields(table) if f not in axis.fields]
+    return [f for f in _varying(table) if f not in axis.fields]
 
 
 def groups(table: pd.DataFrame, axis: FigureAxis | None = None):

@@ -95,6 +95,11 @@ def test_decode_plots_gbps_against_batch_size_under_the_hbm_roofline():
     assert measured.get_ydata()[0] == pytest.approx(1e9 / 64 / 1e-3 / 1e9)
     for _, fig in figs:
         matplotlib.pyplot.close(fig)
+    # speculative decode at one batch size: N = requests x query tokens is no axis of its own
+    multi = batch + [{"requests": 64, "tokens": 64 * q, "query_tokens": q, "wl_requests": 64.0,
+                      "wl_n_tokens": 64.0 * q} for q in (2, 4)]
+    t = tables.ok_units(synthetic_run(multi))
+    assert axes.figure_axis(t).kind == axes.REQUESTS and "tokens" not in axes.group_fields(t)
 
 
 def test_sparsity_plots_against_context_and_a_grid_splits_by_the_rest():
@@ -107,6 +112,11 @@ def test_sparsity_plots_against_context_and_a_grid_splits_by_the_rest():
     grid = [{"context": c, "reuse": r} for c in (1 << 17, 1 << 18, 1 << 19, 1 << 20) for r in (0.25, 1.0)]
     t = tables.ok_units(synthetic_run(grid))
     assert axes.figure_axis(t).kind == axes.CONTEXT and axes.group_fields(t) == ["reuse"]
+    # decode batches over more contexts than batch sizes (the sparsity scenario): along context
+    sweep = [{"context": c, "requests": b, "tokens": b, "wl_requests": float(b), "wl_n_tokens": float(b)}
+             for c in (1 << 11, 1 << 13, 1 << 15, 1 << 17) for b in (1, 16, 256)]
+    t = tables.ok_units(synthetic_run(sweep))
+    assert axes.figure_axis(t).kind == axes.CONTEXT and axes.group_fields(t) == ["requests"]
 
 
 def test_reuse_grids_and_the_fallbacks():
@@ -121,8 +131,7 @@ def test_reuse_grids_and_the_fallbacks():
 
 @pytest.mark.parametrize("scenario, kind", [("real-prefill", axes.CASE), ("co-selection", axes.UNION_AXIS),
                                             ("reuse-sweep", axes.REUSE), ("baseline", axes.REUSE),
-                                            ("indexer", axes.POINTS), ("decode", axes.REQUESTS),
-                                            ("drift", axes.UNION_AXIS), ("sparsity", axes.CONTEXT)])
+                                            ("indexer", axes.POINTS), ("drift", axes.UNION_AXIS)])
 def test_committed_runs_get_their_axis(scenario, kind):
     assert axis_of(load_run(H200 / scenario)).kind == kind
 
