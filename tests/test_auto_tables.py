@@ -58,9 +58,9 @@ def test_the_replayed_pick_follows_autos_candidate_rules():
 
 
 def test_the_replay_uses_the_profiles_fixed_costs_not_the_ones_the_run_recorded():
-    """results/h200/decode recorded model_fixed_s 0 (no costs then): a profile's costs must still count."""
+    """results/h200/drift recorded model_fixed_s 0 (no costs then): a profile's costs must still count."""
     from dataclasses import replace
-    run = load_run(RESULTS / "decode")
+    run = load_run(RESULTS / "drift")
     t = tables.ok_units(run)
     row = t[(t["backend"] == "kv-outer-cute") & (t["dtype"] == "fp8")].iloc[0]
     assert row["module.model_fixed_s"] == 0.0
