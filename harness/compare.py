@@ -110,10 +110,10 @@ def _distinguishable(base: np.ndarray, new: np.ndarray, slower: bool, alpha: flo
     return (p is not None and p < alpha) or disjoint, p
 
 
-def _verdict(ratio: float, threshold: float, outside: bool, real: bool) -> str:
+def _verdict(ratio: float, threshold: float, real: bool) -> str:
     slower = ratio > 1
     big = ratio > 1 + threshold if slower else ratio < 1 / (1 + threshold)
-    if big and outside and real:
+    if big and real:
         return REGRESSION if slower else IMPROVEMENT
     return NOISE if big else UNCHANGED
 
@@ -124,7 +124,7 @@ def judge_samples(base: np.ndarray, new: np.ndarray, threshold: float,
     base, new = _checked(base), _checked(new)
     ratio = float(np.median(new)) / float(np.median(base))
     real, p = _distinguishable(base, new, ratio > 1, alpha)
-    return _verdict(ratio, threshold, True, real), ratio, p
+    return _verdict(ratio, threshold, real), ratio, p
 
 
 def judge_set(bases: Sequence[np.ndarray], new: np.ndarray, threshold: float,
@@ -139,7 +139,7 @@ def judge_set(bases: Sequence[np.ndarray], new: np.ndarray, threshold: float,
     # how far outside the baseline's run-to-run spread: past its slowest (or fastest) run; 1 inside it
     beyond = mn / hi if mn > hi else mn / lo if mn < lo else 1.0
     real, p = _distinguishable(np.concatenate(bases), new, beyond > 1 or (beyond == 1 and ratio > 1), alpha)
-    verdict = _verdict(beyond, threshold * SET_FLAG, True, real)
+    verdict = _verdict(beyond, threshold * SET_FLAG, real)
     if beyond == 1 and abs(np.log(ratio)) > np.log1p(threshold):
         verdict = NOISE                     # far from the set's median, yet inside its spread
     return verdict, ratio, p, hi / lo
