@@ -1,13 +1,18 @@
-"""Measure the fixed costs the model adds to a module's roofline time (`msa-bench calibrate`).
+"""Measure what the model adds to a module's roofline time (`msa-bench calibrate`).
 
 Launch: a CUDA graph of k one-element kernels, k = 1 .. 64; the cost of one launch is the Theil-Sen slope
 of replay time against k.
-Stages: every `auto` candidate that runs here is planned and timed (harness/timing.py: CUDA graphs, cold
-L2) on a series of small synthetic workloads (one request, N = 8 .. 1024 tokens, 128K context, each
-token selecting mostly its own blocks, as decode does); a stage's fixed cost is the Theil-Sen intercept of
-its time against the backend's roofline time on the same workloads (roofline/calibrate.py). The stages
-are timed one graph each and the module as one graph, so the stage intercepts are scaled to sum to the
-module's. Kernel launches per stage are counted with the PyTorch profiler on one eager run.
+Fixed costs: every `auto` candidate that runs here is planned and timed (harness/timing.py: CUDA graphs,
+cold L2) on decode batches of FIXED_REQUESTS one-token requests, enough packed tiles or KV-outer pairs for
+several per SM, so the module follows its roofline; a stage's fixed cost is the Theil-Sen intercept of its
+time against the backend's roofline time (roofline/calibrate.py), the stage intercepts scaled to sum to the
+module's (the stages are timed one graph each, the module as one). Where HBM binds at every such point,
+1 / the module's slope is the backend's HBM fraction ("hbm_achieved"). Kernel launches per stage are
+counted with the PyTorch profiler on one eager run.
+Items: a backend with work items (a packed tile: `Backend.item_blocks`) is timed on one request whose few
+tiles cannot fill the GPU (ITEM_POINTS: 16 to about 120 blocks a tile); its module time less its fixed
+cost, against the blocks a tile walks, gives the time one item takes alone (Theil-Sen: s + blocks x
+block_s).
 A candidate whose first plan would JIT-build a kernel (Backend.build_pending_reason), or whose plan and
 timing on one workload take over CANDIDATE_SECONDS, is skipped with its reason printed, so the step stays
 within its time.
@@ -23,8 +28,11 @@ from ..roofline.calibrate import fixed_costs_entry, theil_sen
 from ..roofline.devices import DeviceProfile
 from .timing import MODULE, TimingConfig, time_plan
 
-TOKENS = (8, 16, 64, 256, 1024)
-CONTEXT = 131072
+FIXED_REQUESTS = (264, 528, 792, 1056)      # 2 to 8 one-token requests per SM: 8 to 32 packed tiles per SM
+FIXED_CONTEXT = (8192, 16384)                # each request's context, uniform in this range
+ITEM_POINTS = (("decode", {"requests": 1, "context": 16384}),       # (generator, options): 4 tiles of 16 blocks
+               ("drift", {"tokens": 8, "context": 131072, "drift": 0.3}),   # one 8-token tile: ~50 blocks
+               ("drift", {"tokens": 8, "context": 131072, "drift": 1.0}))   # ~115 blocks
 LAUNCH_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 TIMING = TimingConfig(warmup=3, reps=20, max_reps=40)
 # a candidate whose plan and timing on one workload takes longer built something or stalled: the step is
@@ -72,37 +80,48 @@ def count_launches(fn) -> int:
         return 0
 
 
-def calibration_points(dtype: str, shape=None, tokens=TOKENS, context=CONTEXT):
-    """One request of n tokens each, most of a token's selected blocks its own (reuse half the most the
-    context allows, at most topk x Hkv / 2)."""
+def calibration_points(dtype: str, shape=None, requests=FIXED_REQUESTS, context=FIXED_CONTEXT):
+    """The fixed-cost series: decode batches of `requests` one-token requests (module docstring)."""
     from ..scenarios.grid import point_from_options
     from ..scenarios.workload import AttnShape
-    shape = shape or AttnShape()
-    pairs = shape.hkv * context // shape.block
-    for n in tokens:
-        reuse = min(float(shape.hkv * shape.topk) / 2, 0.5 * pairs / n)
-        yield point_from_options("synthetic", shape, dtype, tokens=n, context=context, reuse=reuse)
+    for n in requests:
+        yield point_from_options("decode", shape or AttnShape(), dtype, requests=n, context_min=context[0],
+                                 context=context[1])
+
+
+def item_points(dtype: str, shape=None, points=ITEM_POINTS):
+    """The item series: one request's few tiles (ITEM_POINTS)."""
+    from ..scenarios.grid import point_from_options
+    from ..scenarios.workload import AttnShape
+    for generator, options in points:
+        yield point_from_options(generator, shape or AttnShape(), dtype, **options)
 
 
 def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, device="cuda", points=None,
-                   timing: TimingConfig = TIMING) -> dict:
-    """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches})]} for every candidate here."""
+                   timing: TimingConfig = TIMING, only=None) -> dict:
+    """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches}, binding, item blocks)]} for
+    every candidate here (or those in `only`); roofline times at achieved fraction 1."""
+    from dataclasses import replace
     from ..errors import one_line
     from ..kernels.auto import candidate_names
     from ..kernels.base import ModelInputs, get_backend
     from ..scenarios.grid import make_workload
     device = torch.device(device)
+    bare = replace(profile, achieved={}, fixed_costs={})
     points = points or calibration_points
     series: dict = {}
     launches: dict = {}
     dropped: set = set()            # (backend, dtype) skipped for the rest of the series
     for dtype in dtypes:
+        count = 0
         for point in points(dtype):
             w = make_workload(point, device)
             inputs = ModelInputs(w)
+            count += 1
             for name in candidate_names():
                 backend = get_backend(name)
-                if (name, dtype) in dropped or backend.workload_unavailable_reason(w):  # model fit aside
+                if (only is not None and name not in only) or (name, dtype) in dropped \
+                        or backend.workload_unavailable_reason(w):      # model fit aside
                     continue
                 pending = backend.build_pending_reason(w)
                 if pending:                 # a JIT build inside the step would take it past its time
@@ -112,7 +131,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                 start = time.perf_counter()
                 try:
                     plan = backend.plan(w)
-                    roof, _ = backend.roofline(w, inputs, profile)
+                    roof, used = backend.roofline(w, inputs, bare)
                     samples = time_plan(plan, timing, device)
                 except Exception as exc:    # one backend that fails here leaves the others' costs measured
                     log(f"  fixed costs: {name} {dtype} N {w.n_tokens} skipped: {one_line(exc)}")
@@ -127,11 +146,12 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                 medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
                     launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
-                series.setdefault((name, dtype), []).append((roof, medians, launches[(name, dtype)]))
+                series.setdefault((name, dtype), []).append(
+                    (roof, medians, launches[(name, dtype)], used.get("binding"), backend.item_blocks(w, inputs)))
                 del plan
             del w
             torch.cuda.empty_cache()
-        log(f"  fixed costs: {dtype} timed on {len(TOKENS)} workloads")
+        log(f"  fixed costs: {dtype} timed on {count} workloads")
     return series
 
 
@@ -171,15 +191,52 @@ def fit_series(series: dict) -> dict:
     return stages
 
 
+def fit_hbm_achieved(series: dict) -> dict:
+    """{"backend/dtype": 1 / the module's Theil-Sen slope against its roofline time} where HBM binds at
+    every point of the series (at least two roofline times), within (0, MAX_ACHIEVED]."""
+    from ..roofline.devices import MAX_ACHIEVED
+    out = {}
+    for (name, dtype), rows in series.items():
+        if len({r[0] for r in rows}) < 2 or pick_dependent(name) or any(r[3] != "hbm" for r in rows):
+            continue
+        slope = theil_sen([r[0] for r in rows], [r[1][MODULE] for r in rows])[1]
+        if slope > 0 and 1.0 / slope <= MAX_ACHIEVED:
+            out[f"{name}/{dtype}"] = 1.0 / slope
+    return out
+
+
+def fit_items(series: dict, stages: dict) -> dict:
+    """{"backend/dtype": {"s", "block_s", "points"}}: the Theil-Sen fit of module time less the backend's
+    fixed cost (from `stages`) against its item blocks, for backends with items at two or more sizes."""
+    out = {}
+    for (name, dtype), rows in series.items():
+        have = [r for r in rows if r[4] is not None]
+        if len({r[4] for r in have}) < 2:
+            continue
+        fixed = sum(e["s"] for k, e in stages.items() if k.startswith(f"{name}/") and k.endswith(f"/{dtype}"))
+        a, b = theil_sen([r[4] for r in have], [r[1][MODULE] - fixed for r in have])
+        out[f"{name}/{dtype}"] = {"s": max(0.0, a), "block_s": max(0.0, b), "points": len(have)}
+    return out
+
+
 def calibrate_fixed_costs(profile: DeviceProfile, log=print) -> dict:
-    """The fixed_costs table for `profile`'s GPU (this one): launch cost and per-stage costs."""
+    """The fixed_costs table for `profile`'s GPU (this one): launch cost, per-stage costs, HBM fractions
+    and item times."""
     from ..errors import require_cuda
     require_cuda("fixed-cost calibration")
     t0 = time.perf_counter()
     launch, points = launch_seconds(torch.device("cuda"))
     log(f"  kernel launch in a CUDA graph: {launch * 1e6:.2f} us")
-    stages = fit_series(measure_series(profile, log=log))
+    series = measure_series(profile, log=log)
+    stages = fit_series(series)
+    with_items = {name for (name, _), rows in series.items() if any(r[4] is not None for r in rows)}
+    items = fit_items(measure_series(profile, log=log, points=item_points, only=with_items), stages) \
+        if with_items else {}
     return {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
-            "method": f"Theil-Sen intercept of stage time against roofline time, synthetic N {list(TOKENS)}, "
-                      f"context {CONTEXT}; stage intercepts scaled to sum to the module's",
+            "hbm_achieved": fit_hbm_achieved(series), "items": items,
+            "method": f"stages: Theil-Sen intercept of stage time against roofline time on decode batches of "
+                      f"{list(FIXED_REQUESTS)} one-token requests, contexts {FIXED_CONTEXT[0]}-{FIXED_CONTEXT[1]}, "
+                      f"stage intercepts scaled to sum to the module's; hbm_achieved: 1 / the module's slope "
+                      f"there; items: module time less fixed cost against a tile's blocks on {len(ITEM_POINTS)} "
+                      f"one-request workloads",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}

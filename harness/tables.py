@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile, achieved
-from ..roofline.model import PACKED, crossover, crossover_at, fixed_cost
+from ..kernels.base import get_backend
+from ..roofline.model import PACKED, crossover, crossover_at, fixed_cost, module_time
 from .axes import UNION, group_label, varying_fields
 from .prediction import _info, launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
 from .results import STATUS_OK, Run
@@ -184,8 +185,9 @@ def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
 
 def predicted_module_s(row, device: DeviceProfile) -> float:
     """The model's module time for a unit row: `auto` units carry their pick's prediction in plan_info;
-    others, the roofline (model_time_s) over the profile's achieved fraction plus the profile's fixed
-    costs of the stages the unit ran. NaN where the unit has no model time (hybrid, CPU runs)."""
+    others, roofline.model.module_time of the row's roofline (model_time_s) with `device`'s achieved
+    fraction, item floor and fixed costs of the stages the unit ran. NaN where the unit has no model time
+    (hybrid, CPU runs)."""
     info = _info(row.get("plan_info"))
     if row["backend"] == "auto":
         a = info.get("auto") or {}
@@ -197,8 +199,18 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     # `device`'s fixed costs, not the run's module.model_fixed_s: that one is the profile's at run time
     stages = [s for s in STAGE_ORDER + ("gather", "output")
               if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
-    fixed = fixed_cost(device, row["backend"], stages, dtype)[0]
-    return roof / achieved(device, row["backend"], dtype) + fixed
+    hbm_s = row.get("module.model_hbm_bytes", 0.0) / device.hbm_bytes_per_s
+    binding = "hbm" if math.isfinite(hbm_s) and hbm_s >= roof * (1 - 1e-9) else None
+    blocks = None
+    try:
+        backend = get_backend(row["backend"])
+        union = row.get(f"wl_union_ratio_p{backend.tile_tokens}", np.nan)
+        if backend.schedule == PACKED and isinstance(union, float) and math.isfinite(union):
+            blocks = row["wl_topk"] * union
+    except KeyError:               # a backend not registered here: no item floor
+        pass
+    scaled = roof / achieved(device, row["backend"], dtype, binding)
+    return module_time(device, row["backend"], dtype, scaled, stages, blocks)[0]
 
 
 def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:

@@ -85,26 +85,33 @@ class Backend:
 
     def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
         """(seconds, what the prediction used): the roofline time of this backend's schedule on `w` over
-        the fraction of it the backend reaches on this device. Fixed costs are not in it."""
+        the fraction of it the backend reaches on this device (where HBM binds, the HBM one). Fixed costs
+        are not in it."""
         from ..roofline.devices import achieved
         from ..roofline.model import PACKED, predict
         # a packed tile runs P x G rows per union block however few tokens it holds (decode: one)
         union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == PACKED else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=self.tile_tokens)
-        frac = achieved(profile, self.name, model_dtype(w.dtype))
+        frac = achieved(profile, self.name, model_dtype(w.dtype), p.binding)
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         if union is not None:
             used["union_ratio"] = union
         return p.time_s / frac, used
 
+    def item_blocks(self, w: Workload, inputs: ModelInputs) -> float | None:
+        """K/V blocks of this backend's typical work item (one SM's share that cannot be split), None where
+        its items are too small to matter: a packed tile walks its union, topk x union_ratio blocks."""
+        from ..roofline.model import PACKED
+        return w.shape.topk * inputs.union_ratio(self.tile_tokens) if self.schedule == PACKED else None
+
     def predict_module(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
-        """(seconds, what the prediction used): roofline time over the achieved fraction plus the fixed
-        costs of this backend's stages."""
-        from ..roofline.model import fixed_cost
+        """(seconds, what the prediction used): roofline.model.module_time of this backend's roofline."""
+        from ..roofline.model import module_time
         t, used = self.roofline(w, inputs, profile)
-        fixed, _ = fixed_cost(profile, self.name, self.stage_names, model_dtype(w.dtype))
-        return t + fixed, {**used, "fixed_s": fixed}
+        total, parts = module_time(profile, self.name, model_dtype(w.dtype), t, self.stage_names,
+                                   self.item_blocks(w, inputs))
+        return total, {**used, **parts}
 
     def unavailable_reason(self, dtype: str, device: torch.device | str) -> str | None:
         """None if this backend can run `dtype` on `device`, else one line saying why not."""

@@ -26,8 +26,11 @@ class DeviceProfile:
     measured: dict = field(default_factory=dict)
     # "backend/dtype" -> the fraction of its roofline time the backend's kernel reaches here, measured
     achieved: dict = field(default_factory=dict)
-    # what a module costs whatever its size (`msa-bench calibrate`): "launch_s", one kernel launch inside a
-    # CUDA graph; "stages", "backend/stage" -> {"s": the stage's time at zero roofline time, "launches"}
+    # what `msa-bench calibrate` measures beyond the roofline: "launch_s", one kernel launch inside a CUDA
+    # graph; "stages", "backend/stage/dtype" -> {"s": the stage's time at zero roofline time, "launches"};
+    # "hbm_achieved", "backend/dtype" -> the fraction reached where HBM binds (decode batches); "items",
+    # "backend/dtype" -> {"s", "block_s"}: the time one work item (a packed tile) of b blocks takes alone,
+    # s + b x block_s, a floor on the module where too few items fill the GPU
     fixed_costs: dict = field(default_factory=dict)
 
     def peak_flops(self, dtype: str) -> float:
@@ -89,12 +92,27 @@ def fixed_costs_problem(fc) -> str | None:
         if "/" not in key or not isinstance(v, dict) or not _seconds(v.get("s")) or \
                 not isinstance(v.get("launches", 0), int) or v.get("launches", 0) < 0:
             return f"stages[{key!r}] must be {{'s': seconds in [0, 1), 'launches': count}}"
+    hbm = fc.get("hbm_achieved", {})
+    if not isinstance(hbm, dict) or not all("/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                            and 0 < v <= MAX_ACHIEVED for k, v in hbm.items()):
+        return f"hbm_achieved must map 'backend/dtype' to a fraction in (0, {MAX_ACHIEVED}]"
+    items = fc.get("items", {})
+    if not isinstance(items, dict) or not all("/" in k and isinstance(v, dict) and _seconds(v.get("s"))
+                                              and _seconds(v.get("block_s")) for k, v in items.items()):
+        return "items must map 'backend/dtype' to {'s': seconds, 'block_s': seconds per block}, each in [0, 1)"
     return None
 
 
-def achieved(profile: DeviceProfile, backend: str, dtype: str) -> float:
-    """The measured fraction of its roofline a backend reaches on this device, 1 where none is recorded."""
-    return float((profile.achieved or {}).get(f"{backend.partition('@')[0]}/{dtype}", 1.0))
+def achieved(profile: DeviceProfile, backend: str, dtype: str, binding: str | None = None) -> float:
+    """The measured fraction of its roofline a backend reaches on this device, 1 where none is recorded.
+    Where HBM binds, the calibrated HBM fraction if there is one: the co-selection fractions were measured
+    where L2 or the MMA binds, and a kernel's L2 re-reads or MMA issue say little about its HBM streaming."""
+    key = f"{backend.partition('@')[0]}/{dtype}"
+    if binding == "hbm":
+        hbm = (profile.fixed_costs or {}).get("hbm_achieved") or {}
+        if key in hbm:
+            return float(hbm[key])
+    return float((profile.achieved or {}).get(key, 1.0))
 
 
 def has_achieved(profile: DeviceProfile, backend: str, dtype: str) -> bool:

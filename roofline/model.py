@@ -1,9 +1,12 @@
 """The one byte/FLOP model of the schedules, per memory level.
 
 HBM traffic is deduplicated (each tensor crosses HBM once); L2 traffic counts every re-read.
-Predicted time = max(HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, executed FLOPs / MMA peak),
-plus the fixed costs of the stages a backend's plan runs (`fixed_cost`: what a stage costs whatever its
-size, measured by `msa-bench calibrate`; a stage never measured costs its kernel launches).
+Roofline time = max(HBM bytes / HBM bandwidth, L2 bytes / L2 bandwidth, executed FLOPs / MMA peak).
+A backend's module time (`module_time`) is that over the fraction of it the kernel reaches, never less
+than the time its largest work item takes alone (`item_floor`: a packed tile's blocks walked by one SM,
+which binds where too few tiles fill the GPU), plus the fixed costs of the stages its plan runs
+(`fixed_cost`: what a stage costs whatever its size). `msa-bench calibrate` measures the last two; a
+stage never measured costs its kernel launches.
 
 Schedules: Q-outer (each query token alone: its blocks re-read per token), KV-outer (each block loaded
 once, per-block partials merged by a combine), the MSA-style scatter (KV-outer with a slot store), and
@@ -110,6 +113,29 @@ def fixed_cost(device: DeviceProfile, backend: str, stages, dtype: str | None = 
     return sum(per.values()), per
 
 
+def item_floor(device: DeviceProfile, backend: str, dtype: str | None, blocks: float | None) -> float:
+    """Seconds one work item of `blocks` K/V blocks takes on one SM ("items" of the calibration: s +
+    blocks x block_s); 0 where the backend has no such item or the profile has not measured it."""
+    if blocks is None:
+        return 0.0
+    got = ((device.fixed_costs or {}).get("items") or {}).get(f"{backend.partition('@')[0]}/{dtype}")
+    return float(got["s"]) + blocks * float(got["block_s"]) if got else 0.0
+
+
+def module_time(device: DeviceProfile, backend: str, dtype: str | None, scaled_s: float, stages,
+                item_blocks: float | None = None) -> tuple[float, dict]:
+    """(seconds, its parts) of a backend's module: `scaled_s` (the roofline over the achieved fraction),
+    floored by its largest item's time alone, plus its stages' fixed costs."""
+    fixed, _ = fixed_cost(device, backend, stages, dtype)
+    floor = item_floor(device, backend, dtype, item_blocks)
+    return max(scaled_s, floor) + fixed, {"fixed_s": fixed, "item_floor_s": floor}
+
+
+def binding_of(times: dict) -> str:
+    """The resource ("hbm", "l2" or "mma") whose time is the roofline's; ties to the first."""
+    return max(times, key=times.get)
+
+
 def useful_flops(shape: ModelShape, n_tokens: float, selected_per_query: float | None = None) -> float:
     """4 x Hq x D x selected key tokens per query, summed over queries (QK^T and PV, 2 flop per MAC)."""
     sel = shape.topk if selected_per_query is None else selected_per_query
@@ -210,7 +236,7 @@ def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, devic
     hbm_b, l2_b = sum(hbm_terms.values()), sum(l2_terms.values())
     times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
              "mma": executed / device.peak_flops(shape.dtype)}
-    binding = max(times, key=times.get)
+    binding = binding_of(times)
     return Prediction(schedule=schedule, time_s=times[binding] + fixed_s, binding=binding, hbm_bytes=hbm_b,
                       l2_bytes=l2_b, flops=fl, hbm_s=times["hbm"], l2_s=times["l2"], mma_s=times["mma"],
                       hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed, fixed_s=fixed_s)
@@ -356,7 +382,7 @@ def predict_dense(shape: ModelShape, n_tokens: float, kv_blocks: float, dense_ke
     hbm_b, l2_b = sum(hbm_terms.values()), sum(l2_terms.values())
     times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
              "mma": executed / device.peak_flops("bf16")}
-    binding = max(times, key=times.get)
+    binding = binding_of(times)
     return Prediction(schedule=DENSE, time_s=times[binding], binding=binding, hbm_bytes=hbm_b, l2_bytes=l2_b,
                       flops=executed if flops is None else flops, hbm_s=times["hbm"], l2_s=times["l2"],
                       mma_s=times["mma"], hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed)

@@ -222,7 +222,7 @@ def test_the_calibration_series_times_every_candidate_stage_and_fits_it(monkeypa
     from msa_bench.harness import fixed_costs
     from msa_bench.harness.timing import TimingConfig
     monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer", "flashinfer"])
-    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), 1024)
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), (512, 1024))
     series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu", points=points,
                                         timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
     assert set(series) == {("kv-outer", "fp32")}          # flashinfer: no GPU here
@@ -273,7 +273,7 @@ def test_the_calibration_skips_a_candidate_whose_plan_would_build_a_kernel(monke
         raise AssertionError("planned a candidate that needs a build")
     monkeypatch.setattr(QPackedBackend, "_plan", never)
     lines = []
-    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), 1024)
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), (512, 1024))
     series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lines.append, device="cpu", points=points,
                                         timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
     assert set(series) == {("kv-outer", "fp32")}
@@ -287,7 +287,7 @@ def test_the_calibration_drops_a_candidate_that_runs_past_its_time(monkeypatch):
     monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer"])
     monkeypatch.setattr(fixed_costs, "CANDIDATE_SECONDS", 0.0)
     lines = []
-    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), 1024)
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), (512, 1024))
     series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lines.append, device="cpu", points=points,
                                         timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
     assert series == {}
@@ -304,3 +304,63 @@ def test_flashinfer_fa3_needs_a_build_until_its_module_is_in_the_jit_cache(tmp_p
     built.mkdir(parents=True)
     (built / "batch_prefill_with_kv_cache_dtype_q_bf16_sm90.so").write_bytes(b"")
     assert fa3.build_pending_reason(w) is None
+
+
+# ---- HBM fractions and item floors ---------------------------------------------------------------
+
+def _row(roof, module, binding="hbm", blocks=None):
+    return (roof, {"module": module, "attention": module}, {"attention": 1}, binding, blocks)
+
+
+def test_the_hbm_fraction_is_one_over_the_module_slope_where_hbm_binds_everywhere():
+    from msa_bench.harness.fixed_costs import fit_hbm_achieved
+    rng = random.Random(3)
+    rows = [_row(r, 20e-6 + r / 0.8 * (1 + rng.uniform(-0.01, 0.01))) for r in (1e-4, 2e-4, 3e-4, 4e-4, 5e-4)]
+    mixed = rows[:4] + [_row(6e-4, 20e-6 + 6e-4 / 0.8, binding="mma")]
+    got = fit_hbm_achieved({("q-packed", "bf16"): rows, ("kv-outer", "bf16"): mixed})
+    assert got == {"q-packed/bf16": pytest.approx(0.8, rel=0.02)}      # kv-outer: one point MMA-bound
+
+
+def test_an_item_is_its_time_less_the_fixed_cost_against_its_blocks():
+    from msa_bench.harness.fixed_costs import fit_items
+    stages = {"q-packed/schedule/bf16": {"s": 5e-6}, "q-packed/attention/bf16": {"s": 10e-6},
+              "q-packed/attention/fp8": {"s": 99e-6}}
+    rows = [_row(1e-6, 15e-6 + 20e-6 + b * 1e-6, blocks=b) for b in (16, 50, 115)]
+    got = fit_items({("q-packed", "bf16"): rows, ("kv-outer", "bf16"): [_row(1e-6, 1e-4)] * 3}, stages)
+    assert set(got) == {"q-packed/bf16"}                               # kv-outer declares no items
+    assert got["q-packed/bf16"]["s"] == pytest.approx(20e-6) and got["q-packed/bf16"]["block_s"] == pytest.approx(1e-6)
+
+
+def test_a_module_is_floored_by_its_item_alone_and_hbm_bound_work_takes_the_hbm_fraction():
+    from msa_bench.roofline.devices import achieved
+    from msa_bench.roofline.model import module_time
+    fc = {"stages": {"q-packed/attention/bf16": {"s": 5e-6, "launches": 1}},
+          "hbm_achieved": {"q-packed/bf16": 0.9}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
+    dev = replace(PRESETS["h200"], achieved={"q-packed/bf16": 0.5}, fixed_costs=fc)
+    assert achieved(dev, "q-packed", "bf16", "hbm") == 0.9 and achieved(dev, "q-packed", "bf16", "mma") == 0.5
+    assert achieved(dev, "kv-outer", "bf16", "hbm") == 1.0
+    small, parts = module_time(dev, "q-packed", "bf16", 1e-6, ("attention",), item_blocks=16)
+    assert small == pytest.approx(36e-6 + 5e-6) and parts["item_floor_s"] == pytest.approx(36e-6)
+    assert module_time(dev, "q-packed", "bf16", 1e-3, ("attention",), item_blocks=16)[0] == pytest.approx(1e-3 + 5e-6)
+    assert module_time(dev, "q-packed", "bf16", 1e-6, ("attention",))[0] == pytest.approx(6e-6)    # no items
+
+
+@pytest.mark.parametrize("bad", [{"hbm_achieved": {"q-packed/bf16": 0}}, {"hbm_achieved": {"q-packed": 0.5}},
+                                 {"items": {"q-packed/bf16": {"s": 1e-5}}}, {"items": {"q-packed/bf16": 3}}])
+def test_a_profile_refuses_bad_hbm_fractions_and_items(bad):
+    data = {**json.loads(json.dumps(PRESETS["h200"].__dict__)), "fixed_costs": bad}
+    with pytest.raises(UserError, match="fixed_costs"):
+        profile_from_dict(data, "test")
+
+
+def test_the_replay_floors_a_packed_unit_by_its_item_and_uses_the_hbm_fraction():
+    from msa_bench.harness.tables import predicted_module_s
+    fc = {"hbm_achieved": {"q-packed/bf16": 0.5}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
+    dev = replace(PRESETS["h200"], achieved={}, fixed_costs=fc)
+    row = {"backend": "q-packed", "dtype": "bf16", "module.model_time_s": 1e-6, "wl_topk": 16,
+           "module.model_hbm_bytes": 1e-6 * dev.hbm_bytes_per_s, "wl_union_ratio_p8": 2.0}
+    assert predicted_module_s(row, dev) == pytest.approx(20e-6 + 32e-6)
+    big = {**row, "module.model_time_s": 1e-3, "module.model_hbm_bytes": 1e-3 * dev.hbm_bytes_per_s}
+    assert predicted_module_s(big, dev) == pytest.approx(2e-3)
+    l2_bound = {**big, "module.model_hbm_bytes": 0.5e-3 * dev.hbm_bytes_per_s}
+    assert predicted_module_s(l2_bound, dev) == pytest.approx(1e-3)
