@@ -235,11 +235,13 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
             weighed = weighed[(weighed["backend"] != "flashinfer-packed") | (weighed[UNION] <= 1 + 1e-9)]
         pred = {r["backend"]: predicted_module_s(r, device) for _, r in weighed.iterrows()}
         for _, a in g[g["backend"] == "auto"].iterrows():
-            recorded = ((_info(a.get("plan_info")).get("auto") or {}).get("predicted_s") or {})
+            record = _info(a.get("plan_info")).get("auto") or {}
+            recorded = record.get("predicted_s") or {}
             if "hybrid" in recorded and "hybrid" in measured.index and has_fixed_costs(device, "hybrid", dtype):
-                # recorded before fixed costs were stored: its stages' costs added here
-                pred["hybrid"] = float(recorded["hybrid"]) + fixed_cost(device, "hybrid", ("schedule", "attention",
-                                                                                       "combine"), dtype)[0]
+                # the recorded roofline part (less the fixed costs of the profile it ran with) plus today's
+                ran_with = float(((record.get("used") or {}).get("hybrid") or {}).get("fixed_s", 0.0))
+                pred["hybrid"] = float(recorded["hybrid"]) - ran_with + fixed_cost(
+                    device, "hybrid", ("schedule", "attention", "combine"), dtype)[0]
         pred = {b: v for b, v in pred.items() if math.isfinite(v)}
         if not pred:
             continue
