@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 
 @dataclass
@@ -62,7 +63,7 @@ class Backend:
     name: str = ""
     description: str = ""
     dtypes: tuple[str, ...] = ()
-    schedule: str | None = None              # the roofline model's schedule it runs (roofline/model.py)
+    schedule: Schedule | None = None              # the roofline model's schedule it runs (roofline/schedules.py)
     candidate: bool = False                  # `auto` weighs it where the model predicts it
     stage_names: tuple[str, ...] = ()        # the stages its plans run, in order (their fixed costs)
     tile_tokens: int = 8                     # P of a token-packed schedule
@@ -76,7 +77,7 @@ class Backend:
         """None where the model predicts this backend on `w`, else why not."""
         from ..roofline.model import ALL_SCHEDULES
         if self.schedule not in ALL_SCHEDULES:
-            return f"{self.name}: the model has no schedule {self.schedule!r}"
+            return f"{self.name}: the model has no schedule '{self.schedule}'"
         return None
 
     def achieved_names(self, w: Workload) -> tuple[str, ...]:
@@ -87,9 +88,9 @@ class Backend:
         """(seconds, what the prediction used): the roofline time of this backend's schedule on `w` over
         the fraction of it the backend reaches on this device. Fixed costs are not in it."""
         from ..roofline.devices import achieved
-        from ..roofline.model import PACKED, predict
+        from ..roofline.model import predict
         # a packed tile runs P x G rows per union block however few tokens it holds (decode: one)
-        union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == PACKED else None
+        union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == Schedule.Q_PACKED else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=self.tile_tokens)
         frac = achieved(profile, self.name, model_dtype(w.dtype))

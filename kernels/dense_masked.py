@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload, free_memory_bytes
 from .base import Backend, BackendUnavailable, Plan, register
 
@@ -297,7 +298,7 @@ class DenseMasked(Backend):
         selected = float((w.selection >= 0).sum()) * s.block
         quant = ("fp8 Q/K/V dequantized to bf16 in the gather stage (q_scale, k_scale, v_scale applied there), "
                  "bf16 compute" if w.dtype == "fp8" else "bf16 Q/K/V, bf16 compute")
-        info = {"schedule": "dense-masked", "sdpa_kernel": kernel, "layout": layout, "tried": tried,
+        info = {"schedule": Schedule.DENSE_MASKED, "sdpa_kernel": kernel, "layout": layout, "tried": tried,
                 "buckets": len(buckets), "sdpa_calls": len(buckets) * s.hkv,
                 "bucket_shapes": sorted({(bk.batch, bk.rows, bk.blocks) for bk in buckets}),
                 "gathered_bytes": sizes["kv_bytes"], "mask_bytes": sizes["mask_bytes"],

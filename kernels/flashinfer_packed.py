@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..roofline.model import PACKED
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 from .flashinfer_common import MIB, bf16_query, gpu_reason, import_flashinfer, workspace_sizes
@@ -214,7 +214,7 @@ class FlashInferPacked(Backend):
         self.dtypes = ("bf16", "fp8")
         self.tile_tokens = tile or TILE_SIZES[0]
 
-    schedule = PACKED
+    schedule = Schedule.Q_PACKED
     candidate = True
     stage_names = ("attention", "output")
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 from .flashinfer_common import MIB, import_flashinfer, jit_module_built, workspace_sizes  # noqa: F401  (import_flashinfer: re-exported)
@@ -119,7 +120,7 @@ def folded_views(w: Workload, fold: str):
 
 class FlashInferQOuter(Backend):
     description = "Q-outer: FlashInfer paged attention, one request per (query token, KV head)"
-    schedule = "q-outer"
+    schedule = Schedule.Q_OUTER
     candidate = True
     stage_names = ("attention",)
 

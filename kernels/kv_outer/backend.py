@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from ..base import Backend, BackendUnavailable, Plan, register
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from .config import KVOuterConfig, default_config, resolve_num_ctas
 from .triton_mode import triton_unavailable_reason
@@ -102,7 +103,7 @@ class KVStationaryBackend(Backend):
 @register("kv-outer")
 class KVOuterBackend(KVStationaryBackend):
     name = "kv-outer"
-    schedule = "kv-outer"
+    schedule = Schedule.KV_OUTER
     description = ("KV-stationary: each selected (KV head, block) loaded once per CTA visit, raw partial "
                    "tiles stored contiguously, gathered and merged in a separate combine")
 

@@ -11,7 +11,7 @@ import torch
 from ..base import Backend, Plan, register
 from ..kv_outer.backend import check_shape, partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
-from ...roofline.model import PACKED
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 
@@ -40,7 +40,7 @@ class QPackedBackend(Backend):
     description = ("token-packed Q-outer: P tokens x G heads share a tile that walks the union of their "
                    "selected blocks with an online softmax; O written once, no partials, no combine")
     dtypes = ("bf16", "fp8", "fp16", "fp32")
-    schedule = PACKED
+    schedule = Schedule.Q_PACKED
     candidate = True
     stage_names = ("schedule", "attention")
 
@@ -75,7 +75,7 @@ class QPackedBackend(Backend):
         schedule()
         executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
         selected = float((w.selection >= 0).sum())
-        info = dict(schedule="q-packed", tile_tokens=self.tokens_per_tile, tiles=schedule.num_tiles,
+        info = dict(schedule=Schedule.Q_PACKED, tile_tokens=self.tokens_per_tile, tiles=schedule.num_tiles,
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=executed / selected if selected else 1.0,
                     attention=attention.describe(),

@@ -14,7 +14,7 @@ import torch
 from ..base import Backend, Plan, register
 from ..kv_outer.backend import partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
-from ...roofline.model import PACKED
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig, device_arch,
                              fp8_v_key_order, parse_option)
@@ -86,7 +86,7 @@ class QPackedCuteBackend(Backend):
     description = ("q-packed with the attention stage as a CuTe DSL sm_90a kernel (warp-specialized, TMA K/V, "
                    "online softmax over the tile's union blocks; prebuilt, loaded with ctypes)")
     dtypes = DTYPES
-    schedule = PACKED
+    schedule = Schedule.Q_PACKED
     candidate = True
     stage_names = ("schedule", "attention")
     tile_tokens = TILE_TOKENS
@@ -131,7 +131,7 @@ class QPackedCuteBackend(Backend):
         schedule()
         executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
         selected = float((w.selection >= 0).sum())
-        info = dict(schedule="q-packed", tile_tokens=TILE_TOKENS, tiles=schedule.num_tiles,
+        info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, tiles=schedule.num_tiles,
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=executed / selected if selected else 1.0,
                     attention=attention.describe(),

@@ -22,8 +22,9 @@ from ..kv_outer.backend import partial_dtype
 from ..kv_outer.combine import Combine
 from ..kv_outer.triton_mode import triton_unavailable_reason
 from ...roofline.devices import achieved, device_profile
-from ...roofline.hybrid import HYBRID, min_shared_tokens
-from ...roofline.model import PACKED, ModelShape, predict
+from ...roofline.hybrid import min_shared_tokens
+from ...roofline.model import ModelShape, predict
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 from .attention import PackedAttention, packed_quantization
@@ -53,7 +54,7 @@ class HybridBackend(Backend):
     description = ("token-packed tiles for the blocks a tile's tokens share, KV-outer for the rest; the "
                    "combine merges the packed output as one more partial")
     dtypes = ("bf16", "fp8", "fp16", "fp32")
-    schedule = HYBRID
+    schedule = Schedule.HYBRID
     candidate = True
     stage_names = ("schedule", "attention", "combine")
 
@@ -132,12 +133,12 @@ class HybridBackend(Backend):
             tiles = sch.tile_page.view(s.hkv, -1)
             nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
             shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
-            p = predict(PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
+            p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
                         union_ratio=executed / packed, tile_tokens=self.tokens_per_tile)
             parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype)
         if residual > 0:
             nsb_res = float(torch.unique((res + head)[res >= 0]).numel())
-            p = predict("kv-outer", kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
+            p = predict(Schedule.KV_OUTER, kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
                         flops * residual / selected)
             parts["kv_outer_s"] = p.time_s / achieved(profile, kv.name, dtype)
         t = sum(parts.values())
@@ -177,7 +178,7 @@ class HybridBackend(Backend):
         selected = float((w.selection >= 0).sum())
         residual = float((packed.residual_pages >= 0).sum())
         executed = float(packed.tile_count.double() @ packed.tile_ntok.double().repeat(s.hkv))
-        info = dict(schedule="hybrid", tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
+        info = dict(schedule=Schedule.HYBRID, tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
                     packed_entry_share=1.0 - residual / selected if selected else 0.0,
                     packed_executed_blocks_per_selected=executed / selected if selected else 0.0,
                     kv_outer=kv.name, kv_outer_info=kv_plan.info, attention=attention.describe(),
