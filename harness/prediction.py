@@ -9,20 +9,20 @@ import math
 
 from ..roofline.devices import DeviceProfile, profile_for_gpu
 from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noqa: F401  (the launch's model terms)
-from ..roofline.model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, SCHEDULE_OF_BACKEND, ModelShape, Prediction, predict,
-                              predict_dense)
+from ..roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, ModelShape, Prediction, predict, predict_dense
 from ..roofline.schedules import Schedule, is_schedule
 
 
 def schedule_of(backend: str, plan_info=None) -> str | None:
-    """The schedule a backend runs; BASE@OPTION runs BASE's ("kv-outer-cute@v23" is KV-outer). A backend
-    that picks its schedule per workload (`auto`) names it in its plan_info under "schedule"."""
-    from ..kernels.base import split_name
-    base = split_name(backend)[0]
+    """The schedule a unit of `backend` ran, as a plain string: the one the backend declares
+    (`Backend.schedule`; BASE@OPTION runs BASE's, "kv-outer-cute@v23" is KV-outer), else, for a backend
+    that picks one per workload (`auto`), the one its plan_info records under "schedule". None for a
+    backend that declares none and a name not registered here."""
+    from ..kernels.base import declared_schedule
+    declared = declared_schedule(backend)
     recorded = _info(plan_info).get("schedule")
-    if SCHEDULE_OF_BACKEND.get(base) is None and recorded:     # auto, hybrid: what the plan ran
+    if declared is None and recorded:
         return str(recorded) if is_schedule(recorded) else None
-    declared = SCHEDULE_OF_BACKEND.get(base)
     return None if declared is None else str(declared)
 
 

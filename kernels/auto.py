@@ -78,7 +78,7 @@ class AutoBackend(Backend):
 
     def _plan(self, w: Workload) -> Plan:
         cands, skipped = self.candidates(w)
-        pick = min(cands, key=lambda k: cands[k][1])        # ties: the first registered
+        pick = min(cands, key=lambda k: cands[k][1])        # ties: the first by name
         backend = cands[pick][0]
         plan = backend.plan(w)
         plan.info = {**plan.info, "schedule": backend.schedule,

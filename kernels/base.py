@@ -137,20 +137,43 @@ class Backend:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, Callable[[], Backend]] = {}
-
-
-def registered_names() -> list[str]:
-    """Every registered backend name, in registration order."""
-    _load_all()
-    return list(_REGISTRY)
+_REGISTRY: dict[str, type[Backend]] = {}
+_discovered = False
 
 
 def register(name: str):
-    def wrap(factory):
-        _REGISTRY[name] = factory
-        return factory
+    """Class decorator: the backend class registered as `name` (its `name`). Discovery finds it by the
+    decorator alone: a module of this package that holds `@register(` is imported (_discover)."""
+    def wrap(cls: type[Backend]) -> type[Backend]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
     return wrap
+
+
+def registered_names() -> list[str]:
+    """Every registered backend name, sorted."""
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered as `name`'s base (BASE@OPTION counts as BASE); KeyError, with the names
+    there are, for an unknown one."""
+    _discover()
+    base = split_name(name)[0]
+    if base not in _REGISTRY:
+        raise KeyError(f"unknown backend {base!r}; choose one of {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[base]
+
+
+def declared_schedule(name: str) -> Schedule | None:
+    """The schedule backend `name` (BASE@OPTION: BASE's) declares; None for one that declares none or is
+    not registered here."""
+    try:
+        return backend_class(name).schedule
+    except KeyError:
+        return None
 
 
 OPTION_SEP = "@"     # "kv-outer-cute@v23": a registered backend with one option (its from_option())
@@ -168,7 +191,6 @@ def get_backend(name: str) -> Backend:
     of the option (`BASE@delay5`, `BASE@v28+delay5`), on any backend, adds a planted delay of P % of
     the module (kernels/delay.py)."""
     from .delay import DelayedBackend, split_delay
-    _load_all()
     base, option = split_name(name)
     try:
         option, delay = split_delay(option)
@@ -179,12 +201,10 @@ def get_backend(name: str) -> Backend:
         backend = DelayedBackend(inner, delay)
         backend.name = name
         return backend
-    if base not in _REGISTRY:
-        raise KeyError(f"unknown backend {base!r}; choose one of {', '.join(sorted(_REGISTRY))}")
-    factory = _REGISTRY[base]
+    cls = backend_class(base)
     if option is None:
-        return factory()
-    from_option = getattr(factory, "from_option", None)
+        return cls()
+    from_option = getattr(cls, "from_option", None)
     if from_option is None:
         raise KeyError(f"backend {base!r} takes no {OPTION_SEP}option (got {name!r})")
     try:
@@ -195,15 +215,25 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-def _load_all():
-    # Importing a backend module registers it; a module whose optional dependency is missing still
-    # registers and reports itself unavailable instead of failing the import.
+def _discover() -> None:
+    """Import, once, every module of this package that registers a backend: walking the package (sorted
+    by module name) and importing only the modules whose source holds `@register(`, so the CuTe DSL
+    kernel sources (and the DSL itself) are not imported. A module whose dependency outside this package
+    is missing is left out; its backend would report itself unavailable rather than fail the import."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
     import importlib
-    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "flashinfer_packed", "dense_gather", "dense_masked",
-                "cute.backend", "q_packed.backend", "q_packed.cute_backend", "q_packed.hybrid", "auto",
-                "reference_backend"):
+    import pkgutil
+    from pathlib import Path
+    package = importlib.import_module(__package__)
+    for info in pkgutil.walk_packages(package.__path__, f"{__package__}."):
+        source = Path(info.module_finder.path) / f"{info.name.rpartition('.')[2]}.py"
+        if info.ispkg or not source.is_file() or "@register(" not in source.read_text():
+            continue
         try:
-            importlib.import_module(f"{__package__}.{mod}")
+            importlib.import_module(info.name)
         except ModuleNotFoundError as exc:
-            if not exc.name or not exc.name.startswith(__package__):
+            if not exc.name or exc.name.startswith(__package__):
                 raise

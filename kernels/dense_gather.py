@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 from .flashinfer_common import bf16_query, gpu_reason
@@ -228,6 +229,7 @@ def build_stages(w: Workload, dp: DensePlan, kernel: str, compute_dtype=torch.bf
 class DenseGather(Backend):
     description = ("Dense ceiling: each query block's shared blocks gathered contiguous per KV head, then dense "
                    "SDPA (needs every token of a query block to select the same blocks)")
+    schedule = Schedule.Q_PACKED          # a tile of a query block's tokens over their shared blocks; not a candidate
 
     def __init__(self, kernel: str = "auto", name: str = "dense-gather"):
         if kernel not in KERNELS:

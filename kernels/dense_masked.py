@@ -225,6 +225,7 @@ def _time_module(stages: dict, device) -> float:
 class DenseMasked(Backend):
     description = ("Dense baseline: each request's whole visible context through torch SDPA (cuDNN or "
                    "memory-efficient) with the selection as an additive -inf mask")
+    schedule = Schedule.DENSE_MASKED      # modelled by predict_dense; the baseline, not a candidate
 
     def __init__(self, kernel: str | None = None, layout: str | None = None, name: str = "dense-masked"):
         self.kernel, self.layout, self.name = kernel, layout, name

@@ -118,6 +118,7 @@ def folded_views(w: Workload, fold: str):
     return q, k, v
 
 
+@register("flashinfer")
 class FlashInferQOuter(Backend):
     description = "Q-outer: FlashInfer paged attention, one request per (query token, KV head)"
     schedule = Schedule.Q_OUTER
@@ -251,11 +252,7 @@ class FlashInferQOuter(Backend):
         return plan
 
 
-@register("flashinfer")
-def _flashinfer() -> Backend:
-    return FlashInferQOuter(DEFAULT_VARIANT, name="flashinfer")
-
-
 @register("flashinfer-fa3")
-def _flashinfer_fa3() -> Backend:
-    return FlashInferQOuter("prefill-fa3", name="flashinfer-fa3")
+class FlashInferFA3(FlashInferQOuter):
+    def __init__(self):
+        super().__init__("prefill-fa3", name="flashinfer-fa3")

@@ -31,12 +31,6 @@ from .schedules import Schedule
 SCHEDULES = (Schedule.Q_OUTER, Schedule.KV_OUTER, Schedule.MSA_SCATTER)   # bytes and FLOPs independent of co-selection
 ALL_SCHEDULES = (*SCHEDULES, Schedule.Q_PACKED)          # q-packed needs union_ratio; dense-masked: predict_dense
 DEFAULT_TILE_TOKENS = 8                                    # P of q-packed unless a plan records its own
-# `auto` picks a schedule per workload; its unit's plan records which (harness/prediction.py)
-SCHEDULE_OF_BACKEND = {"kv-outer": Schedule.KV_OUTER, "kv-outer-cute": Schedule.KV_OUTER, "flashinfer": Schedule.Q_OUTER,
-                       "flashinfer-fa3": Schedule.Q_OUTER, "msa-scatter": Schedule.MSA_SCATTER, "reference": None,
-                       "flashinfer-packed": Schedule.Q_PACKED, "dense-gather": Schedule.Q_PACKED,
-                       "q-packed": Schedule.Q_PACKED, "q-packed-cute": Schedule.Q_PACKED, "hybrid": None, "auto": None,
-                       "dense-masked": Schedule.DENSE_MASKED}
 MASK_BITS = 1                  # q-packed: membership of each tile token in each union block
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 INDEX_BYTES = 4
