@@ -15,6 +15,7 @@ import torch
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
+from .options import Option, parse_options
 
 @dataclass
 class Plan:
@@ -67,6 +68,12 @@ class Backend:
     candidate: bool = False                  # `auto` weighs it where the model predicts it
     stage_names: tuple[str, ...] = ()        # the stages its plans run, in order (their fixed costs)
     tile_tokens: int = 8                     # P of a token-packed schedule
+    options: dict[str, Option] = {}          # constructor flags NAME@WORD+WORD sets (kernels/options.py)
+
+    @classmethod
+    def from_option(cls, option: str) -> "Backend":
+        """This backend with the flags `option` sets (NAME@OPTION); ValueError, one line, on a bad one."""
+        return cls(**parse_options(cls.name, cls.options, option))
 
     def model_shape(self, w: Workload):
         from ..roofline.model import ModelShape
@@ -176,7 +183,7 @@ def declared_schedule(name: str) -> Schedule | None:
         return None
 
 
-OPTION_SEP = "@"     # "kv-outer-cute@v23": a registered backend with one option (its from_option())
+OPTION_SEP = "@"     # "kv-outer-cute@v23": a registered backend with the flags its option words set
 
 
 def split_name(name: str) -> tuple[str, str | None]:
@@ -187,7 +194,7 @@ def split_name(name: str) -> tuple[str, str | None]:
 
 def get_backend(name: str) -> Backend:
     """The backend registered as `name`, or, for BASE@OPTION, BASE's from_option(OPTION) (e.g. one CuTe
-    kernel), named with the whole string so its results rows say which one ran. A last `delayP` part
+    kernel; kernels/options.py), named with the whole string so its results rows say which one ran. A last `delayP` part
     of the option (`BASE@delay5`, `BASE@v28+delay5`), on any backend, adds a planted delay of P % of
     the module (kernels/delay.py)."""
     from .delay import DelayedBackend, split_delay
@@ -204,11 +211,8 @@ def get_backend(name: str) -> Backend:
     cls = backend_class(base)
     if option is None:
         return cls()
-    from_option = getattr(cls, "from_option", None)
-    if from_option is None:
-        raise KeyError(f"backend {base!r} takes no {OPTION_SEP}option (got {name!r})")
     try:
-        backend = from_option(option)
+        backend = cls.from_option(option)
     except ValueError as exc:
         raise KeyError(str(exc)) from None
     backend.name = name

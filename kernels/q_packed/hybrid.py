@@ -20,6 +20,7 @@ import torch
 from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
 from ..kv_outer.backend import partial_dtype
 from ..kv_outer.combine import Combine
+from ..options import Choice, Number
 from ..kv_outer.triton_mode import triton_unavailable_reason
 from ...roofline.devices import achieved, device_profile
 from ...roofline.hybrid import min_shared_tokens
@@ -33,21 +34,6 @@ from .schedule import PackedSchedule
 KV_STAGES = {"triton": "kv-outer", "cute": "kv-outer-cute"}
 
 
-def parse_option(option: str) -> dict:
-    out = {}
-    for part in option.split("+"):
-        if part in KV_STAGES:
-            out["kv_stage"] = part
-        elif part[:1] == "p" and part[1:].isdigit() and int(part[1:]) in TILE_TOKENS:
-            out["tokens_per_tile"] = int(part[1:])
-        elif part[:1] == "m" and part[1:].isdigit() and 1 <= int(part[1:]) <= max(TILE_TOKENS):
-            out["min_share"] = int(part[1:])
-        else:
-            raise ValueError(f"hybrid options are p8|p16 (tokens per tile), m1..m16 (share threshold), "
-                             f"triton|cute (KV-outer attention), joined by '+'; got @{option}")
-    return out
-
-
 @register("hybrid")
 class HybridBackend(Backend):
     name = "hybrid"
@@ -57,13 +43,12 @@ class HybridBackend(Backend):
     schedule = Schedule.HYBRID
     candidate = True
     stage_names = ("schedule", "attention", "combine")
+    options = {"tokens_per_tile": Number("tile size", "p", TILE_TOKENS),
+               "min_share": Number("share threshold", "m", tuple(range(1, max(TILE_TOKENS) + 1))),
+               "kv_stage": Choice("KV-outer attention", tuple(KV_STAGES))}
 
     def __init__(self, tokens_per_tile: int = 8, min_share: int | None = None, kv_stage: str | None = None):
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
-
-    @classmethod
-    def from_option(cls, option: str) -> "HybridBackend":
-        return cls(**parse_option(option))
 
     def kv_backend(self, dtype: str, device, w: Workload | None = None) -> Backend:
         """The KV-outer backend of the residual: the asked one, else CuTe where it can run (and, given the
