@@ -88,6 +88,9 @@ class AutoBackend(Backend):
         plan.backend = self.name
         return plan
 
+    def stage_checks(self, plan, workload, rows, tol):
+        return get_backend(plan.info["auto"]["picked"]).stage_checks(plan, workload, rows, tol)
+
 
 def auto_line(info: dict) -> str:
     """One line: the pick and every candidate's predicted module time (us), fastest first."""

@@ -131,6 +131,11 @@ class Backend:
         skips such a backend."""
         return None
 
+    def stage_checks(self, plan: Plan, workload: Workload, rows: torch.Tensor, tol: float) -> dict[str, tuple[bool, str]]:
+        """{stage: (ok, one line)}: each stage's own output, after a run of `plan`, checked on query `rows`
+        (`msa-bench check`); a backend with such checks overrides this."""
+        return {}
+
     def plan(self, workload: Workload) -> Plan:
         reason = self.workload_unavailable_reason(workload)
         if reason:

@@ -76,6 +76,9 @@ class DelayedBackend(Backend):
     def workload_unavailable_reason(self, workload):
         return self.inner.workload_unavailable_reason(workload)
 
+    def stage_checks(self, plan, workload, rows, tol):
+        return self.inner.stage_checks(plan, workload, rows, tol)
+
     def _plan(self, workload) -> Plan:
         plan = self.inner._plan(workload)
         cuda = torch.device(workload.device).type == "cuda"

@@ -88,6 +88,10 @@ class KVStationaryBackend(Backend):
                       "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
         return reason
 
+    def stage_checks(self, plan: Plan, workload: Workload, rows, tol: float) -> dict[str, tuple[bool, str]]:
+        from .stage_checks import stage_checks
+        return stage_checks(plan, workload, rows, tol)
+
     def resolved_config(self, w: Workload) -> KVOuterConfig:
         """The configuration to plan with, num_ctas resolved for the workload's device. Chunked launches
         run their programs in position order already: they take the grouped order without the
