@@ -64,7 +64,7 @@ class Backend:
     name: str = ""
     description: str = ""
     dtypes: tuple[str, ...] = ()
-    schedule: Schedule | None = None              # the roofline model's schedule it runs (roofline/schedules.py)
+    schedule: Schedule | None = None         # the roofline model's schedule it runs (roofline/schedules.py)
     candidate: bool = False                  # `auto` weighs it where the model predicts it
     stage_names: tuple[str, ...] = ()        # the stages its plans run, in order (their fixed costs)
     tile_tokens: int = 8                     # P of a token-packed schedule
@@ -150,6 +150,7 @@ class Backend:
 
 
 _REGISTRY: dict[str, type[Backend]] = {}
+_LEFT_OUT: dict[str, str] = {}           # module -> the dependency it misses
 _discovered = False
 
 
@@ -175,7 +176,8 @@ def backend_class(name: str) -> type[Backend]:
     _discover()
     base = split_name(name)[0]
     if base not in _REGISTRY:
-        raise KeyError(f"unknown backend {base!r}; choose one of {', '.join(sorted(_REGISTRY))}")
+        left_out = "".join(f"; {m} left out (no module {d!r})" for m, d in sorted(_LEFT_OUT.items()))
+        raise KeyError(f"unknown backend {base!r}; choose one of {', '.join(sorted(_REGISTRY))}{left_out}")
     return _REGISTRY[base]
 
 
@@ -199,9 +201,9 @@ def split_name(name: str) -> tuple[str, str | None]:
 
 def get_backend(name: str) -> Backend:
     """The backend registered as `name`, or, for BASE@OPTION, BASE's from_option(OPTION) (e.g. one CuTe
-    kernel; kernels/options.py), named with the whole string so its results rows say which one ran. A last `delayP` part
-    of the option (`BASE@delay5`, `BASE@v28+delay5`), on any backend, adds a planted delay of P % of
-    the module (kernels/delay.py)."""
+    kernel; kernels/options.py), named with the whole string so its results rows say which one ran. A
+    last `delayP` word of the option (`BASE@delay5`, `BASE@v28+delay5`), on any backend, adds a planted
+    delay of P % of the module (kernels/delay.py)."""
     from .delay import DelayedBackend, split_delay
     base, option = split_name(name)
     try:
@@ -228,7 +230,8 @@ def _discover() -> None:
     """Import, once, every module of this package that registers a backend: walking the package (sorted
     by module name) and importing only the modules whose source holds `@register(`, so the CuTe DSL
     kernel sources (and the DSL itself) are not imported. A module whose dependency outside this package
-    is missing is left out; its backend would report itself unavailable rather than fail the import."""
+    is missing is left out (an unknown name's error says so): a backend imports an optional dependency
+    where it uses it and reports itself unavailable without it, as FlashInfer's do."""
     global _discovered
     if _discovered:
         return
@@ -246,3 +249,4 @@ def _discover() -> None:
         except ModuleNotFoundError as exc:
             if not exc.name or exc.name.startswith(__package__):
                 raise
+            _LEFT_OUT[info.name] = exc.name

@@ -28,6 +28,7 @@ def fresh_discovery(monkeypatch):
     base.registered_names()
     monkeypatch.setattr(base, "_discovered", False)
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(base, "_LEFT_OUT", {})
     written = []
 
     def write(name: str, text: str) -> None:
@@ -60,6 +61,8 @@ def test_a_missing_optional_dependency_leaves_its_module_out(fresh_discovery):
     fresh_discovery("_probe_missing", PROBE.format(extra="import no_such_dependency_here  # noqa: F401", name="missing"))
     names = base.registered_names()
     assert "probe-missing" not in names and "kv-outer" in names
+    with pytest.raises(KeyError, match="msa_bench.kernels._probe_missing left out .no module 'no_such_dependency_here'"):
+        base.get_backend("probe-missing")
 
 
 def test_a_missing_module_of_the_package_is_an_error(fresh_discovery):
