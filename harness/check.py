@@ -77,7 +77,8 @@ def check_backend(backend_name: str, workload: Workload, rows=None, stages: bool
 
     Returns (max_rel_err, tol, details): max_rel_err is the larger of the output's and the LSE's
     relative errors (norm of the difference over norm of the reference); details holds both, the
-    plan's info and, with stages=True for KV-stationary backends, each stage's own check.
+    plan's info and, with stages=True, each stage's own check where the backend has them
+    (Backend.stage_checks).
     Raises BackendUnavailable when the backend cannot run here.
     """
     from ..kernels.base import get_backend
@@ -89,11 +90,11 @@ def check_backend(backend_name: str, workload: Workload, rows=None, stages: bool
     poison(plan)
     plan.run()
     err, tol, details = compare_output(plan, workload, rows, backend_name)
-    if stages and {"csr_ptr", "tile_key"} <= set(plan.buffers):
-        from ..kernels.kv_outer.stage_checks import stage_checks
-        idx = None if rows is None else torch.as_tensor(rows, device=workload.device).long()
-        check_rows = torch.arange(workload.n_tokens) if idx is None else idx
-        details["stage_checks"] = stage_checks(plan, workload, check_rows.to(workload.device), tol)
+    if stages:
+        check_rows = torch.arange(workload.n_tokens) if rows is None else torch.as_tensor(rows).long()
+        checks = backend.stage_checks(plan, workload, check_rows.to(workload.device), tol)
+        if checks:
+            details["stage_checks"] = checks
     return err, tol, details
 
 

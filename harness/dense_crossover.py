@@ -14,10 +14,12 @@ import math
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile
-from ..roofline.model import DENSE, predict_dense
+from ..roofline.model import predict_dense
+from ..roofline.schedules import Schedule
 from .results import Run
 from .tables import measured_crossover, model_time, ok_units, row_model_shape
 
+DENSE = "dense-masked"                              # the dense baseline backend
 NOT_SPARSE = ("auto", "reference", "dense-gather")
 REGIME_FIELDS = ("generator", "requests", "query_tokens", "chunks", "chunk_tokens")
 
@@ -87,7 +89,7 @@ def crossover_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
         common = sparse.index.intersection(dense.index)
         x = common.to_numpy(float)
         value, note = measured_crossover(x, dense[common].to_numpy(float), sparse[common].to_numpy(float),
-                                         names=("dense-masked", "sparse"), axis="context")
+                                         names=(DENSE, "sparse"), axis="context")
         top = common.max() if len(common) else None
         fastest = (sparse_units[sparse_units["context"] == top].sort_values("module.median_s")["backend"].iloc[0]
                    if top is not None else "")
@@ -98,7 +100,7 @@ def crossover_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
             model_sparse = sparse_units.assign(m=[model_time(r, r["schedule"], device)
                                                   for _, r in sparse_units.iterrows()])
             ms = model_sparse.groupby("context")["m"].min().reindex(common)
-            md = pd.Series([model_time(d_rows.loc[c], DENSE, device) for c in common], index=common)
+            md = pd.Series([model_time(d_rows.loc[c], Schedule.DENSE_MASKED, device) for c in common], index=common)
             mp = pd.Series([_paged_dense_time(d_rows.loc[c], device) for c in common], index=common)
             for label, dense_model in (("model", md), ("model, paged dense", mp)):
                 ok = ms.notna() & dense_model.notna()

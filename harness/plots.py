@@ -16,18 +16,19 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..roofline.devices import DeviceProfile  # noqa: E402
-from ..roofline.model import ALL_SCHEDULES, PACKED, ModelShape, packed_crossover_by_dtype  # noqa: E402
+from ..roofline.model import ALL_SCHEDULES, ModelShape, packed_crossover_by_dtype  # noqa: E402
+from ..roofline.schedules import Schedule  # noqa: E402
 
 from .axes import (AXES, CASE, CONTEXT, POINTS, REQUESTS, REUSE, TOKENS, UNION, UNION_AXIS,  # noqa: E402
                    FigureAxis, figure_axis, group_fields, group_label, groups, point_id, point_order, ratio_label,
                    short, short_number, slug, varying_fields)
 from .prediction import predict_point  # noqa: E402
 from .results import Run  # noqa: E402
-from .tables import (KV_OUTER, PICK_SCHEDULES, STAGE_ORDER, _predict_row, attention_shape, bytes_table,  # noqa: E402
+from .tables import (PICK_SCHEDULES, STAGE_ORDER, _predict_row, attention_shape, bytes_table,  # noqa: E402
                      crossovers, model_time, ok_units, prefill_aggregate, row_model_shape)
 
-SCHEDULE_COLORS = {"kv-outer": "tab:blue", "q-outer": "tab:orange", PACKED: "tab:green", "msa-scatter": "tab:purple",
-                   "hybrid": "dimgrey"}
+SCHEDULE_COLORS = {Schedule.KV_OUTER: "tab:blue", Schedule.Q_OUTER: "tab:orange", Schedule.Q_PACKED: "tab:green",
+                   Schedule.MSA_SCATTER: "tab:purple", Schedule.HYBRID: "dimgrey"}
 MEASURED_STYLES = [("tab:red", "o"), ("tab:brown", "s"), ("black", "^"), ("tab:pink", "D"), ("tab:olive", "v"),
                    ("tab:cyan", "P"), ("darkgoldenrod", "X"), ("navy", "<"), ("lime", ">"), ("magenta", "*"),
                    ("teal", "h")]      # backends: apart from the schedules' colours, one per backend in every panel
@@ -160,19 +161,19 @@ def _log_axes(ax) -> None:
 
 
 def _reuse_rooflines(ax, gd, device: DeviceProfile) -> None:
-    kv_rows = gd[gd["schedule"] == KV_OUTER]
+    kv_rows = gd[gd["schedule"] == Schedule.KV_OUTER]
     shape = row_model_shape((kv_rows if len(kv_rows) else gd).iloc[0])
     n = float(gd["wl_n_tokens"].median())
     lo, hi = np.nanmin(gd["x"]) / 1.3, np.nanmax(gd["x"]) * 1.3
     xs = np.geomspace(max(lo, 1e-4), max(hi, lo * 2), 60)
     # the question is KV-outer against Q-outer (and the packed tile); MSA scatter's roofline is KV-outer's
-    for sched in sorted(s for s in gd["schedule"].unique() if s in (KV_OUTER, "q-outer")):
+    for sched in sorted(s for s in gd["schedule"].unique() if s in (Schedule.KV_OUTER, Schedule.Q_OUTER)):
         ys = [(lambda p: p.flops / p.time_s / 1e12)(predict_point(sched, shape, n, r * n, device)) for r in xs]
         ax.plot(xs, ys, "--", color=SCHEDULE_COLORS.get(sched, "grey"), alpha=0.8, label=f"{sched} roofline ({device.name})")
-    packed = _model_tflops(gd[gd["schedule"] == PACKED], device, "x").get(PACKED)
+    packed = _model_tflops(gd[gd["schedule"] == Schedule.Q_PACKED], device, "x").get(Schedule.Q_PACKED)
     if packed is not None:
-        ax.plot(packed.index, packed.values, "--", color=SCHEDULE_COLORS[PACKED], alpha=0.8,
-                label=f"{PACKED} roofline ({device.name}, at each point's union_ratio)")
+        ax.plot(packed.index, packed.values, "--", color=SCHEDULE_COLORS[Schedule.Q_PACKED], alpha=0.8,
+                label=f"{Schedule.Q_PACKED} roofline ({device.name}, at each point's union_ratio)")
 
 
 def _measured_panel(ax, gd, style, axis, value: str, ylabel: str, dtype: str, group) -> None:

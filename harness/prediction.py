@@ -9,20 +9,21 @@ import math
 
 from ..roofline.devices import DeviceProfile, profile_for_gpu
 from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noqa: F401  (the launch's model terms)
-from ..roofline.model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, DENSE, PACKED, SCHEDULE_OF_BACKEND, ModelShape,
-                              Prediction, predict, predict_dense)
-from ..roofline.hybrid import HYBRID
+from ..roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, ModelShape, Prediction, predict, predict_dense
+from ..roofline.schedules import Schedule, is_schedule
 
 
 def schedule_of(backend: str, plan_info=None) -> str | None:
-    """The schedule a backend runs; BASE@OPTION runs BASE's ("kv-outer-cute@v23" is KV-outer). A backend
-    that picks its schedule per workload (`auto`) names it in its plan_info under "schedule"."""
-    from ..kernels.base import split_name
-    base = split_name(backend)[0]
+    """The schedule a unit of `backend` ran, as a plain string: the one the backend declares
+    (`Backend.schedule`; BASE@OPTION runs BASE's, "kv-outer-cute@v23" is KV-outer), else, for a backend
+    that picks one per workload (`auto`), the one its plan_info records under "schedule". None for a
+    backend that declares none and a name not registered here."""
+    from ..kernels.base import declared_schedule
+    declared = declared_schedule(backend)
     recorded = _info(plan_info).get("schedule")
-    if SCHEDULE_OF_BACKEND.get(base) is None and recorded:     # auto, hybrid: what the plan ran
-        return recorded if recorded in (*ALL_SCHEDULES, HYBRID, DENSE) else None
-    return SCHEDULE_OF_BACKEND.get(base)
+    if declared is None and recorded:
+        return str(recorded) if is_schedule(recorded) else None
+    return None if declared is None else str(declared)
 
 
 def _info(plan_info) -> dict:
@@ -106,12 +107,12 @@ def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float,
         return None
     if schedule is None or not _usable(n_tokens) or nsb is None or not math.isfinite(nsb):
         return None
-    if schedule == PACKED and not _usable(union_ratio):
+    if schedule == Schedule.Q_PACKED and not _usable(union_ratio):
         return None
     return predict(schedule, shape, n_tokens, nsb, device,
                    selected_per_query=selected_per_query if _usable(selected_per_query) else None,
                    flops=flops if _usable(flops) else None,
-                   union_ratio=float(union_ratio) if schedule == PACKED else None, tile_tokens=tile)
+                   union_ratio=float(union_ratio) if schedule == Schedule.Q_PACKED else None, tile_tokens=tile)
 
 
 def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile, plan_info=None) -> Prediction | None:
@@ -121,7 +122,7 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
         value = stats.get(key) if key in stats else stats.get(f"wl_{key}")
         return value if _usable(value) or value == 0 else None
     tile = tile_tokens(plan_info)
-    if schedule == DENSE:
+    if schedule == Schedule.DENSE_MASKED:
         blocks, keys, n = get("dense_kv_blocks"), get("dense_keys"), get("n_tokens")
         if not (_usable(blocks) and _usable(keys) and _usable(n)):
             return None

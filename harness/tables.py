@@ -10,13 +10,13 @@ import pandas as pd
 
 from ..roofline.devices import DeviceProfile, achieved
 from ..kernels.base import get_backend
-from ..roofline.model import PACKED, crossover, crossover_at, fixed_cost, module_time
+from ..roofline.model import crossover, crossover_at, fixed_cost, module_time
+from ..roofline.schedules import Schedule
 from .axes import UNION, group_label, varying_fields
 from .prediction import _info, launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
 from .results import STATUS_OK, Run
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
-KV_OUTER, Q_OUTER = "kv-outer", "q-outer"
 SHAPE_DEFAULTS = {"hq": 64, "hkv": 4, "head_dim": 128, "block": 128, "topk": 16}
 
 
@@ -205,7 +205,7 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     try:
         backend = get_backend(row["backend"])
         union = row.get(f"wl_union_ratio_p{backend.tile_tokens}", np.nan)
-        if backend.schedule == PACKED and isinstance(union, float) and math.isfinite(union):
+        if backend.schedule == Schedule.Q_PACKED and isinstance(union, float) and math.isfinite(union):
             blocks = row["wl_topk"] * union
     except KeyError:               # a backend not registered here: no item floor
         pass
@@ -394,7 +394,7 @@ def crossovers(run: Run, device: DeviceProfile | None) -> list[Crossover]:
         return out
     for group, g in reuse_groups(t):
         for dtype, gd in g.groupby("dtype"):
-            kv, qo = schedule_backends(gd, KV_OUTER), schedule_backends(gd, Q_OUTER)
+            kv, qo = schedule_backends(gd, Schedule.KV_OUTER), schedule_backends(gd, Schedule.Q_OUTER)
             if not kv or not qo:
                 continue
             a, b = _fastest(gd, kv), _fastest(gd, qo)
@@ -440,7 +440,7 @@ def prefill_aggregate(run: Run) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-PICK_SCHEDULES = (KV_OUTER, Q_OUTER, PACKED)
+PICK_SCHEDULES = (Schedule.KV_OUTER, Schedule.Q_OUTER, Schedule.Q_PACKED)
 
 
 def roofline_picks(run: Run, device: DeviceProfile | None) -> tuple[pd.DataFrame, dict]:

@@ -11,12 +11,12 @@ records every prediction, the skipped candidates and the pick under "auto", the 
 from __future__ import annotations
 
 from ..roofline.devices import device_profile, has_achieved, has_fixed_costs
-from ..roofline.hybrid import HYBRID
-from ..roofline.model import ALL_SCHEDULES, PACKED
+from ..roofline.model import ALL_SCHEDULES
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register, registered_names
 
-MODELLED = (*ALL_SCHEDULES, HYBRID)
+MODELLED = (*ALL_SCHEDULES, Schedule.HYBRID)
 
 
 def candidate_names() -> list[str]:
@@ -54,7 +54,7 @@ class AutoBackend(Backend):
             backend = get_backend(name)
             why = backend.workload_unavailable_reason(w)
             if why is None and backend.schedule not in MODELLED:
-                why = f"{name}: the model has no schedule {backend.schedule!r}"
+                why = f"{name}: the model has no schedule '{backend.schedule}'"
             if why is None:
                 why = backend.model_unfit_reason(w, inputs)
             if why is None:
@@ -78,7 +78,7 @@ class AutoBackend(Backend):
 
     def _plan(self, w: Workload) -> Plan:
         cands, skipped = self.candidates(w)
-        pick = min(cands, key=lambda k: cands[k][1])        # ties: the first registered
+        pick = min(cands, key=lambda k: cands[k][1])        # ties: the first by name
         backend = cands[pick][0]
         plan = backend.plan(w)
         plan.info = {**plan.info, "schedule": backend.schedule,
@@ -87,6 +87,9 @@ class AutoBackend(Backend):
                               "used": {k: v[2] for k, v in cands.items()}, "skipped": skipped}}
         plan.backend = self.name
         return plan
+
+    def stage_checks(self, plan, workload, rows, tol):
+        return get_backend(plan.info["auto"]["picked"]).stage_checks(plan, workload, rows, tol)
 
 
 def auto_line(info: dict) -> str:
@@ -101,4 +104,4 @@ def auto_line(info: dict) -> str:
     return line
 
 
-__all__ = ["AutoBackend", "MODELLED", "PACKED", "auto_line", "candidate_names"]
+__all__ = ["AutoBackend", "MODELLED", "auto_line", "candidate_names"]

@@ -13,7 +13,9 @@ from typing import Callable
 import torch
 
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
+from .options import Option, parse_options
 
 @dataclass
 class Plan:
@@ -62,10 +64,16 @@ class Backend:
     name: str = ""
     description: str = ""
     dtypes: tuple[str, ...] = ()
-    schedule: str | None = None              # the roofline model's schedule it runs (roofline/model.py)
+    schedule: Schedule | None = None         # the roofline model's schedule it runs (roofline/schedules.py)
     candidate: bool = False                  # `auto` weighs it where the model predicts it
     stage_names: tuple[str, ...] = ()        # the stages its plans run, in order (their fixed costs)
     tile_tokens: int = 8                     # P of a token-packed schedule
+    options: dict[str, Option] = {}          # constructor flags NAME@WORD+WORD sets (kernels/options.py)
+
+    @classmethod
+    def from_option(cls, option: str) -> "Backend":
+        """This backend with the flags `option` sets (NAME@OPTION); ValueError, one line, on a bad one."""
+        return cls(**parse_options(cls.name, cls.options, option))
 
     def model_shape(self, w: Workload):
         from ..roofline.model import ModelShape
@@ -76,7 +84,7 @@ class Backend:
         """None where the model predicts this backend on `w`, else why not."""
         from ..roofline.model import ALL_SCHEDULES
         if self.schedule not in ALL_SCHEDULES:
-            return f"{self.name}: the model has no schedule {self.schedule!r}"
+            return f"{self.name}: the model has no schedule '{self.schedule}'"
         return None
 
     def achieved_names(self, w: Workload) -> tuple[str, ...]:
@@ -88,9 +96,9 @@ class Backend:
         the fraction of it the backend reaches on this device (where HBM binds, the HBM one). Fixed costs
         are not in it."""
         from ..roofline.devices import achieved
-        from ..roofline.model import PACKED, predict
+        from ..roofline.model import predict
         # a packed tile runs P x G rows per union block however few tokens it holds (decode: one)
-        union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == PACKED else None
+        union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == Schedule.Q_PACKED else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=self.tile_tokens)
         frac = achieved(profile, self.name, model_dtype(w.dtype), p.binding)
@@ -102,8 +110,7 @@ class Backend:
     def item_blocks(self, w: Workload, inputs: ModelInputs) -> float | None:
         """K/V blocks of this backend's typical work item (one SM's share that cannot be split), None where
         its items are too small to matter: a packed tile walks its union, topk x union_ratio blocks."""
-        from ..roofline.model import PACKED
-        return w.shape.topk * inputs.union_ratio(self.tile_tokens) if self.schedule == PACKED else None
+        return w.shape.topk * inputs.union_ratio(self.tile_tokens) if self.schedule == Schedule.Q_PACKED else None
 
     def predict_module(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
         """(seconds, what the prediction used): roofline.model.module_time of this backend's roofline."""
@@ -130,6 +137,11 @@ class Backend:
         skips such a backend."""
         return None
 
+    def stage_checks(self, plan: Plan, workload: Workload, rows: torch.Tensor, tol: float) -> dict[str, tuple[bool, str]]:
+        """{stage: (ok, one line)}: each stage's own output, after a run of `plan`, checked on query `rows`
+        (`msa-bench check`); a backend with such checks overrides this."""
+        return {}
+
     def plan(self, workload: Workload) -> Plan:
         reason = self.workload_unavailable_reason(workload)
         if reason:
@@ -143,23 +155,48 @@ class Backend:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, Callable[[], Backend]] = {}
-
-
-def registered_names() -> list[str]:
-    """Every registered backend name, in registration order."""
-    _load_all()
-    return list(_REGISTRY)
+_REGISTRY: dict[str, type[Backend]] = {}
+_LEFT_OUT: dict[str, str] = {}           # module -> the dependency it misses
+_discovered = False
 
 
 def register(name: str):
-    def wrap(factory):
-        _REGISTRY[name] = factory
-        return factory
+    """Class decorator: the backend class registered as `name` (its `name`). Discovery finds it by the
+    decorator alone: a module of this package that holds `@register(` is imported (_discover)."""
+    def wrap(cls: type[Backend]) -> type[Backend]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
     return wrap
 
 
-OPTION_SEP = "@"     # "kv-outer-cute@v23": a registered backend with one option (its from_option())
+def registered_names() -> list[str]:
+    """Every registered backend name, sorted."""
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered as `name`'s base (BASE@OPTION counts as BASE); KeyError, with the names
+    there are, for an unknown one."""
+    _discover()
+    base = split_name(name)[0]
+    if base not in _REGISTRY:
+        left_out = "".join(f"; {m} left out (no module {d!r})" for m, d in sorted(_LEFT_OUT.items()))
+        raise KeyError(f"unknown backend {base!r}; choose one of {', '.join(sorted(_REGISTRY))}{left_out}")
+    return _REGISTRY[base]
+
+
+def declared_schedule(name: str) -> Schedule | None:
+    """The schedule backend `name` (BASE@OPTION: BASE's) declares; None for one that declares none or is
+    not registered here."""
+    try:
+        return backend_class(name).schedule
+    except KeyError:
+        return None
+
+
+OPTION_SEP = "@"     # "kv-outer-cute@v23": a registered backend with the flags its option words set
 
 
 def split_name(name: str) -> tuple[str, str | None]:
@@ -170,11 +207,10 @@ def split_name(name: str) -> tuple[str, str | None]:
 
 def get_backend(name: str) -> Backend:
     """The backend registered as `name`, or, for BASE@OPTION, BASE's from_option(OPTION) (e.g. one CuTe
-    kernel), named with the whole string so its results rows say which one ran. A last `delayP` part
-    of the option (`BASE@delay5`, `BASE@v28+delay5`), on any backend, adds a planted delay of P % of
-    the module (kernels/delay.py)."""
+    kernel; kernels/options.py), named with the whole string so its results rows say which one ran. A
+    last `delayP` word of the option (`BASE@delay5`, `BASE@v28+delay5`), on any backend, adds a planted
+    delay of P % of the module (kernels/delay.py)."""
     from .delay import DelayedBackend, split_delay
-    _load_all()
     base, option = split_name(name)
     try:
         option, delay = split_delay(option)
@@ -185,31 +221,38 @@ def get_backend(name: str) -> Backend:
         backend = DelayedBackend(inner, delay)
         backend.name = name
         return backend
-    if base not in _REGISTRY:
-        raise KeyError(f"unknown backend {base!r}; choose one of {', '.join(sorted(_REGISTRY))}")
-    factory = _REGISTRY[base]
+    cls = backend_class(base)
     if option is None:
-        return factory()
-    from_option = getattr(factory, "from_option", None)
-    if from_option is None:
-        raise KeyError(f"backend {base!r} takes no {OPTION_SEP}option (got {name!r})")
+        return cls()
     try:
-        backend = from_option(option)
+        backend = cls.from_option(option)
     except ValueError as exc:
         raise KeyError(str(exc)) from None
     backend.name = name
     return backend
 
 
-def _load_all():
-    # Importing a backend module registers it; a module whose optional dependency is missing still
-    # registers and reports itself unavailable instead of failing the import.
+def _discover() -> None:
+    """Import, once, every module of this package that registers a backend: walking the package (sorted
+    by module name) and importing only the modules whose source holds `@register(`, so the CuTe DSL
+    kernel sources (and the DSL itself) are not imported. A module whose dependency outside this package
+    is missing is left out (an unknown name's error says so): a backend imports an optional dependency
+    where it uses it and reports itself unavailable without it, as FlashInfer's do."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
     import importlib
-    for mod in ("kv_outer.backend", "msa_scatter.backend", "flashinfer_q_outer", "flashinfer_packed", "dense_gather", "dense_masked",
-                "cute.backend", "q_packed.backend", "q_packed.cute_backend", "q_packed.hybrid", "auto",
-                "reference_backend"):
+    import pkgutil
+    from pathlib import Path
+    package = importlib.import_module(__package__)
+    for info in pkgutil.walk_packages(package.__path__, f"{__package__}."):
+        source = Path(info.module_finder.path) / f"{info.name.rpartition('.')[2]}.py"
+        if info.ispkg or not source.is_file() or "@register(" not in source.read_text():
+            continue
         try:
-            importlib.import_module(f"{__package__}.{mod}")
+            importlib.import_module(info.name)
         except ModuleNotFoundError as exc:
-            if not exc.name or not exc.name.startswith(__package__):
+            if not exc.name or exc.name.startswith(__package__):
                 raise
+            _LEFT_OUT[info.name] = exc.name

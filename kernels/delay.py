@@ -20,24 +20,22 @@ import torch
 
 from .base import Backend, Plan
 from .clock import probe_mhz, record_spin
+from .options import JOINERS
 
 DELAY_STAGE = "delay"
 CALIBRATION_RUNS = 5
-_DELAY = re.compile(r"delay(\d+(?:\.\d+)?)")
+_DELAY = re.compile(rf"(?:(.*)[{re.escape(JOINERS)}])?delay(\d+(?:\.\d+)?)")     # the option's last word
 
 
 def split_delay(option: str | None) -> tuple[str | None, float | None]:
     """'v28+delay5' -> ('v28', 5.0); 'delay10' -> (None, 10.0); 'v28' -> ('v28', None)."""
-    if option is None:
-        return None, None
-    head, _, last = option.rpartition("+")
-    m = _DELAY.fullmatch(last)
+    m = _DELAY.fullmatch(option or "")
     if not m:
         return option, None
-    percent = float(m.group(1))
+    percent = float(m.group(2))
     if not 0 < percent <= 1000:
-        raise ValueError(f"delay percent must be in (0, 1000], got {last!r}")
-    return (head or None), percent
+        raise ValueError(f"delay percent must be in (0, 1000], got 'delay{m.group(2)}'")
+    return (m.group(1) or None), percent
 
 
 def _module_seconds(plan: Plan, cuda: bool) -> tuple[float, float | None]:
@@ -77,6 +75,9 @@ class DelayedBackend(Backend):
 
     def workload_unavailable_reason(self, workload):
         return self.inner.workload_unavailable_reason(workload)
+
+    def stage_checks(self, plan, workload, rows, tol):
+        return self.inner.stage_checks(plan, workload, rows, tol)
 
     def _plan(self, workload) -> Plan:
         plan = self.inner._plan(workload)

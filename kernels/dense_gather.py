@@ -30,9 +30,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 from .flashinfer_common import bf16_query, gpu_reason
+from .options import Choice
 from .packed_tiles import pack_tiles, request_segments, visible_selection
 
 KERNELS = ("auto", "cudnn", "flash")
@@ -228,17 +230,14 @@ def build_stages(w: Workload, dp: DensePlan, kernel: str, compute_dtype=torch.bf
 class DenseGather(Backend):
     description = ("Dense ceiling: each query block's shared blocks gathered contiguous per KV head, then dense "
                    "SDPA (needs every token of a query block to select the same blocks)")
+    schedule = Schedule.Q_PACKED          # a tile of a query block's tokens over their shared blocks; not a candidate
+    options = {"kernel": Choice("kernel", KERNELS, refuses=".+")}        # the SDPA kernel
 
     def __init__(self, kernel: str = "auto", name: str = "dense-gather"):
         if kernel not in KERNELS:
             raise ValueError(f"dense-gather has no kernel {kernel!r} (choose {', '.join(KERNELS)})")
         self.kernel, self.name = kernel, name
         self.dtypes = ("bf16", "fp8")
-
-    @classmethod
-    def from_option(cls, option: str) -> "DenseGather":
-        """dense-gather@KERNEL: auto, cudnn or flash (the SDPA kernel)."""
-        return cls(option)
 
     def unavailable_reason(self, dtype: str, device) -> str | None:
         return gpu_reason(self.name, device, "torch SDPA's CUDA kernels") or super().unavailable_reason(dtype, device)

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload, free_memory_bytes
 from .base import Backend, BackendUnavailable, Plan, register
+from .options import Choice
 
 KERNELS = ("cudnn", "efficient", "math")
 LAYOUTS = ("expand", "fold")
@@ -224,19 +226,14 @@ def _time_module(stages: dict, device) -> float:
 class DenseMasked(Backend):
     description = ("Dense baseline: each request's whole visible context through torch SDPA (cuDNN or "
                    "memory-efficient) with the selection as an additive -inf mask")
+    schedule = Schedule.DENSE_MASKED      # modelled by predict_dense; the baseline, not a candidate
+    options = {"kernel": Choice("kernel", KERNELS), "layout": Choice("layout", LAYOUTS)}     # @KERNEL[-LAYOUT]
 
     def __init__(self, kernel: str | None = None, layout: str | None = None, name: str = "dense-masked"):
+        if layout is not None and kernel is None:
+            raise ValueError(f"dense-masked: layout {layout!r} needs a kernel (@KERNEL-LAYOUT)")
         self.kernel, self.layout, self.name = kernel, layout, name
         self.dtypes = ("bf16", "fp8")
-
-    @classmethod
-    def from_option(cls, option: str) -> "DenseMasked":
-        """dense-masked@KERNEL or @KERNEL-LAYOUT: cudnn, efficient or math; expand or fold."""
-        kernel, _, layout = option.partition("-")
-        if kernel not in KERNELS or (layout and layout not in LAYOUTS):
-            raise ValueError(f"dense-masked has no option {option!r} (KERNEL[-LAYOUT]: kernels "
-                             f"{', '.join(KERNELS)}; layouts {', '.join(LAYOUTS)})")
-        return cls(kernel, layout or None)
 
     def candidates(self, device) -> list[tuple[str, str]]:
         base = GPU_CANDIDATES if torch.device(device).type == "cuda" else CPU_CANDIDATES
@@ -297,7 +294,7 @@ class DenseMasked(Backend):
         selected = float((w.selection >= 0).sum()) * s.block
         quant = ("fp8 Q/K/V dequantized to bf16 in the gather stage (q_scale, k_scale, v_scale applied there), "
                  "bf16 compute" if w.dtype == "fp8" else "bf16 Q/K/V, bf16 compute")
-        info = {"schedule": "dense-masked", "sdpa_kernel": kernel, "layout": layout, "tried": tried,
+        info = {"schedule": Schedule.DENSE_MASKED, "sdpa_kernel": kernel, "layout": layout, "tried": tried,
                 "buckets": len(buckets), "sdpa_calls": len(buckets) * s.hkv,
                 "bucket_shapes": sorted({(bk.batch, bk.rows, bk.blocks) for bk in buckets}),
                 "gathered_bytes": sizes["kv_bytes"], "mask_bytes": sizes["mask_bytes"],

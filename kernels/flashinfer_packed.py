@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..roofline.model import PACKED
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 from .flashinfer_common import MIB, bf16_query, gpu_reason, import_flashinfer, workspace_sizes
+from .options import Choice, Number
 from .packed_tiles import TilePack, pack_tiles, request_segments, visible_selection
 
 ROUTES = ("paged", "bsr")
@@ -214,9 +215,10 @@ class FlashInferPacked(Backend):
         self.dtypes = ("bf16", "fp8")
         self.tile_tokens = tile or TILE_SIZES[0]
 
-    schedule = PACKED
+    schedule = Schedule.Q_PACKED
     candidate = True
     stage_names = ("attention", "output")
+    options = {"route": Choice("route", ROUTES), "tile": Number("tile size", "p", TILE_SIZES)}
 
     def model_unfit_reason(self, w: Workload, inputs) -> str | None:
         """The packed model counts a tile's masked rows as MMA work; FlashInfer's per-token masks cost more
@@ -226,19 +228,6 @@ class FlashInferPacked(Backend):
         if u > 1.0 + 1e-9:
             return f"{self.name}: modelled only at union_ratio 1 (per-token masks); this workload's is {u:.3g}"
         return super().model_unfit_reason(w, inputs)
-
-    @classmethod
-    def from_option(cls, option: str) -> "FlashInferPacked":
-        """flashinfer-packed@ROUTE, @pP or both (@bsr+p16 or @bsr@p16): route paged|bsr, tile 8|16."""
-        route, tile = DEFAULT_ROUTE, None
-        for part in option.replace("@", "+").split("+"):
-            if part in ROUTES:
-                route = part
-            elif part[:1] == "p" and part[1:].isdigit() and int(part[1:]) in TILE_SIZES:
-                tile = int(part[1:])
-            else:
-                raise ValueError(f"flashinfer-packed takes @paged, @bsr, @p8 or @p16 (or ROUTE+pP), got {option!r}")
-        return cls(route, tile)
 
     def unavailable_reason(self, dtype: str, device) -> str | None:
         reason = gpu_reason(self.name, device) or super().unavailable_reason(dtype, device)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 from .flashinfer_common import MIB, import_flashinfer, jit_module_built, workspace_sizes  # noqa: F401  (import_flashinfer: re-exported)
@@ -117,9 +118,10 @@ def folded_views(w: Workload, fold: str):
     return q, k, v
 
 
+@register("flashinfer")
 class FlashInferQOuter(Backend):
     description = "Q-outer: FlashInfer paged attention, one request per (query token, KV head)"
-    schedule = "q-outer"
+    schedule = Schedule.Q_OUTER
     candidate = True
     stage_names = ("attention",)
 
@@ -250,11 +252,7 @@ class FlashInferQOuter(Backend):
         return plan
 
 
-@register("flashinfer")
-def _flashinfer() -> Backend:
-    return FlashInferQOuter(DEFAULT_VARIANT, name="flashinfer")
-
-
 @register("flashinfer-fa3")
-def _flashinfer_fa3() -> Backend:
-    return FlashInferQOuter("prefill-fa3", name="flashinfer-fa3")
+class FlashInferFA3(FlashInferQOuter):
+    def __init__(self):
+        super().__init__("prefill-fa3", name="flashinfer-fa3")

@@ -13,8 +13,6 @@ import math
 from .devices import DeviceProfile
 from .model import DTYPE_BYTES, STAT_BYTES, ModelShape
 
-HYBRID = "hybrid"      # packed tiles plus a KV-outer residual: modelled as the sum of the two parts' times
-
 
 def packed_block_seconds(shape: ModelShape, device: DeviceProfile, tokens_per_tile: int) -> float:
     """One union block of a packed tile: max(MMA of P x G rows, its K/V read from L2)."""

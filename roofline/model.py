@@ -29,17 +29,11 @@ import math
 from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
+from .schedules import Schedule
 
-SCHEDULES = ("q-outer", "kv-outer", "msa-scatter")       # bytes and FLOPs independent of co-selection
-PACKED = "q-packed"                                        # token-packed Q-outer: needs union_ratio
-ALL_SCHEDULES = (*SCHEDULES, PACKED)
-DENSE = "dense-masked"         # dense attention over the visible context, the selection as a mask: predict_dense
+SCHEDULES = (Schedule.Q_OUTER, Schedule.KV_OUTER, Schedule.MSA_SCATTER)   # bytes and FLOPs independent of co-selection
+ALL_SCHEDULES = (*SCHEDULES, Schedule.Q_PACKED)          # q-packed needs union_ratio; dense-masked: predict_dense
 DEFAULT_TILE_TOKENS = 8                                    # P of q-packed unless a plan records its own
-# `auto` picks a schedule per workload; its unit's plan records which (harness/prediction.py)
-SCHEDULE_OF_BACKEND = {"kv-outer": "kv-outer", "kv-outer-cute": "kv-outer", "flashinfer": "q-outer",
-                       "flashinfer-fa3": "q-outer", "msa-scatter": "msa-scatter", "reference": None,
-                       "flashinfer-packed": PACKED, "dense-gather": PACKED, "q-packed": PACKED,
-                       "q-packed-cute": PACKED, "hybrid": None, "auto": None, "dense-masked": DENSE}
 MASK_BITS = 1                  # q-packed: membership of each tile token in each union block
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 INDEX_BYTES = 4
@@ -173,7 +167,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     hbm = {"q_read": q_bytes, "kv_read": kv_unique, "out_write": out_bytes}
     l2 = dict(hbm)
 
-    if schedule == "q-outer":
+    if schedule == Schedule.Q_OUTER:
         kv_rereads = edges * s.kv_block_bytes
         l2["kv_read"] = kv_rereads
         # page lists: indices per edge plus indptr / last-page length per request
@@ -184,7 +178,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
             hbm["kv_l2_miss_reread"] = max(0.0, kv_rereads - kv_unique) * miss
         return hbm, l2
 
-    if schedule == PACKED:
+    if schedule == Schedule.Q_PACKED:
         union = edges * (1.0 if union_ratio is None else union_ratio) / tile_tokens   # (tile, KV head, block)
         kv_tiles = union * s.kv_block_bytes                 # each tile loads each of its union blocks once
         l2["kv_read"] = kv_tiles
@@ -199,7 +193,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
 
     part_row = s.group * s.head_dim * DTYPE_BYTES[s.partial_dtype]        # one (query, head, block) partial
     partials = edges * part_row
-    stats_per_row = 2 if schedule == "kv-outer" else 1                      # (m, l) vs normalized + LSE
+    stats_per_row = 2 if schedule == Schedule.KV_OUTER else 1                      # (m, l) vs normalized + LSE
     stats = edges * s.group * stats_per_row * STAT_BYTES
     hbm.update(partial_write=partials, partial_read=partials, stats_write=stats, stats_read=stats)
     # selection read; CSR query list written and read; combine index (or slot map) written and read
@@ -232,7 +226,7 @@ def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, devic
     hbm_terms, l2_terms = traffic(schedule, shape, n_tokens, nsb, selected_per_query,
                                   device if l2_capacity else None, union_ratio, tile_tokens)
     fl = useful_flops(shape, n_tokens, selected_per_query) if flops is None else flops
-    executed = fl * (1.0 if union_ratio is None else union_ratio) if schedule == PACKED else fl
+    executed = fl * (1.0 if union_ratio is None else union_ratio) if schedule == Schedule.Q_PACKED else fl
     hbm_b, l2_b = sum(hbm_terms.values()), sum(l2_terms.values())
     times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
              "mma": executed / device.peak_flops(shape.dtype)}
@@ -251,7 +245,7 @@ def union_ratio_floor(shape: ModelShape, nsb_per_n: float, tile_tokens: int = DE
 
 
 def packed_crossover(shape: ModelShape, device: DeviceProfile, n_tokens: float, nsb_per_n: float,
-                     tile_tokens: int = DEFAULT_TILE_TOKENS, rival: str = "kv-outer",
+                     tile_tokens: int = DEFAULT_TILE_TOKENS, rival: str = Schedule.KV_OUTER,
                      l2_capacity: bool = True) -> float | None:
     """The union_ratio below which q-packed is predicted faster than `rival` at this reuse (bisection:
     q-packed's time never falls as union_ratio grows). None when q-packed loses even where the reuse
@@ -260,7 +254,7 @@ def packed_crossover(shape: ModelShape, device: DeviceProfile, n_tokens: float, 
     t_rival = predict(rival, shape, n_tokens, nsb, device, l2_capacity=l2_capacity).time_s
 
     def packed_wins(u: float) -> bool:
-        return predict(PACKED, shape, n_tokens, nsb, device, l2_capacity=l2_capacity, union_ratio=u,
+        return predict(Schedule.Q_PACKED, shape, n_tokens, nsb, device, l2_capacity=l2_capacity, union_ratio=u,
                        tile_tokens=tile_tokens).time_s < t_rival
 
     lo, hi = union_ratio_floor(shape, nsb_per_n, tile_tokens), float(tile_tokens)
@@ -289,7 +283,7 @@ def _lines(schedule: str, shape: ModelShape, device: DeviceProfile) -> list[tupl
     """Per-query-token time as max over lines a + b * r of reuse r = nsb / N (capacity-free model)."""
     h0, l0 = (sum(t.values()) for t in traffic(schedule, shape, 1.0, 0.0))
     kvb = shape.kv_block_bytes
-    l2_slope = 0.0 if schedule == "q-outer" else kvb     # Q-outer's L2 re-reads don't depend on reuse
+    l2_slope = 0.0 if schedule == Schedule.Q_OUTER else kvb     # Q-outer's L2 re-reads don't depend on reuse
     mma = useful_flops(shape, 1.0) / device.peak_flops(shape.dtype)
     return [(h0 / device.hbm_bytes_per_s, kvb / device.hbm_bytes_per_s),
             (l0 / device.l2_bytes_per_s, l2_slope / device.l2_bytes_per_s),
@@ -300,13 +294,13 @@ def _time_per_token(lines, r):
     return max(a + b * r for a, b in lines)
 
 
-def crossover(shape: ModelShape, device: DeviceProfile, challenger: str = "kv-outer") -> float:
+def crossover(shape: ModelShape, device: DeviceProfile, challenger: str = Schedule.KV_OUTER) -> float:
     """Closed form: the nsb/N below which `challenger` is predicted faster than Q-outer (capacity-free).
 
     Both times are maxima of lines in r, so the crossover is one of the pairwise line intersections
     (or 0 / infinity): take the largest candidate where the challenger still ties or wins.
     """
-    q_lines, c_lines = _lines("q-outer", shape, device), _lines(challenger, shape, device)
+    q_lines, c_lines = _lines(Schedule.Q_OUTER, shape, device), _lines(challenger, shape, device)
     if _time_per_token(c_lines, 0.0) >= _time_per_token(q_lines, 0.0):
         return 0.0
     candidates = []
@@ -325,14 +319,14 @@ def crossover(shape: ModelShape, device: DeviceProfile, challenger: str = "kv-ou
     return best
 
 
-def crossover_numeric(shape: ModelShape, device: DeviceProfile, challenger: str = "kv-outer",
+def crossover_numeric(shape: ModelShape, device: DeviceProfile, challenger: str = Schedule.KV_OUTER,
                       n_tokens: float = 16384.0, l2_capacity: bool = False, hi: float | None = None) -> float:
     """Bisection on predict(): the largest nsb/N where the challenger is still no slower than Q-outer."""
     hi = float(shape.topk * shape.hkv) * 4 if hi is None else hi
 
     def kv_wins(r):
         t_c = predict(challenger, shape, n_tokens, r * n_tokens, device, l2_capacity=l2_capacity).time_s
-        t_q = predict("q-outer", shape, n_tokens, r * n_tokens, device, l2_capacity=l2_capacity).time_s
+        t_q = predict(Schedule.Q_OUTER, shape, n_tokens, r * n_tokens, device, l2_capacity=l2_capacity).time_s
         return t_c <= t_q
 
     if not kv_wins(0.0):
@@ -346,7 +340,7 @@ def crossover_numeric(shape: ModelShape, device: DeviceProfile, challenger: str 
     return lo
 
 
-def crossover_at(shape: ModelShape, device: DeviceProfile, n_tokens: float, challenger: str = "kv-outer") -> float:
+def crossover_at(shape: ModelShape, device: DeviceProfile, n_tokens: float, challenger: str = Schedule.KV_OUTER) -> float:
     """The capacity-aware crossover for a given N (Q-outer's working set grows with nsb)."""
     return crossover_numeric(shape, device, challenger, n_tokens=n_tokens, l2_capacity=True,
                              hi=float(shape.topk * shape.hkv))
@@ -383,6 +377,6 @@ def predict_dense(shape: ModelShape, n_tokens: float, kv_blocks: float, dense_ke
     times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
              "mma": executed / device.peak_flops("bf16")}
     binding = binding_of(times)
-    return Prediction(schedule=DENSE, time_s=times[binding], binding=binding, hbm_bytes=hbm_b, l2_bytes=l2_b,
+    return Prediction(schedule=Schedule.DENSE_MASKED, time_s=times[binding], binding=binding, hbm_bytes=hbm_b, l2_bytes=l2_b,
                       flops=executed if flops is None else flops, hbm_s=times["hbm"], l2_s=times["l2"],
                       mma_s=times["mma"], hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed)

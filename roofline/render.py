@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .model import SCHEDULES
+from .schedules import Schedule
 
 # byte terms grouped into the columns a reader compares
 GROUPS = {"Q": ("q_read", "q_l2_miss_reread"), "K/V": ("kv_read", "kv_l2_miss_reread"),
@@ -64,7 +65,7 @@ def print_roofline(summary: dict, console: Console | None = None) -> None:
     con.print(pts)
 
 
-SHORT = {"kv-outer": "KV", "q-outer": "Q", "q-packed": "QP"}
+SHORT = {Schedule.KV_OUTER: "KV", Schedule.Q_OUTER: "Q", Schedule.Q_PACKED: "QP"}
 
 
 def print_co_selection(summary: dict, console: Console | None = None) -> None:

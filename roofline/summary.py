@@ -4,15 +4,16 @@ from __future__ import annotations
 import math
 
 from .devices import DeviceProfile
-from .model import (DEFAULT_TILE_TOKENS, PACKED, SCHEDULES, ModelShape, crossover, crossover_at, crossover_numeric,
+from .model import (DEFAULT_TILE_TOKENS, SCHEDULES, ModelShape, crossover, crossover_at, crossover_numeric,
                     packed_crossover, packed_crossover_by_dtype, predict, traffic, union_ratio_floor)
+from .schedules import Schedule
 
 DEFAULT_REUSE_POINTS = (0.0625, 0.25, 1.0, 2.0, 4.0, 16.0)
 # the co-selection table: reuse rows x union_ratio columns, the winner among the three schedule families
 # (the MSA-style scatter moves KV-outer's bytes through another store path; it is left out here)
 CO_SELECTION_REUSE = (0.0625, 0.25, 1.0, 4.0, 16.0)
 CO_SELECTION_UNION = (1.0, 1.5, 2.0, 4.0, 8.0)
-CO_SELECTION_SCHEDULES = ("kv-outer", "q-outer", PACKED)
+CO_SELECTION_SCHEDULES = (Schedule.KV_OUTER, Schedule.Q_OUTER, Schedule.Q_PACKED)
 CROSSOVER_REUSE = 0.25      # the reuse at which the q-packed / KV-outer crossover is quoted, per dtype
 
 
@@ -44,7 +45,7 @@ def roofline_summary(shape: ModelShape, device: DeviceProfile, n_tokens: int = 1
         "l2_bytes_per_s": device.l2_bytes_per_s,
         "crossover_nsb_per_n": _finite(crossover(shape, device)),
         "crossover_nsb_per_n_numeric": _finite(crossover_numeric(shape, device)),
-        "crossover_msa_scatter_nsb_per_n": _finite(crossover(shape, device, "msa-scatter")),
+        "crossover_msa_scatter_nsb_per_n": _finite(crossover(shape, device, Schedule.MSA_SCATTER)),
         "n_tokens": n_tokens,
         "crossover_nsb_per_n_l2_capacity": _finite(crossover_at(shape, device, n_tokens)),
         "kv_block_bytes_per_unit_reuse": shape.kv_block_bytes,

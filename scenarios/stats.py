@@ -10,9 +10,11 @@ import math
 
 import torch
 
+from ..roofline.model import ALL_SCHEDULES
+from ..roofline.schedules import Schedule
 from .workload import Workload
 
-SCHEDULES = ("q-outer", "kv-outer", "msa-scatter", "q-packed")    # q-packed at P = 8, this union_ratio
+SCHEDULES = ALL_SCHEDULES      # q-packed at P = 8, this union_ratio
 UNION_TILES = (8, 16)          # P of the union_ratio statistics every result row stores
 
 
@@ -160,17 +162,17 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
     """Predicted time and binding resource per schedule; q-packed (tiles of UNION_TILES[0] tokens) only
     where the selection has a union_ratio."""
     from ..roofline.devices import load_device
-    from ..roofline.model import PACKED, ModelShape, crossover, packed_crossover_by_dtype, predict
+    from ..roofline.model import ModelShape, crossover, packed_crossover_by_dtype, predict
     dev = load_device(device_profile) if isinstance(device_profile, str) else device_profile
     s, n = w.shape, w.n_tokens
     shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
     out = {"device": dev.name}
     per_query = valid_entries / (n * s.hkv) if n else 0.0
     for sched in SCHEDULES:
-        if sched == PACKED and union is None:
+        if sched == Schedule.Q_PACKED and union is None:
             continue
         p = predict(sched, shape, n, nsb, dev, selected_per_query=per_query, flops=flops,
-                    union_ratio=union if sched == PACKED else None, tile_tokens=UNION_TILES[0])
+                    union_ratio=union if sched == Schedule.Q_PACKED else None, tile_tokens=UNION_TILES[0])
         out[f"pred_{sched}_s"] = p.time_s
         out[f"pred_{sched}_binding"] = p.binding
     cross = crossover(shape, dev)

@@ -71,3 +71,21 @@ def test_indexer_runs(cli):
 def test_options_a_workload_does_not_use_are_one_line(cli, one_error_line, args, needle):
     code, _, err = cli("check", "--backend", "reference", "--dtype", "fp32", *args)
     assert code == 2 and needle in one_error_line(err)
+
+
+def test_a_backend_declares_its_stage_checks_and_a_failing_one_fails_the_check(cli, monkeypatch):
+    from msa_bench.kernels import base
+    from msa_bench.kernels.reference_backend import ReferenceBackend
+
+    class PlantedStageFault(ReferenceBackend):
+        name = "planted-stage-fault"
+
+        def stage_checks(self, plan, workload, rows, tol):
+            return {"combine": (False, f"planted on {len(rows)} rows")}
+
+    base.registered_names()
+    monkeypatch.setitem(base._REGISTRY, PlantedStageFault.name, PlantedStageFault)
+    code, out, _ = cli("check", "--backend", "reference", "--dtype", "fp32")
+    assert code == 0 and not [ln for ln in out.splitlines() if " ok " in ln or "FAIL " in ln], out
+    code, out, _ = cli("check", "--backend", "planted-stage-fault", "--dtype", "fp32")
+    assert code == 1 and "  combine    FAIL planted on 40 rows" in out.splitlines(), out

@@ -39,11 +39,13 @@ def _cli(*args, env=None):
 # ---- options, names, ABI ----------------------------------------------------------------------------
 
 def test_options_name_their_libraries():
-    assert mf.parse_option("") == {"pingpong": False, "s_ahead": False} == mf.parse_option("plain")
-    assert mf.parse_option("sa+pp") == {"pingpong": True, "s_ahead": True}
-    for bad in ("x", "pp+pp", "pp+"):
-        with pytest.raises(ValueError, match="pp .* sa"):
-            mf.parse_option(bad)
+    plain = cb.QPackedCuteBackend.from_option("plain")
+    assert (plain.pingpong, plain.s_ahead) == (False, False)
+    both = cb.QPackedCuteBackend.from_option("sa+pp")
+    assert (both.pingpong, both.s_ahead) == (True, True)
+    for bad in ("x", "pp+pp", "pp+", ""):
+        with pytest.raises(ValueError, match=r"pp\|plain .* sa\|plain"):
+            cb.QPackedCuteBackend.from_option(bad)
     with pytest.raises(KeyError, match="q-packed-cute options"):
         get_backend("q-packed-cute@p16")
     names = [c.name for c in ALL]
@@ -56,6 +58,8 @@ def test_options_name_their_libraries():
     assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128_pp"
     assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_pp_sa"
     assert get_backend("q-packed-cute@plain").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
+    for cfg in ALL:                      # a library's option names it back
+        assert get_backend(f"q-packed-cute@{cfg.option or 'plain'}").config_for(cfg.dtype) == cfg
 
 
 def test_pack_checks_the_tensors():

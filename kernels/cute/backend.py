@@ -4,9 +4,9 @@ The attention stage reads the plan's buffers (kernels/kv_outer/__init__.py) and 
 l_part exactly as the Triton stage does, so the combine is shared. It needs a CUDA GPU of a built arch and
 a prebuilt library (manifest.py, `msa-bench build-kernels`), or the DSL installed to compile on the spot.
 
-Backend options (`kv-outer-cute@OPTION`): a kernel of manifest.KERNELS (`@v28`: that kernel in every
-dtype), a scheduler tile order in config.tile_order's notation (`@2:p`, `@4:8`, `@phases`: each dtype's
-default kernel with that order), or both (`@v23+2:p`). Without an order the backend picks
+Backend options (`kv-outer-cute@OPTION`, kernels/options.py): a kernel of manifest.KERNELS (`@v28`: that
+kernel in every dtype), a scheduler tile order in config.tile_order's notation (`@2:p`, `@4:8`, `@phases`:
+each dtype's default kernel with that order), or both (`@v23+2:p`). Without an order the backend picks
 grouped_tile_order's for the workload.
 """
 from __future__ import annotations
@@ -14,12 +14,18 @@ from __future__ import annotations
 import torch
 
 from ..base import BackendUnavailable, register
+from ..options import Choice, Rest
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
 from ...scenarios.stats import selected_pairs
 from ...scenarios.workload import element_bytes
 from ..kv_outer.config import KVOuterConfig, default_config, grouped_tile_order, resolve_num_ctas, tile_order
 from .manifest import (DTYPES, KERNELS, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, default_kernel, device_arch,
                        fp8_v_key_order)
+
+
+def _tile_order_word(word: str) -> str:
+    tile_order(word)                  # ValueError naming the notation
+    return word
 
 
 def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, kernel: str | None = None) -> CuteConfig:
@@ -97,6 +103,8 @@ class KVOuterCuteBackend(KVOuterBackend):
     name = "kv-outer-cute"
     description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
     dtypes = DTYPES
+    options = {"kernel": Choice("kernel", tuple(KERNELS), refuses=r"v\d+"),
+               "order": Rest("tile order", _tile_order_word, "S:k|S:p|phases", ("phases", "2:p", "4:8", "1:0"))}
 
     def __init__(self, config=None, kernel: str | None = None, order: str | None = None):
         """kernel None: each dtype's default (manifest.default_kernel); order: the scheduler's tile order
@@ -107,14 +115,6 @@ class KVOuterCuteBackend(KVOuterBackend):
         super().__init__(attention_impl="cute", config=config)
         self.kernel = kernel
         self.order = order
-
-    @classmethod
-    def from_option(cls, option: str) -> "KVOuterCuteBackend":
-        """KERNEL, KERNEL+ORDER or ORDER (module docstring)."""
-        kernel, _, order = option.partition("+")
-        if not order and kernel not in KERNELS and (kernel == "phases" or kernel[:1].isdigit()):
-            kernel, order = "", kernel
-        return cls(kernel=kernel or None, order=order or None)
 
     def kernel_for(self, dtype: str) -> str:
         return self.kernel or default_kernel(dtype)

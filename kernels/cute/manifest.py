@@ -236,19 +236,6 @@ class QPackedConfig(LibraryConfig):
         return f" --no-kv-outer --q-packed {which}"
 
 
-def parse_option(option: str) -> dict:
-    """'pp+sa' -> {'pingpong': True, 's_ahead': True}; 'plain' -> both False."""
-    flags = dict.fromkeys(OPTION_FLAGS.values(), False)
-    if option == "plain":
-        return flags
-    for part in option.split("+") if option else []:
-        if part not in OPTION_FLAGS or flags[OPTION_FLAGS[part]]:
-            raise ValueError(f"q-packed-cute options are pp (pingpong consumer warpgroups) and sa (S of the next "
-                             f"block issued with P V), joined by '+', or plain (neither); got @{option}")
-        flags[OPTION_FLAGS[part]] = True
-    return flags
-
-
 def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfig]:
     """The libraries `msa-bench build-kernels --q-packed WHICH` builds: default = each dtype's default options
     (DEFAULT_OPTIONS), all = every option set, none = nothing."""

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from ..base import Backend, BackendUnavailable, Plan, register
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from .config import KVOuterConfig, default_config, resolve_num_ctas
 from .triton_mode import triton_unavailable_reason
@@ -87,6 +88,10 @@ class KVStationaryBackend(Backend):
                       "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
         return reason
 
+    def stage_checks(self, plan: Plan, workload: Workload, rows, tol: float) -> dict[str, tuple[bool, str]]:
+        from .stage_checks import stage_checks
+        return stage_checks(plan, workload, rows, tol)
+
     def resolved_config(self, w: Workload) -> KVOuterConfig:
         """The configuration to plan with, num_ctas resolved for the workload's device. Chunked launches
         run their programs in position order already: they take the grouped order without the
@@ -102,7 +107,7 @@ class KVStationaryBackend(Backend):
 @register("kv-outer")
 class KVOuterBackend(KVStationaryBackend):
     name = "kv-outer"
-    schedule = "kv-outer"
+    schedule = Schedule.KV_OUTER
     description = ("KV-stationary: each selected (KV head, block) loaded once per CTA visit, raw partial "
                    "tiles stored contiguously, gathered and merged in a separate combine")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..base import Plan, register
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from ..kv_outer.backend import KVStationaryBackend, partial_dtype
 
@@ -11,7 +12,7 @@ from ..kv_outer.backend import KVStationaryBackend, partial_dtype
 @register("msa-scatter")
 class MSAScatterBackend(KVStationaryBackend):
     name = "msa-scatter"
-    schedule = "msa-scatter"
+    schedule = Schedule.MSA_SCATTER
     description = ("KV-stationary like MiniMax MSA: partials normalized in the attention epilogue and "
                    "scattered to [topk, N, Hq, D] slots, merged by a contiguous-slot combine")
 

@@ -9,29 +9,14 @@ from __future__ import annotations
 import torch
 
 from ..base import Backend, Plan, register
+from ..options import Number
 from ..kv_outer.backend import check_shape, partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
-from ...roofline.model import PACKED
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 
 DEFAULT_TILE_TOKENS = 8
-
-
-OPTION_VALUES = {"p": TILE_TOKENS, "w": (4, 8, 16), "s": (1, 2, 3, 4)}
-OPTION_NAMES = {"p": "tokens_per_tile", "w": "num_warps", "s": "num_stages"}
-
-
-def parse_option(option: str) -> dict:
-    """'p16+w16+s3' -> {'tokens_per_tile': 16, 'num_warps': 16, 'num_stages': 3}."""
-    out = {}
-    for part in option.split("+"):
-        key, value = part[:1], part[1:]
-        if key not in OPTION_VALUES or not value.isdigit() or int(value) not in OPTION_VALUES[key]:
-            raise ValueError(f"q-packed options are p8|p16 (tokens per tile), w4|w8|w16 (warps), s1..s4 "
-                             f"(stages), joined by '+'; got @{option}")
-        out[OPTION_NAMES[key]] = int(value)
-    return out
 
 
 @register("q-packed")
@@ -40,19 +25,18 @@ class QPackedBackend(Backend):
     description = ("token-packed Q-outer: P tokens x G heads share a tile that walks the union of their "
                    "selected blocks with an online softmax; O written once, no partials, no combine")
     dtypes = ("bf16", "fp8", "fp16", "fp32")
-    schedule = PACKED
+    schedule = Schedule.Q_PACKED
     candidate = True
     stage_names = ("schedule", "attention")
+    options = {"tokens_per_tile": Number("tile size", "p", TILE_TOKENS),
+               "num_warps": Number("warp count", "w", (4, 8, 16)),
+               "num_stages": Number("stage count", "s", (1, 2, 3, 4))}
 
     def __init__(self, tokens_per_tile: int = DEFAULT_TILE_TOKENS, num_warps: int | None = None,
                  num_stages: int = 2):
         self.tokens_per_tile = self.tile_tokens = tokens_per_tile
         self.num_warps = num_warps
         self.num_stages = num_stages
-
-    @classmethod
-    def from_option(cls, option: str) -> "QPackedBackend":
-        return cls(**parse_option(option))
 
     def unavailable_reason(self, dtype, device):
         reason = super().unavailable_reason(dtype, device) or triton_unavailable_reason(device)
@@ -75,7 +59,7 @@ class QPackedBackend(Backend):
         schedule()
         executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
         selected = float((w.selection >= 0).sum())
-        info = dict(schedule="q-packed", tile_tokens=self.tokens_per_tile, tiles=schedule.num_tiles,
+        info = dict(schedule=Schedule.Q_PACKED, tile_tokens=self.tokens_per_tile, tiles=schedule.num_tiles,
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=executed / selected if selected else 1.0,
                     attention=attention.describe(),

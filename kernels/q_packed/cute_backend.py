@@ -14,10 +14,11 @@ import torch
 from ..base import Backend, Plan, register
 from ..kv_outer.backend import partial_dtype
 from ..kv_outer.triton_mode import triton_unavailable_reason
-from ...roofline.model import PACKED
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig, device_arch,
-                             fp8_v_key_order, parse_option)
+                             fp8_v_key_order)
+from ..options import Choice
 
 TILE_TOKENS = 8
 
@@ -86,17 +87,20 @@ class QPackedCuteBackend(Backend):
     description = ("q-packed with the attention stage as a CuTe DSL sm_90a kernel (warp-specialized, TMA K/V, "
                    "online softmax over the tile's union blocks; prebuilt, loaded with ctypes)")
     dtypes = DTYPES
-    schedule = PACKED
+    schedule = Schedule.Q_PACKED
     candidate = True
     stage_names = ("schedule", "attention")
     tile_tokens = TILE_TOKENS
+    # the words are manifest.OPTION_FLAGS's, which name the libraries
+    options = {"pingpong": Choice("pingpong consumer warpgroups", {"pp": True, "plain": False}),
+               "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False})}
 
     def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None):
+        """Both None: each dtype's DEFAULT_OPTIONS; naming one flag turns the other off (`@pp` is pingpong
+        alone)."""
+        if pingpong is not None or s_ahead is not None:
+            pingpong, s_ahead = bool(pingpong), bool(s_ahead)
         self.pingpong, self.s_ahead = pingpong, s_ahead
-
-    @classmethod
-    def from_option(cls, option: str) -> "QPackedCuteBackend":
-        return cls(**parse_option(option))
 
     def config_for(self, dtype: str) -> QPackedConfig:
         pingpong, s_ahead = DEFAULT_OPTIONS.get(dtype, (False, False)) if self.pingpong is None else \
@@ -131,7 +135,7 @@ class QPackedCuteBackend(Backend):
         schedule()
         executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
         selected = float((w.selection >= 0).sum())
-        info = dict(schedule="q-packed", tile_tokens=TILE_TOKENS, tiles=schedule.num_tiles,
+        info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, tiles=schedule.num_tiles,
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=executed / selected if selected else 1.0,
                     attention=attention.describe(),

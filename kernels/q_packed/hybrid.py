@@ -20,10 +20,12 @@ import torch
 from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
 from ..kv_outer.backend import partial_dtype
 from ..kv_outer.combine import Combine
+from ..options import Choice, Number
 from ..kv_outer.triton_mode import triton_unavailable_reason
 from ...roofline.devices import achieved, device_profile
-from ...roofline.hybrid import HYBRID, min_shared_tokens
-from ...roofline.model import PACKED, ModelShape, predict
+from ...roofline.hybrid import min_shared_tokens
+from ...roofline.model import ModelShape, predict
+from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 from .attention import PackedAttention, packed_quantization
@@ -32,37 +34,21 @@ from .schedule import PackedSchedule
 KV_STAGES = {"triton": "kv-outer", "cute": "kv-outer-cute"}
 
 
-def parse_option(option: str) -> dict:
-    out = {}
-    for part in option.split("+"):
-        if part in KV_STAGES:
-            out["kv_stage"] = part
-        elif part[:1] == "p" and part[1:].isdigit() and int(part[1:]) in TILE_TOKENS:
-            out["tokens_per_tile"] = int(part[1:])
-        elif part[:1] == "m" and part[1:].isdigit() and 1 <= int(part[1:]) <= max(TILE_TOKENS):
-            out["min_share"] = int(part[1:])
-        else:
-            raise ValueError(f"hybrid options are p8|p16 (tokens per tile), m1..m16 (share threshold), "
-                             f"triton|cute (KV-outer attention), joined by '+'; got @{option}")
-    return out
-
-
 @register("hybrid")
 class HybridBackend(Backend):
     name = "hybrid"
     description = ("token-packed tiles for the blocks a tile's tokens share, KV-outer for the rest; the "
                    "combine merges the packed output as one more partial")
     dtypes = ("bf16", "fp8", "fp16", "fp32")
-    schedule = HYBRID
+    schedule = Schedule.HYBRID
     candidate = True
     stage_names = ("schedule", "attention", "combine")
+    options = {"tokens_per_tile": Number("tile size", "p", TILE_TOKENS),
+               "min_share": Number("share threshold", "m", tuple(range(1, max(TILE_TOKENS) + 1))),
+               "kv_stage": Choice("KV-outer attention", tuple(KV_STAGES))}
 
     def __init__(self, tokens_per_tile: int = 8, min_share: int | None = None, kv_stage: str | None = None):
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
-
-    @classmethod
-    def from_option(cls, option: str) -> "HybridBackend":
-        return cls(**parse_option(option))
 
     def kv_backend(self, dtype: str, device, w: Workload | None = None) -> Backend:
         """The KV-outer backend of the residual: the asked one, else CuTe where it can run (and, given the
@@ -132,12 +118,12 @@ class HybridBackend(Backend):
             tiles = sch.tile_page.view(s.hkv, -1)
             nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
             shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
-            p = predict(PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
+            p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
                         union_ratio=executed / packed, tile_tokens=self.tokens_per_tile)
             parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype, p.binding)
         if residual > 0:
             nsb_res = float(torch.unique((res + head)[res >= 0]).numel())
-            p = predict("kv-outer", kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
+            p = predict(Schedule.KV_OUTER, kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
                         flops * residual / selected)
             parts["kv_outer_s"] = p.time_s / achieved(profile, kv.name, dtype, p.binding)
         t = sum(parts.values())
@@ -177,7 +163,7 @@ class HybridBackend(Backend):
         selected = float((w.selection >= 0).sum())
         residual = float((packed.residual_pages >= 0).sum())
         executed = float(packed.tile_count.double() @ packed.tile_ntok.double().repeat(s.hkv))
-        info = dict(schedule="hybrid", tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
+        info = dict(schedule=Schedule.HYBRID, tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
                     packed_entry_share=1.0 - residual / selected if selected else 0.0,
                     packed_executed_blocks_per_selected=executed / selected if selected else 0.0,
                     kv_outer=kv.name, kv_outer_info=kv_plan.info, attention=attention.describe(),
