@@ -648,8 +648,8 @@ def calibrate(
                f"{fc['launch_s'] * 1e6:.2f} us) in {fc['seconds']:.0f} s")
     for key, e in sorted(fc["stages"].items()):
         typer.echo(f"  {key:<36} {e['s'] * 1e6:8.1f} us  ({e['launches']} launches)")
-    for key, f in sorted(fc["hbm_achieved"].items()):
-        typer.echo(f"  {key:<36} {f:8.2f} of the HBM roofline")
+    for key, f in sorted(fc["decode_achieved"].items()):
+        typer.echo(f"  {key:<36} {f:8.2f} of its roofline on decode")
     for key, e in sorted(fc["items"].items()):
         typer.echo(f"  {key:<36} one item alone: {e['s'] * 1e6:.1f} us + {e['block_s'] * 1e6:.2f} us a block")
 

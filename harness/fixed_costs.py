@@ -6,9 +6,9 @@ Fixed costs: every `auto` candidate that runs here is planned and timed (harness
 cold L2) on decode batches of FIXED_REQUESTS one-token requests, enough packed tiles or KV-outer pairs for
 several per SM, so the module follows its roofline; a stage's fixed cost is the Theil-Sen intercept of its
 time against the backend's roofline time (roofline/calibrate.py), the stage intercepts scaled to sum to the
-module's (the stages are timed one graph each, the module as one). Where HBM binds at every such point,
-1 / the module's slope is the backend's HBM fraction ("hbm_achieved"). Kernel launches per stage are
-counted with the PyTorch profiler on one eager run.
+module's (the stages are timed one graph each, the module as one); 1 / the module's slope is the
+fraction of its roofline the backend reaches on decode work ("decode_achieved"). Kernel launches per
+stage are counted with the PyTorch profiler on one eager run.
 Items: a backend with work items (a packed tile: `Backend.item_blocks`) is timed on one request whose few
 tiles cannot fill the GPU (ITEM_POINTS: 16 to about 120 blocks a tile); its module time less its fixed
 cost, against the blocks a tile walks, gives the time one item takes alone (Theil-Sen: s + blocks x
@@ -99,7 +99,7 @@ def item_points(dtype: str, shape=None, points=ITEM_POINTS):
 
 def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, device="cuda", points=None,
                    timing: TimingConfig = TIMING, only=None) -> dict:
-    """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches}, binding, item blocks)]} for
+    """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches}, item blocks)]} for
     every candidate here (or those in `only`); roofline times at achieved fraction 1."""
     from dataclasses import replace
     from ..errors import one_line
@@ -131,7 +131,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                 start = time.perf_counter()
                 try:
                     plan = backend.plan(w)
-                    roof, used = backend.roofline(w, inputs, bare)
+                    roof, _ = backend.roofline(w, inputs, bare)
                     samples = time_plan(plan, timing, device)
                 except Exception as exc:    # one backend that fails here leaves the others' costs measured
                     log(f"  fixed costs: {name} {dtype} N {w.n_tokens} skipped: {one_line(exc)}")
@@ -147,7 +147,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
                     launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
                 series.setdefault((name, dtype), []).append(
-                    (roof, medians, launches[(name, dtype)], used.get("binding"), backend.item_blocks(w, inputs)))
+                    (roof, medians, launches[(name, dtype)], backend.item_blocks(w, inputs)))
                 del plan
             del w
             torch.cuda.empty_cache()
@@ -191,13 +191,13 @@ def fit_series(series: dict) -> dict:
     return stages
 
 
-def fit_hbm_achieved(series: dict) -> dict:
-    """{"backend/dtype": 1 / the module's Theil-Sen slope against its roofline time} where HBM binds at
-    every point of the series (at least two roofline times), within (0, MAX_ACHIEVED]."""
+def fit_decode_achieved(series: dict) -> dict:
+    """{"backend/dtype": 1 / the module's Theil-Sen slope against its roofline time} over the decode
+    batches (at least two roofline times), where within (0, MAX_ACHIEVED]."""
     from ..roofline.devices import MAX_ACHIEVED
     out = {}
     for (name, dtype), rows in series.items():
-        if len({r[0] for r in rows}) < 2 or pick_dependent(name) or any(r[3] != "hbm" for r in rows):
+        if len({r[0] for r in rows}) < 2 or pick_dependent(name):
             continue
         slope = theil_sen([r[0] for r in rows], [r[1][MODULE] for r in rows])[1]
         if slope > 0 and 1.0 / slope <= MAX_ACHIEVED:
@@ -210,18 +210,18 @@ def fit_items(series: dict, stages: dict) -> dict:
     fixed cost (from `stages`) against its item blocks, for backends with items at two or more sizes."""
     out = {}
     for (name, dtype), rows in series.items():
-        have = [r for r in rows if r[4] is not None]
-        if len({r[4] for r in have}) < 2:
+        have = [r for r in rows if r[3] is not None]
+        if len({r[3] for r in have}) < 2:
             continue
         fixed = sum(e["s"] for k, e in stages.items() if k.startswith(f"{name}/") and k.endswith(f"/{dtype}"))
-        a, b = theil_sen([r[4] for r in have], [r[1][MODULE] - fixed for r in have])
+        a, b = theil_sen([r[3] for r in have], [r[1][MODULE] - fixed for r in have])
         out[f"{name}/{dtype}"] = {"s": max(0.0, a), "block_s": max(0.0, b), "points": len(have)}
     return out
 
 
 def calibrate_fixed_costs(profile: DeviceProfile, log=print) -> dict:
-    """The fixed_costs table for `profile`'s GPU (this one): launch cost, per-stage costs, HBM fractions
-    and item times."""
+    """The fixed_costs table for `profile`'s GPU (this one): launch cost, per-stage costs, decode
+    fractions and item times."""
     from ..errors import require_cuda
     require_cuda("fixed-cost calibration")
     t0 = time.perf_counter()
@@ -229,14 +229,14 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print) -> dict:
     log(f"  kernel launch in a CUDA graph: {launch * 1e6:.2f} us")
     series = measure_series(profile, log=log)
     stages = fit_series(series)
-    with_items = {name for (name, _), rows in series.items() if any(r[4] is not None for r in rows)}
+    with_items = {name for (name, _), rows in series.items() if any(r[3] is not None for r in rows)}
     items = fit_items(measure_series(profile, log=log, points=item_points, only=with_items), stages) \
         if with_items else {}
     return {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
-            "hbm_achieved": fit_hbm_achieved(series), "items": items,
+            "decode_achieved": fit_decode_achieved(series), "items": items,
             "method": f"stages: Theil-Sen intercept of stage time against roofline time on decode batches of "
                       f"{list(FIXED_REQUESTS)} one-token requests, contexts {FIXED_CONTEXT[0]}-{FIXED_CONTEXT[1]}, "
-                      f"stage intercepts scaled to sum to the module's; hbm_achieved: 1 / the module's slope "
+                      f"stage intercepts scaled to sum to the module's; decode_achieved: 1 / the module's slope "
                       f"there; items: module time less fixed cost against a tile's blocks on {len(ITEM_POINTS)} "
                       f"one-request workloads",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}

@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..roofline.devices import DeviceProfile, achieved
 from ..kernels.base import get_backend
-from ..roofline.model import crossover, crossover_at, fixed_cost, module_time
+from ..roofline.model import crossover, crossover_at, fixed_cost, is_decode, module_time
 from ..roofline.schedules import Schedule
 from .axes import UNION, group_label, varying_fields
 from .prediction import _info, launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
@@ -199,8 +199,7 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     # `device`'s fixed costs, not the run's module.model_fixed_s: that one is the profile's at run time
     stages = [s for s in STAGE_ORDER + ("gather", "output")
               if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
-    hbm_s = row.get("module.model_hbm_bytes", 0.0) / device.hbm_bytes_per_s
-    binding = "hbm" if math.isfinite(hbm_s) and hbm_s >= roof * (1 - 1e-9) else None
+    decode = is_decode(row.get("wl_n_tokens", 0), row.get("wl_requests", 0))
     blocks = None
     try:
         backend = get_backend(row["backend"])
@@ -209,7 +208,7 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
             blocks = row["wl_topk"] * union
     except KeyError:               # a backend not registered here: no item floor
         pass
-    scaled = roof / achieved(device, row["backend"], dtype, binding)
+    scaled = roof / achieved(device, row["backend"], dtype, decode)
     return module_time(device, row["backend"], dtype, scaled, stages, blocks)[0]
 
 

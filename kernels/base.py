@@ -37,6 +37,7 @@ class ModelInputs:
     """What the roofline needs of a workload, computed once for every backend `auto` weighs."""
 
     def __init__(self, w: Workload):
+        from ..roofline.model import is_decode
         from ..scenarios.stats import selected_pairs, useful_flops
         s, n = w.shape, w.n_tokens
         self.w = w
@@ -44,6 +45,7 @@ class ModelInputs:
         self.per_query = self.selected / (n * s.hkv) if n else 0.0
         self.nsb = float(selected_pairs(w)[1].numel())
         self.flops = useful_flops(w)
+        self.decode = is_decode(n, w.page_table.shape[0])      # which achieved fraction applies
         self._union: dict[tuple, float] = {}
 
     def union_ratio(self, tile: int, padded: bool = False) -> float:
@@ -93,7 +95,7 @@ class Backend:
 
     def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
         """(seconds, what the prediction used): the roofline time of this backend's schedule on `w` over
-        the fraction of it the backend reaches on this device (where HBM binds, the HBM one). Fixed costs
+        the fraction of it the backend reaches on this device (on decode work, the decode one). Fixed costs
         are not in it."""
         from ..roofline.devices import achieved
         from ..roofline.model import predict
@@ -101,7 +103,7 @@ class Backend:
         union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == Schedule.Q_PACKED else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=self.tile_tokens)
-        frac = achieved(profile, self.name, model_dtype(w.dtype), p.binding)
+        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode)
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         if union is not None:
             used["union_ratio"] = union

@@ -28,7 +28,7 @@ class DeviceProfile:
     achieved: dict = field(default_factory=dict)
     # what `msa-bench calibrate` measures beyond the roofline: "launch_s", one kernel launch inside a CUDA
     # graph; "stages", "backend/stage/dtype" -> {"s": the stage's time at zero roofline time, "launches"};
-    # "hbm_achieved", "backend/dtype" -> the fraction reached where HBM binds (decode batches); "items",
+    # "decode_achieved", "backend/dtype" -> the fraction reached on decode batches (model.is_decode); "items",
     # "backend/dtype" -> {"s", "block_s"}: the time one work item (a packed tile) of b blocks takes alone,
     # s + b x block_s, a floor on the module where too few items fill the GPU
     fixed_costs: dict = field(default_factory=dict)
@@ -92,10 +92,10 @@ def fixed_costs_problem(fc) -> str | None:
         if "/" not in key or not isinstance(v, dict) or not _seconds(v.get("s")) or \
                 not isinstance(v.get("launches", 0), int) or v.get("launches", 0) < 0:
             return f"stages[{key!r}] must be {{'s': seconds in [0, 1), 'launches': count}}"
-    hbm = fc.get("hbm_achieved", {})
-    if not isinstance(hbm, dict) or not all("/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
-                                            and 0 < v <= MAX_ACHIEVED for k, v in hbm.items()):
-        return f"hbm_achieved must map 'backend/dtype' to a fraction in (0, {MAX_ACHIEVED}]"
+    dec = fc.get("decode_achieved", {})
+    if not isinstance(dec, dict) or not all("/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                            and 0 < v <= MAX_ACHIEVED for k, v in dec.items()):
+        return f"decode_achieved must map 'backend/dtype' to a fraction in (0, {MAX_ACHIEVED}]"
     items = fc.get("items", {})
     if not isinstance(items, dict) or not all("/" in k and isinstance(v, dict) and _seconds(v.get("s"))
                                               and _seconds(v.get("block_s")) for k, v in items.items()):
@@ -103,15 +103,17 @@ def fixed_costs_problem(fc) -> str | None:
     return None
 
 
-def achieved(profile: DeviceProfile, backend: str, dtype: str, binding: str | None = None) -> float:
+def achieved(profile: DeviceProfile, backend: str, dtype: str, decode: bool = False) -> float:
     """The measured fraction of its roofline a backend reaches on this device, 1 where none is recorded.
-    Where HBM binds, the calibrated HBM fraction if there is one: the co-selection fractions were measured
-    where L2 or the MMA binds, and a kernel's L2 re-reads or MMA issue say little about its HBM streaming."""
+    On decode work (model.is_decode) the one calibrated on decode batches, where there is one: the `achieved`
+    table was measured on prefill (co-selection), and a kernel's efficiency there says little about a
+    request of one token (KV-outer: one query per block pair; FlashInfer: no re-reads for the L2 term to
+    over-count)."""
     key = f"{backend.partition('@')[0]}/{dtype}"
-    if binding == "hbm":
-        hbm = (profile.fixed_costs or {}).get("hbm_achieved") or {}
-        if key in hbm:
-            return float(hbm[key])
+    if decode:
+        dec = (profile.fixed_costs or {}).get("decode_achieved") or {}
+        if key in dec:
+            return float(dec[key])
     return float((profile.achieved or {}).get(key, 1.0))
 
 

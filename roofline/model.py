@@ -125,6 +125,14 @@ def module_time(device: DeviceProfile, backend: str, dtype: str | None, scaled_s
     return max(scaled_s, floor) + fixed, {"fixed_s": fixed, "item_floor_s": floor}
 
 
+DECODE_TOKENS = 4     # query tokens per request, at most, of decode work (plain, speculative, multi-token)
+
+
+def is_decode(n_tokens: float, requests: float) -> bool:
+    """Whether a workload is decode work: on average at most DECODE_TOKENS query tokens per request."""
+    return requests > 0 and n_tokens / requests <= DECODE_TOKENS
+
+
 def binding_of(times: dict) -> str:
     """The resource ("hbm", "l2" or "mma") whose time is the roofline's; ties to the first."""
     return max(times, key=times.get)

@@ -308,17 +308,17 @@ def test_flashinfer_fa3_needs_a_build_until_its_module_is_in_the_jit_cache(tmp_p
 
 # ---- HBM fractions and item floors ---------------------------------------------------------------
 
-def _row(roof, module, binding="hbm", blocks=None):
-    return (roof, {"module": module, "attention": module}, {"attention": 1}, binding, blocks)
+def _row(roof, module, blocks=None):
+    return (roof, {"module": module, "attention": module}, {"attention": 1}, blocks)
 
 
-def test_the_hbm_fraction_is_one_over_the_module_slope_where_hbm_binds_everywhere():
-    from msa_bench.harness.fixed_costs import fit_hbm_achieved
+def test_the_decode_fraction_is_one_over_the_module_slope_on_the_decode_batches():
+    from msa_bench.harness.fixed_costs import fit_decode_achieved
     rng = random.Random(3)
     rows = [_row(r, 20e-6 + r / 0.8 * (1 + rng.uniform(-0.01, 0.01))) for r in (1e-4, 2e-4, 3e-4, 4e-4, 5e-4)]
-    mixed = rows[:4] + [_row(6e-4, 20e-6 + 6e-4 / 0.8, binding="mma")]
-    got = fit_hbm_achieved({("q-packed", "bf16"): rows, ("kv-outer", "bf16"): mixed})
-    assert got == {"q-packed/bf16": pytest.approx(0.8, rel=0.02)}      # kv-outer: one point MMA-bound
+    got = fit_decode_achieved({("q-packed", "bf16"): rows, ("kv-outer", "bf16"): rows[:1],
+                               ("auto", "bf16"): rows})
+    assert got == {"q-packed/bf16": pytest.approx(0.8, rel=0.02)}      # kv-outer: one roofline time; auto: its pick's
 
 
 def test_an_item_is_its_time_less_the_fixed_cost_against_its_blocks():
@@ -331,36 +331,49 @@ def test_an_item_is_its_time_less_the_fixed_cost_against_its_blocks():
     assert got["q-packed/bf16"]["s"] == pytest.approx(20e-6) and got["q-packed/bf16"]["block_s"] == pytest.approx(1e-6)
 
 
-def test_a_module_is_floored_by_its_item_alone_and_hbm_bound_work_takes_the_hbm_fraction():
+def test_a_module_is_floored_by_its_item_alone_and_decode_work_takes_the_decode_fraction():
     from msa_bench.roofline.devices import achieved
-    from msa_bench.roofline.model import module_time
+    from msa_bench.roofline.model import is_decode, module_time
     fc = {"stages": {"q-packed/attention/bf16": {"s": 5e-6, "launches": 1}},
-          "hbm_achieved": {"q-packed/bf16": 0.9}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
+          "decode_achieved": {"q-packed/bf16": 0.9}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
     dev = replace(PRESETS["h200"], achieved={"q-packed/bf16": 0.5}, fixed_costs=fc)
-    assert achieved(dev, "q-packed", "bf16", "hbm") == 0.9 and achieved(dev, "q-packed", "bf16", "mma") == 0.5
-    assert achieved(dev, "kv-outer", "bf16", "hbm") == 1.0
+    assert achieved(dev, "q-packed", "bf16", decode=True) == 0.9 and achieved(dev, "q-packed", "bf16") == 0.5
+    assert achieved(dev, "kv-outer", "bf16", decode=True) == 1.0
+    assert is_decode(256, 256) and is_decode(256, 64) and not is_decode(8192, 1) and not is_decode(10, 0)
     small, parts = module_time(dev, "q-packed", "bf16", 1e-6, ("attention",), item_blocks=16)
     assert small == pytest.approx(36e-6 + 5e-6) and parts["item_floor_s"] == pytest.approx(36e-6)
     assert module_time(dev, "q-packed", "bf16", 1e-3, ("attention",), item_blocks=16)[0] == pytest.approx(1e-3 + 5e-6)
     assert module_time(dev, "q-packed", "bf16", 1e-6, ("attention",))[0] == pytest.approx(6e-6)    # no items
 
 
-@pytest.mark.parametrize("bad", [{"hbm_achieved": {"q-packed/bf16": 0}}, {"hbm_achieved": {"q-packed": 0.5}},
+def test_a_decode_workload_is_predicted_with_the_decode_fraction():
+    from msa_bench.harness.check import edge_case_workload
+    from msa_bench.kernels.base import ModelInputs
+    w = edge_case_workload(SMALL, "fp32", [256] * 16, [1] * 16, False, seed=2)
+    dev = replace(PRESETS["h200"], achieved={"q-packed/bf16": 0.5},
+                  fixed_costs={"decode_achieved": {"q-packed/bf16": 0.25}})
+    inputs = ModelInputs(w)
+    assert inputs.decode
+    t, used = get_backend("q-packed").roofline(w, inputs, dev)
+    assert used["achieved"] == 0.25 and t == pytest.approx(used["roofline_s"] / 0.25)
+
+
+@pytest.mark.parametrize("bad", [{"decode_achieved": {"q-packed/bf16": 0}}, {"decode_achieved": {"q-packed": 0.5}},
                                  {"items": {"q-packed/bf16": {"s": 1e-5}}}, {"items": {"q-packed/bf16": 3}}])
-def test_a_profile_refuses_bad_hbm_fractions_and_items(bad):
+def test_a_profile_refuses_bad_decode_fractions_and_items(bad):
     data = {**json.loads(json.dumps(PRESETS["h200"].__dict__)), "fixed_costs": bad}
     with pytest.raises(UserError, match="fixed_costs"):
         profile_from_dict(data, "test")
 
 
-def test_the_replay_floors_a_packed_unit_by_its_item_and_uses_the_hbm_fraction():
+def test_the_replay_floors_a_packed_unit_by_its_item_and_uses_the_decode_fraction():
     from msa_bench.harness.tables import predicted_module_s
-    fc = {"hbm_achieved": {"q-packed/bf16": 0.5}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
+    fc = {"decode_achieved": {"q-packed/bf16": 0.5}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
     dev = replace(PRESETS["h200"], achieved={}, fixed_costs=fc)
     row = {"backend": "q-packed", "dtype": "bf16", "module.model_time_s": 1e-6, "wl_topk": 16,
-           "module.model_hbm_bytes": 1e-6 * dev.hbm_bytes_per_s, "wl_union_ratio_p8": 2.0}
+           "wl_n_tokens": 64, "wl_requests": 64, "wl_union_ratio_p8": 2.0}
     assert predicted_module_s(row, dev) == pytest.approx(20e-6 + 32e-6)
-    big = {**row, "module.model_time_s": 1e-3, "module.model_hbm_bytes": 1e-3 * dev.hbm_bytes_per_s}
+    big = {**row, "module.model_time_s": 1e-3}
     assert predicted_module_s(big, dev) == pytest.approx(2e-3)
-    l2_bound = {**big, "module.model_hbm_bytes": 0.5e-3 * dev.hbm_bytes_per_s}
-    assert predicted_module_s(l2_bound, dev) == pytest.approx(1e-3)
+    prefill = {**big, "wl_n_tokens": 8192, "wl_requests": 1}
+    assert predicted_module_s(prefill, dev) == pytest.approx(1e-3)

@@ -120,12 +120,12 @@ class HybridBackend(Backend):
             shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
             p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
                         union_ratio=executed / packed, tile_tokens=self.tokens_per_tile)
-            parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype, p.binding)
+            parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype, inputs.decode)
         if residual > 0:
             nsb_res = float(torch.unique((res + head)[res >= 0]).numel())
             p = predict(Schedule.KV_OUTER, kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
                         flops * residual / selected)
-            parts["kv_outer_s"] = p.time_s / achieved(profile, kv.name, dtype, p.binding)
+            parts["kv_outer_s"] = p.time_s / achieved(profile, kv.name, dtype, inputs.decode)
         t = sum(parts.values())
         return t, {**parts, "min_share": share, "packed_entry_share": packed / selected if selected else 0.0,
                    "packed": packed_kernel, "kv_outer": kv.name}
