@@ -1,13 +1,9 @@
-"""scripts/auto-validation.py --fit-fixed --write-profile: the fitted costs become a preset's fixed-costs file."""
+"""scripts/auto-validation.py: one line per run, the calibrated profile's replay, bad input refused."""
 import importlib.util
-import json
 from pathlib import Path
 
-from msa_bench.roofline import devices
-from msa_bench.roofline.devices import PRESETS, load_device
-
 ROOT = Path(__file__).resolve().parents[1]
-RUN = str(ROOT / "results" / "h200" / "baseline")
+RUNS = [str(ROOT / "results" / "h200" / name) for name in ("decode", "co-selection")]
 
 
 def script():
@@ -17,19 +13,19 @@ def script():
     return mod
 
 
-def test_written_fixed_costs_are_what_the_h200_preset_loads(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "h200.json"
-    assert script().main([RUN, "--fit-fixed", RUN, "--write-profile", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert f"wrote {path}" in out and "no fixed costs fitted for (auto skips them): " in out
-    data = json.loads(path.read_text())
-    assert "--fit-fixed on " + RUN in data["source"] and data["fixed_costs"]["stages"]
-    monkeypatch.setattr(devices, "PACKAGE_ROOT", tmp_path)
-    monkeypatch.setitem(devices.CALIBRATION_FILES, "h200", "h200.json")
-    got = load_device("h200")
-    assert got.fixed_costs == data["fixed_costs"] and got.achieved == PRESETS["h200"].achieved
+def test_one_line_per_run_with_the_shares_it_measured(capsys):
+    assert script().main(RUNS) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["run", "pts", "auto<=5%"] and len(lines) == 3
+    decode, cosel = lines[1].split(), lines[2].split()
+    assert decode[0] == "decode" and int(decode[1]) == 24 and cosel[:2] == ["co-selection", "(fit)"]
+    # every share is a percentage and every worst ratio at least 1
+    for cols in (decode, cosel[1:]):
+        assert all(c.endswith("%") and 0 <= int(c[:-1]) <= 100 for c in (cols[2], cols[5], cols[8]))
+        assert float(cols[3]) >= 1 and float(cols[6]) >= 1
 
 
-def test_write_profile_without_a_fit_is_refused(tmp_path, capsys):
-    assert script().main([RUN, "--write-profile", str(tmp_path / "x.json")]) == 2
-    assert "--fit-fixed" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+def test_a_missing_run_is_refused_in_one_line(tmp_path, capsys):
+    assert script().main([str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing" in err[0]
