@@ -24,6 +24,9 @@ NOT_SPARSE = ("auto", "reference", "dense-gather")
 REGIME_FIELDS = ("generator", "requests", "query_tokens", "chunks", "chunk_tokens")
 
 
+PANELS_PER_ROW = 3         # regimes side by side: wider figures overflow a page
+
+
 def _base(backend: str) -> str:
     return backend.partition("@")[0]
 
@@ -127,10 +130,14 @@ def crossover_figures(run: Run, device: DeviceProfile | None):
     out = []
     for dtype, gd in t.groupby("dtype", sort=True):
         regimes = sorted(gd["regime"].unique())
-        fig, axes = plt.subplots(1, len(regimes), figsize=(4.2 * len(regimes), 3.8), squeeze=False)
+        cols = min(PANELS_PER_ROW, len(regimes))
+        rows = math.ceil(len(regimes) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.8 * rows), squeeze=False)
+        for ax in axes.flat[len(regimes):]:
+            ax.set_visible(False)
         backends = sorted(gd["backend"].unique())
         styles = [st for st in MEASURED_STYLES if st[0] != "black"]          # black is dense-masked's
-        for ax, regime in zip(axes[0], regimes):
+        for ax, regime in zip(axes.flat, regimes):
             g = gd[gd["regime"] == regime]
             for i, b in enumerate(backends):
                 gb = g[g["backend"] == b].groupby("context")["module.median_s"].median()
