@@ -48,8 +48,8 @@ class ModelInputs:
         """The workload's union_ratio at tiles of `tile` tokens (1 where nothing is selected); padded: with
         every tile counted as `tile` tokens, what a token-packed kernel executes (scenarios/stats.py)."""
         if (tile, padded) not in self._union:
-            from ..scenarios.stats import union_ratio
-            self._union[(tile, padded)] = union_ratio(self.w.selection, self.w.q_request, tile, padded) or 1.0
+            from ..scenarios.stats import workload_union_ratio
+            self._union[(tile, padded)] = workload_union_ratio(self.w, tile, padded) or 1.0
         return self._union[(tile, padded)]
 
 
