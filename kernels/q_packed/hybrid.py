@@ -18,9 +18,8 @@ from dataclasses import replace
 import torch
 
 from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
-from ..kv_outer.backend import partial_dtype
 from ..kv_outer.combine import Combine
-from ..kv_outer.triton_mode import triton_unavailable_reason
+from ..triton_common import partial_dtype, triton_dtype_reason
 from ...roofline.devices import achieved, device_profile
 from ...roofline.hybrid import HYBRID, min_shared_tokens
 from ...roofline.model import PACKED, ModelShape, predict
@@ -74,10 +73,7 @@ class HybridBackend(Backend):
         return cute if reason is None else get_backend("kv-outer")
 
     def unavailable_reason(self, dtype, device):
-        reason = super().unavailable_reason(dtype, device) or triton_unavailable_reason(device)
-        if reason is None and dtype == "bf16" and torch.device(device).type == "cpu":
-            reason = (f"{self.name}: bf16 tl.dot gives wrong results in Triton's CPU interpreter; "
-                      "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
+        reason = super().unavailable_reason(dtype, device) or triton_dtype_reason(self.name, dtype, device)
         if reason is None:
             kv = self.kv_backend(dtype, device)
             inner = kv.unavailable_reason(dtype, device)

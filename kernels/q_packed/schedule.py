@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...scenarios.tiling import query_tiles
-from ..kv_outer import triton_mode  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
+from .. import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
 import triton
 import triton.language as tl
 
