@@ -69,8 +69,7 @@ class Backend:
 
     def model_shape(self, w: Workload):
         from ..roofline.model import ModelShape
-        s = w.shape
-        return ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+        return ModelShape.of(w.shape, dtype=w.dtype)
 
     def model_unfit_reason(self, w: Workload, inputs: ModelInputs) -> str | None:
         """None where the model predicts this backend on `w`, else why not."""

@@ -155,7 +155,7 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
     from ..roofline.model import PACKED, ModelShape, crossover, packed_crossover_by_dtype, predict
     dev = load_device(device_profile) if isinstance(device_profile, str) else device_profile
     s, n = w.shape, w.n_tokens
-    shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+    shape = ModelShape.of(s, dtype=w.dtype)
     out = {"device": dev.name}
     per_query = valid_entries / (n * s.hkv) if n else 0.0
     for sched in SCHEDULES:
@@ -168,8 +168,7 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
     cross = crossover(shape, dev)
     out["crossover_nsb_per_n"] = cross if math.isfinite(cross) else None
     if n:
-        packed = packed_crossover_by_dtype(dev, n, nsb / n, UNION_TILES[0], dtypes=(w.dtype,), hq=s.hq, hkv=s.hkv,
-                                           head_dim=s.head_dim, block=s.block, topk=s.topk)[w.dtype]
+        packed = packed_crossover_by_dtype(dev, n, nsb / n, UNION_TILES[0], dtypes=(w.dtype,), shape=s)[w.dtype]
         out["packed_crossover_union_ratio"] = (None if packed is None else
                                                float(UNION_TILES[0]) if math.isinf(packed) else packed)
     return out

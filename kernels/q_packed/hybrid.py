@@ -95,10 +95,9 @@ class HybridBackend(Backend):
     def threshold(self, w: Workload, kv: Backend, packed: str, dev=None) -> tuple[int, str]:
         if self.min_share is not None:
             return self.min_share, "option"
-        s = w.shape
         dev = dev or device_profile(w.device)
         dtype = model_dtype(w.dtype)
-        shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=dtype)
+        shape = ModelShape.of(w.shape, dtype=dtype)
         share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, packed, dtype),
                                   achieved(dev, kv.name, dtype))
         return share, f"roofline ({dev.name})"
@@ -127,7 +126,7 @@ class HybridBackend(Backend):
         if packed > 0:
             tiles = sch.tile_page.view(s.hkv, -1)
             nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
-            shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+            shape = ModelShape.of(s, dtype=w.dtype)
             p = predict(PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
                         union_ratio=executed / packed, tile_tokens=self.tokens_per_tile)
             parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype)
