@@ -18,6 +18,7 @@ import pandas as pd  # noqa: E402
 from ..roofline.devices import DeviceProfile  # noqa: E402
 from ..roofline.model import ALL_SCHEDULES, ModelShape, packed_crossover_by_dtype  # noqa: E402
 from ..roofline.schedules import Schedule  # noqa: E402
+from ..roofline.shape import AttnShape  # noqa: E402
 
 from .axes import (AXES, CASE, CONTEXT, POINTS, REQUESTS, REUSE, TOKENS, UNION, UNION_AXIS,  # noqa: E402
                    FigureAxis, figure_axis, group_fields, group_label, groups, point_id, point_order, ratio_label,
@@ -413,8 +414,8 @@ def _co_selection_rooflines(ax, gd, device: DeviceProfile, tile: int) -> list[st
     model's shape for the panel's dtype (its default KV-outer), as `msa-bench roofline` has it, so the
     crossover drawn is the one the CLI and the README quote."""
     row = gd.iloc[0]
-    dtype, attention = str(row["dtype"]), attention_shape(row)
-    shape = ModelShape(dtype=dtype, **attention)
+    dtype, attention = str(row["dtype"]), AttnShape(**attention_shape(row))
+    shape = ModelShape.of(attention, dtype=dtype)
     n, r = float(gd["wl_n_tokens"].median()), float(gd["x"].median())
     us = np.geomspace(1.0, float(tile), 80)
     preds = {s: [predict_point(s, shape, n, r * n, device, union_ratio=u, tile=tile) for u in us]
@@ -424,7 +425,7 @@ def _co_selection_rooflines(ax, gd, device: DeviceProfile, tile: int) -> list[st
                 label=f"{s} roofline ({device.name}, nsb/N {r:.3g})")
     winners = [min(PICK_SCHEDULES, key=lambda s: preds[s][i].time_s) for i in range(len(us))]
     _bands(ax, us, winners, 0.0, 0.05)
-    cross = packed_crossover_by_dtype(device, n, r, tile, dtypes=(dtype,), **attention)[dtype]
+    cross = packed_crossover_by_dtype(device, n, r, tile, dtypes=(dtype,), shape=attention)[dtype]
     if cross is not None and np.isfinite(cross):
         ax.axvline(cross, color="grey", ls=":", label=f"predicted ({dtype}): q-packed beats kv-outer below {cross:.3g}")
     return winners

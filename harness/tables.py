@@ -3,7 +3,7 @@ the real-prefill call-weighted aggregate and the roofline's picks. Reuse is the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import pandas as pd
@@ -12,12 +12,13 @@ from ..roofline.devices import DeviceProfile, achieved
 from ..kernels.base import get_backend
 from ..roofline.model import crossover, crossover_at, fixed_cost, is_decode, module_time
 from ..roofline.schedules import Schedule
+from ..roofline.shape import AttnShape
 from .axes import UNION, group_label, varying_fields
 from .prediction import _info, launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
 from .results import STATUS_OK, Run
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
-SHAPE_DEFAULTS = {"hq": 64, "hkv": 4, "head_dim": 128, "block": 128, "topk": 16}
+SHAPE_DEFAULTS = asdict(AttnShape())
 
 
 # ---- tables -------------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ class ModelInputs:
         """The workload's union_ratio at tiles of `tile` tokens (1 where nothing is selected); padded: with
         every tile counted as `tile` tokens, what a token-packed kernel executes (scenarios/stats.py)."""
         if (tile, padded) not in self._union:
-            from ..scenarios.stats import union_ratio
-            self._union[(tile, padded)] = union_ratio(self.w.selection, self.w.q_request, tile, padded) or 1.0
+            from ..scenarios.stats import workload_union_ratio
+            self._union[(tile, padded)] = workload_union_ratio(self.w, tile, padded) or 1.0
         return self._union[(tile, padded)]
 
 
@@ -79,8 +79,7 @@ class Backend:
 
     def model_shape(self, w: Workload):
         from ..roofline.model import ModelShape
-        s = w.shape
-        return ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+        return ModelShape.of(w.shape, dtype=w.dtype)
 
     def model_unfit_reason(self, w: Workload, inputs: ModelInputs) -> str | None:
         """None where the model predicts this backend on `w`, else why not."""

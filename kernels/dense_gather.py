@@ -1,7 +1,8 @@
 """Dense ceiling on real prefill: gather each query block's shared blocks contiguous, then dense SDPA.
 
-A query block is up to `block` consecutive tokens of one request with the same q_limit // block
-(under causality: the aligned 128-token query block; the first and last of a request may be shorter).
+A query block is a query tile of `block` tokens (scenarios/tiling.py): under causality the aligned
+128-token query block (the first and last of a request may be shorter), else `block` consecutive tokens
+from the request's first.
 Where every token of a query block selected the same blocks (per KV head), those blocks' K/V are
 gathered into one contiguous buffer per (query block, KV head), logical order with the local block
 last, and one dense attention covers the block: Q is the [n, Hq, T, D] view of the query block's
@@ -34,8 +35,9 @@ from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 from .flashinfer_common import bf16_query, gpu_reason
+from ..scenarios.tiling import tile_keys
 from .options import Choice
-from .packed_tiles import pack_tiles, request_segments, visible_selection
+from .packed_tiles import pack_tiles, visible_selection
 
 KERNELS = ("auto", "cudnn", "flash")
 AUTO_ORDER = ("cudnn", "flash")
@@ -80,7 +82,7 @@ def dense_plan(w: Workload) -> DensePlan:
     """Query blocks, their shared blocks and the runs of equal shape; BackendUnavailable if the rule breaks."""
     s = w.shape
     b = s.block
-    pack = pack_tiles(visible_selection(w), request_segments(w.q_request, w.q_limit, b), b)
+    pack = pack_tiles(visible_selection(w), tile_keys(w.q_request, w.q_limit, b, w.causal), b)
     t = pack.num_tiles
     full_rows = pack.hits == pack.length.view(1, -1, 1)
     valid = torch.arange(pack.union.shape[-1], device=pack.union.device).view(1, 1, -1) < pack.count.unsqueeze(-1)

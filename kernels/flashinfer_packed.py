@@ -9,9 +9,9 @@ through a strided per-head view, the paged cache through the [num_pages * Hkv, 1
 (page index page * Hkv + head), so nothing is copied before the kernel.
 
 Two routes, options of one class:
-  paged  BatchPrefillWithPagedKVCacheWrapper: tiles restart at every request and (causal) every
-         128-token query block, so a tile has one local block; its union is sorted by logical block
-         (the local block last) and its last page may be partial (last_page_len).
+  paged  BatchPrefillWithPagedKVCacheWrapper: the query tiles (scenarios/tiling.py), inside one
+         request and, causal, one window of P positions, so a tile has one local block; its union is
+         sorted by logical block (the local block last) and its last page may be partial (last_page_len).
   bsr    BlockSparseAttentionWrapper: the block-sparse matrix's rows are the batch's tokens cut into
          tiles of R = P rows (a tile may span two requests), its columns the head-major cache viewed
          as [num_pages * Hkv * block, 1, D] NHD (column block page * Hkv + head); every block is full,
@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..roofline.schedules import Schedule
+from ..scenarios.tiling import tile_keys
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
 from .flashinfer_common import MIB, bf16_query, gpu_reason, import_flashinfer, workspace_sizes
 from .options import Choice, Number
-from .packed_tiles import TilePack, pack_tiles, request_segments, visible_selection
+from .packed_tiles import TilePack, pack_tiles, visible_selection
 
 ROUTES = ("paged", "bsr")
 TILE_SIZES = (8, 16)
@@ -55,12 +56,13 @@ BSR_FLOAT_WORKSPACE = 512 * MIB
 
 # ---- planning (pure torch: runs on the CPU for tests) -----------------------------------------------
 
-def tile_inputs(w: Workload, route: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, segment) the route packs: logical blocks cut at (request, query block) for paged; ids
-    unique across requests (request x blocks + block) over the whole batch for bsr."""
+def tile_inputs(w: Workload, route: str, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, tile key) the route packs at P = tile: logical blocks in the query tiles for paged; ids
+    unique across requests (request x blocks + block) over the whole batch as one run for bsr, whose
+    tiles are the block-sparse matrix's rows cut every P."""
     sel = visible_selection(w)
     if route == "paged":
-        return sel, request_segments(w.q_request, w.q_limit, w.shape.block)
+        return sel, tile_keys(w.q_request, w.q_limit, tile, w.causal)
     width = w.page_table.shape[1]
     ids = torch.where(sel >= 0, w.q_request.long().view(1, -1, 1) * width + sel, sel)
     return ids, torch.zeros(w.n_tokens, dtype=torch.long, device=sel.device)
@@ -189,8 +191,7 @@ def packed_plan(w: Workload, route: str = DEFAULT_ROUTE, tile: int | None = None
     """Tiles, per-head requests and masks for the route; `tile` None picks 8 or 16 by FA2's work."""
     if route not in ROUTES:
         raise BackendUnavailable(f"flashinfer-packed: unknown route {route!r} (choose {', '.join(ROUTES)})")
-    ids, segment = tile_inputs(w, route)
-    packs = {p: pack_tiles(ids, segment, p) for p in ((tile,) if tile else TILE_SIZES)}
+    packs = {p: pack_tiles(*tile_inputs(w, route, p), p) for p in ((tile,) if tile else TILE_SIZES)}
     work = {p: executed_rows_work(pk, w.shape.group) for p, pk in packs.items()}
     chosen = min(work, key=lambda p: (work[p], p))
     pack = packs[chosen]
@@ -278,7 +279,7 @@ class FlashInferPacked(Backend):
                 "tile_choice_rule": f"least FA2 work: query rows rounded to {FA2_CTA_ROWS} x union blocks",
                 "tiles": pp.pack.num_tiles, "union_ratio": round(pp.union_ratio, 4),
                 "executed_entries": pp.executed_entries, "selected_entries": pp.selected_entries,
-                "tile_segments": "request x 128-token query block" if self.route == "paged" else "batch rows (BSR)",
+                "tile_segments": "query tiles (scenarios/tiling.py)" if self.route == "paged" else "batch rows (BSR)",
                 "mask": pp.mask_summary(), "mask_modes": [h.mask_mode for h in pp.heads],
                 "mask_bytes": sum(0 if h.packed_mask is None else h.packed_mask.numel() for h in pp.heads),
                 "empty_tiles": sum(h.empty_tiles for h in pp.heads), "quantization": quant,

@@ -1,8 +1,9 @@
 """Tile packing: the plan every token-packed Q-outer schedule starts from.
 
-A tile is up to P consecutive query tokens of one segment (a run of tokens with the same segment id:
-a request, or a request's query block) for one KV head; each segment is cut into tiles of P from its
-first token, so its last tile may be shorter. Per (KV head, tile) the plan gives
+A tile is up to P consecutive query tokens that share a key (scenarios/tiling.py): the query tiles,
+keyed by tile_keys (a request and, causal, a window of P positions), or any other key a caller packs
+by (the whole batch as one run for FlashInfer's block-sparse rows). A run of equal keys is cut into
+tiles of P from its first token, so its last tile may be shorter. Per (KV head, tile) the plan gives
 
   union  [Hkv, T, C]   the distinct block ids its tokens selected, ascending, -1 after them (C = P x topk)
   count  [Hkv, T]      how many entries of `union` are valid
@@ -26,9 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..scenarios.tiling import cut_runs
 from ..scenarios.workload import Workload
-
-SEGMENT_STRIDE = 1 << 31     # segment id of (request, query block) = request * stride + block
 
 
 @dataclass
@@ -40,7 +40,7 @@ class TilePack:
     count: torch.Tensor        # [Hkv, T] int64
     hits: torch.Tensor         # [Hkv, T, C] int64
     bits: torch.Tensor | None  # [Hkv, T, C] int32/int64 token masks (None when P > 62)
-    tile_count: torch.Tensor   # 0-dim int64 on the device: tiles the segments really need
+    tile_count: torch.Tensor   # 0-dim int64 on the device: tiles the runs really need
     token_tile: torch.Tensor   # [N] int64 tile of each token
     token_slot: torch.Tensor   # [N] int64 its index inside the tile
 
@@ -53,7 +53,7 @@ class TilePack:
         """Drop padding tiles and trim the union capacity to the largest union (synchronises)."""
         t = int(self.tile_count)
         if t > self.num_tiles:
-            raise ValueError(f"max_tiles {self.num_tiles} is below the {t} tiles the segments need")
+            raise ValueError(f"max_tiles {self.num_tiles} is below the {t} tiles the runs need")
         cap = max(int(self.count[:, :t].max()) if t and self.count.numel() else 0, 1)
         cut = (slice(None), slice(0, t), slice(0, cap))
         return replace(self, start=self.start[:t], length=self.length[:t], union=self.union[cut],
@@ -77,29 +77,9 @@ def visible_selection(w: Workload) -> torch.Tensor:
     return torch.where(seen, sel, torch.full_like(sel, -1))
 
 
-def request_segments(q_request: torch.Tensor, q_limit: torch.Tensor | None = None, block: int | None = None):
-    """Segment ids: the request, or with q_limit and block the (request, query block) pair q_limit // block."""
-    seg = q_request.long() * SEGMENT_STRIDE
-    if q_limit is not None:
-        seg = seg + torch.div(q_limit.long(), block, rounding_mode="floor")
-    return seg
-
-
-def max_tiles_bound(n_tokens: int, tile: int, segments: int) -> int:
-    """Upper bound on the tiles `segments` runs of n_tokens tokens need: ceil(N / P) + segments - 1."""
-    return max(-(-n_tokens // tile) + max(segments, 1) - 1, 0)
-
-
-def _token_tiles(segment: torch.Tensor, tile: int):
-    n = segment.numel()
-    idx = torch.arange(n, device=segment.device)
-    boundary = torch.ones(n, dtype=torch.bool, device=segment.device)
-    if n > 1:
-        boundary[1:] = segment[1:] != segment[:-1]
-    seg_start = torch.where(boundary, idx, torch.zeros_like(idx)).cummax(0).values
-    slot = (idx - seg_start) % tile
-    first = slot == 0
-    return first.long().cumsum(0) - 1, slot, first, idx
+def max_tiles_bound(n_tokens: int, tile: int, runs: int) -> int:
+    """Upper bound on the tiles `runs` runs of n_tokens tokens need: ceil(N / P) + runs - 1."""
+    return max(-(-n_tokens // tile) + max(runs, 1) - 1, 0)
 
 
 def _dedupe_rows(ids: torch.Tensor) -> torch.Tensor:
@@ -112,19 +92,22 @@ def _dedupe_rows(ids: torch.Tensor) -> torch.Tensor:
     return torch.where(keep & (ids >= 0), ids, torch.full_like(ids, -1))
 
 
-def plan_tiles(ids: torch.Tensor, segment: torch.Tensor, tile: int, max_tiles: int) -> TilePack:
-    """Pack ids [Hkv, N, K] (negative = padding) into tiles of `tile` tokens cut at segment changes.
+def plan_tiles(ids: torch.Tensor, key: torch.Tensor, tile: int, max_tiles: int) -> TilePack:
+    """Pack ids [Hkv, N, K] (negative = padding) into tiles of `tile` tokens: runs of equal `key` [N], each
+    cut every `tile` tokens (scenarios/tiling.py: cut_runs).
 
     Fixed-size outputs ([Hkv, max_tiles, tile * K]) and no device-to-host synchronisation."""
     if tile < 1:
         raise ValueError(f"tile size must be positive, got {tile}")
     hkv, n, k = ids.shape
-    if segment.shape != (n,):
-        raise ValueError(f"segment has shape {tuple(segment.shape)}, expected ({n},)")
+    if key.shape != (n,):
+        raise ValueError(f"key has shape {tuple(key.shape)}, expected ({n},)")
     dev = ids.device
     t_max = int(max_tiles)
     cap = tile * k
-    tile_id, slot, first, idx = _token_tiles(segment.to(dev), tile)
+    tile_id, slot = cut_runs(key.to(dev), tile)
+    idx = torch.arange(n, device=dev)
+    first = slot == 0
     dump = torch.full_like(tile_id, t_max)
     in_range = tile_id < t_max
     start = torch.full((t_max + 1,), n, dtype=torch.long, device=dev)
@@ -166,8 +149,8 @@ def plan_tiles(ids: torch.Tensor, segment: torch.Tensor, tile: int, max_tiles: i
                     hits=hits[..., :cap], bits=bits, tile_count=tile_count, token_tile=tile_id, token_slot=slot)
 
 
-def pack_tiles(ids: torch.Tensor, segment: torch.Tensor, tile: int) -> TilePack:
-    """plan_tiles with max_tiles bounded from the segments, padding trimmed (synchronises)."""
-    n = segment.numel()
-    runs = int((segment[1:] != segment[:-1]).sum()) + 1 if n else 0
-    return plan_tiles(ids, segment, tile, max_tiles_bound(n, tile, runs)).compact()
+def pack_tiles(ids: torch.Tensor, key: torch.Tensor, tile: int) -> TilePack:
+    """plan_tiles with max_tiles bounded from the runs of `key`, padding trimmed (synchronises)."""
+    n = key.numel()
+    runs = int((key[1:] != key[:-1]).sum()) + 1 if n else 0
+    return plan_tiles(ids, key, tile, max_tiles_bound(n, tile, runs)).compact()

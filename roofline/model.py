@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
 from .schedules import Schedule
+from .shape import SHAPE_FIELDS, AttnShape
 
 SCHEDULES = (Schedule.Q_OUTER, Schedule.KV_OUTER, Schedule.MSA_SCATTER)   # bytes and FLOPs independent of co-selection
 ALL_SCHEDULES = (*SCHEDULES, Schedule.Q_PACKED)          # q-packed needs union_ratio; dense-masked: predict_dense
@@ -41,12 +42,8 @@ STAT_BYTES = 4
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    hq: int = 64
-    hkv: int = 4
-    head_dim: int = 128
-    block: int = 128
-    topk: int = 16
+class ModelShape(AttnShape):
+    """The attention shape with what the model also needs: data types and the launch's gathering terms."""
     dtype: str = "bf16"           # Q/K/V data
     partial_dtype: str = "bf16"   # partial O written by the KV-outer attention stage
     out_dtype: str = "bf16"
@@ -58,9 +55,10 @@ class ModelShape:
     # queries live at once are one range of the live heads'.
     q_ranges: int = 1
 
-    @property
-    def group(self) -> int:
-        return self.hq // self.hkv
+    @classmethod
+    def of(cls, shape: AttnShape, **terms) -> "ModelShape":
+        """`shape` with the model's terms (dtype, partial_dtype, ...) given in `terms`, the others default."""
+        return cls(**{name: getattr(shape, name) for name in SHAPE_FIELDS}, **terms)
 
     @property
     def data_bytes(self) -> int:
@@ -278,12 +276,11 @@ def packed_crossover(shape: ModelShape, device: DeviceProfile, n_tokens: float, 
 
 def packed_crossover_by_dtype(device: DeviceProfile, n_tokens: float, nsb_per_n: float,
                               tile_tokens: int = DEFAULT_TILE_TOKENS, dtypes=("bf16", "fp8"),
-                              **attention) -> dict[str, float | None]:
+                              shape: AttnShape = AttnShape()) -> dict[str, float | None]:
     """The union_ratio below which q-packed beats KV-outer, per data dtype: packed_crossover on the
-    model's shape for each dtype (its default KV-outer, partials bf16). `attention`: hq, hkv, head_dim,
-    block, topk where not the MiniMax-M3 shape. The one source of this number for the CLI, the report
-    and the README."""
-    return {d: packed_crossover(ModelShape(dtype=d, **attention), device, n_tokens, nsb_per_n, tile_tokens)
+    model's shape for each dtype (its default KV-outer, partials bf16) at the attention `shape`. The one
+    source of this number for the CLI, the report and the README."""
+    return {d: packed_crossover(ModelShape.of(shape, dtype=d), device, n_tokens, nsb_per_n, tile_tokens)
             for d in dtypes}
 
 

@@ -55,8 +55,7 @@ def roofline_summary(shape: ModelShape, device: DeviceProfile, n_tokens: int = 1
         "q_packed_beats_kv_outer_below_union_ratio": {
             "nsb_per_n": CROSSOVER_REUSE,
             "by_dtype": {d: _finite_or_inf(u) for d, u in packed_crossover_by_dtype(
-                device, n_tokens, CROSSOVER_REUSE, hq=shape.hq, hkv=shape.hkv, head_dim=shape.head_dim,
-                block=shape.block, topk=shape.topk).items()}},
+                device, n_tokens, CROSSOVER_REUSE, shape=shape).items()}},
     }
 
 

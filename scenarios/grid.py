@@ -39,6 +39,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import UserError
+from ..roofline.shape import SHAPE_FIELDS, ShapeError
 from .coselection import DEFAULT_GROUP
 from .serving import GENERATORS as SERVING
 from .workload import (DATA_DTYPES, AttnShape, Workload, WorkloadError, check_fits, footprint_bytes,
@@ -47,7 +48,7 @@ from .workload import (DATA_DTYPES, AttnShape, Workload, WorkloadError, check_fi
 GENERATORS = ("synthetic", "real-prefill", "indexer", *SERVING)
 TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
 TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool, "cv_target": float}   # see timing.TimingConfig
-SHAPE_KEYS = ("hq", "hkv", "head_dim", "block", "topk")
+SHAPE_KEYS = SHAPE_FIELDS                 # the [shape] table's keys
 # axis -> (element type, generators it applies to, default)
 AXES = {
     "generator": (str, GENERATORS, None),
@@ -384,7 +385,7 @@ def parse_scenario(data: dict, src: str, name: str) -> Scenario:
             raise UserError(f"{src}: shape.{key} must be an integer, got {value!r}")
     try:
         shape = AttnShape(**shape_t)
-    except WorkloadError as exc:
+    except ShapeError as exc:
         raise UserError(f"{src}: shape: {exc}") from None
     timing = data.get("timing", {})
     if not isinstance(timing, dict):

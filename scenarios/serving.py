@@ -27,6 +27,7 @@ import random
 import torch
 
 from .selection import append_local, assemble, local_blocks, scattered_page_table
+from .tiling import query_tiles
 from .workload import AttnShape, Workload, WorkloadError
 
 GENERATORS = ("decode", "mixed", "drift")
@@ -147,7 +148,7 @@ def serving_selection(shape: AttnShape, kv_lens: list[int], q_counts: list[int],
 
 def drift_expectations(shape: AttnShape, kv_lens: list[int], q_counts: list[int], drift: float,
                        tile: int = 8) -> dict:
-    """The mean neighbour Jaccard and the union_ratio at P = tile this construction implies.
+    """The mean neighbour Jaccard and the union_ratio at P = tile (over the query tiles) this construction implies.
 
     Neighbours (consecutive tokens of one request) share k - X history blocks, X ~ Binomial(k, p),
     and their local block when it is the same one. A tile of g tokens holds U_g distinct history
@@ -165,13 +166,15 @@ def drift_expectations(shape: AttnShape, kv_lens: list[int], q_counts: list[int]
         moved = int((local[1:] != local[:-1]).sum())
         j_sum += same * (n - 1 - moved) + other * moved
         pairs += n - 1
-        for start in range(0, n, tile):
-            g = min(tile, n - start)
+        tile_id, _ = query_tiles(torch.zeros(n, dtype=torch.long), torch.arange(kv - n, kv), tile, causal=True)
+        start = 0
+        for g in torch.bincount(tile_id).tolist():
             u = float(k)
             for _ in range(g - 1):
                 u += k * p * (avail - u) / max(avail - k, 1)
             u_sum += g * (u + int(local[start:start + g].unique().numel()))
             entries += g * shape.topk
+            start += g
     return {"neighbour_jaccard": j_sum / pairs if pairs else None, "union_ratio": u_sum / entries}
 
 

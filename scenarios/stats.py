@@ -12,6 +12,7 @@ import torch
 
 from ..roofline.model import ALL_SCHEDULES
 from ..roofline.schedules import Schedule
+from .tiling import query_tiles
 from .workload import Workload
 
 SCHEDULES = ALL_SCHEDULES      # q-packed at P = 8, this union_ratio
@@ -42,36 +43,22 @@ def selected_pairs(w: Workload) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.unique(key, return_counts=True)
 
 
-def tile_slots(q_request: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tile id [N], position in its tile [N], tokens per tile [tiles]): tiles are `tile` consecutive
-    query tokens of one request, counted from the request's first token (its last tile may be shorter)."""
-    req = q_request.long().cpu()
-    n = req.numel()
-    order = torch.sort(req, stable=True).indices
-    sorted_req = req[order]
-    first = torch.ones(n, dtype=torch.bool)
-    first[1:] = sorted_req[1:] != sorted_req[:-1]
-    start = torch.cummax(torch.where(first, torch.arange(n), torch.zeros(n, dtype=torch.long)), 0).values
-    rank = torch.arange(n) - start                                   # position within the request
-    ids, pos = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
-    ids[order] = (first | (rank % tile == 0)).long().cumsum(0) - 1
-    pos[order] = rank % tile
-    return ids, pos, torch.bincount(ids, minlength=int(ids.max()) + 1 if n else 0)
-
-
-def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int, padded: bool = False) -> float | None:
-    """Co-selection at tile size P = `tile`: sum over (tile, KV head) of tokens in the tile x distinct
-    valid blocks its tokens select, over the valid (token, KV head, block) entries. 1 when every token
+def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int, padded: bool = False,
+                q_limit: torch.Tensor | None = None, causal: bool = False) -> float | None:
+    """Co-selection at tile size P = `tile`: sum over (query tile, KV head) of tokens in the tile x distinct
+    valid blocks its tokens select, over the valid (token, KV head, block) entries. Query tiles as a
+    token-packed kernel cuts them (scenarios/tiling.py; causal ones need q_limit). 1 when every token
     of every tile selects the same blocks, at most P; the FLOPs a token-packed schedule executes are
     the useful ones times this. None when nothing is selected.
-    padded: count every tile as P tokens, as a kernel of P-token tiles computes them: a request's last,
-    shorter tile (a decode request's single token) still runs P x G rows per union block."""
+    padded: count every tile as P tokens, as a kernel of P-token tiles computes them: a request's
+    shorter tiles (a decode request's single token) still run P x G rows per union block."""
     sel = selection.to(torch.int32).cpu()
     hkv, n, topk = sel.shape
     total = int(torch.count_nonzero(sel >= 0))
     if total == 0:
         return None
-    ids, pos, sizes = tile_slots(q_request, tile)
+    ids, pos = query_tiles(q_request.cpu(), None if q_limit is None else q_limit.cpu(), tile, causal)
+    sizes = torch.bincount(ids)
     # each (KV head, tile) row holds its tokens' entries (-1 where none); sorted, its distinct values
     # are 1 + the steps between neighbours, less one for the -1 (which sorts first) where present
     tiles = sizes.numel()
@@ -83,6 +70,11 @@ def union_ratio(selection: torch.Tensor, q_request: torch.Tensor, tile: int, pad
     distinct = (srt[..., 1:] != srt[..., :-1]).sum(-1) + (srt[..., 0] >= 0).long()
     weight = torch.full_like(sizes, tile) if padded else sizes
     return float((distinct * weight.view(1, -1)).sum()) / total
+
+
+def workload_union_ratio(w: Workload, tile: int, padded: bool = False) -> float | None:
+    """union_ratio of the workload's selection over its query tiles."""
+    return union_ratio(w.selection, w.q_request, tile, padded, w.q_limit, w.causal)
 
 
 def _quantiles(counts: torch.Tensor) -> dict:
@@ -131,9 +123,9 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "target_reuse": w.meta.get("target_reuse"),
         "selected_blocks_per_query": valid_entries / (n * s.hkv) if n else 0.0,
         **_quantiles(fanin),
-        **{f"union_ratio_p{p}": union_ratio(w.selection, w.q_request, p) for p in UNION_TILES},
-        # what a kernel of P-token tiles executes: a request's shorter last tile counted as P tokens
-        **{f"executed_union_ratio_p{p}": union_ratio(w.selection, w.q_request, p, padded=True) for p in UNION_TILES},
+        **{f"union_ratio_p{p}": workload_union_ratio(w, p) for p in UNION_TILES},
+        # what a kernel of P-token tiles executes: a request's shorter tiles counted as P tokens
+        **{f"executed_union_ratio_p{p}": workload_union_ratio(w, p, padded=True) for p in UNION_TILES},
         "selected_tokens": vis,
         "selected_tokens_per_query": vis / (n * s.hkv) if n else 0.0,
         "useful_flops": useful_flops(w),
@@ -165,7 +157,7 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
     from ..roofline.model import ModelShape, crossover, packed_crossover_by_dtype, predict
     dev = load_device(device_profile) if isinstance(device_profile, str) else device_profile
     s, n = w.shape, w.n_tokens
-    shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+    shape = ModelShape.of(s, dtype=w.dtype)
     out = {"device": dev.name}
     per_query = valid_entries / (n * s.hkv) if n else 0.0
     for sched in SCHEDULES:
@@ -178,8 +170,7 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
     cross = crossover(shape, dev)
     out["crossover_nsb_per_n"] = cross if math.isfinite(cross) else None
     if n:
-        packed = packed_crossover_by_dtype(dev, n, nsb / n, UNION_TILES[0], dtypes=(w.dtype,), hq=s.hq, hkv=s.hkv,
-                                           head_dim=s.head_dim, block=s.block, topk=s.topk)[w.dtype]
+        packed = packed_crossover_by_dtype(dev, n, nsb / n, UNION_TILES[0], dtypes=(w.dtype,), shape=s)[w.dtype]
         out["packed_crossover_union_ratio"] = (None if packed is None else
                                                float(UNION_TILES[0]) if math.isinf(packed) else packed)
     return out

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import UserError
+from ..roofline.shape import AttnShape  # noqa: F401  (re-exported: the shape a workload carries)
 
 DATA_DTYPES = ("bf16", "fp8", "fp16", "fp32")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -34,27 +35,6 @@ SEED_LIMIT = 2**63        # torch generators take 64-bit seeds; generators also 
 
 class WorkloadError(UserError, ValueError):
     """A workload that cannot be built as asked; the message is one line for the user."""
-
-
-@dataclass(frozen=True)
-class AttnShape:
-    hq: int = 64
-    hkv: int = 4
-    head_dim: int = 128
-    block: int = 128
-    topk: int = 16
-
-    def __post_init__(self):
-        for name in ("hq", "hkv", "head_dim", "block", "topk"):
-            if getattr(self, name) <= 0:
-                raise WorkloadError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.hq % self.hkv:
-            raise WorkloadError(f"hq ({self.hq}) must be a multiple of hkv ({self.hkv})")
-
-    @property
-    def group(self) -> int:
-        """Query heads per KV head (the GQA factor)."""
-        return self.hq // self.hkv
 
 
 def torch_dtype(dtype: str) -> torch.dtype:

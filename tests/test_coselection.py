@@ -42,28 +42,40 @@ def test_union_ratio_by_hand():
 
 
 def test_union_ratio_tiles_stay_within_a_request_and_a_kv_head():
-    # requests interleaved: request 0 holds tokens 0 and 2, request 1 tokens 1 and 3; the same block id
-    # in two requests (or two KV heads) is not shared
+    # a tile holds consecutive tokens of one request: interleaved requests leave every token alone; the
+    # same block id in two requests (or two KV heads) is not shared
     sel = sel_of([[7], [7], [7], [9]])
-    req = torch.tensor([0, 1, 0, 1])
-    assert union_ratio(sel, req, 2) == pytest.approx((2 * 1 + 2 * 2) / 4)
+    assert union_ratio(sel, torch.tensor([0, 1, 0, 1]), 2) == 1.0
+    assert union_ratio(sel, torch.tensor([0, 0, 1, 1]), 2) == pytest.approx((2 * 1 + 2 * 2) / 4)
+    assert union_ratio(sel, torch.tensor([0, 1, 1, 2]), 2) == 1.0
     two_heads = torch.tensor([[[1], [1]], [[1], [2]]], dtype=torch.int32)        # [Hkv 2, N 2, topk 1]
     assert union_ratio(two_heads, torch.zeros(2), 2) == pytest.approx((2 * 1 + 2 * 2) / 4)
+
+
+def test_causal_union_ratio_tiles_are_windows_of_positions():
+    # positions 6..9 at P = 4: tiles {6, 7} and {8, 9}, not {6..9}
+    sel = sel_of([[1], [2], [3], [3]])
+    q_limit = torch.arange(6, 10)
+    assert union_ratio(sel, torch.zeros(4), 4, q_limit=q_limit, causal=True) == pytest.approx((2 * 2 + 2 * 1) / 4)
+    assert union_ratio(sel, torch.zeros(4), 4, padded=True, q_limit=q_limit, causal=True) == pytest.approx(
+        (4 * 2 + 4 * 1) / 4)
+    assert union_ratio(sel, torch.zeros(4), 4) == pytest.approx(4 * 3 / 4)
 
 
 def test_union_ratio_matches_a_loop_and_is_fast():
     gen = torch.Generator().manual_seed(0)
     sel = torch.randint(-1, 40, (3, 61, 5), generator=gen, dtype=torch.int32)
-    req = torch.randint(0, 3, (61,), generator=gen)
+    req = torch.repeat_interleave(torch.tensor([0, 1, 0, 2]), torch.tensor([20, 17, 5, 19]))
     for p in (3, 8):
-        num = 0
-        for r in range(3):
-            idx = (req == r).nonzero().flatten()
-            for start in range(0, len(idx), p):
-                tile = idx[start:start + p]
-                for h in range(3):
-                    b = sel[h, tile]
-                    num += len(tile) * b[b >= 0].unique().numel()
+        num, start = 0, 0
+        while start < 61:                   # tiles: up to p consecutive tokens of one request
+            end = start + 1
+            while end < 61 and end - start < p and req[end] == req[start]:
+                end += 1
+            for h in range(3):
+                b = sel[h, start:end]
+                num += (end - start) * b[b >= 0].unique().numel()
+            start = end
         assert union_ratio(sel, req, p) == pytest.approx(num / int((sel >= 0).sum()))
     big = torch.randint(0, 1024, (4, 16384, 16), generator=gen, dtype=torch.int32)
     best = math.inf

@@ -4,16 +4,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from msa_bench.kernels.packed_tiles import (max_tiles_bound, pack_tiles, plan_tiles, request_segments,
-                                            visible_selection)
+from msa_bench.kernels.packed_tiles import max_tiles_bound, pack_tiles, plan_tiles, visible_selection
 from msa_bench.scenarios.prefill_cases import PrefillCase, prefill_workload
+from msa_bench.scenarios.tiling import tile_keys
 from msa_bench.scenarios.workload import AttnShape
 
 
-def oracle(ids: torch.Tensor, segment: torch.Tensor, tile: int):
+def oracle(ids: torch.Tensor, key: torch.Tensor, tile: int):
     """Tiles [(start, length)] and per (head, tile) {id: set of tile tokens that chose it}."""
     hkv, n, _ = ids.shape
-    seg = segment.tolist()
+    seg = key.tolist()
     tiles, i = [], 0
     while i < n:
         j = i
@@ -42,26 +42,23 @@ def selections(draw):
     lens = draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))
     n = sum(lens)
     causal = draw(st.booleans())
-    block = draw(st.sampled_from([4, 16]))
+    tile = draw(st.sampled_from([1, 8, 16]))
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 12, (hkv, n, k), generator=gen)
     ids[torch.rand(hkv, n, k, generator=gen) < draw(st.sampled_from([0.0, 0.3, 0.9]))] = -1
     q_request = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    if causal:   # positions after a random prefix: segments are (request, query block) pairs
-        q_limit = torch.cat([torch.arange(ln) + int(torch.randint(0, 50, (1,), generator=gen)) for ln in lens])
-        segment = request_segments(q_request, q_limit, block)
-    else:
-        segment = request_segments(q_request)
-    return ids, segment
+    # causal: positions after a random prefix, so tiles are windows of P positions
+    q_limit = torch.cat([torch.arange(ln) + int(torch.randint(0, 50, (1,), generator=gen)) for ln in lens])
+    return ids, tile_keys(q_request, q_limit, tile, causal), tile
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(selections(), st.sampled_from([1, 8, 16]))
-def test_pack_matches_oracle(case, tile):
-    ids, segment = case
-    pack = pack_tiles(ids, segment, tile)
-    tiles, chosen = oracle(ids, segment, tile)
+@given(selections())
+def test_pack_matches_oracle(case):
+    ids, key, tile = case
+    pack = pack_tiles(ids, key, tile)
+    tiles, chosen = oracle(ids, key, tile)
     assert list(zip(pack.start.tolist(), pack.length.tolist())) == tiles
     assert int(pack.tile_count) == len(tiles)
     for h, per_tile in enumerate(chosen):
@@ -81,12 +78,12 @@ def test_pack_matches_oracle(case, tile):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(selections(), st.sampled_from([1, 8, 16]), st.integers(0, 6))
-def test_fixed_size_plan_pads_and_counts(case, tile, extra):
-    ids, segment = case
-    exact = pack_tiles(ids, segment, tile)
+@given(selections(), st.integers(0, 6))
+def test_fixed_size_plan_pads_and_counts(case, extra):
+    ids, key, tile = case
+    exact = pack_tiles(ids, key, tile)
     t = exact.num_tiles
-    fixed = plan_tiles(ids, segment, tile, t + extra)
+    fixed = plan_tiles(ids, key, tile, t + extra)
     assert fixed.union.shape == (ids.shape[0], t + extra, tile * ids.shape[2])
     assert int(fixed.tile_count) == t
     assert torch.equal(fixed.start[:t], exact.start) and torch.equal(fixed.length[:t], exact.length)
@@ -95,26 +92,27 @@ def test_fixed_size_plan_pads_and_counts(case, tile, extra):
     cap = exact.union.shape[-1]
     assert torch.equal(fixed.union[:, :t, :cap], exact.union) and torch.equal(fixed.bits[:, :t, :cap], exact.bits)
     if t > 1:    # too few tiles: the count says so and compact() refuses
-        short = plan_tiles(ids, segment, tile, t - 1)
+        short = plan_tiles(ids, key, tile, t - 1)
         assert int(short.tile_count) == t
         with pytest.raises(ValueError, match="max_tiles"):
             short.compact()
 
 
-def test_bound_holds_for_any_segments():
-    for n, tile, segs in [(1, 8, 1), (17, 8, 3), (128, 16, 1), (5, 1, 5), (33, 16, 33)]:
-        segment = torch.repeat_interleave(torch.arange(segs), torch.tensor([n // segs + (i < n % segs) for i in range(segs)]))
-        pack = pack_tiles(torch.zeros(1, n, 1, dtype=torch.long), segment, tile)
-        assert pack.num_tiles <= max_tiles_bound(n, tile, segs)
+def test_bound_holds_for_any_runs():
+    for n, tile, runs in [(1, 8, 1), (17, 8, 3), (128, 16, 1), (5, 1, 5), (33, 16, 33)]:
+        key = torch.repeat_interleave(torch.arange(runs), torch.tensor([n // runs + (i < n % runs) for i in range(runs)]))
+        pack = pack_tiles(torch.zeros(1, n, 1, dtype=torch.long), key, tile)
+        assert pack.num_tiles <= max_tiles_bound(n, tile, runs)
 
 
 def test_plan_tiles_makes_no_data_dependent_step():
     """Meta tensors hold no data: .item(), nonzero() or a data-sized boolean index would raise. So a plan
     that completes on them has fixed output sizes and never reads a value back to the host."""
     ids = torch.empty(4, 300, 16, dtype=torch.int32, device="meta")
-    segment = torch.empty(300, dtype=torch.long, device="meta")
+    q_request = torch.empty(300, dtype=torch.int32, device="meta")
+    q_limit = torch.empty(300, dtype=torch.int32, device="meta")
     for tile in (1, 8, 16):
-        pack = plan_tiles(ids, segment, tile, 50)
+        pack = plan_tiles(ids, tile_keys(q_request, q_limit, tile, causal=True), tile, 50)
         assert pack.union.shape == (4, 50, tile * 16) and pack.union.device.type == "meta"
         assert pack.bits.dtype == torch.int32 and pack.tile_count.shape == ()
     with pytest.raises((NotImplementedError, RuntimeError)):
@@ -138,10 +136,10 @@ def test_repeated_ids_count_once():
 
 
 def test_real_prefill_query_blocks_share_their_blocks():
-    """The real-prefill rule: tiles cut at (request, query block) hold one block set (union ratio 1)."""
+    """The real-prefill rule: the query tiles hold one block set (union ratio 1), also after unaligned prefixes."""
     shape = AttnShape(hq=8, hkv=2, head_dim=16, block=16, topk=4)
     w = prefill_workload(PrefillCase("t", (50, 21), (70, 16)), shape, "bf16", with_tensors=False)
     for tile in (1, 8, 16):
-        pack = pack_tiles(visible_selection(w), request_segments(w.q_request, w.q_limit, shape.block), tile)
+        pack = pack_tiles(visible_selection(w), tile_keys(w.q_request, w.q_limit, tile, w.causal), tile)
         assert int(pack.executed_entries()) == int(pack.selected_entries())
         assert int(pack.selected_entries()) == int((w.selection >= 0).sum())

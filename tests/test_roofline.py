@@ -6,8 +6,16 @@ import pytest
 from msa_bench.roofline.devices import PRESETS, load_device, preset, profile_for_gpu
 from msa_bench.roofline.model import (ModelShape, crossover, crossover_at, crossover_numeric, predict, traffic,
                                       useful_flops)
+from msa_bench.roofline.shape import AttnShape, ShapeError
 
 SMALL = ModelShape(hq=4, hkv=2, head_dim=8, block=4, topk=2, dtype="bf16")
+
+
+def test_the_model_shape_is_the_attention_shape_with_model_terms():
+    assert ModelShape.of(AttnShape(hq=4, hkv=2, head_dim=8, block=4, topk=2), dtype="bf16") == SMALL
+    assert ModelShape.of(SMALL, dtype="fp8").q_live_heads == 1 and SMALL.group == 2
+    with pytest.raises(ShapeError, match="multiple of hkv"):
+        ModelShape(hq=6, hkv=4)
 
 
 def test_byte_terms_hand_computed_small_shape():

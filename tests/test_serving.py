@@ -10,7 +10,7 @@ from msa_bench.scenarios.grid import load_scenario, make_workload, parse_scenari
 from msa_bench.scenarios.prefill_cases import PrefillCase, prefill_workload
 from msa_bench.scenarios.reference import reference_attention, relative_error
 from msa_bench.scenarios.serving import drift_expectations, neighbour_jaccard, serving_workload
-from msa_bench.scenarios.stats import union_ratio, workload_stats
+from msa_bench.scenarios.stats import workload_stats, workload_union_ratio
 from msa_bench.scenarios.workload import AttnShape
 
 FULL = AttnShape()
@@ -25,7 +25,7 @@ def test_drift_jaccard_and_union_ratio_match_the_closed_form(p):
     w = serving_workload(FULL, "bf16", "drift", tokens=4096, context=65536, drift=p, seed=3, with_tensors=False)
     want = drift_expectations(FULL, [65536], [4096], p)
     got_j = neighbour_jaccard(w.selection, w.q_request)
-    got_u = union_ratio(w.selection, w.q_request, 8)
+    got_u = workload_union_ratio(w, 8)
     assert got_j == pytest.approx(want["neighbour_jaccard"], rel=0.05)
     assert got_u == pytest.approx(want["union_ratio"], rel=0.05)
     # the large-k form the issue states: (1 - p) / (1 + p), near the exact mean
@@ -34,7 +34,7 @@ def test_drift_jaccard_and_union_ratio_match_the_closed_form(p):
 
 def test_drift_zero_keeps_every_block_and_one_replaces_all():
     still = serving_workload(FULL, "bf16", "drift", tokens=256, context=32768, drift=0.0, with_tensors=False)
-    assert union_ratio(still.selection, still.q_request, 8) == 1.0
+    assert workload_union_ratio(still, 8) == 1.0
     moved = serving_workload(FULL, "bf16", "drift", tokens=256, context=32768, drift=1.0, with_tensors=False)
     a, b = moved.selection[:, 1:, :-1], moved.selection[:, :-1, :-1]
     assert not (a.unsqueeze(-1) == b.unsqueeze(-2)).any()

@@ -37,7 +37,8 @@ can change it; G, D, block and tile_q must be powers of two, D, block and tile_q
 Code: index_map.py (IndexMap; CSRBuilder is shared with msa_scatter), scheduler.py (Schedule),
 attention.py (the Triton kernel, also msa-scatter's with STORE_MODE 1), combine.py, config.py
 (launch knobs, TUNED defaults), backend.py (plan; ATTENTION_IMPLS hook for other attention stages),
-stage_checks.py (each stage's output checked independently), triton_mode.py (interpreter on CPU).
+stage_checks.py (each stage's output checked independently); ../triton_common.py (interpreter on CPU)
+is the Triton toolkit every Triton backend shares.
 """
 
 TILE_Q = 8

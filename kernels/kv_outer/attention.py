@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from . import triton_mode  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
+from .. import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
 import triton
 import triton.language as tl
 
@@ -216,9 +216,9 @@ class Attention:
         self.consts = dict(HQ=s.hq, HKV=s.hkv, G=s.group, D=s.head_dim, BLOCK=s.block, TILE_Q=tile_q,
                            V_DMAJOR=self.v_dmajor, IEEE=w.dtype == "fp32", STORE_MODE=store_mode,
                            NUM_STAGES=num_stages, P_SHIFT=self.p_shift,
-                           SOFT_ROUND_P=self.v_dmajor and triton_mode.interpreting(), CHUNK=self.chunk)
+                           SOFT_ROUND_P=self.v_dmajor and triton_common.interpreting(), CHUNK=self.chunk)
         self.launch_opts = dict(num_warps=num_warps, num_stages=num_stages)
-        if self.maxnreg and not triton_mode.interpreting():
+        if self.maxnreg and not triton_common.interpreting():
             self.launch_opts["maxnreg"] = self.maxnreg
 
     def describe(self) -> dict:

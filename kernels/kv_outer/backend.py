@@ -16,9 +16,9 @@ import torch
 
 from ..base import Backend, BackendUnavailable, Plan, register
 from ...roofline.schedules import Schedule
+from ..triton_common import partial_dtype, triton_dtype_reason
 from ...scenarios.workload import Workload
 from .config import KVOuterConfig, default_config, resolve_num_ctas
-from .triton_mode import triton_unavailable_reason
 
 AttentionFactory = Callable[[Workload, dict, KVOuterConfig], Callable[[], None]]
 ATTENTION_IMPLS: dict[str, AttentionFactory] = {}
@@ -37,10 +37,6 @@ def triton_attention(workload: Workload, buffers: dict, config: KVOuterConfig):
     return Attention(workload, buffers, config.tile_q, config.num_ctas, config.attn_num_warps,
                      config.attn_num_stages, STORE_TILES, chunk=config.attn_chunk,
                      chunk_grid=config.attn_chunk_grid, maxnreg=config.attn_maxnreg)
-
-
-def partial_dtype(dtype: str) -> torch.dtype:
-    return torch.float32 if dtype == "fp32" else torch.bfloat16
 
 
 def check_shape(w: Workload, tile_q: int, name: str) -> None:
@@ -82,11 +78,7 @@ class KVStationaryBackend(Backend):
         if self.attention_impl not in ATTENTION_IMPLS:
             return (f"{self.name}: unknown attention implementation {self.attention_impl!r} "
                     f"(have {', '.join(sorted(ATTENTION_IMPLS))})")
-        reason = triton_unavailable_reason(device)
-        if reason is None and dtype == "bf16" and torch.device(device).type == "cpu":
-            reason = (f"{self.name}: bf16 tl.dot gives wrong results in Triton's CPU interpreter; "
-                      "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
-        return reason
+        return triton_dtype_reason(self.name, dtype, device)
 
     def stage_checks(self, plan: Plan, workload: Workload, rows, tol: float) -> dict[str, tuple[bool, str]]:
         from .stage_checks import stage_checks

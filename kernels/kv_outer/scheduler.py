@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_mode  # noqa: F401  (before triton: the interpreter on a CPU)
+from .. import triton_common  # noqa: F401  (before triton: the interpreter on a CPU)
 import triton
 import triton.language as tl
 

@@ -6,7 +6,8 @@ import torch
 from ..base import Plan, register
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
-from ..kv_outer.backend import KVStationaryBackend, partial_dtype
+from ..kv_outer.backend import KVStationaryBackend
+from ..triton_common import partial_dtype
 
 
 @register("msa-scatter")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_outer import triton_mode  # noqa: F401
+from .. import triton_common  # noqa: F401
 import triton
 import triton.language as tl
 

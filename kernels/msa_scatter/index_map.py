@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_outer import triton_mode  # noqa: F401  (before triton: the interpreter on a CPU)
+from .. import triton_common  # noqa: F401  (before triton: the interpreter on a CPU)
 from ..kv_outer.index_map import PLACE_BLOCK, CSRBuilder
 import triton
 import triton.language as tl

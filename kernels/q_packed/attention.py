@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..kv_outer import triton_mode  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
+from .. import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
 import triton
 import triton.language as tl
 
@@ -108,7 +108,7 @@ class PackedAttention:
         self.num_warps, self.num_stages = num_warps, num_stages
         self.consts = dict(HQ=s.hq, HKV=s.hkv, G=s.group, D=s.head_dim, BLOCK=s.block, P=schedule.P,
                            U=schedule.union_cap, V_DMAJOR=self.v_dmajor, IEEE=w.dtype == "fp32",
-                           P_SHIFT=self.p_shift, SOFT_ROUND_P=self.v_dmajor and triton_mode.interpreting(),
+                           P_SHIFT=self.p_shift, SOFT_ROUND_P=self.v_dmajor and triton_common.interpreting(),
                            NUM_STAGES=num_stages)
 
     def describe(self) -> dict:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from ..base import Backend, Plan, register
+from ..kv_outer.backend import check_shape
 from ..options import Number
-from ..kv_outer.backend import check_shape, partial_dtype
-from ..kv_outer.triton_mode import triton_unavailable_reason
+from ..triton_common import partial_dtype, triton_dtype_reason
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
@@ -39,11 +39,7 @@ class QPackedBackend(Backend):
         self.num_stages = num_stages
 
     def unavailable_reason(self, dtype, device):
-        reason = super().unavailable_reason(dtype, device) or triton_unavailable_reason(device)
-        if reason is None and dtype == "bf16" and torch.device(device).type == "cpu":
-            reason = (f"{self.name}: bf16 tl.dot gives wrong results in Triton's CPU interpreter; "
-                      "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
-        return reason
+        return super().unavailable_reason(dtype, device) or triton_dtype_reason(self.name, dtype, device)
 
     def _plan(self, w: Workload) -> Plan:
         from .attention import PackedAttention, packed_quantization

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..base import Backend, Plan, register
-from ..kv_outer.backend import partial_dtype
-from ..kv_outer.triton_mode import triton_unavailable_reason
+from ..triton_common import partial_dtype, triton_unavailable_reason
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig, device_arch,

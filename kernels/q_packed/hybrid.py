@@ -18,10 +18,9 @@ from dataclasses import replace
 import torch
 
 from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
-from ..kv_outer.backend import partial_dtype
 from ..kv_outer.combine import Combine
 from ..options import Choice, Number
-from ..kv_outer.triton_mode import triton_unavailable_reason
+from ..triton_common import partial_dtype, triton_dtype_reason
 from ...roofline.devices import achieved, device_profile
 from ...roofline.hybrid import min_shared_tokens
 from ...roofline.model import ModelShape, predict
@@ -60,10 +59,7 @@ class HybridBackend(Backend):
         return cute if reason is None else get_backend("kv-outer")
 
     def unavailable_reason(self, dtype, device):
-        reason = super().unavailable_reason(dtype, device) or triton_unavailable_reason(device)
-        if reason is None and dtype == "bf16" and torch.device(device).type == "cpu":
-            reason = (f"{self.name}: bf16 tl.dot gives wrong results in Triton's CPU interpreter; "
-                      "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
+        reason = super().unavailable_reason(dtype, device) or triton_dtype_reason(self.name, dtype, device)
         if reason is None:
             kv = self.kv_backend(dtype, device)
             inner = kv.unavailable_reason(dtype, device)
@@ -85,10 +81,9 @@ class HybridBackend(Backend):
     def threshold(self, w: Workload, kv: Backend, packed: str, dev=None) -> tuple[int, str]:
         if self.min_share is not None:
             return self.min_share, "option"
-        s = w.shape
         dev = dev or device_profile(w.device)
         dtype = model_dtype(w.dtype)
-        shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=dtype)
+        shape = ModelShape.of(w.shape, dtype=dtype)
         share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, packed, dtype),
                                   achieved(dev, kv.name, dtype))
         return share, f"roofline ({dev.name})"
@@ -117,7 +112,7 @@ class HybridBackend(Backend):
         if packed > 0:
             tiles = sch.tile_page.view(s.hkv, -1)
             nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
-            shape = ModelShape(hq=s.hq, hkv=s.hkv, head_dim=s.head_dim, block=s.block, topk=s.topk, dtype=w.dtype)
+            shape = ModelShape.of(s, dtype=w.dtype)
             p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
                         union_ratio=executed / packed, tile_tokens=self.tokens_per_tile)
             parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype, inputs.decode)

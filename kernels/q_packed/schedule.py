@@ -1,17 +1,18 @@
 """The q-packed schedule: token tiles (plan time) and their block unions and key limits (a GPU stage).
 
-Token tiles depend only on q_request and q_limit, so plan() cuts them on the host. The unions depend
-on the selection, so stage `schedule` builds them on the device, inside the module's graph: one Triton
-program per (KV head, token tile) loads its P x topk selected ids, ranks each distinct id among the
-tile's distinct ids (sort the (id, entry) pairs, open a slot at the first entry of each id), and writes
-the union in ascending order, its pages, and every token's key limit per union slot. Fixed shapes, no
-host reads.
+Token tiles, the query tiles of scenarios/tiling.py, depend only on q_request and q_limit, so plan()
+cuts them on the host. The unions depend on the selection, so stage `schedule` builds them on the
+device, inside the module's graph: one Triton program per (KV head, token tile) loads its P x topk
+selected ids, ranks each distinct id among the tile's distinct ids (sort the (id, entry) pairs, open a
+slot at the first entry of each id), and writes the union in ascending order, its pages, and every
+token's key limit per union slot. Fixed shapes, no host reads.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kv_outer import triton_mode  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
+from ...scenarios.tiling import query_tiles
+from .. import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
 import triton
 import triton.language as tl
 
@@ -21,25 +22,11 @@ _NO_KEY = tl.constexpr(NO_KEY)   # the same, where a Triton kernel reads it
 
 def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile: int,
                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile_tok0 [Tt], tile_ntok [Tt]) int64 on the host: runs of consecutive tokens of one request whose
-    window (causal: position // P; otherwise the index within the request // P) is the same."""
-    req = q_request.long().cpu()
-    n = req.numel()
-    if n == 0:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    idx = torch.arange(n)
-    new_req = torch.ones(n, dtype=torch.bool)
-    new_req[1:] = req[1:] != req[:-1]
-    if causal:
-        window = q_limit.long().cpu() // tokens_per_tile
-    else:
-        run_start = torch.where(new_req, idx, torch.zeros_like(idx)).cummax(0).values
-        window = (idx - run_start) // tokens_per_tile
-    start = new_req.clone()
-    start[1:] |= window[1:] != window[:-1]
-    tok0 = idx[start]
-    ntok = torch.diff(torch.cat([tok0, torch.tensor([n])]))
-    return tok0, ntok
+    """(tile_tok0 [Tt], tile_ntok [Tt]) int64 on the host: the first token and the token count of each
+    query tile (scenarios/tiling.py)."""
+    tile_id, slot = query_tiles(q_request.cpu(), q_limit.cpu(), tokens_per_tile, causal)
+    tok0 = (slot == 0).nonzero().flatten()
+    return tok0, torch.bincount(tile_id, minlength=tok0.numel())
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""How the Triton kernels run here: compiled on a CUDA GPU, or in Triton's CPU interpreter.
+"""What every Triton backend shares: how its kernels run here (compiled on a CUDA GPU, or in Triton's CPU
+interpreter), why they cannot, and the dtype of their partial outputs.
 
 Triton picks interpreter or compiler when a kernel is *decorated* (reading TRITON_INTERPRET then), so
 on a machine without CUDA this module sets TRITON_INTERPRET=1 before the kernel modules are
@@ -38,3 +39,17 @@ def triton_unavailable_reason(device) -> str | None:
                     "triton is imported")
         return None
     return f"Triton kernels cannot run on device type {kind!r}"
+
+
+def triton_dtype_reason(name: str, dtype: str, device) -> str | None:
+    """triton_unavailable_reason, and for bf16 on a CPU why backend `name` cannot check it there."""
+    reason = triton_unavailable_reason(device)
+    if reason is None and dtype == "bf16" and torch.device(device).type == "cpu":
+        reason = (f"{name}: bf16 tl.dot gives wrong results in Triton's CPU interpreter; "
+                  "check bf16 on a GPU (fp32, fp16 and fp8 run here)")
+    return reason
+
+
+def partial_dtype(dtype: str) -> torch.dtype:
+    """The dtype of the partial and packed outputs the Triton stages write for data in `dtype`."""
+    return torch.float32 if dtype == "fp32" else torch.bfloat16
