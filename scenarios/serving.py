@@ -117,7 +117,8 @@ def _histories(rng: random.Random, hkv: int, n: int, k: int, available: int, dri
                 taken = set(cur)
                 nxt = list(cur)
                 for j in range(k):
-                    if rng.random() < drift:
+                    # a context of few more blocks than k runs out of fresh ones: the block then stays
+                    if rng.random() < drift and len(taken) < available:
                         b = rng.randrange(available)
                         while b in taken:
                             b = rng.randrange(available)

@@ -40,6 +40,25 @@ def test_drift_zero_keeps_every_block_and_one_replaces_all():
     assert not (a.unsqueeze(-1) == b.unsqueeze(-2)).any()
 
 
+def test_drift_in_a_context_with_no_fresh_blocks_to_spare_keeps_the_block():
+    """The sparsity scenario's smallest prefill point (N 2048 at the end of 4K): the first token sees only
+    k + 1 history blocks, so after one replacement no block its predecessor lacked is left. The block
+    stays (this drew forever before); every token still holds k distinct history blocks."""
+    import signal
+    def stop(*_):
+        raise TimeoutError("drift generation did not finish")
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(60)
+    try:
+        w = serving_workload(FULL, "bf16", "drift", tokens=2048, context=4096, drift=0.05, with_tensors=False)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    hist = w.selection[:, :, :-1]
+    assert (hist >= 0).all()
+    assert (hist.sort(-1).values.diff(dim=-1) != 0).all()
+
+
 def test_stats_report_the_drift_and_its_closed_form():
     w = serving_workload(FULL, "bf16", "drift", tokens=1024, context=32768, drift=0.15, with_tensors=False)
     st = workload_stats(w)
