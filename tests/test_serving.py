@@ -270,7 +270,7 @@ def test_every_backend_on_decode_and_mixed(backend, dtype):
               serving_point("decode", FULL, dtype, 0, tokens=None, context=32768, context_min=8192, requests=16,
                             query_tokens=4, drift=0.05),
               serving_point("mixed", FULL, dtype, 0, tokens=2048, context=32768, context_min=8192, requests=128,
-                            drift=0.05)]
+                            chunks=1, drift=0.05)]
     for p in points:
         w = make_workload(p, "cuda")
         try:
