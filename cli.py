@@ -615,10 +615,11 @@ def calibrate(
                                           "per kernel launch and per backend stage) into the existing OUT/profile.json."),
 ):
     """Measure this GPU's HBM read and copy bandwidth, the L2 read plateau (working-set sweep) and the bf16/fp8
-    matmul peaks, then the fixed costs (seconds per kernel launch in a CUDA graph, and per stage of every `auto`
-    candidate: its time at zero roofline time), and write a device profile for `msa-bench roofline --device
-    PROFILE.json` and a PNG of bandwidth versus working set. Needs a CUDA GPU; about two minutes on an H200,
-    the fixed costs alone under one."""
+    matmul peaks, then what the model adds to the roofline (seconds per kernel launch in a CUDA graph; per
+    stage of every `auto` candidate, its time at zero roofline time on decode batches; the fraction of its
+    roofline each reaches on decode; one packed tile's time alone, seconds per block), and write a device
+    profile for `msa-bench roofline --device PROFILE.json` and a PNG of bandwidth versus working set. Needs
+    a CUDA GPU; about four minutes on an H200, the second part alone about two."""
     import json
     from pathlib import Path
     from .errors import UserError, require_cuda
