@@ -619,7 +619,7 @@ def calibrate(
     stage of every `auto` candidate, its time at zero roofline time on decode batches; the fraction of its
     roofline each reaches on decode; one packed tile's time alone, seconds per block), and write a device
     profile for `msa-bench roofline --device PROFILE.json` and a PNG of bandwidth versus working set. Needs
-    a CUDA GPU; about four minutes on an H200, the second part alone about two."""
+    a CUDA GPU; about three minutes on an H200, the second part alone about one (64 s on 2026-12-01)."""
     import json
     from pathlib import Path
     from .errors import UserError, require_cuda
