@@ -198,22 +198,14 @@ def line_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str, plt.
     axis = figure_axis(t)
     if t.empty or "module.tflops" not in t or axis.column not in t:
         return []
-    style, figs = _style(t), []
-    for group, g in groups(t, axis):
-        dtypes = sorted(g["dtype"].unique())
-        fig, axes = plt.subplots(1, len(dtypes), figsize=(6.4 * len(dtypes), 5.6), squeeze=False)
-        for ax, dtype in zip(axes[0], dtypes):
-            gd = g[g["dtype"] == dtype]
-            _measured_panel(ax, gd, style, axis, "module.tflops", "useful TFLOP/s (module)", dtype, group)
-            if device is not None:
-                for sched, v in _model_tflops(gd, device, axis.column).items():
-                    ax.plot(v.index, v.values, "--", color=SCHEDULE_COLORS.get(sched, "grey"), alpha=0.8,
-                            label=f"{sched} roofline ({device.name})")
-        bottom = _legend_below(fig, axes, ncol=3)
-        fig.suptitle(_title(run, f"Throughput vs {axis.kind}"), fontsize=10)
-        fig.tight_layout(rect=(0, bottom, 1, 1))
-        figs.append((f"throughput_{axis.kind}_{slug(group)}.png", fig))
-    return figs
+
+    def rooflines(ax, gd):
+        if device is not None:
+            for sched, v in _model_tflops(gd, device, axis.column).items():
+                ax.plot(v.index, v.values, "--", color=SCHEDULE_COLORS.get(sched, "grey"), alpha=0.8,
+                        label=f"{sched} roofline ({device.name})")
+    return _measured_figures(run, t, axis, "module.tflops", "useful TFLOP/s (module)",
+                             f"Throughput vs {axis.kind}", f"throughput_{axis.kind}", 5.6, rooflines)
 
 
 def bandwidth_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str, plt.Figure]]:
@@ -235,21 +227,31 @@ def bandwidth_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str,
     t = t[t["gbps"].notna()]
     if t.empty:
         return []
+
+    def hbm_line(ax, gd):
+        if device is not None:
+            ax.axhline(device.hbm_bytes_per_s / 1e9, color="black", ls="--", lw=1,
+                       label=f"HBM roofline ({device.name}, {device.hbm_bytes_per_s / 1e12:.2f} TB/s)")
+    return _measured_figures(run, t, axis, "gbps", "GB/s (model HBM bytes / measured module time)",
+                             "HBM bandwidth vs batch size", "bandwidth", 5.2, hbm_line)
+
+
+def _measured_figures(run: Run, t: pd.DataFrame, axis: FigureAxis, column: str, ylabel: str, title: str,
+                      prefix: str, height: float, overlay) -> list[tuple[str, plt.Figure]]:
+    """One figure per group of `axis`, one panel per dtype: each backend's `column` against the axis,
+    then `overlay(ax, the panel's rows)` (rooflines); named PREFIX_GROUP.png."""
     style, figs = _style(t), []
     for group, g in groups(t, axis):
         dtypes = sorted(g["dtype"].unique())
-        fig, axes = plt.subplots(1, len(dtypes), figsize=(6.4 * len(dtypes), 5.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(dtypes), figsize=(6.4 * len(dtypes), height), squeeze=False)
         for ax, dtype in zip(axes[0], dtypes):
             gd = g[g["dtype"] == dtype]
-            _measured_panel(ax, gd, style, axis, "gbps", "GB/s (model HBM bytes / measured module time)",
-                            dtype, group)
-            if device is not None:
-                ax.axhline(device.hbm_bytes_per_s / 1e9, color="black", ls="--", lw=1,
-                           label=f"HBM roofline ({device.name}, {device.hbm_bytes_per_s / 1e12:.2f} TB/s)")
+            _measured_panel(ax, gd, style, axis, column, ylabel, dtype, group)
+            overlay(ax, gd)
         bottom = _legend_below(fig, axes, ncol=3)
-        fig.suptitle(_title(run, "HBM bandwidth vs batch size"), fontsize=10)
+        fig.suptitle(_title(run, title), fontsize=10)
         fig.tight_layout(rect=(0, bottom, 1, 1))
-        figs.append((f"bandwidth_{slug(group)}.png", fig))
+        figs.append((f"{prefix}_{slug(group)}.png", fig))
     return figs
 
 
