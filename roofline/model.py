@@ -84,11 +84,6 @@ class Prediction:
     hbm_terms: dict = field(default_factory=dict)
     l2_terms: dict = field(default_factory=dict)
     executed_flops: float | None = None   # what the MMAs run (q-packed: flops x union_ratio); flops is useful work
-    fixed_s: float = 0.0                  # the stages' fixed costs, in time_s (roofline_s is time_s without them)
-
-    @property
-    def roofline_s(self) -> float:
-        return self.time_s - self.fixed_s
 
 
 def fixed_cost(device: DeviceProfile, backend: str, stages, dtype: str | None = None) -> tuple[float, dict]:
@@ -225,10 +220,10 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
 def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
             selected_per_query: float | None = None, flops: float | None = None,
             l2_capacity: bool = True, union_ratio: float | None = None,
-            tile_tokens: int = DEFAULT_TILE_TOKENS, fixed_s: float = 0.0) -> Prediction:
+            tile_tokens: int = DEFAULT_TILE_TOKENS) -> Prediction:
     """`flops`: the useful FLOPs (default: every query sees all its selected keys); q-packed executes
-    them x union_ratio (masked positions still cost MMA work). `fixed_s` (a backend's `fixed_cost`) is
-    added to the largest roofline term."""
+    them x union_ratio (masked positions still cost MMA work). The roofline time alone: `module_time`
+    adds what a backend's kernels cost beyond it."""
     hbm_terms, l2_terms = traffic(schedule, shape, n_tokens, nsb, selected_per_query,
                                   device if l2_capacity else None, union_ratio, tile_tokens)
     fl = useful_flops(shape, n_tokens, selected_per_query) if flops is None else flops
@@ -237,9 +232,9 @@ def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, devic
     times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
              "mma": executed / device.peak_flops(shape.dtype)}
     binding = binding_of(times)
-    return Prediction(schedule=schedule, time_s=times[binding] + fixed_s, binding=binding, hbm_bytes=hbm_b,
+    return Prediction(schedule=schedule, time_s=times[binding], binding=binding, hbm_bytes=hbm_b,
                       l2_bytes=l2_b, flops=fl, hbm_s=times["hbm"], l2_s=times["l2"], mma_s=times["mma"],
-                      hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed, fixed_s=fixed_s)
+                      hbm_terms=hbm_terms, l2_terms=l2_terms, executed_flops=executed)
 
 
 def union_ratio_floor(shape: ModelShape, nsb_per_n: float, tile_tokens: int = DEFAULT_TILE_TOKENS,

@@ -89,11 +89,12 @@ def test_fixed_cost_takes_the_stage_cost_at_least_its_launches_and_the_dtype_ent
 
 
 def test_predicted_time_is_the_largest_roofline_term_plus_the_fixed_costs():
-    dev = PRESETS["h200"]
+    from msa_bench.roofline.model import module_time
+    dev = replace(PRESETS["h200"], fixed_costs={"stages": {"kv-outer/index_map/bf16": {"s": 300e-6, "launches": 1}}})
     plain = predict("kv-outer", ModelShape(), 16, 16 * 64, dev)
-    fixed = predict("kv-outer", ModelShape(), 16, 16 * 64, dev, fixed_s=300e-6)
-    assert fixed.time_s == pytest.approx(max(plain.hbm_s, plain.l2_s, plain.mma_s) + 300e-6)
-    assert fixed.roofline_s == pytest.approx(plain.time_s) and fixed.binding == plain.binding
+    total, parts = module_time(dev, "kv-outer", "bf16", plain.time_s, ("index_map",))
+    assert total == pytest.approx(max(plain.hbm_s, plain.l2_s, plain.mma_s) + 300e-6)
+    assert total - parts["fixed_s"] == pytest.approx(plain.time_s) and parts["fixed_s"] == pytest.approx(300e-6)
 
 
 def test_profile_json_round_trips_fixed_costs_and_refuses_bad_ones(tmp_path):
