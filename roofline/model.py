@@ -118,7 +118,9 @@ def module_time(device: DeviceProfile, backend: str, dtype: str | None, scaled_s
     return max(scaled_s, floor) + fixed, {"fixed_s": fixed, "item_floor_s": floor}
 
 
-DECODE_TOKENS = 4     # query tokens per request, at most, of decode work (plain, speculative, multi-token)
+# query tokens per request, at most, of decode work (plain, speculative, multi-token): the decode generator's
+# bound and the line between the decode and prefill achieved fractions
+DECODE_TOKENS = 4
 
 
 def is_decode(n_tokens: float, requests: float) -> bool:

@@ -26,12 +26,13 @@ import random
 
 import torch
 
+from ..roofline.model import DECODE_TOKENS
 from .selection import append_local, assemble, local_blocks, scattered_page_table
 from .tiling import query_tiles
 from .workload import AttnShape, Workload, WorkloadError
 
 GENERATORS = ("decode", "mixed", "drift")
-MAX_QUERY_TOKENS = 4           # tokens per decode request: plain, speculative or multi-token decode
+MAX_QUERY_TOKENS = DECODE_TOKENS     # tokens per decode request: plain, speculative or multi-token decode
 
 
 def request_contexts(requests: int, context_min: int, context: int, seed: int) -> list[int]:
