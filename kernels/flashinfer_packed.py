@@ -56,16 +56,22 @@ BSR_FLOAT_WORKSPACE = 512 * MIB
 
 # ---- planning (pure torch: runs on the CPU for tests) -----------------------------------------------
 
-def tile_inputs(w: Workload, route: str, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, tile key) the route packs at P = tile: logical blocks in the query tiles for paged; ids
-    unique across requests (request x blocks + block) over the whole batch as one run for bsr, whose
-    tiles are the block-sparse matrix's rows cut every P."""
+def tile_ids(w: Workload, route: str) -> torch.Tensor:
+    """The ids the route packs: logical blocks for paged; unique across requests (request x blocks +
+    block) for bsr, whose tiles are rows of one block-sparse matrix over the whole batch."""
     sel = visible_selection(w)
     if route == "paged":
-        return sel, tile_keys(w.q_request, w.q_limit, tile, w.causal)
+        return sel
     width = w.page_table.shape[1]
-    ids = torch.where(sel >= 0, w.q_request.long().view(1, -1, 1) * width + sel, sel)
-    return ids, torch.zeros(w.n_tokens, dtype=torch.long, device=sel.device)
+    return torch.where(sel >= 0, w.q_request.long().view(1, -1, 1) * width + sel, sel)
+
+
+def tile_key(w: Workload, route: str, tile: int) -> torch.Tensor:
+    """The runs the route cuts into tiles of P = tile: the query tiles for paged; the whole batch as one
+    run for bsr (its block-sparse rows cut every P)."""
+    if route == "paged":
+        return tile_keys(w.q_request, w.q_limit, tile, w.causal)
+    return torch.zeros(w.n_tokens, dtype=torch.long, device=w.q_request.device)
 
 
 def executed_rows_work(pack: TilePack, group: int) -> int:
@@ -191,7 +197,8 @@ def packed_plan(w: Workload, route: str = DEFAULT_ROUTE, tile: int | None = None
     """Tiles, per-head requests and masks for the route; `tile` None picks 8 or 16 by FA2's work."""
     if route not in ROUTES:
         raise BackendUnavailable(f"flashinfer-packed: unknown route {route!r} (choose {', '.join(ROUTES)})")
-    packs = {p: pack_tiles(*tile_inputs(w, route, p), p) for p in ((tile,) if tile else TILE_SIZES)}
+    ids = tile_ids(w, route)
+    packs = {p: pack_tiles(ids, tile_key(w, route, p), p) for p in ((tile,) if tile else TILE_SIZES)}
     work = {p: executed_rows_work(pk, w.shape.group) for p, pk in packs.items()}
     chosen = min(work, key=lambda p: (work[p], p))
     pack = packs[chosen]
