@@ -131,7 +131,7 @@ def groups(table: pd.DataFrame, axis: FigureAxis | None = None):
         yield {f: first[f] for f in fields_}, g
 
 
-def _given(group: dict) -> dict:
+def given_fields(group: dict) -> dict:
     """The group's fields that have a value (a field some points leave unset, such as drift, is dropped)."""
     return {k: v for k, v in group.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
 
@@ -143,11 +143,11 @@ def _plain_value(v):
 def group_label(group: dict) -> str:
     """'tokens 2048, context 4M'; 'all points' for no group."""
     return ", ".join(f"{k} {short_number(v) if k.startswith('context') else _plain_value(v)}"
-                     for k, v in _given(group).items()) or "all points"
+                     for k, v in given_fields(group).items()) or "all points"
 
 
 def slug(group: dict, extra: str = "") -> str:
-    text = "_".join(f"{k}{_plain_value(v)}" for k, v in _given(group).items()) or "all"
+    text = "_".join(f"{k}{_plain_value(v)}" for k, v in given_fields(group).items()) or "all"
     text = f"{extra}_{text}" if extra else text
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
 
@@ -222,7 +222,8 @@ def short(field: str, value) -> str:
     """A point field's value as a short tick line: N16K, T128K, z1, causal / not causal, or the value."""
     if field == "causal":
         return "causal" if value else "not causal"
-    prefix = {"tokens": "N", "context": "T", "skew": "z", "requests": "B", "share": "s"}.get(field, f"{field} ")
+    prefix = {"tokens": "N", "context": "T", "skew": "z", "requests": "B", "share": "s", "query_tokens": "q",
+              "context_min": "T>=", "drift": "p"}.get(field, f"{field} ")
     if not isinstance(value, (int, float, np.number)) or isinstance(value, bool):
         return str(value)
-    return f"{prefix}{short_number(value) if field in ('tokens', 'context') else format(float(value), 'g')}"
+    return f"{prefix}{short_number(value) if field in ('tokens', 'context', 'context_min') else format(float(value), 'g')}"

@@ -21,7 +21,8 @@ from ..roofline.schedules import Schedule  # noqa: E402
 from ..roofline.shape import AttnShape  # noqa: E402
 
 from .axes import (AXES, CASE, CONTEXT, POINTS, REQUESTS, REUSE, TOKENS, UNION, UNION_AXIS,  # noqa: E402
-                   FigureAxis, figure_axis, group_fields, group_label, groups, point_id, point_order, ratio_label,
+                   FigureAxis, figure_axis, given_fields, group_fields, group_label, groups, point_id, point_order,
+                   ratio_label,
                    short, short_number, slug, varying_fields)
 from .prediction import predict_point  # noqa: E402
 from .results import Run  # noqa: E402
@@ -276,7 +277,7 @@ def _point_labels(t, axis: FigureAxis, order: list[str]) -> list[str]:
             lines = [ratio_label(r[axis.column])]
         else:
             lines = [f"{r[axis.column]:.3g}"]
-        group = [short(f, r[f]) for f in fields_]
+        group = [short(f, v) for f, v in given_fields({f: r[f] for f in fields_}).items()]
         out.append("\n".join(lines + (group if group != previous else [])))
         previous = group
     return out
