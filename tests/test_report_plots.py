@@ -19,7 +19,7 @@ COMMITTED_REPORTS = sorted(p for p in (ROOT / "h200").glob("*/report") if p.is_d
 
 
 @pytest.mark.parametrize("run", [ROOT / "fixtures" / "smoke-run", ROOT / "h200" / "co-selection",
-                                 ROOT / "h200" / "real-prefill", ROOT / "h200" / "reuse-sweep"],
+                                 ROOT / "h200" / "real-prefill", ROOT / "h200" / "drift"],
                          ids=lambda p: p.name)
 def test_stage_figures_keep_labels_flat_and_the_legend_off_the_bars(run):
     for name, fig in stage_figures(load_run(run)):
