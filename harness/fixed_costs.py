@@ -3,16 +3,19 @@
 Launch: a CUDA graph of k one-element kernels, k = 1 .. 64; the cost of one launch is the Theil-Sen slope
 of replay time against k.
 Fixed costs: every `auto` candidate that runs here is planned and timed (harness/timing.py: CUDA graphs,
-cold L2) on decode batches of FIXED_REQUESTS one-token requests, enough packed tiles or KV-outer pairs for
-several per SM, so the module follows its roofline; a stage's fixed cost is the Theil-Sen intercept of its
-time against the backend's roofline time (roofline/calibrate.py), the stage intercepts scaled to sum to the
-module's (the stages are timed one graph each, the module as one); 1 / the module's slope is the
-fraction of its roofline the backend reaches on decode work ("decode_achieved"). Kernel launches per
-stage are counted with the PyTorch profiler on one eager run.
-Items: a backend with work items (a packed tile: `Backend.item_blocks`) is timed on one request whose few
-tiles cannot fill the GPU (ITEM_POINTS: 16 to about 120 blocks a tile); its module time less its fixed
-cost, against the blocks a tile walks, gives the time one item takes alone (Theil-Sen: s + blocks x
-block_s).
+cold L2) on the latency point (LATENCY_POINT: one token over its top-k blocks, the least work a module
+runs); a module's fixed cost is its time there, less its one item's walk for a backend with items, and its
+stages share it as their own times there (each stage timed alone, one graph each). The fixed cost measured
+as the intercept of a line through large batches instead was 1.8x a one-request module's whole time (KV-
+outer: 144 us against 80), which put every small decode batch 20-80 % over its measured time.
+Decode fractions: on decode batches of FIXED_REQUESTS one-token requests (several packed tiles or KV-outer
+pairs per SM), the median of roofline time / (module time less its fixed cost) is the fraction of its
+roofline the backend reaches on decode work ("decode_achieved"). Kernel launches per stage are counted
+with the PyTorch profiler on one eager run.
+Items: a backend with work items (a packed tile: `Backend.item_blocks`) is also timed on one request whose
+few tiles cannot fill the GPU (ITEM_POINTS: about 50 and 120 blocks a tile); the Theil-Sen line of module
+time against the blocks a tile walks (the latency point's 16 included) gives its fixed cost (the
+intercept) and one block's walk on one SM (block_s).
 A candidate whose first plan would JIT-build a kernel (Backend.build_pending_reason), or whose plan and
 timing on one workload take over CANDIDATE_SECONDS, is skipped with its reason printed, so the step stays
 within its time.
@@ -24,12 +27,14 @@ import time
 
 import torch
 
-from ..roofline.calibrate import fixed_costs_entry, theil_sen
+from ..roofline.calibrate import theil_sen
 from ..roofline.devices import DeviceProfile
 from .timing import MODULE, TimingConfig, time_plan
 
 FIXED_REQUESTS = (264, 528, 792, 1056)      # 2 to 8 one-token requests per SM: 8 to 32 packed tiles per SM
 FIXED_CONTEXT = (8192, 16384)                # each request's context, uniform in this range
+# one token over the top-k blocks (a context of 16 x 128 keys): what a module costs at no work to speak of
+LATENCY_POINT = ("decode", {"requests": 1, "context": 2048})
 ITEM_POINTS = (("decode", {"requests": 1, "context": 16384}),       # (generator, options): 4 tiles of 16 blocks
                ("drift", {"tokens": 8, "context": 131072, "drift": 0.3}),   # one 8-token tile: ~50 blocks
                ("drift", {"tokens": 8, "context": 131072, "drift": 1.0}))   # ~115 blocks
@@ -87,6 +92,11 @@ def calibration_points(dtype: str, shape=None, requests=FIXED_REQUESTS, context=
     for n in requests:
         yield point_from_options("decode", shape or AttnShape(), dtype, requests=n, context_min=context[0],
                                  context=context[1])
+
+
+def latency_points(dtype: str, shape=None):
+    """The latency point (LATENCY_POINT): the least work a module runs."""
+    return item_points(dtype, shape, (LATENCY_POINT,))
 
 
 def item_points(dtype: str, shape=None, points=ITEM_POINTS):
@@ -165,57 +175,54 @@ def pick_dependent(name: str) -> bool:
         return False
 
 
-def fit_series(series: dict) -> dict:
-    """The profile's "stages" table from measure_series: per backend, stage and dtype, the stage's
-    intercept scaled so a backend's stages sum to its module's intercept. A stage is fitted on the rows
-    that ran it (a hybrid unit may run fewer stages than another) and skipped where those rows hold
-    fewer than two roofline times; a backend whose stages depend on its pick is skipped."""
+def fit_series(latency: dict, items: dict | None = None) -> dict:
+    """The profile's "stages" table: per backend, stage and dtype, the stage's share of the module's fixed
+    cost. The module's fixed cost is its time on the latency point (LATENCY_POINT), less the walk of its
+    one item where it has items (the intercept `items` holds); the stages share it as their own times there
+    (each timed alone, one graph each). A stage the latency point did not run (a hybrid runs one side) takes
+    its time on the least-work row that ran it; a backend whose stages depend on its pick is skipped."""
     stages = {}
-    for (name, dtype), rows in series.items():
-        if len({r[0] for r in rows}) < 2 or pick_dependent(name):
+    for (name, dtype), rows in latency.items():
+        if not rows or pick_dependent(name):
             continue
-        xs = [r[0] for r in rows]
-        module = max(0.0, theil_sen(xs, [r[1][MODULE] for r in rows])[0])
+        rows = sorted(rows, key=lambda r: r[0])
+        module = (items or {}).get(f"{name}/{dtype}", {}).get("intercept_s", rows[0][1][MODULE])
         names = list(dict.fromkeys(s for r in rows for s in r[1] if s != MODULE))
-        raw = {}
-        for s in names:
-            have = [r for r in rows if s in r[1]]
-            if len({r[0] for r in have}) >= 2:
-                raw[s] = fixed_costs_entry([r[0] for r in have], [r[1][s] for r in have],
-                                           max(r[2].get(s, 0) for r in have))
-        total = sum(e["s"] for e in raw.values())
-        for s, e in raw.items():
-            share = e["s"] / total if total > 0 else 1.0 / len(raw)
-            stages[f"{name}/{s}/{dtype}"] = {**e, "stage_intercept_s": e["s"], "s": module * share,
-                                             "module_intercept_s": module}
+        own = {s: next((r[1][s], r[2].get(s, 0)) for r in rows if s in r[1]) for s in names}
+        total = sum(t for t, _ in own.values())
+        for s, (t, launches) in own.items():
+            share = t / total if total > 0 else 1.0 / len(own)
+            stages[f"{name}/{s}/{dtype}"] = {"s": max(0.0, module) * share, "latency_s": t, "launches": int(launches),
+                                             "module_s": max(0.0, module)}
     return stages
 
 
-def fit_decode_achieved(series: dict) -> dict:
-    """{"backend/dtype": 1 / the module's Theil-Sen slope against its roofline time} over the decode
-    batches (at least two roofline times), where within (0, MAX_ACHIEVED]."""
+def fit_decode_achieved(series: dict, stages: dict) -> dict:
+    """{"backend/dtype": the median over the decode batches of roofline time / (module time less the
+    backend's fixed cost from `stages`)}, where within (0, MAX_ACHIEVED]."""
     from ..roofline.devices import MAX_ACHIEVED
     out = {}
     for (name, dtype), rows in series.items():
-        if len({r[0] for r in rows}) < 2 or pick_dependent(name):
+        if pick_dependent(name):
             continue
-        slope = theil_sen([r[0] for r in rows], [r[1][MODULE] for r in rows])[1]
-        if slope > 0 and 1.0 / slope <= MAX_ACHIEVED:
-            out[f"{name}/{dtype}"] = 1.0 / slope
+        fixed = sum(e["s"] for k, e in stages.items() if k.startswith(f"{name}/") and k.endswith(f"/{dtype}"))
+        fractions = [r[0] / (r[1][MODULE] - fixed) for r in rows if r[1][MODULE] > fixed and r[0] > 0]
+        if fractions and 0 < statistics.median(fractions) <= MAX_ACHIEVED:
+            out[f"{name}/{dtype}"] = statistics.median(fractions)
     return out
 
 
-def fit_items(series: dict, stages: dict) -> dict:
-    """{"backend/dtype": {"s", "block_s", "points"}}: the Theil-Sen fit of module time less the backend's
-    fixed cost (from `stages`) against its item blocks, for backends with items at two or more sizes."""
+def fit_items(series: dict) -> dict:
+    """{"backend/dtype": {"s": 0, "block_s", "intercept_s", "points"}}: the Theil-Sen fit of module time against
+    the blocks its item walks, for backends with items at two or more sizes (the latency point's and
+    ITEM_POINTS'); the intercept is the module's fixed cost (fit_series), the slope one block's walk."""
     out = {}
     for (name, dtype), rows in series.items():
         have = [r for r in rows if r[3] is not None]
         if len({r[3] for r in have}) < 2:
             continue
-        fixed = sum(e["s"] for k, e in stages.items() if k.startswith(f"{name}/") and k.endswith(f"/{dtype}"))
-        a, b = theil_sen([r[3] for r in have], [r[1][MODULE] - fixed for r in have])
-        out[f"{name}/{dtype}"] = {"s": max(0.0, a), "block_s": max(0.0, b), "points": len(have)}
+        a, b = theil_sen([r[3] for r in have], [r[1][MODULE] for r in have])
+        out[f"{name}/{dtype}"] = {"s": 0.0, "block_s": max(0.0, b), "intercept_s": max(0.0, a), "points": len(have)}
     return out
 
 
@@ -227,16 +234,19 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print) -> dict:
     t0 = time.perf_counter()
     launch, points = launch_seconds(torch.device("cuda"))
     log(f"  kernel launch in a CUDA graph: {launch * 1e6:.2f} us")
-    series = measure_series(profile, log=log)
-    stages = fit_series(series)
-    with_items = {name for (name, _), rows in series.items() if any(r[3] is not None for r in rows)}
-    items = fit_items(measure_series(profile, log=log, points=item_points, only=with_items), stages) \
-        if with_items else {}
+    latency = measure_series(profile, log=log, points=latency_points)
+    with_items = {name for (name, _), rows in latency.items() if any(r[3] is not None for r in rows)}
+    item_series = measure_series(profile, log=log, points=item_points, only=with_items) if with_items else {}
+    items = fit_items({k: latency.get(k, []) + item_series.get(k, []) for k in set(latency) | set(item_series)})
+    stages = fit_series(latency, items)
+    batches = measure_series(profile, log=log)
+    generator, options = LATENCY_POINT
     return {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
-            "decode_achieved": fit_decode_achieved(series), "items": items,
-            "method": f"stages: Theil-Sen intercept of stage time against roofline time on decode batches of "
-                      f"{list(FIXED_REQUESTS)} one-token requests, contexts {FIXED_CONTEXT[0]}-{FIXED_CONTEXT[1]}, "
-                      f"stage intercepts scaled to sum to the module's; decode_achieved: 1 / the module's slope "
-                      f"there; items: module time less fixed cost against a tile's blocks on {len(ITEM_POINTS)} "
-                      f"one-request workloads",
+            "decode_achieved": fit_decode_achieved(batches, stages), "items": items,
+            "method": f"stages: the module's time on the latency point ({generator} {options}), less its one "
+                      f"item's walk where it has items, shared by the stages as their own times there; "
+                      f"decode_achieved: the median of roofline time / (module time less that) on decode batches "
+                      f"of {list(FIXED_REQUESTS)} one-token requests, contexts {FIXED_CONTEXT[0]}-{FIXED_CONTEXT[1]}; "
+                      f"items: Theil-Sen of module time against a tile's blocks on the latency point and "
+                      f"{len(ITEM_POINTS)} one-request workloads",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}

@@ -184,33 +184,67 @@ def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
             "worst": float(r.max()), "median": float(r.median())}
 
 
-def predicted_module_s(row, device: DeviceProfile) -> float:
-    """The model's module time for a unit row: `auto` units carry their pick's prediction in plan_info;
-    others, roofline.model.module_time of the row's roofline (model_time_s) with `device`'s achieved
-    fraction, item floor and fixed costs of the stages the unit ran. NaN where the unit has no model time
-    (hybrid, CPU runs)."""
-    info = _info(row.get("plan_info"))
-    if row["backend"] == "auto":
-        a = info.get("auto") or {}
-        return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
-    roof = row.get("module.model_time_s", np.nan)
-    if not isinstance(roof, (int, float)) or not math.isfinite(roof):
-        return float("nan")
-    dtype = row["dtype"] if row["dtype"] in ("bf16", "fp8") else "bf16"
+def _model_parts(row, device: DeviceProfile):
+    """(backend, today's roofline seconds, the stages the unit ran, its item blocks) for a
+    unit row the model predicts, else None (Backend.unmodelled_reason; hybrid; a backend not registered
+    here; a row without what the roofline needs, such as CPU runs)."""
+    try:
+        backend = get_backend(row["backend"])
+    except KeyError:
+        return None
+    union = row.get(f"wl_union_ratio_p{backend.tile_tokens}", np.nan)
+    union = float(union) if isinstance(union, (int, float)) and math.isfinite(union) else None
+    if backend.unmodelled_reason(lambda: union):
+        return None
+    schedule = schedule_of(row["backend"], row.get("plan_info"))
+    pred = _predict_row(row, schedule, device) if schedule else None
+    if pred is None:
+        return None
     # `device`'s fixed costs, not the run's module.model_fixed_s: that one is the profile's at run time
     stages = [s for s in STAGE_ORDER + ("gather", "output")
               if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
+    blocks = row["wl_topk"] * union if backend.schedule == Schedule.Q_PACKED and union else None
+    return backend, pred.time_s, stages, blocks
+
+
+def _dtype(row) -> str:
+    return row["dtype"] if row["dtype"] in ("bf16", "fp8") else "bf16"
+
+
+def predicted_module_s(row, device: DeviceProfile) -> float:
+    """The model's module time for a unit row: `auto` units carry their pick's prediction in plan_info;
+    others, roofline.model.module_time of today's roofline for the row's workload (its wl_ statistics) with
+    `device`'s achieved fraction, item floor and fixed costs of the stages the unit ran. NaN where the model
+    does not predict the unit (_model_parts)."""
+    if row["backend"] == "auto":
+        a = _info(row.get("plan_info")).get("auto") or {}
+        return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
+    parts = _model_parts(row, device)
+    if parts is None:
+        return float("nan")
+    _, roof, stages, blocks = parts
     decode = is_decode(row.get("wl_n_tokens", 0), row.get("wl_requests", 0))
-    blocks = None
-    try:
-        backend = get_backend(row["backend"])
-        union = row.get(f"wl_union_ratio_p{backend.tile_tokens}", np.nan)
-        if backend.schedule == Schedule.Q_PACKED and isinstance(union, float) and math.isfinite(union):
-            blocks = row["wl_topk"] * union
-    except KeyError:               # a backend not registered here: no item floor
-        pass
-    scaled = roof / achieved(device, row["backend"], dtype, decode)
-    return module_time(device, row["backend"], dtype, scaled, stages, blocks)[0]
+    scaled = roof / achieved(device, row["backend"], _dtype(row), decode)
+    return module_time(device, row["backend"], _dtype(row), scaled, stages, blocks)[0]
+
+
+def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
+    """Per backend and dtype, over the run's prefill units the model predicts: the fraction of today's
+    roofline the module reaches once its fixed costs (`device`'s) are taken off, roofline / (measured -
+    fixed); median and range. The median is what a device profile's `achieved` holds."""
+    t = ok_units(run)
+    rows = []
+    for _, r in t.iterrows() if not t.empty and "module.median_s" in t else ():
+        if r["backend"] == "auto" or is_decode(r.get("wl_n_tokens", 0), r.get("wl_requests", 0)):
+            continue
+        parts = _model_parts(r, device)
+        fixed = fixed_cost(device, r["backend"], parts[2], _dtype(r))[0] if parts else 0.0
+        if parts is not None and r["module.median_s"] > fixed:
+            rows.append({"backend": r["backend"], "dtype": _dtype(r), "f": parts[1] / (r["module.median_s"] - fixed)})
+    if not rows:
+        return pd.DataFrame(columns=["backend", "dtype", "units", "achieved", "min", "max"])
+    f = pd.DataFrame(rows).groupby(["backend", "dtype"])["f"]
+    return pd.DataFrame({"units": f.size(), "achieved": f.median(), "min": f.min(), "max": f.max()}).reset_index()
 
 
 def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:

@@ -83,6 +83,12 @@ class Backend:
 
     def model_unfit_reason(self, w: Workload, inputs: ModelInputs) -> str | None:
         """None where the model predicts this backend on `w`, else why not."""
+        return self.unmodelled_reason(lambda: inputs.union_ratio(self.tile_tokens))
+
+    def unmodelled_reason(self, union_ratio) -> str | None:
+        """The rule behind model_unfit_reason, for a workload or a result row: None where the model predicts
+        this backend at the workload's union_ratio (at its tile_tokens; `union_ratio()` gives it, None if
+        unknown), else why not."""
         from ..roofline.model import ALL_SCHEDULES
         if self.schedule not in ALL_SCHEDULES:
             return f"{self.name}: the model has no schedule '{self.schedule}'"
@@ -97,11 +103,13 @@ class Backend:
         the fraction of it the backend reaches on this device (on decode work, the decode one). Fixed costs
         are not in it."""
         from ..roofline.devices import achieved
-        from ..roofline.model import predict
-        # a packed tile runs P x G rows per union block however few tokens it holds (decode: one)
-        union = inputs.union_ratio(self.tile_tokens, padded=True) if self.schedule == Schedule.Q_PACKED else None
+        from ..roofline.model import Q_OUTER_WINDOW, predict
+        # a packed tile runs P x G rows per union block however few tokens it holds (decode: one); Q-outer's
+        # re-reads hit the L2 inside its window of tokens
+        tile = {Schedule.Q_PACKED: self.tile_tokens, Schedule.Q_OUTER: Q_OUTER_WINDOW}.get(self.schedule)
+        union = inputs.union_ratio(tile, padded=True) if tile else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
-                    inputs.flops, union_ratio=union, tile_tokens=self.tile_tokens)
+                    inputs.flops, union_ratio=union, tile_tokens=tile or self.tile_tokens)
         frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode)
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         if union is not None:

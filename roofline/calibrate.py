@@ -115,8 +115,8 @@ def l2_and_hbm_plateaus(sizes, bandwidths, l2_bytes: int, rel_tol: float = 0.1) 
 
 def theil_sen(xs, ys) -> tuple[float, float]:
     """(intercept, slope) of y against x, robust to outliers: the slope is the median of the pairwise
-    slopes, the intercept the median of y - slope x. A stage's fixed cost is its time at zero roofline
-    time: the intercept of its measured times against the module's roofline times."""
+    slopes, the intercept the median of y - slope x (a packed module's time against its tile's blocks:
+    the intercept is its fixed cost, the slope one block's walk)."""
     pts = [(float(x), float(y)) for x, y in zip(xs, ys)]
     if len(pts) < 2:
         raise UserError("a fixed-cost fit needs at least 2 (roofline time, measured time) points")
@@ -125,12 +125,6 @@ def theil_sen(xs, ys) -> tuple[float, float]:
         raise UserError("a fixed-cost fit needs points at 2 or more roofline times")
     slope = statistics.median(slopes)
     return statistics.median(y - slope * x for x, y in pts), slope
-
-
-def fixed_costs_entry(xs, ys, launches: int) -> dict:
-    """One stage's fixed-cost entry: the Theil-Sen intercept (never below 0), its slope and launches."""
-    intercept, slope = theil_sen(xs, ys)
-    return {"s": max(0.0, intercept), "slope": slope, "launches": int(launches), "points": len(xs)}
 
 
 def with_fixed_costs(data: dict, fixed_costs: dict, origin: str) -> DeviceProfile:
@@ -380,5 +374,5 @@ def calibrate(out_dir: Path, quick: bool = False, name: str | None = None, log=p
     return {"profile_path": out_dir / "profile.json", "png_path": png, "profile": profile, "seconds": m["seconds"]}
 
 
-__all__ = ["theil_sen", "fixed_costs_entry", "with_fixed_costs", "Plateau", "find_plateaus", "l2_window", "l2_and_hbm_plateaus", "build_profile", "write_profile", "plot_sweep",
+__all__ = ["theil_sen", "with_fixed_costs", "Plateau", "find_plateaus", "l2_window", "l2_and_hbm_plateaus", "build_profile", "write_profile", "plot_sweep",
            "run_calibration", "calibrate"]

@@ -56,15 +56,7 @@ PRESETS: dict[str, DeviceProfile] = {
         name="h200", hbm_bytes_per_s=4.19 * TB, l2_bytes_per_s=8.1 * TB,
         mma_flops={"bf16": 788e12, "fp8": 1435e12}, l2_bytes=60 * MIB, sms=132,
         source="measured on the lent H200 on 2026-11-29 (shared/measured/h200.json): HBM copy 4.19 TB/s, "
-               "L2 read 8.1 TB/s, bf16 8192^3 matmul 788 TFLOP/s, fp8 _scaled_mm 1435 TFLOP/s; achieved: the "
-               "median fraction of the roofline each module reached over the co-selection grid, 2026-12-01 "
-               "(`msa-bench report results/h200/co-selection`, 'Achieved fraction')",
-        achieved={"kv-outer-cute/bf16": 0.68, "kv-outer-cute/fp8": 0.82, "q-packed-cute/bf16": 0.89,
-                  "q-packed-cute/fp8": 0.59, "kv-outer/bf16": 0.61, "kv-outer/fp8": 0.71,
-                  "q-packed/bf16": 0.60, "q-packed/fp8": 0.33, "msa-scatter/bf16": 0.56,
-                  "msa-scatter/fp8": 0.64, "flashinfer/bf16": 1.55, "flashinfer/fp8": 0.51,
-                  # flashinfer-packed is a candidate only at union_ratio 1: its u 1 point
-                  "flashinfer-packed/bf16": 0.48, "flashinfer-packed/fp8": 0.18}),
+               "L2 read 8.1 TB/s, bf16 8192^3 matmul 788 TFLOP/s, fp8 _scaled_mm 1435 TFLOP/s"),
 }
 
 _REQUIRED = {"name": str, "hbm_bytes_per_s": (int, float), "l2_bytes_per_s": (int, float),
@@ -164,24 +156,34 @@ def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
     return DeviceProfile(**known)
 
 
-# a preset GPU's fixed costs as `msa-bench calibrate --fixed-costs-only` measured them (the committed copy)
+# a preset GPU's fixed costs as `msa-bench calibrate --fixed-costs-only` measured them and its achieved
+# fractions as scripts/fit-achieved.py fitted them (the committed copy)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION_FILES = {"h200": "roofline/profiles/h200.json"}     # package data: an installed copy reads it too
 
 
 def preset(name: str) -> DeviceProfile:
-    """The preset `name` with the fixed costs of its committed calibration, where that holds some."""
+    """The preset `name` with the fixed costs and achieved fractions of its committed calibration, where
+    that holds valid ones (else the preset alone: every fraction 1, no fixed costs)."""
     base = PRESETS[name]
     path = PACKAGE_ROOT / CALIBRATION_FILES.get(name, "-")
-    if base.fixed_costs or not path.is_file():
+    if not path.is_file():
         return base
     try:
-        fc = json.loads(path.read_text()).get("fixed_costs") or {}
+        data = json.loads(path.read_text())
+        fc, ach = data.get("fixed_costs") or {}, data.get("achieved") or {}
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return base
-    if not fc or fixed_costs_problem(fc):
+    changes, said = {}, []
+    if fc and not base.fixed_costs and not fixed_costs_problem(fc):
+        changes["fixed_costs"], said = fc, ["fixed costs"]
+    if ach and not base.achieved and isinstance(ach, dict) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_ACHIEVED for v in ach.values()):
+        changes["achieved"] = ach
+        said.append(f"achieved fractions ({data.get('achieved_source', 'fitted')})")
+    if not changes:
         return base
-    return replace(base, fixed_costs=fc, source=f"{base.source}; fixed costs: {CALIBRATION_FILES[name]}")
+    return replace(base, **changes, source=f"{base.source}; {' and '.join(said)}: {CALIBRATION_FILES[name]}")
 
 
 def load_device(name_or_path: str) -> DeviceProfile:

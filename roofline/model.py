@@ -35,6 +35,10 @@ from .shape import SHAPE_FIELDS, AttnShape
 SCHEDULES = (Schedule.Q_OUTER, Schedule.KV_OUTER, Schedule.MSA_SCATTER)   # bytes and FLOPs independent of co-selection
 ALL_SCHEDULES = (*SCHEDULES, Schedule.Q_PACKED)          # q-packed needs union_ratio; dense-masked: predict_dense
 DEFAULT_TILE_TOKENS = 8                                    # P of q-packed unless a plan records its own
+# Q-outer's L2 reuse window: re-reads among this many consecutive tokens of a request hit the L2 (they run
+# at about the same time); their union at most (16 x Hkv x topk blocks: 64 MiB bf16) is about the L2, so
+# only re-reads across windows can miss. The union_ratio at this P measures it (scenarios/stats.py).
+Q_OUTER_WINDOW = 16
 MASK_BITS = 1                  # q-packed: membership of each tile token in each union block
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 INDEX_BYTES = 4
@@ -156,7 +160,8 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
             device: DeviceProfile | None = None, union_ratio: float | None = None,
             tile_tokens: int = DEFAULT_TILE_TOKENS) -> tuple[dict, dict]:
     """Byte terms (hbm_terms, l2_terms) for one launch. `device` given -> L2-capacity misses included.
-    union_ratio (default 1: a tile's tokens select alike) and tile_tokens P apply to q-packed only."""
+    union_ratio at tile_tokens P (padded: every tile counted as P tokens): q-packed's tiles (default 1: a
+    tile's tokens select alike); Q-outer's L2 reuse window (P = Q_OUTER_WINDOW; default: no window)."""
     if schedule not in ALL_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}")
     s = shape
@@ -178,7 +183,10 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
         hbm["index"] = l2["index"] = index
         miss = _miss_rate(kv_unique, device)
         if miss:
-            hbm["kv_l2_miss_reread"] = max(0.0, kv_rereads - kv_unique) * miss
+            # union_ratio at P = the window (Q_OUTER_WINDOW): the blocks each window of P tokens loads;
+            # re-reads inside a window hit, the rest miss at the LRU rate. None: no window (every re-read)
+            windows = kv_rereads if union_ratio is None else kv_rereads * union_ratio / tile_tokens
+            hbm["kv_l2_miss_reread"] = max(0.0, windows - kv_unique) * miss
         return hbm, l2
 
     if schedule == Schedule.Q_PACKED:

@@ -1,0 +1,56 @@
+"""Fit a device's achieved fractions on one run folder and write them into its committed calibration.
+
+Per backend and dtype, the median over the run's prefill units of today's roofline / (measured module time
+less the profile's fixed costs of the stages the unit ran) (harness.tables.fit_achieved; units the model
+does not predict left out). The H200's are fitted on results/h200/co-selection, after its fixed costs were
+measured (`msa-bench calibrate --fixed-costs-only`); every other run is out of sample
+(scripts/auto-validation.py).
+
+    python scripts/fit-achieved.py results/h200/co-selection [--device h200] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from msa_bench.errors import UserError
+from msa_bench.harness.results import load_run
+from msa_bench.harness.tables import fit_achieved
+from msa_bench.roofline.devices import CALIBRATION_FILES, PACKAGE_ROOT, load_device
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", help="the run folder to fit on (msa-bench sweep --out)")
+    ap.add_argument("--device", default="h200", help="the preset whose calibration file gets them (default h200)")
+    ap.add_argument("--write", action="store_true", help="write them into the preset's calibration file")
+    args = ap.parse_args(argv)
+    if args.device not in CALIBRATION_FILES:
+        print(f"error: no calibration file for {args.device!r} (have {', '.join(CALIBRATION_FILES)})", file=sys.stderr)
+        return 2
+    try:
+        run = load_run(args.run)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    device = replace(load_device(args.device), achieved={})      # roofline and fixed costs only
+    table = fit_achieved(run, device)
+    if table.empty:
+        print(f"error: {args.run} has no prefill unit the model predicts", file=sys.stderr)
+        return 2
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if args.write:
+        path = PACKAGE_ROOT / CALIBRATION_FILES[args.device]
+        data = json.loads(path.read_text())
+        data["achieved"] = {f"{r.backend}/{r.dtype}": round(float(r.achieved), 4) for r in table.itertuples()}
+        data["achieved_source"] = (f"scripts/fit-achieved.py {args.run.rstrip('/')} (commit "
+                                   f"{((run.meta.get('provenance') or {}).get('git_commit') or '?')[:7]})")
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(data['achieved'])} achieved fractions into {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
