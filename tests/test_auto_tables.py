@@ -73,3 +73,16 @@ def test_the_replay_uses_the_profiles_fixed_costs_not_the_ones_the_run_recorded(
     picks = tables.model_pick_table(run, costly)
     assert "kv-outer-cute" not in set(picks["model pick"]) and "kv-outer-cute" in set(
         tables.model_pick_table(run, H200)["model pick"])
+
+
+def test_fit_achieved_takes_the_fixed_costs_off_and_leaves_out_what_the_model_does_not_predict():
+    from dataclasses import replace
+    run = load_run(RESULTS / "co-selection")
+    bare = replace(H200, achieved={})
+    fit = tables.fit_achieved(run, bare).set_index(["backend", "dtype"])
+    assert fit.loc[("flashinfer-packed", "bf16"), "units"] == 1                   # its union_ratio 1 point only
+    assert ("auto", "bf16") not in fit.index and fit.loc[("kv-outer-cute", "fp8"), "units"] == 7
+    for (b, d), r in fit.iterrows():                                              # the committed calibration
+        assert H200.achieved[f"{b}/{d}"] == pytest.approx(r["achieved"], abs=1e-4)
+    free = tables.fit_achieved(run, replace(bare, fixed_costs={})).set_index(["backend", "dtype"])
+    assert (free["achieved"] < fit["achieved"]).all()                             # fixed costs taken off: higher

@@ -168,3 +168,15 @@ def test_packed_crossover_is_one_number_per_dtype_everywhere(cli):
         assert re.search(rf"0\.25 .* {u[dtype]:.2f}", text)          # the table's QP < u column, this dtype
     code, out, _ = cli("workload", "--device", "h200", "--dtype", "fp8")
     assert code == 0 and f"{u['fp8']:.3g}" in out and "reuse (fp8)" in " ".join(out.replace("│", " ").split())
+
+
+def test_q_outer_rereads_inside_its_window_hit_the_l2():
+    """Tokens that select alike re-read their blocks within the window: only the window's union can miss."""
+    from msa_bench.roofline.model import Q_OUTER_WINDOW, traffic
+    shape, dev = ModelShape(), PRESETS["h200"]
+    n, nsb = 16384, 16384 * 0.25
+    none, _ = traffic("q-outer", shape, n, nsb, device=dev)
+    alike, _ = traffic("q-outer", shape, n, nsb, device=dev, union_ratio=1.0, tile_tokens=Q_OUTER_WINDOW)
+    apart, _ = traffic("q-outer", shape, n, nsb, device=dev, union_ratio=Q_OUTER_WINDOW, tile_tokens=Q_OUTER_WINDOW)
+    assert apart["kv_l2_miss_reread"] == pytest.approx(none["kv_l2_miss_reread"])
+    assert alike["kv_l2_miss_reread"] < none["kv_l2_miss_reread"] / 10
