@@ -244,6 +244,15 @@ class DenseGather(Backend):
     def unavailable_reason(self, dtype: str, device) -> str | None:
         return gpu_reason(self.name, device, "torch SDPA's CUDA kernels") or super().unavailable_reason(dtype, device)
 
+    def workload_unavailable_reason(self, w: Workload) -> str | None:
+        reason = super().workload_unavailable_reason(w)
+        if reason is None:
+            try:
+                dense_plan(w)                       # the shared-blocks rule, before anyone plans
+            except BackendUnavailable as exc:
+                return str(exc)
+        return reason
+
     def unmodelled_reason(self, union_ratio) -> str | None:
         # the schedule is q-packed's, but the gather copy (bf16 K/V written and read) and one SDPA call per
         # run of query blocks are not in its model: 0.15-0.5 of the time measured on real-prefill

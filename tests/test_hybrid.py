@@ -168,7 +168,8 @@ def test_auto_packs_shared_selections_and_not_scattered_ones():
 def test_auto_divides_by_the_measured_fraction(monkeypatch):
     from dataclasses import replace
     from msa_bench.kernels import auto
-    slow_packed = replace(PRESETS["h200"], achieved={**PRESETS["h200"].achieved, "q-packed/bf16": 0.01})
+    h200 = load_device("h200")          # the preset with its committed calibration
+    slow_packed = replace(h200, achieved={**h200.achieved, "q-packed/bf16": 0.01})
     monkeypatch.setattr(auto, "device_profile", lambda device: slow_packed)
     assert picks(coselected(1.0))[0] == "kv-outer"
 
