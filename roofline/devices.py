@@ -63,7 +63,8 @@ _REQUIRED = {"name": str, "hbm_bytes_per_s": (int, float), "l2_bytes_per_s": (in
              "mma_flops": dict, "l2_bytes": int, "sms": int}
 
 
-# above 1 where the model over-counts a kernel's bytes (FlashInfer's Q-outer bf16 L2 re-reads: 1.55)
+# above 1 where the model over-counts a kernel's bytes (FlashInfer's Q-outer bf16 read 1.55 before its L2
+# window was modelled)
 MAX_ACHIEVED = 2.0
 
 
