@@ -9,8 +9,8 @@ import math
 
 from ..roofline.devices import DeviceProfile, profile_for_gpu
 from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noqa: F401  (the launch's model terms)
-from ..roofline.model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, Q_OUTER_WINDOW, ModelShape, Prediction, predict,
-                              predict_dense)
+from ..roofline.model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, ModelShape, Prediction, predict, predict_dense,
+                              union_tokens)
 from ..roofline.schedules import Schedule, is_schedule
 
 
@@ -94,10 +94,6 @@ def device_for_run(meta: dict, override: DeviceProfile | None = None) -> DeviceP
     return profile_for_gpu(gpu) if gpu else None
 
 
-# the schedules whose bytes depend on the union_ratio at some P (roofline.model.traffic)
-WINDOWED = (Schedule.Q_PACKED, Schedule.Q_OUTER)
-
-
 def _usable(v) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
@@ -107,7 +103,7 @@ def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float,
                   union_ratio: float | None = None, tile: int = DEFAULT_TILE_TOKENS) -> Prediction | None:
     """predict() for one measured point; `flops`, `selected_per_query` and `union_ratio` (at P = tile) from
     the workload's stats (scenarios.stats) when known, so causal masking and padding count as the workload
-    has them; union_ratio at P = `tile`: q-packed's tiles, Q-outer's L2 window (Q_OUTER_WINDOW). None for
+    has them; union_ratio at P = `tile` (model.union_tokens: q-packed's tile, Q-outer's L2 window). None for
     q-packed without a union_ratio: its cost is set by co-selection, never assumed."""
     if schedule not in ALL_SCHEDULES:       # hybrid: no one closed form (auto models it as a sum)
         return None
@@ -118,7 +114,7 @@ def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float,
     return predict(schedule, shape, n_tokens, nsb, device,
                    selected_per_query=selected_per_query if _usable(selected_per_query) else None,
                    flops=flops if _usable(flops) else None,
-                   union_ratio=float(union_ratio) if _usable(union_ratio) and schedule in WINDOWED else None,
+                   union_ratio=float(union_ratio) if _usable(union_ratio) and union_tokens(schedule) else None,
                    tile_tokens=tile)
 
 
@@ -128,7 +124,7 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
     def get(key):
         value = stats.get(key) if key in stats else stats.get(f"wl_{key}")
         return value if _usable(value) or value == 0 else None
-    tile = Q_OUTER_WINDOW if schedule == Schedule.Q_OUTER else tile_tokens(plan_info)
+    tile = union_tokens(schedule, tile_tokens(plan_info)) or tile_tokens(plan_info)
     if schedule == Schedule.DENSE_MASKED:
         blocks, keys, n = get("dense_kv_blocks"), get("dense_keys"), get("n_tokens")
         if not (_usable(blocks) and _usable(keys) and _usable(n)):

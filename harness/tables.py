@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile, achieved
-from ..kernels.base import get_backend
+from ..kernels.base import get_backend, model_dtype
 from ..roofline.model import crossover, crossover_at, fixed_cost, is_decode, module_time
 from ..roofline.schedules import Schedule
 from ..roofline.shape import AttnShape
@@ -207,10 +207,6 @@ def _model_parts(row, device: DeviceProfile):
     return backend, pred.time_s, stages, blocks
 
 
-def _dtype(row) -> str:
-    return row["dtype"] if row["dtype"] in ("bf16", "fp8") else "bf16"
-
-
 def predicted_module_s(row, device: DeviceProfile) -> float:
     """The model's module time for a unit row: `auto` units carry their pick's prediction in plan_info;
     others, roofline.model.module_time of today's roofline for the row's workload (its wl_ statistics) with
@@ -224,8 +220,9 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
         return float("nan")
     _, roof, stages, blocks = parts
     decode = is_decode(row.get("wl_n_tokens", 0), row.get("wl_requests", 0))
-    scaled = roof / achieved(device, row["backend"], _dtype(row), decode)
-    return module_time(device, row["backend"], _dtype(row), scaled, stages, blocks)[0]
+    dtype = model_dtype(row["dtype"])
+    return module_time(device, row["backend"], dtype, roof / achieved(device, row["backend"], dtype, decode),
+                       stages, blocks)[0]
 
 
 def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
@@ -238,9 +235,12 @@ def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
         if r["backend"] == "auto" or is_decode(r.get("wl_n_tokens", 0), r.get("wl_requests", 0)):
             continue
         parts = _model_parts(r, device)
-        fixed = fixed_cost(device, r["backend"], parts[2], _dtype(r))[0] if parts else 0.0
-        if parts is not None and r["module.median_s"] > fixed:
-            rows.append({"backend": r["backend"], "dtype": _dtype(r), "f": parts[1] / (r["module.median_s"] - fixed)})
+        if parts is None:
+            continue
+        dtype = model_dtype(r["dtype"])
+        fixed = fixed_cost(device, r["backend"], parts[2], dtype)[0]
+        if r["module.median_s"] > fixed:
+            rows.append({"backend": r["backend"], "dtype": dtype, "f": parts[1] / (r["module.median_s"] - fixed)})
     if not rows:
         return pd.DataFrame(columns=["backend", "dtype", "units", "achieved", "min", "max"])
     f = pd.DataFrame(rows).groupby(["backend", "dtype"])["f"]

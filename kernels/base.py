@@ -103,10 +103,10 @@ class Backend:
         the fraction of it the backend reaches on this device (on decode work, the decode one). Fixed costs
         are not in it."""
         from ..roofline.devices import achieved
-        from ..roofline.model import Q_OUTER_WINDOW, predict
+        from ..roofline.model import predict, union_tokens
         # a packed tile runs P x G rows per union block however few tokens it holds (decode: one); Q-outer's
         # re-reads hit the L2 inside its window of tokens
-        tile = {Schedule.Q_PACKED: self.tile_tokens, Schedule.Q_OUTER: Q_OUTER_WINDOW}.get(self.schedule)
+        tile = union_tokens(self.schedule, self.tile_tokens)
         union = inputs.union_ratio(tile, padded=True) if tile else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=tile or self.tile_tokens)

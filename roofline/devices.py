@@ -72,6 +72,13 @@ def _seconds(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1.0
 
 
+def fractions_ok(table) -> bool:
+    """Whether `table` maps "backend/dtype" to a fraction of the roofline in (0, MAX_ACHIEVED]."""
+    return isinstance(table, dict) and all(isinstance(k, str) and "/" in k and isinstance(v, (int, float))
+                                           and not isinstance(v, bool) and 0 < v <= MAX_ACHIEVED
+                                           for k, v in table.items())
+
+
 def fixed_costs_problem(fc) -> str | None:
     """None if `fc` is a valid fixed_costs table, else what is wrong with it."""
     if not isinstance(fc, dict):
@@ -85,9 +92,7 @@ def fixed_costs_problem(fc) -> str | None:
         if "/" not in key or not isinstance(v, dict) or not _seconds(v.get("s")) or \
                 not isinstance(v.get("launches", 0), int) or v.get("launches", 0) < 0:
             return f"stages[{key!r}] must be {{'s': seconds in [0, 1), 'launches': count}}"
-    dec = fc.get("decode_achieved", {})
-    if not isinstance(dec, dict) or not all("/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
-                                            and 0 < v <= MAX_ACHIEVED for k, v in dec.items()):
+    if not fractions_ok(fc.get("decode_achieved", {})):
         return f"decode_achieved must map 'backend/dtype' to a fraction in (0, {MAX_ACHIEVED}]"
     items = fc.get("items", {})
     if not isinstance(items, dict) or not all("/" in k and isinstance(v, dict) and _seconds(v.get("s"))
@@ -144,10 +149,7 @@ def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
     flops = data["mma_flops"]
     if "bf16" not in flops or not all(isinstance(v, (int, float)) and v > 0 for v in flops.values()):
         raise UserError(f"device profile {origin}: mma_flops needs a positive 'bf16' rate (flop/s)")
-    achieved = data.get("achieved", {})
-    if not isinstance(achieved, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
-                                                 and not isinstance(v, bool) and 0 < v <= MAX_ACHIEVED
-                                                 for k, v in achieved.items()):
+    if not fractions_ok(data.get("achieved", {})):
         raise UserError(f"device profile {origin}: achieved must map 'backend/dtype' to a fraction in "
                         f"(0, {MAX_ACHIEVED:g}]")
     problem = fixed_costs_problem(data.get("fixed_costs", {}))
@@ -178,8 +180,7 @@ def preset(name: str) -> DeviceProfile:
     changes, said = {}, []
     if fc and not base.fixed_costs and not fixed_costs_problem(fc):
         changes["fixed_costs"], said = fc, ["fixed costs"]
-    if ach and not base.achieved and isinstance(ach, dict) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_ACHIEVED for v in ach.values()):
+    if ach and not base.achieved and fractions_ok(ach):
         changes["achieved"] = ach
         said.append(f"achieved fractions ({data.get('achieved_source', 'fitted')})")
     if not changes:

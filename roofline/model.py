@@ -39,6 +39,12 @@ DEFAULT_TILE_TOKENS = 8                                    # P of q-packed unles
 # at about the same time); their union at most (16 x Hkv x topk blocks: 64 MiB bf16) is about the L2, so
 # only re-reads across windows can miss. The union_ratio at this P measures it (scenarios/stats.py).
 Q_OUTER_WINDOW = 16
+
+
+def union_tokens(schedule: str, tile_tokens: int = DEFAULT_TILE_TOKENS) -> int | None:
+    """The P whose union_ratio a schedule's bytes take (traffic): q-packed's tile, Q-outer's L2 window;
+    None for the schedules co-selection does not change."""
+    return {Schedule.Q_PACKED: tile_tokens, Schedule.Q_OUTER: Q_OUTER_WINDOW}.get(schedule)
 MASK_BITS = 1                  # q-packed: membership of each tile token in each union block
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 INDEX_BYTES = 4
