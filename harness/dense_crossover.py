@@ -3,9 +3,9 @@
 Per regime (a decode batch of R requests x T tokens, or a prefill chunk of N tokens) and dtype, the
 crossover is the context where the fastest sparse backend's module time meets dense-masked's
 (log-interpolated between measured contexts, tables.measured_crossover): above it, sparse wins. The
-model's crossover comes from the same rows: the least model time of the sparse backends against
-predict_dense, for dense-masked as it runs (K/V gathered contiguous, mask built) and for a paged
-dense kernel that reads the cache where it is. `auto` is no sparse schedule here: it may pick dense.
+model's crossover comes from the same rows: the least module time the model predicts for the sparse
+backends (tables.predicted_module_s, what `auto` weighs) against its prediction for dense-masked on the
+path that ran (paged or gathered). `auto` is no sparse schedule here: it may pick dense.
 """
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ import math
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile
-from ..roofline.model import predict_dense
-from ..roofline.schedules import Schedule
 from .results import Run
-from .tables import measured_crossover, model_time, ok_units, row_model_shape
+from .tables import measured_crossover, ok_units, predicted_module_s
 
 DENSE = "dense-masked"                              # the dense baseline backend
 NOT_SPARSE = ("auto", "reference", "dense-gather")
@@ -63,12 +61,6 @@ def _sparse(g: pd.DataFrame) -> pd.DataFrame:
     return g[(base != DENSE) & ~base.isin(NOT_SPARSE)]
 
 
-def _paged_dense_time(row, device: DeviceProfile) -> float:
-    pred = predict_dense(row_model_shape(row), row["wl_n_tokens"], row["wl_dense_kv_blocks"], row["wl_dense_keys"],
-                         device, gathered=False)
-    return pred.time_s
-
-
 def _ratio_at(g: pd.DataFrame, context: float | None) -> float | None:
     """The sparsity ratio at a (possibly interpolated) context: it is proportional to the context."""
     if context is None or "wl_sparsity_ratio" not in g:
@@ -99,18 +91,15 @@ def crossover_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
         row = {"regime": regime, "dtype": dtype, "fastest sparse (largest context)": fastest,
                "measured context": value, "measured ratio": _ratio_at(g, value), "how": note}
         if device is not None:
-            d_rows = g[g["backend"].map(_base) == DENSE].drop_duplicates("context").set_index("context")
-            model_sparse = sparse_units.assign(m=[model_time(r, r["schedule"], device)
-                                                  for _, r in sparse_units.iterrows()])
-            ms = model_sparse.groupby("context")["m"].min().reindex(common)
-            md = pd.Series([model_time(d_rows.loc[c], Schedule.DENSE_MASKED, device) for c in common], index=common)
-            mp = pd.Series([_paged_dense_time(d_rows.loc[c], device) for c in common], index=common)
-            for label, dense_model in (("model", md), ("model, paged dense", mp)):
-                ok = ms.notna() & dense_model.notna()
-                v, _ = (measured_crossover(x[ok.to_numpy()], dense_model[ok].to_numpy(float),
-                                           ms[ok].to_numpy(float)) if ok.any() else (None, ""))
-                row[f"{label} context"] = v
-                row[f"{label} ratio"] = _ratio_at(g, v)
+            # the model auto weighs: roofline over achieved fraction plus fixed costs, per backend as it ran
+            model = g.assign(m=[predicted_module_s(r, device) for _, r in g.iterrows()])
+            ms = _sparse(model).groupby("context")["m"].min().reindex(common)
+            md = model[model["backend"].map(_base) == DENSE].groupby("context")["m"].median().reindex(common)
+            ok = ms.notna() & md.notna()
+            v, _ = (measured_crossover(x[ok.to_numpy()], md[ok].to_numpy(float), ms[ok].to_numpy(float))
+                    if ok.any() else (None, ""))
+            row["model context"] = v
+            row["model ratio"] = _ratio_at(g, v)
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -129,7 +129,8 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
         blocks, keys, n = get("dense_kv_blocks"), get("dense_keys"), get("n_tokens")
         if not (_usable(blocks) and _usable(keys) and _usable(n)):
             return None
-        return predict_dense(shape, n, blocks, keys, device, flops=get("useful_flops"))
+        paged = bool(_info(plan_info).get("paged", False))           # the path the plan ran (kernels/dense_masked.py)
+        return predict_dense(shape, n, blocks, keys, device, flops=get("useful_flops"), gathered=not paged)
     return predict_point(schedule, shape, get("n_tokens") or float("nan"), get("nsb"), device,
                          flops=get("useful_flops"), selected_per_query=get("selected_blocks_per_query"),
                          union_ratio=union_ratio_for(stats, tile), tile=tile)

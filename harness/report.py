@@ -114,9 +114,9 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
     dense = crossover_table(run, device)
     if not dense.empty:
         out += ["## Sparse against dense-masked: the context above which sparse wins", "",
-                "ratio: visible context / selected keys there; model: the least sparse model time against "
-                "dense-masked's (K/V gathered, mask built); paged dense: a dense kernel that reads the paged "
-                "cache where it is.", "", markdown_table(dense)]
+                "ratio: visible context / selected keys there; model: the same from the module times the "
+                "model predicts (roofline over achieved fraction, plus fixed costs: what `auto` weighs).",
+                "", markdown_table(dense)]
     out += ["## Per-stage median latency (s)", "", markdown_table(stage_table(run))]
     bt = bytes_table(run, device)
     if not bt.empty:

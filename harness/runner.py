@@ -17,6 +17,7 @@ from . import counters as ncu_counters
 from . import provenance, results
 from ..errors import UserError, one_line
 from ..roofline.model import ALL_SCHEDULES, fixed_cost
+from ..roofline.schedules import Schedule
 from .prediction import model_shape, plan_config, predict_stats, schedule_of
 from .telemetry import Poller, open_telemetry, point_telemetry
 from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
@@ -191,7 +192,7 @@ class Runner:
         ran = ((info or {}).get("auto") or {}).get("backend") or backend
         fixed = [self._row(point, backend, MODULE, "model_fixed_s",
                            fixed_cost(self.profile, ran, stage_names, point.dtype)[0])]
-        if schedule not in ALL_SCHEDULES:
+        if schedule not in (*ALL_SCHEDULES, Schedule.DENSE_MASKED):
             return fixed
         sh = point.shape
         pred = predict_stats(schedule, model_shape(sh.hq, sh.hkv, sh.head_dim, sh.block, sh.topk, point.dtype, config),

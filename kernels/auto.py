@@ -16,7 +16,7 @@ from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register, registered_names
 
-MODELLED = (*ALL_SCHEDULES, Schedule.HYBRID)
+MODELLED = (*ALL_SCHEDULES, Schedule.HYBRID, Schedule.DENSE_MASKED)
 
 
 def candidate_names() -> list[str]:

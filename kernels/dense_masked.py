@@ -14,8 +14,11 @@ Two layouts of a KV head's G = Hq / Hkv query heads (SDPA's masked kernels take 
   expand  Q [B, G, T, D], K/V expanded over G (stride 0), the mask broadcast over G
   fold    the G heads folded into the rows: Q [B, 1, G x T, D], K/V [B, 1, keys, D], the mask copied G times
 Kernels: cuDNN and the memory-efficient kernel through torch SDPA (FlashAttention takes no mask), math
-on the CPU. On a GPU `plan()` tries every (kernel, layout) that fits in memory, keeps those whose rows
-agree with the float64 reference, and runs the fastest (plan_info records each one's time).
+on the CPU; and FlashInfer's FA2 paged prefill with a custom mask (layout "paged", kernels/dense_paged.py),
+which reads the paged cache where it is: no K/V gather, a bit mask. On a GPU with FlashInfer `plan()`
+runs the paged path (it was the fastest at every point measured, docs/perf-log.md); without FlashInfer,
+or with @KERNEL, it tries every SDPA (kernel, layout) that fits in memory, keeps those whose rows agree
+with the float64 reference, and runs the fastest (plan_info records each one's time).
 """
 from __future__ import annotations
 
@@ -28,12 +31,14 @@ import torch.nn.functional as F
 
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload, free_memory_bytes
-from .base import Backend, BackendUnavailable, Plan, register
+from .base import Backend, BackendUnavailable, ModelInputs, Plan, model_dtype, register
+from .dense_paged import build_paged_stages, paged_sizes
 from .options import Choice
 
-KERNELS = ("cudnn", "efficient", "math")
-LAYOUTS = ("expand", "fold")
-GPU_CANDIDATES = (("cudnn", "fold"), ("efficient", "expand"), ("efficient", "fold"), ("cudnn", "expand"))
+KERNELS = ("flashinfer", "cudnn", "efficient", "math")
+LAYOUTS = ("paged", "expand", "fold")
+PAGED = ("flashinfer", "paged")
+SDPA_CANDIDATES = (("cudnn", "fold"), ("efficient", "expand"), ("efficient", "fold"), ("cudnn", "expand"))
 CPU_CANDIDATES = (("math", "expand"),)
 PAD_RATIO = 1.125          # a bucket's longest dense context over its shortest: padding work wasted at most 12.5 %
 CHECK_ROWS = 64            # rows of a candidate compared with the float64 reference in plan()
@@ -222,51 +227,94 @@ def _time_module(stages: dict, device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _flashinfer_here(device) -> bool:
+    from .flashinfer_common import gpu_reason, import_flashinfer
+    if gpu_reason("dense-masked", device):
+        return False
+    try:
+        import_flashinfer()
+    except BackendUnavailable:
+        return False
+    return True
+
+
 @register("dense-masked")
 class DenseMasked(Backend):
-    description = ("Dense baseline: each request's whole visible context through torch SDPA (cuDNN or "
-                   "memory-efficient) with the selection as an additive -inf mask")
-    schedule = Schedule.DENSE_MASKED      # modelled by predict_dense; the baseline, not a candidate
+    description = ("Dense baseline: each request's whole visible context with the selection as a mask: FlashInfer's "
+                   "paged FA2 with a custom mask, or torch SDPA (cuDNN, memory-efficient) over a gathered copy")
+    schedule = Schedule.DENSE_MASKED      # modelled by predict_dense
+    candidate = True                      # auto weighs running dense
+    stage_names = ("gather", "mask", "attention")
     options = {"kernel": Choice("kernel", KERNELS), "layout": Choice("layout", LAYOUTS)}     # @KERNEL[-LAYOUT]
 
     def __init__(self, kernel: str | None = None, layout: str | None = None, name: str = "dense-masked"):
         if layout is not None and kernel is None:
             raise ValueError(f"dense-masked: layout {layout!r} needs a kernel (@KERNEL-LAYOUT)")
+        if kernel is not None and layout is not None and (kernel == "flashinfer") != (layout == "paged"):
+            raise ValueError(f"dense-masked: kernel {kernel!r} takes no layout {layout!r} (flashinfer runs 'paged', "
+                             "the SDPA kernels 'expand' or 'fold')")
         self.kernel, self.layout, self.name = kernel, layout, name
         self.dtypes = ("bf16", "fp8")
 
     def candidates(self, device) -> list[tuple[str, str]]:
-        base = GPU_CANDIDATES if torch.device(device).type == "cuda" else CPU_CANDIDATES
+        if self.kernel == "flashinfer":
+            return [PAGED]
         if self.kernel is not None:
-            base = [(self.kernel, lay) for lay in ((self.layout,) if self.layout else LAYOUTS)]
-        return list(base)
+            return [(self.kernel, lay) for lay in ((self.layout,) if self.layout else ("expand", "fold"))]
+        if torch.device(device).type != "cuda":
+            return list(CPU_CANDIDATES)
+        return [PAGED] if _flashinfer_here(device) else list(SDPA_CANDIDATES)
+
+    def unmodelled_reason(self, union_ratio) -> str | None:
+        return None                       # predict_dense models every selection
+
+    def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
+        """predict_dense for the path the plan runs (paged: no gather), over the achieved fraction."""
+        from ..roofline.devices import achieved
+        from ..roofline.model import predict_dense
+        from ..scenarios.stats import dense_extent
+        blocks, keys = dense_extent(w)
+        paged = self.candidates(w.device)[0] == PAGED
+        p = predict_dense(self.model_shape(w), w.n_tokens, blocks, keys, profile, inputs.flops, gathered=not paged)
+        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode)
+        return p.time_s / frac, {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding, "paged": paged}
+
+    def _sizes(self, w: Workload, buckets, layout: str) -> dict:
+        return paged_sizes(w) if layout == "paged" else dense_sizes(w, buckets, layout)
 
     def workload_unavailable_reason(self, w: Workload) -> str | None:
         reason = super().workload_unavailable_reason(w)
         if reason:
             return reason
-        buckets = dense_buckets(w)
+        cands = self.candidates(w.device)
+        buckets = dense_buckets(w) if any(lay != "paged" for _, lay in cands) else []
         free = free_bytes(w.device)
-        need = min(dense_sizes(w, buckets, lay)["total_bytes"] for _, lay in self.candidates(w.device))
+        sizes = [self._sizes(w, buckets, lay) for _, lay in cands]
+        need = min(sz["total_bytes"] for sz in sizes)
         if free is not None and need > free * MEMORY_HEADROOM:
-            sz = dense_sizes(w, buckets, "expand")
+            sz = min(sizes, key=lambda x: x["total_bytes"])
             return (f"dense-masked needs {need / 2**30:,.1f} GiB (gathered K/V {sz['kv_bytes'] / 2**30:,.1f} GiB, "
                     f"mask {sz['mask_bytes'] / 2**30:,.1f} GiB), more than the {free * MEMORY_HEADROOM / 2**30:,.1f} "
                     f"GiB it may take on {w.device.type}")
         return None
 
     def _plan(self, w: Workload) -> Plan:
-        buckets = dense_buckets(w)
+        cands = self.candidates(w.device)
+        buckets = dense_buckets(w) if any(lay != "paged" for _, lay in cands) else []
         tried, best = [], None
-        for kernel, layout in self.candidates(w.device):
-            sizes = dense_sizes(w, buckets, layout)
+        for kernel, layout in cands:
+            sizes = self._sizes(w, buckets, layout)
             label = f"{kernel}-{layout}"
             free = free_bytes(w.device)
             if free is not None and sizes["total_bytes"] > free * MEMORY_HEADROOM:
                 tried.append(f"{label}: needs {sizes['total_bytes'] / 2**30:,.1f} GiB")
                 continue
             try:
-                stages, out = build_stages(w, buckets, kernel, layout)
+                keep, extra = None, {}
+                if layout == "paged":
+                    stages, out, extra, keep = build_paged_stages(w)
+                else:
+                    stages, out = build_stages(w, buckets, kernel, layout)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     for st in stages.values():
@@ -278,28 +326,35 @@ class DenseMasked(Backend):
                         tried.append(f"{label}: max rel err {err:.2e} over {CHECK_TOL:g}")
                         continue
                     seconds = _time_module(stages, w.device)
-            except RuntimeError as exc:
+            except (RuntimeError, BackendUnavailable) as exc:
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 tried.append(f"{label}: {text[:160]}")
                 continue
             tried.append(f"{label}: {seconds * 1e3:.3f} ms")
             if best is None or seconds < best[0]:
-                best = (seconds, kernel, layout, stages, out, sizes)
+                best = (seconds, kernel, layout, stages, out, sizes, extra, keep)
             else:
-                del stages, out
+                del stages, out, keep
         if best is None:
-            raise BackendUnavailable(f"dense-masked: no SDPA kernel ran ({'; '.join(tried)})")
-        _, kernel, layout, stages, out, sizes = best
+            raise BackendUnavailable(f"dense-masked: no dense kernel ran ({'; '.join(tried)})")
+        _, kernel, layout, stages, out, sizes, extra, keep = best
         s = w.shape
         selected = float((w.selection >= 0).sum()) * s.block
-        quant = ("fp8 Q/K/V dequantized to bf16 in the gather stage (q_scale, k_scale, v_scale applied there), "
+        quant = ("fp8 Q dequantized to bf16 (q_scale exact), fp8 K/V dequantized in the kernel, bf16 compute"
+                 if w.dtype == "fp8" and layout == "paged" else
+                 "fp8 Q/K/V dequantized to bf16 in the gather stage (q_scale, k_scale, v_scale applied there), "
                  "bf16 compute" if w.dtype == "fp8" else "bf16 Q/K/V, bf16 compute")
-        info = {"schedule": Schedule.DENSE_MASKED, "sdpa_kernel": kernel, "layout": layout, "tried": tried,
-                "buckets": len(buckets), "sdpa_calls": len(buckets) * s.hkv,
-                "bucket_shapes": sorted({(bk.batch, bk.rows, bk.blocks) for bk in buckets}),
-                "gathered_bytes": sizes["kv_bytes"], "mask_bytes": sizes["mask_bytes"],
+        info = {"schedule": Schedule.DENSE_MASKED, "kernel": kernel, "layout": layout, "paged": layout == "paged",
+                "tried": tried, "gathered_bytes": sizes["kv_bytes"], "mask_bytes": sizes["mask_bytes"],
                 "dense_keys": sizes["dense_keys"], "executed_flops": sizes["executed_flops"],
                 "sparsity_ratio": sizes["dense_keys"] * s.hkv / selected if selected else None,
-                "quantization": quant,
-                "mask": "additive bf16, 0 on selected visible keys, -inf elsewhere (padding included)"}
-        return Plan(backend=self.name, stages=stages, output=out, info=info)
+                "quantization": quant, **extra}
+        if layout == "paged":
+            info["mask"] = "bits, 1 on selected visible keys (FlashInfer custom mask, little bit order)"
+        else:
+            info.update(buckets=len(buckets), sdpa_calls=len(buckets) * s.hkv,
+                        bucket_shapes=sorted({(bk.batch, bk.rows, bk.blocks) for bk in buckets}),
+                        mask="additive bf16, 0 on selected visible keys, -inf elsewhere (padding included)")
+        plan = Plan(backend=self.name, stages=stages, output=out, info=info)
+        plan._wrapper = keep              # FlashInfer's planned state lives as long as the plan
+        return plan

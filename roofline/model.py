@@ -367,9 +367,9 @@ def dense_traffic(shape: ModelShape, n_tokens: float, kv_blocks: float, dense_ke
     """Byte terms of the dense masked schedule: every request's whole visible context read once per KV
     head (`kv_blocks`: context blocks summed over requests), and an additive bf16 mask of one entry per
     (KV head, query, key) written and read (`dense_keys`: context keys summed over queries). gathered:
-    the paged cache is first copied contiguous in bf16 (kernels/dense_masked.py), then read; False: a
-    paged dense kernel reading the cache where it is. L2 re-reads by the G heads of a KV head are not
-    counted (the same as HBM here)."""
+    the paged cache is first copied contiguous in bf16 and the mask is bf16 (torch SDPA,
+    kernels/dense_masked.py); False: a paged dense kernel reads the cache where it is, with a bit mask
+    (kernels/dense_paged.py). L2 re-reads by the G heads of a KV head are not counted (the same as HBM)."""
     s = shape
     n = float(n_tokens)
     kv_cache = kv_blocks * s.hkv * s.kv_block_bytes
@@ -379,7 +379,9 @@ def dense_traffic(shape: ModelShape, n_tokens: float, kv_blocks: float, dense_ke
         copy = kv_blocks * s.hkv * 2 * s.block * s.head_dim * 2          # bf16 K and V
         hbm.update(kv_gather_write=copy, kv_gather_read=copy)
         mask = dense_keys * s.hkv * 2
-        hbm.update(mask_write=mask, mask_read=mask)
+    else:
+        mask = dense_keys * s.hkv / 8
+    hbm.update(mask_write=mask, mask_read=mask)
     return hbm, dict(hbm)
 
 

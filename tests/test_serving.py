@@ -282,7 +282,7 @@ def test_every_backend_on_decode_and_mixed(backend, dtype):
 
 # ---- the report: sparse against dense-masked --------------------------------------------------------
 
-def _fake_run(dense_ms, sparse_ms, contexts):
+def _fake_run(dense_ms, sparse_ms, contexts, dense_info="{}"):
     """A run of decode points at `contexts` with kv-outer-cute and dense-masked module medians (ms)."""
     from pathlib import Path
 
@@ -293,9 +293,10 @@ def _fake_run(dense_ms, sparse_ms, contexts):
     for ctx, d, sp in zip(contexts, dense_ms, sparse_ms):
         p = serving_point("decode", FULL, "bf16", 0, tokens=None, context=ctx, requests=16)
         wl = {f"wl_{k}": v for k, v in workload_stats(make_workload(p, with_tensors=False)).items()}
-        for backend, schedule, ms in (("kv-outer-cute", "kv-outer", sp), ("dense-masked", "dense-masked", d)):
+        for backend, schedule, ms, info in (("kv-outer-cute", "kv-outer", sp, "{}"),
+                                            ("dense-masked", "dense-masked", d, dense_info)):
             status.append({"point_key": p.key(), "backend": backend, "schedule": schedule, "status": "ok",
-                           **p.as_dict(), **wl, "plan_info": "{}"})
+                           **p.as_dict(), **wl, "plan_info": info})
             stats.append({"point_key": p.key(), "backend": backend, "stage": "module", "statistic": "median_s",
                           "value": ms / 1e3})
     return Run(Path("fake"), {"timer": "cuda"}, pd.DataFrame(status), pd.DataFrame(stats), pd.DataFrame())
@@ -304,14 +305,16 @@ def _fake_run(dense_ms, sparse_ms, contexts):
 def test_the_crossover_is_where_sparse_starts_to_win():
     from msa_bench.harness.dense_crossover import crossover_table
     from msa_bench.roofline.devices import load_device
-    run = _fake_run([1.0, 4.0, 16.0], [2.0, 2.0, 2.0], [2048, 8192, 32768])
+    dense_ms, sparse_ms, ctx = [1.0, 4.0, 16.0], [2.0, 2.0, 2.0], [2048, 8192, 32768]
+    run = _fake_run(dense_ms, sparse_ms, ctx, dense_info='{"paged": true}')
     row = crossover_table(run, load_device("h200")).iloc[0]
     assert row["regime"] == "decode 16 x 1" and row["fastest sparse (largest context)"] == "kv-outer-cute"
     assert row["measured context"] == pytest.approx(4096)          # log-interpolated: 1 ms x 2 = 2 ms
     assert row["measured ratio"] == pytest.approx(2.0)
-    paged, gathered = row["model, paged dense context"], row["model context"]
+    paged = row["model context"]                                   # the model of the path that ran
     assert paged is not None and 2048 <= paged <= 32768            # 16 requests: the model crosses in range
-    assert gathered is None or gathered <= paged                   # the gather only makes dense slower
+    gathered = crossover_table(_fake_run(dense_ms, sparse_ms, ctx), load_device("h200")).iloc[0]["model context"]
+    assert gathered is None or gathered < paged                    # the gather only makes dense slower
     never = crossover_table(_fake_run([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [2048, 8192, 32768]), None).iloc[0]
     assert never["measured context"] is None and "dense-masked faster" in never["how"]
 
