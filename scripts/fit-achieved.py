@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("run", help="the run folder to fit on (msa-bench sweep --out)")
     ap.add_argument("--device", default="h200", help="the preset whose calibration file gets them (default h200)")
     ap.add_argument("--write", action="store_true", help="write them into the preset's calibration file")
+    ap.add_argument("--backend", help="fit and write only this backend's fractions, keeping the others "
+                    "(a backend the fitting run lacks, e.g. dense-masked from the sparsity run)")
     args = ap.parse_args(argv)
     if args.device not in CALIBRATION_FILES:
         print(f"error: no calibration file for {args.device!r} (have {', '.join(CALIBRATION_FILES)})", file=sys.stderr)
@@ -37,16 +39,27 @@ def main(argv=None) -> int:
         return 2
     device = replace(load_device(args.device), achieved={})      # roofline and fixed costs only
     table = fit_achieved(run, device)
+    if args.backend and not table.empty:
+        table = table[table["backend"] == args.backend]
     if table.empty:
-        print(f"error: {args.run} has no prefill unit the model predicts", file=sys.stderr)
+        print(f"error: {args.run} has no prefill unit the model predicts"
+              + (f" of {args.backend}" if args.backend else ""), file=sys.stderr)
         return 2
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     if args.write:
         path = PACKAGE_ROOT / CALIBRATION_FILES[args.device]
         data = json.loads(path.read_text())
-        data["achieved"] = {f"{r.backend}/{r.dtype}": round(float(r.achieved), 4) for r in table.itertuples()}
-        data["achieved_source"] = (f"scripts/fit-achieved.py {args.run.rstrip('/')} (commit "
-                                   f"{((run.meta.get('provenance') or {}).get('git_commit') or '?')[:7]})")
+        fitted = {f"{r.backend}/{r.dtype}": round(float(r.achieved), 4) for r in table.itertuples()}
+        source = (f"scripts/fit-achieved.py {args.run.rstrip('/')}{f' --backend {args.backend}' if args.backend else ''}"
+                  f" (commit {((run.meta.get('provenance') or {}).get('git_commit') or '?')[:7]})")
+        if args.backend:
+            kept = {k: v for k, v in (data.get("achieved") or {}).items() if k.split("/")[0] != args.backend}
+            data["achieved"] = {**kept, **fitted}
+            others = [s for s in str(data.get("achieved_source", "")).split("; ") if s and f"--backend {args.backend}" not in s]
+            data["achieved_source"] = "; ".join([*others, source])
+        else:
+            data["achieved"] = fitted
+            data["achieved_source"] = source
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(data['achieved'])} achieved fractions into {path}")
     return 0
