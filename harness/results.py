@@ -8,6 +8,13 @@
 A unit folder is written under a temporary name and renamed into place, so a unit either exists
 complete or not at all: an interrupted sweep keeps every finished unit and `--resume` skips them.
 
+A committed run whose raw samples were removed may be packed (pack_run): its units/ become one file,
+
+    RUN/units.jsonl.gz                   a line per unit: {"unit", "status", "stats": [rows]}
+
+read by load_run with the same checks, and read-only (no resume, no merge): a folder and two small
+files per unit cost a checkout about 12 KB each, the packed line well under 1 KB.
+
 Every reader goes through load_run, which checks content as well as bytes: the columns of each
 table, finite and positive times, the samples the stats claim (count and median per stage), a
 status file that names its own folder, an `ok` whose own error is within its tolerance, one timer
@@ -36,6 +43,7 @@ SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
 UNITS_DIR = "units"
 SAMPLES_REMOVED = "samples_removed"    # run.json: why and where a committed run's raw samples went
+PACKED_FILE = "units.jsonl.gz"         # a packed run's units (pack_run)
 STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE = "ok", "failed", "unavailable"
 STATUSES = (STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE)
 STAT_COLUMNS = ["point_key", "backend", "schedule", "dtype", "stage", "statistic", "value", "timer"]
@@ -83,7 +91,13 @@ def write_meta(run_dir: str | Path, meta: dict) -> None:
     os.replace(tmp, run_dir / RUN_FILE)
 
 
+def is_packed(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / PACKED_FILE).is_file()
+
+
 def finished_units(run_dir: str | Path) -> set[str]:
+    if is_packed(run_dir):
+        return set(_packed_records(Path(run_dir)))
     units = Path(run_dir) / UNITS_DIR
     if not units.is_dir():
         return set()
@@ -276,6 +290,20 @@ def _check_clocks(folder: Path, samples: pd.DataFrame) -> None:
                             f"{column} values are missing, not finite or out of range")
 
 
+def _check_status(status_path: Path, status: dict, name: str) -> bool:
+    """A unit's status record is sound and names unit `name`; True if it was timed (ok)."""
+    if status["status"] not in STATUSES:
+        raise UserError(f"corrupt results file {status_path}: unknown status {status['status']!r}")
+    key, backend = status.get("point_key"), status.get("backend")
+    if not isinstance(key, str) or not isinstance(backend, str) or unit_id(key, backend) != name:
+        raise UserError(f"corrupt results file {status_path}: its point and backend are not the ones its folder "
+                        "is named after")
+    timed = status["status"] == STATUS_OK
+    if timed:
+        _check_passed(status_path, status)
+    return timed
+
+
 def read_unit(folder: Path, samples_kept: bool = True) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:
     """(status, stats, samples) of one finished unit folder; UserError (one line) when it is damaged.
     samples_kept False (the run says its raw samples were removed): no samples read or required."""
@@ -283,16 +311,8 @@ def read_unit(folder: Path, samples_kept: bool = True) -> tuple[dict, pd.DataFra
     if not status_path.is_file():
         raise UserError(f"corrupt results file {status_path}: missing")
     status = _read_json_object(status_path, "status", "no status field")
-    if status["status"] not in STATUSES:
-        raise UserError(f"corrupt results file {status_path}: unknown status {status['status']!r}")
-    key, backend = status.get("point_key"), status.get("backend")
-    if not isinstance(key, str) or not isinstance(backend, str) or unit_id(key, backend) != folder.name:
-        raise UserError(f"corrupt results file {status_path}: its point and backend are not the ones its folder "
-                        "is named after")
-    timed = status["status"] == STATUS_OK
-    if timed:
-        _check_passed(status_path, status)
-    else:
+    timed = _check_status(status_path, status, folder.name)
+    if not timed:
         kept = [name for name in ("stats.parquet", "samples.parquet") if (folder / name).exists()]
         if kept:
             raise UserError(f"corrupt results file {status_path}: status {status['status']!r} but the unit keeps "
@@ -302,6 +322,73 @@ def read_unit(folder: Path, samples_kept: bool = True) -> tuple[dict, pd.DataFra
     if timed:
         _check_timed(folder, status, stats, samples)
     return status, stats, samples
+
+
+def _packed_records(run_dir: Path) -> dict[str, dict]:
+    """{unit: record} of a packed run's file; UserError (one line) when it cannot be read."""
+    import gzip
+    path = run_dir / PACKED_FILE
+    out = {}
+    try:
+        with gzip.open(path, "rt") as f:
+            for i, line in enumerate(f, 1):
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or not isinstance(rec.get("unit"), str) \
+                        or not isinstance(rec.get("status"), dict) or "status" not in rec["status"]:
+                    raise UserError(f"corrupt results file {path}: line {i} is no unit record")
+                out[rec["unit"]] = rec
+    except (OSError, EOFError, ValueError) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"corrupt results file {path}: {why}") from None
+    return out
+
+
+def _packed_unit(run_dir: Path, rec: dict) -> tuple[dict, pd.DataFrame | None]:
+    """(status, stats) of one packed unit record, with read_unit's checks."""
+    where = run_dir / PACKED_FILE / rec["unit"]
+    status = rec["status"]
+    timed = _check_status(where / "status.json", status, rec["unit"])
+    rows = rec.get("stats")
+    if not timed and rows:
+        raise UserError(f"corrupt results file {where}: status {status['status']!r} but the unit keeps stats "
+                        "(a unit that did not pass keeps no timings)")
+    if not timed:
+        return status, None
+    stats = pd.DataFrame(rows or [])
+    lacking = [c for c in STAT_COLUMNS if c not in stats.columns]
+    if stats.empty or lacking:
+        raise UserError(f"corrupt results file {where}: "
+                        + (f"no column {', '.join(lacking)}" if lacking else "no stats (the unit says it was timed)"))
+    _check_timed(where, status, stats, None)
+    return status, stats
+
+
+def pack_run(run_dir: str | Path) -> int:
+    """Pack a checked run whose raw samples were removed: its unit folders into PACKED_FILE (module
+    docstring), units/ removed, run.json saying so. Returns the units packed."""
+    import gzip
+    run_dir = Path(run_dir)
+    if is_packed(run_dir):
+        raise UserError(f"{run_dir} is packed already")
+    run = load_run(run_dir)                       # every unit checked before anything is written
+    if samples_kept(run.meta):
+        raise UserError(f"{run_dir} keeps raw timing samples: pack takes runs whose samples were removed "
+                        f"(run.json {SAMPLES_REMOVED}), which compare and merge refuse anyway")
+    units = run_dir / UNITS_DIR
+    lines = []
+    for uid in sorted(finished_units(run_dir)):
+        status, stats, _ = read_unit(units / uid, samples_kept=False)
+        rows = None if stats is None else stats.to_dict("records")
+        lines.append(json.dumps({"unit": uid, "status": status, "stats": rows}, sort_keys=True, default=_json_default))
+    tmp = run_dir / f".tmp-{PACKED_FILE}"
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:   # same bytes for same units
+        f.write(("\n".join(lines) + "\n").encode())
+    os.rename(tmp, run_dir / PACKED_FILE)
+    shutil.rmtree(units)
+    meta = dict(run.meta)
+    meta["packed"] = f"{len(lines)} units in {PACKED_FILE} (read-only: no resume, no merge)"
+    write_meta(run_dir, meta)
+    return len(lines)
 
 
 def samples_kept(meta: dict) -> bool:
@@ -355,11 +442,18 @@ def load_run(run_dir: str | Path) -> Run:
     run_dir = Path(run_dir)
     meta = read_meta(run_dir)
     status_rows, stats, samples, damaged = [], [], [], []
-    done = finished_units(run_dir)
+    packed = _packed_records(run_dir) if is_packed(run_dir) else None
+    done = set(packed) if packed is not None else finished_units(run_dir)
     kept = samples_kept(meta)
+    if packed is not None and kept:
+        raise UserError(f"{run_dir} is packed but its run.json does not say where its samples went "
+                        f"({SAMPLES_REMOVED}): a packed run keeps none")
     for uid in sorted(done):
         try:
-            status, st, sa = read_unit(run_dir / UNITS_DIR / uid, kept)
+            if packed is not None:
+                (status, st), sa = _packed_unit(run_dir, packed[uid]), None
+            else:
+                status, st, sa = read_unit(run_dir / UNITS_DIR / uid, kept)
         except UserError as exc:
             damaged.append(str(exc))
             continue

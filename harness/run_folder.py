@@ -61,6 +61,8 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         if not req.resume:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
         old = results.read_meta(run_dir)
+        if results.is_packed(run_dir):
+            raise UserError(f"{run_dir} is a packed run ({results.PACKED_FILE}), read-only: sweep into another --out")
         if old.get("grid_sha256") != grid.grid_sha or sorted(old.get("units_planned", [])) != sorted(grid.mine_ids):
             raise UserError(f"{run_dir} was started with a different grid (scenario, overrides or shard); "
                             "resume it with the same options or choose another --out")

@@ -1,0 +1,74 @@
+"""A packed run (harness/results.py pack_run): one file instead of a folder per unit, read by load_run
+with the same tables and the same checks, read-only."""
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from msa_bench.errors import UserError
+from msa_bench.harness.results import PACKED_FILE, SAMPLES_REMOVED, load_run, pack_run
+
+SMOKE = Path(__file__).resolve().parents[1] / "results" / "fixtures" / "smoke-run"
+
+
+def _sample_less(dst: Path) -> Path:
+    shutil.copytree(SMOKE, dst)
+    for f in (dst / "units").glob("*/samples.parquet"):
+        f.unlink()
+    meta = json.loads((dst / "run.json").read_text())
+    meta[SAMPLES_REMOVED] = "a test copy"
+    (dst / "run.json").write_text(json.dumps(meta))
+    return dst
+
+
+def test_a_packed_run_loads_the_same_tables(tmp_path, cli):
+    run_dir = _sample_less(tmp_path / "run")
+    before = load_run(run_dir)
+    assert pack_run(run_dir) == len(before.status)
+    assert not (run_dir / "units").exists() and (run_dir / PACKED_FILE).is_file()
+    after = load_run(run_dir)
+    key = ["unit"]
+    pd.testing.assert_frame_equal(before.status.sort_values(key).reset_index(drop=True)[sorted(before.status)],
+                                  after.status.sort_values(key).reset_index(drop=True)[sorted(before.status)],
+                                  check_dtype=False)
+    cols = ["point_key", "backend", "stage", "statistic"]
+    pd.testing.assert_frame_equal(before.stats.sort_values(cols).reset_index(drop=True)[sorted(before.stats)],
+                                  after.stats.sort_values(cols).reset_index(drop=True)[sorted(before.stats)],
+                                  check_dtype=False)
+    code, _, err = cli("report", run_dir, "--out", tmp_path / "rep")
+    assert code == 0, err
+    with pytest.raises(UserError, match="packed already"):
+        pack_run(run_dir)
+
+
+def test_pack_refuses_a_run_that_keeps_samples(tmp_path):
+    shutil.copytree(SMOKE, tmp_path / "run")
+    with pytest.raises(UserError, match="keeps raw timing samples"):
+        pack_run(tmp_path / "run")
+    assert (tmp_path / "run" / "units").is_dir()
+
+
+def test_a_damaged_packed_unit_fails_the_load(tmp_path):
+    run_dir = _sample_less(tmp_path / "run")
+    pack_run(run_dir)
+    path = run_dir / PACKED_FILE
+    lines = gzip.open(path, "rt").read().splitlines()
+    rec = next(json.loads(x) for x in lines if json.loads(x)["stats"])
+    rec["stats"][0]["value"] = float("nan")
+    bad = [json.dumps(rec) if json.loads(x)["unit"] == rec["unit"] else x for x in lines]
+    path.write_bytes(gzip.compress(("\n".join(bad) + "\n").encode()))
+    with pytest.raises(UserError, match="not finite"):
+        load_run(run_dir)
+    path.write_bytes(b"not gzip")
+    with pytest.raises(UserError, match="corrupt results file"):
+        load_run(run_dir)
+
+
+def test_a_packed_run_is_not_resumed(tmp_path, cli, one_error_line):
+    run_dir = _sample_less(tmp_path / "run")
+    pack_run(run_dir)
+    code, _, err = cli("sweep", "--scenario", "smoke", "--out", run_dir, "--resume", "--reps", "3")
+    assert code == 2 and "packed" in one_error_line(err)
