@@ -28,6 +28,11 @@ from .flashinfer_common import MIB, import_flashinfer, workspace_sizes
 WORD_TYPES = {64: torch.int64, 32: torch.int32, 16: torch.int16, 8: torch.int8}     # keys per mask word
 
 
+# FlashInfer counts the bits of the mask it packs in int32 (segment_packbits' indptr): a larger mask overflows
+# them (an illegal address in the 2 x 2K-chunk + 256 decode step at 128K, 2**31 bits)
+MAX_MASK_BITS = 2**31 - 1
+
+
 def word_bits(block: int) -> int | None:
     """Keys per mask word: the widest word a block's keys fill whole; None if a block is no whole byte."""
     return next((bits for bits in WORD_TYPES if block % bits == 0), None)
@@ -173,6 +178,9 @@ def build_paged_stages(w: Workload):
     if reason:
         raise BackendUnavailable(reason)
     n_req, bits = lay.num_requests, lay.mask_bits * b
+    if bits >= MAX_MASK_BITS:
+        raise BackendUnavailable(f"dense-masked@flashinfer: its mask holds {bits:,} bits, past FlashInfer's int32 "
+                                 f"bit offsets ({MAX_MASK_BITS:,})")
     kv_indices = lay.kv_indices.to(dev)
     last = torch.full((n_req,), b, dtype=torch.int32)
     mask_buf = torch.empty(bits // 8, dtype=torch.uint8, device=dev)

@@ -103,3 +103,13 @@ def test_paged_dense_matches_the_reference_and_replays_bitwise(dtype):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(plan.output, eager)
+
+
+def test_a_mask_past_flashinfers_int32_offsets_is_refused(monkeypatch):
+    from msa_bench.kernels import dense_paged
+    from msa_bench.kernels.base import BackendUnavailable
+    monkeypatch.setattr(dense_paged, "import_flashinfer", lambda: None)
+    monkeypatch.setattr(dense_paged, "MAX_MASK_BITS", 1000)
+    w = serving_workload(WIDE, "bf16", "decode", None, context=4096, requests=3)
+    with pytest.raises(BackendUnavailable, match="int32 bit offsets"):
+        dense_paged.build_paged_stages(w)
