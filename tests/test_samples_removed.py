@@ -59,3 +59,12 @@ def test_the_gate_baseline_keeps_its_samples():
             assert SAMPLES_REMOVED not in meta and not load_run(run).samples.empty
         if SAMPLES_REMOVED in meta:
             assert not any((run / "units").glob("*/samples.parquet")), run
+
+
+def test_results_stay_under_10_mb_on_disk():
+    """What a checkout of results/ takes: each file rounded up to 4 KiB, and 4 KiB a folder."""
+    block = 4096
+    total = 0
+    for p in ROOT.rglob("*"):
+        total += block if p.is_dir() else -(-p.stat().st_size // block) * block
+    assert total < 10e6, f"results/ takes {total / 1e6:.1f} MB"
