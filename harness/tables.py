@@ -207,6 +207,22 @@ def _model_parts(row, device: DeviceProfile):
     return backend, pred.time_s, stages, blocks
 
 
+def row_decode_share(row) -> float:
+    """A unit row's share of decode tokens (model.decode_share): its wl_decode_share; for rows written
+    before that statistic, a mixed step's from its point (every token outside its chunks is a decode
+    token), else 1 or 0 by model.is_decode."""
+    def num(key):
+        v = row.get(key)
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+    share = num("wl_decode_share")
+    if share is not None:
+        return share
+    n, chunks, chunk_tokens = num("wl_n_tokens"), num("chunks"), num("chunk_tokens")
+    if row.get("generator") == "mixed" and n and chunks is not None and chunk_tokens is not None:
+        return max(0.0, 1.0 - chunks * chunk_tokens / n)
+    return float(is_decode(row.get("wl_n_tokens", 0), row.get("wl_requests", 0)))
+
+
 def predicted_module_s(row, device: DeviceProfile) -> float:
     """The model's module time for a unit row: `auto` units carry their pick's prediction in plan_info;
     others, roofline.model.module_time of today's roofline for the row's workload (its wl_ statistics) with
@@ -219,7 +235,7 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     if parts is None:
         return float("nan")
     _, roof, stages, blocks = parts
-    decode = is_decode(row.get("wl_n_tokens", 0), row.get("wl_requests", 0))
+    decode = row_decode_share(row)
     dtype = model_dtype(row["dtype"])
     return module_time(device, row["backend"], dtype, roof / achieved(device, row["backend"], dtype, decode),
                        stages, blocks)[0]

@@ -37,7 +37,7 @@ class ModelInputs:
     """What the roofline needs of a workload, computed once for every backend `auto` weighs."""
 
     def __init__(self, w: Workload):
-        from ..roofline.model import is_decode
+        from ..roofline.model import decode_share
         from ..scenarios.stats import selected_pairs, useful_flops
         s, n = w.shape, w.n_tokens
         self.w = w
@@ -45,7 +45,7 @@ class ModelInputs:
         self.per_query = self.selected / (n * s.hkv) if n else 0.0
         self.nsb = float(selected_pairs(w)[1].numel())
         self.flops = useful_flops(w)
-        self.decode = is_decode(n, w.page_table.shape[0])      # which achieved fraction applies
+        self.decode = decode_share(torch.bincount(w.q_request.long().cpu()).tolist())   # achieved(): the blend
         self._union: dict[tuple, float] = {}
 
     def union_ratio(self, tile: int, padded: bool = False) -> float:

@@ -101,18 +101,22 @@ def fixed_costs_problem(fc) -> str | None:
     return None
 
 
-def achieved(profile: DeviceProfile, backend: str, dtype: str, decode: bool = False) -> float:
+def achieved(profile: DeviceProfile, backend: str, dtype: str, decode: float = 0.0) -> float:
     """The measured fraction of its roofline a backend reaches on this device, 1 where none is recorded.
-    On decode work (model.is_decode) the one calibrated on decode batches, where there is one: the `achieved`
-    table was measured on prefill (co-selection), and a kernel's efficiency there says little about a
-    request of one token (KV-outer: one query per block pair; FlashInfer: no re-reads for the L2 term to
-    over-count)."""
+    `decode`: the share of the work that is decode (model.decode_share; True counts as 1). On decode work
+    the fraction calibrated on decode batches, where there is one: the `achieved` table was measured on
+    prefill (co-selection), and a kernel's efficiency there says little about a request of one token
+    (KV-outer: one query per block pair; FlashInfer: no re-reads for the L2 term to over-count). A step
+    that mixes both runs each share at its own rate: the harmonic blend, share / decode + rest / prefill."""
     key = f"{backend.partition('@')[0]}/{dtype}"
-    if decode:
-        dec = (profile.fixed_costs or {}).get("decode_achieved") or {}
-        if key in dec:
-            return float(dec[key])
-    return float((profile.achieved or {}).get(key, 1.0))
+    prefill = float((profile.achieved or {}).get(key, 1.0))
+    share = min(max(float(decode), 0.0), 1.0)
+    dec = ((profile.fixed_costs or {}).get("decode_achieved") or {}).get(key)
+    if share == 0.0 or dec is None:
+        return prefill
+    if share == 1.0:
+        return float(dec)
+    return 1.0 / (share / float(dec) + (1.0 - share) / prefill)
 
 
 def has_achieved(profile: DeviceProfile, backend: str, dtype: str) -> bool:

@@ -138,6 +138,14 @@ def is_decode(n_tokens: float, requests: float) -> bool:
     return requests > 0 and n_tokens / requests <= DECODE_TOKENS
 
 
+def decode_share(tokens_per_request) -> float:
+    """The share of a step's query tokens that are decode work: in requests of at most DECODE_TOKENS
+    tokens (1 for a decode batch, 0 for a prefill chunk, between for a chunked-prefill step)."""
+    counts = [int(c) for c in tokens_per_request if c > 0]
+    total = sum(counts)
+    return sum(c for c in counts if c <= DECODE_TOKENS) / total if total else 0.0
+
+
 def binding_of(times: dict) -> str:
     """The resource ("hbm", "l2" or "mma") whose time is the roofline's; ties to the first."""
     return max(times, key=times.get)

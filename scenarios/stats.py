@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..roofline.model import ALL_SCHEDULES
+from ..roofline.model import ALL_SCHEDULES, decode_share
 from ..roofline.schedules import Schedule
 from .tiling import query_tiles
 from .workload import Workload
@@ -118,6 +118,7 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "generator": w.meta.get("generator", ""), "dtype": w.dtype, "causal": w.causal,
         "hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk,
         "n_tokens": n, "requests": int(w.page_table.shape[0]),
+        "decode_share": decode_share(torch.bincount(w.q_request.long().cpu()).tolist()),
         "context_tokens": max(lens), "context_blocks": int((w.page_table >= 0).sum(1).max()),
         "nsb": nsb, "nsb_per_n": nsb / n if n else 0.0,
         "target_reuse": w.meta.get("target_reuse"),

@@ -331,13 +331,16 @@ def test_an_item_is_the_slope_of_module_time_against_its_blocks_and_the_intercep
 
 def test_a_module_is_floored_by_its_item_alone_and_decode_work_takes_the_decode_fraction():
     from msa_bench.roofline.devices import achieved
-    from msa_bench.roofline.model import is_decode, module_time
+    from msa_bench.roofline.model import decode_share, is_decode, module_time
     fc = {"stages": {"q-packed/attention/bf16": {"s": 5e-6, "launches": 1}},
           "decode_achieved": {"q-packed/bf16": 0.9}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
     dev = replace(PRESETS["h200"], achieved={"q-packed/bf16": 0.5}, fixed_costs=fc)
     assert achieved(dev, "q-packed", "bf16", decode=True) == 0.9 and achieved(dev, "q-packed", "bf16") == 0.5
     assert achieved(dev, "kv-outer", "bf16", decode=True) == 1.0
+    # a chunked-prefill step: each share at its own rate, 0.5 / 0.9 + 0.5 / 0.5 seconds per roofline second
+    assert achieved(dev, "q-packed", "bf16", decode=0.5) == pytest.approx(1 / (0.5 / 0.9 + 0.5 / 0.5))
     assert is_decode(256, 256) and is_decode(256, 64) and not is_decode(8192, 1) and not is_decode(10, 0)
+    assert decode_share([1] * 1024 + [1024]) == 0.5 and decode_share([4] * 8) == 1.0 and decode_share([8192]) == 0.0
     small, parts = module_time(dev, "q-packed", "bf16", 1e-6, ("attention",), item_blocks=16)
     assert small == pytest.approx(36e-6 + 5e-6) and parts["item_floor_s"] == pytest.approx(36e-6)
     assert module_time(dev, "q-packed", "bf16", 1e-3, ("attention",), item_blocks=16)[0] == pytest.approx(1e-3 + 5e-6)
@@ -351,9 +354,15 @@ def test_a_decode_workload_is_predicted_with_the_decode_fraction():
     dev = replace(PRESETS["h200"], achieved={"q-packed/bf16": 0.5},
                   fixed_costs={"decode_achieved": {"q-packed/bf16": 0.25}})
     inputs = ModelInputs(w)
-    assert inputs.decode
+    assert inputs.decode == 1.0
     t, used = get_backend("q-packed").roofline(w, inputs, dev)
     assert used["achieved"] == 0.25 and t == pytest.approx(used["roofline_s"] / 0.25)
+    # a step of 16 decode tokens and a 64-token chunk: a fifth of its tokens are decode work
+    step = edge_case_workload(SMALL, "fp32", [256] * 16 + [512], [1] * 16 + [64], False, seed=2)
+    inputs = ModelInputs(step)
+    assert inputs.decode == pytest.approx(0.2)
+    _, used = get_backend("q-packed").roofline(step, inputs, dev)
+    assert used["achieved"] == pytest.approx(1 / (0.2 / 0.25 + 0.8 / 0.5))
 
 
 @pytest.mark.parametrize("bad", [{"decode_achieved": {"q-packed/bf16": 0}}, {"decode_achieved": {"q-packed": 0.5}},
