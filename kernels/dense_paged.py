@@ -8,8 +8,8 @@ page whole. The custom mask (bit k of a row: key k is selected and visible to th
 unselected blocks, the keys past each query's limit and the tail of the last page; the tail's keys
 are still read, so plan() checks that they are finite (a masked key's probability is 0, and 0 x NaN is
 NaN). A row holds P_r x 128 keys, a multiple of 64: the packed mask is two int64 words per (row,
-page) (narrower where a block is no multiple of 64 keys), written in place of the wrapper's packed buffer by a few torch ops (no host sync: the stage
-can be captured).
+page) (narrower words where a block is no multiple of 64 keys), written in place of the wrapper's
+packed buffer by a few torch ops (no host sync: the stage can be captured).
 
 Stages: gather (Q into FlashInfer's request order; fp8 Q dequantized to bf16, exact with a power-of-
 two scale), mask (the packed mask from the selection and q_limit), attention (FA2; fp8 K/V
