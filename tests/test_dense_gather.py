@@ -105,3 +105,16 @@ def test_options_and_cpu_reason():
     assert reasons == {"dense-gather needs a CUDA GPU (torch SDPA's CUDA kernels); the workload is on cpu"}
     with pytest.raises(BackendUnavailable, match="needs a CUDA GPU"):
         DenseGather().plan(prefill_workload(PrefillCase("t", (5,), (3,)), SMALL, "bf16"))
+
+
+def test_the_reason_check_and_the_plan_pack_once(monkeypatch):
+    from msa_bench.kernels import dense_gather
+    calls = []
+    real = dense_gather.dense_plan
+    monkeypatch.setattr(dense_gather, "dense_plan", lambda w: calls.append(w) or real(w))
+    w = prefill_workload(PrefillCase("tiny", (5, 30), (70, 200)), SMALL, "bf16")
+    other = prefill_workload(PrefillCase("tiny", (5, 30), (70, 200)), SMALL, "bf16")
+    b = DenseGather()
+    first = b._dense_plan(w)
+    assert b._dense_plan(w) is first and len(calls) == 1           # the plan reuses the check's packing
+    assert b._dense_plan(other) is not first and len(calls) == 2     # another workload packs its own
