@@ -201,7 +201,7 @@ def _model_parts(row, device: DeviceProfile):
     if pred is None:
         return None
     # `device`'s fixed costs, not the run's module.model_fixed_s: that one is the profile's at run time
-    stages = [s for s in STAGE_ORDER + ("gather", "mask", "output")
+    stages = [s for s in backend.stage_names
               if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
     blocks = row["wl_topk"] * union if backend.schedule == Schedule.Q_PACKED and union else None
     return backend, pred.time_s, stages, blocks

@@ -37,15 +37,14 @@ class ModelInputs:
     """What the roofline needs of a workload, computed once for every backend `auto` weighs."""
 
     def __init__(self, w: Workload):
-        from ..roofline.model import decode_share
-        from ..scenarios.stats import selected_pairs, useful_flops
+        from ..scenarios.stats import selected_pairs, useful_flops, workload_decode_share
         s, n = w.shape, w.n_tokens
         self.w = w
         self.selected = float((w.selection >= 0).sum())
         self.per_query = self.selected / (n * s.hkv) if n else 0.0
         self.nsb = float(selected_pairs(w)[1].numel())
         self.flops = useful_flops(w)
-        self.decode = decode_share(torch.bincount(w.q_request.long().cpu()).tolist())   # achieved(): the blend
+        self.decode = workload_decode_share(w)                  # achieved(): the decode share it blends by
         self._union: dict[tuple, float] = {}
 
     def union_ratio(self, tile: int, padded: bool = False) -> float:

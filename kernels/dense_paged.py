@@ -38,25 +38,36 @@ def word_bits(block: int) -> int | None:
     return next((bits for bits in WORD_TYPES if block % bits == 0), None)
 
 
-def context_blocks(w: Workload) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(P [R'] dense context blocks of each request that has query tokens, their token ids in order)."""
+@dataclass
+class Contexts:
+    """The requests that have query tokens, in order, read once from the workload (on the host)."""
+    requests: torch.Tensor         # [R'] request ids
+    limits: torch.Tensor           # [R'] its last query's limit (the last key any of its queries sees)
+    blocks: torch.Tensor           # [R'] its dense context blocks, P: the limit's block, plus one
+    tokens: list[torch.Tensor]     # its token ids, in order
+
+
+def contexts(w: Workload) -> Contexts:
     req = w.q_request.long().cpu()
     lim = w.q_limit.long().cpu()
-    blocks, toks = [], []
+    reqs, limits, toks = [], [], []
     for r in range(w.page_table.shape[0]):
         tok = torch.nonzero(req == r).view(-1)
         if tok.numel():
-            blocks.append(int(lim[tok].max()) // w.shape.block + 1)
+            reqs.append(r)
+            limits.append(int(lim[tok].max()))
             toks.append(tok)
-    return torch.tensor(blocks, dtype=torch.long), toks
+    limits = torch.tensor(limits, dtype=torch.long)
+    return Contexts(torch.tensor(reqs, dtype=torch.long), limits, limits // w.shape.block + 1, toks)
 
 
 def paged_sizes(w: Workload) -> dict:
     """Bytes the paged plan allocates: the packed mask, its words before compaction, the bool mask
     FlashInfer's plan packs once, folded Q and O; the keys and FLOPs it executes."""
     s = w.shape
-    blocks, toks = context_blocks(w)
-    rows = torch.tensor([t.numel() for t in toks], dtype=torch.long)
+    ctx = contexts(w)
+    blocks = ctx.blocks
+    rows = torch.tensor([t.numel() for t in ctx.tokens], dtype=torch.long)
     keys = int((rows * blocks).sum()) * s.block
     bits = keys * s.hkv
     words = int(rows.sum()) * s.hkv * int(blocks.max() if blocks.numel() else 0) * 2 * 8
@@ -65,19 +76,18 @@ def paged_sizes(w: Workload) -> dict:
             "dense_keys": keys, "executed_flops": 4.0 * s.hq * s.head_dim * keys}
 
 
-def _tail_reason(w: Workload, blocks: torch.Tensor, toks: list[torch.Tensor]) -> str | None:
+def _tail_reason(w: Workload, ctx: Contexts) -> str | None:
     """One line if a request's dense context has a block with no page, or its last page holds keys past
     its context that are not finite (the kernel reads them, masked)."""
     s = w.shape
-    lim = w.q_limit.long().cpu()
     table = w.page_table.long().cpu()
-    reqs = torch.tensor([int(w.q_request[t[0]]) for t in toks])
+    reqs, blocks = ctx.requests, ctx.blocks
     cols = torch.arange(int(blocks.max()))
     missing = (table[reqs][:, :cols.numel()] < 0) & (cols.view(1, -1) < blocks.view(-1, 1))
     if bool(missing.any()):
         r = int(reqs[missing.any(1)][0])
         return f"dense-masked@flashinfer: request {r} has context blocks with no page (page_table -1)"
-    first = torch.stack([lim[t].max() for t in toks]) % s.block + 1                     # keys seen in the last page
+    first = ctx.limits % s.block + 1                                                   # keys seen in the last page
     pages = table[reqs, blocks - 1].to(w.k_cache.device)
     past = (torch.arange(s.block).view(1, -1) >= first.view(-1, 1)).to(w.k_cache.device)
     for cache in (w.k_cache, w.v_cache):
@@ -116,14 +126,13 @@ class PagedLayout:
         return torch.nonzero(grid.view(-1)).view(-1)
 
 
-def paged_layout(w: Workload) -> PagedLayout:
+def paged_layout(w: Workload, ctx: Contexts | None = None) -> PagedLayout:
     """Request (r, h): r's tokens in order, pages table[r, :P_r] * Hkv + h (module docstring)."""
     hkv = w.shape.hkv
-    blocks, toks = context_blocks(w)
+    ctx = ctx or contexts(w)
     table = w.page_table.long().cpu()
     qo, kv, indices, row_tok, row_head, row_blocks = [0], [0], [], [], [], []
-    for tok, p in zip(toks, blocks.tolist()):
-        r = int(w.q_request[tok[0]])
+    for r, tok, p in zip(ctx.requests.tolist(), ctx.tokens, ctx.blocks.tolist()):
         for h in range(hkv):
             qo.append(qo[-1] + tok.numel())
             kv.append(kv[-1] + p)
@@ -133,12 +142,13 @@ def paged_layout(w: Workload) -> PagedLayout:
             row_blocks.append(torch.full_like(tok, p))
     return PagedLayout(torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32),
                        torch.cat(indices).to(torch.int32), torch.cat(row_tok), torch.cat(row_head),
-                       torch.cat(row_blocks), int(blocks.max()))
+                       torch.cat(row_blocks), int(ctx.blocks.max()))
 
 
 def mask_builder(w: Workload, lay: PagedLayout, words: torch.Tensor, empty: torch.Tensor):
     """A function that writes the packed mask into `words` (WORD_TYPES[word_bits(block)], block / bits per
-    (row, page), FlashInfer's row order, compacted) and, per row, whether it sees no key into `empty`: torch ops only, no host sync."""
+    (row, page), FlashInfer's row order, compacted) and, per row, whether it sees no key into `empty`:
+    torch ops only, no host sync."""
     s = w.shape
     dev = words.device
     pmax = lay.pmax
@@ -173,8 +183,9 @@ def build_paged_stages(w: Workload):
     dev, b, g, hkv, d = w.device, s.block, s.group, s.hkv, s.head_dim
     if word_bits(b) is None:
         raise BackendUnavailable(f"dense-masked@flashinfer packs the mask in whole bytes per block; block {b} is not")
-    lay = paged_layout(w)
-    reason = _tail_reason(w, *context_blocks(w))
+    ctx = contexts(w)
+    lay = paged_layout(w, ctx)
+    reason = _tail_reason(w, ctx)
     if reason:
         raise BackendUnavailable(reason)
     n_req, bits = lay.num_requests, lay.mask_bits * b

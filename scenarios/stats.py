@@ -104,6 +104,11 @@ def dense_extent(w: Workload) -> tuple[int, int]:
     return int(blocks.sum()), int(blocks[req].sum()) * w.shape.block
 
 
+def workload_decode_share(w: Workload) -> float:
+    """model.decode_share of the workload's requests (their query tokens from q_request)."""
+    return decode_share(torch.bincount(w.q_request.long().cpu()).tolist())
+
+
 def workload_stats(w: Workload, device_profile=None) -> dict:
     """Flat dict of statistics; with a device profile (roofline.devices.DeviceProfile or preset name)
     also the roofline's predicted time and binding resource per schedule."""
@@ -118,7 +123,7 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "generator": w.meta.get("generator", ""), "dtype": w.dtype, "causal": w.causal,
         "hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk,
         "n_tokens": n, "requests": int(w.page_table.shape[0]),
-        "decode_share": decode_share(torch.bincount(w.q_request.long().cpu()).tolist()),
+        "decode_share": workload_decode_share(w),
         "context_tokens": max(lens), "context_blocks": int((w.page_table >= 0).sum(1).max()),
         "nsb": nsb, "nsb_per_n": nsb / n if n else 0.0,
         "target_reuse": w.meta.get("target_reuse"),

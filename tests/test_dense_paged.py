@@ -113,3 +113,17 @@ def test_a_mask_past_flashinfers_int32_offsets_is_refused(monkeypatch):
     w = serving_workload(WIDE, "bf16", "decode", None, context=4096, requests=3)
     with pytest.raises(BackendUnavailable, match="int32 bit offsets"):
         dense_paged.build_paged_stages(w)
+
+
+def test_a_last_page_with_keys_that_are_not_finite_is_refused():
+    from msa_bench.kernels.dense_paged import _tail_reason, contexts
+    w = serving_workload(TINY, "bf16", "decode", None, context=600, context_min=100, requests=5)
+    ctx = contexts(w)
+    assert _tail_reason(w, ctx) is None
+    i = next(i for i in range(len(ctx.tokens)) if int(ctx.limits[i]) % TINY.block + 1 < TINY.block)
+    r = int(ctx.requests[i])
+    page = int(w.page_table[r, int(ctx.blocks[i]) - 1])
+    w.v_cache[page, 0, int(ctx.limits[i]) % TINY.block + 1] = float("nan")   # past its context: read, masked
+    assert "not finite" in _tail_reason(w, ctx)
+    w.page_table[r, 0] = -1
+    assert "no page" in _tail_reason(w, ctx)
