@@ -613,6 +613,9 @@ def calibrate(
     name: str = typer.Option("", help="Profile name (default: <gpu>-calibrated)."),
     fixed_costs_only: bool = typer.Option(False, "--fixed-costs-only", help="Measure only the fixed costs (seconds "
                                           "per kernel launch and per backend stage) into the existing OUT/profile.json."),
+    backend: str = typer.Option("", help="With --fixed-costs-only: re-measure only these `auto` candidates "
+                                "(comma-separated, e.g. q-packed-cute,hybrid after a kernel change) and keep the "
+                                "others' entries. Default: every candidate."),
 ):
     """Measure this GPU's HBM read and copy bandwidth, the L2 read plateau (working-set sweep) and the bf16/fp8
     matmul peaks, then what the model adds to the roofline (seconds per kernel launch in a CUDA graph; per
@@ -629,6 +632,14 @@ def calibrate(
     import torch
     folder = Path(out) if out else Path("results/calibration") / torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-")
     path = folder / "profile.json"
+    only = [b.strip() for b in backend.split(",") if b.strip()] or None
+    if only and not fixed_costs_only:
+        raise UserError("--backend re-measures some backends' fixed costs: it needs --fixed-costs-only")
+    if only:
+        from .kernels.auto import candidate_names
+        unknown = [b for b in only if b not in candidate_names()]
+        if unknown:
+            raise UserError(f"--backend {unknown[0]!r} is not an `auto` candidate ({', '.join(candidate_names())})")
     if fixed_costs_only:
         if not path.is_file():
             raise UserError(f"--fixed-costs-only writes into an existing profile and {path} does not exist; "
@@ -643,7 +654,7 @@ def calibrate(
                    f"bf16 {p.mma_flops['bf16'] / 1e12:.0f} / fp8 {p.mma_flops['fp8'] / 1e12:.0f} TFLOP/s) and {result['png_path']} "
                    f"in {result['seconds']:.0f} s")
         data = json.loads(path.read_text())
-    fc = calibrate_fixed_costs(profile, log=typer.echo)
+    fc = calibrate_fixed_costs(profile, log=typer.echo, only=only)
     write_profile(with_fixed_costs(data, fc, str(path)), path)
     typer.echo(f"wrote the fixed costs into {path} ({len(fc['stages'])} stages, launch "
                f"{fc['launch_s'] * 1e6:.2f} us) in {fc['seconds']:.0f} s")

@@ -226,22 +226,23 @@ def fit_items(series: dict) -> dict:
     return out
 
 
-def calibrate_fixed_costs(profile: DeviceProfile, log=print) -> dict:
+def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None) -> dict:
     """The fixed_costs table for `profile`'s GPU (this one): launch cost, per-stage costs, decode
-    fractions and item times."""
+    fractions and item times; with `only` (backend names), theirs re-measured and every other backend's
+    kept from `profile` (merge_fixed_costs)."""
     from ..errors import require_cuda
     require_cuda("fixed-cost calibration")
     t0 = time.perf_counter()
     launch, points = launch_seconds(torch.device("cuda"))
     log(f"  kernel launch in a CUDA graph: {launch * 1e6:.2f} us")
-    latency = measure_series(profile, log=log, points=latency_points)
+    latency = measure_series(profile, log=log, points=latency_points, only=only)
     with_items = {name for (name, _), rows in latency.items() if any(r[3] is not None for r in rows)}
     item_series = measure_series(profile, log=log, points=item_points, only=with_items) if with_items else {}
     items = fit_items({k: latency.get(k, []) + item_series.get(k, []) for k in set(latency) | set(item_series)})
     stages = fit_series(latency, items)
-    batches = measure_series(profile, log=log)
+    batches = measure_series(profile, log=log, only=only)
     generator, options = LATENCY_POINT
-    return {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
+    fresh = {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
             "decode_achieved": fit_decode_achieved(batches, stages), "items": items,
             "method": f"stages: the module's time on the latency point ({generator} {options}), less its one "
                       f"item's walk where it has items, shared by the stages as their own times there; "
@@ -250,3 +251,21 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print) -> dict:
                       f"items: Theil-Sen of module time against a tile's blocks on the latency point and "
                       f"{len(ITEM_POINTS)} one-request workloads",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}
+    return fresh if only is None else merge_fixed_costs(profile.fixed_costs, fresh, only)
+
+
+PER_BACKEND = ("stages", "decode_achieved", "items")     # fixed_costs tables keyed "backend/..."
+
+
+def merge_fixed_costs(old: dict, fresh: dict, only) -> dict:
+    """`old` fixed costs with every entry of the backends in `only` replaced by `fresh`'s (an entry `fresh`
+    lacks is dropped, not kept stale), the launch cost re-measured, and the method saying which were."""
+    only = set(only)
+    mine = lambda key: key.split("/")[0] in only            # noqa: E731
+    out = {**old, "launch_s": fresh["launch_s"], "launch_points": fresh["launch_points"]}
+    for table in PER_BACKEND:
+        out[table] = {**{k: v for k, v in (old.get(table) or {}).items() if not mine(k)},
+                      **{k: v for k, v in fresh[table].items() if mine(k)}}
+    out["method"] = (f"{old.get('method', '')}; {', '.join(sorted(only))} re-measured {fresh['date']} "
+                     f"({fresh['seconds']:.0f} s)").lstrip("; ")
+    return out

@@ -100,7 +100,8 @@ def _usable(v) -> bool:
 
 def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
                   flops: float | None = None, selected_per_query: float | None = None,
-                  union_ratio: float | None = None, tile: int = DEFAULT_TILE_TOKENS) -> Prediction | None:
+                  union_ratio: float | None = None, tile: int = DEFAULT_TILE_TOKENS,
+                  executed_union_ratio: float | None = None) -> Prediction | None:
     """predict() for one measured point; `flops`, `selected_per_query` and `union_ratio` (at P = tile) from
     the workload's stats (scenarios.stats) when known, so causal masking and padding count as the workload
     has them; union_ratio at P = `tile` (model.union_tokens: q-packed's tile, Q-outer's L2 window). None for
@@ -115,16 +116,20 @@ def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float,
                    selected_per_query=selected_per_query if _usable(selected_per_query) else None,
                    flops=flops if _usable(flops) else None,
                    union_ratio=float(union_ratio) if _usable(union_ratio) and union_tokens(schedule) else None,
-                   tile_tokens=tile)
+                   tile_tokens=tile,
+                   executed_union_ratio=float(executed_union_ratio) if _usable(executed_union_ratio) else None)
 
 
 def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile, plan_info=None) -> Prediction | None:
     """predict_point() from a workload's statistics: workload_stats() keys or a result row's wl_ columns;
-    q-packed at the tile size the plan records (plan_info "tile_tokens", default 8), Q-outer at its L2 window."""
+    q-packed at the tile size the plan records (plan_info "tile_tokens", default 8), its MMAs at the tokens
+    they cover where the plan records fewer ("mma_tokens": q-packed-cute since 2026-12-02; its earlier
+    units ran whole tiles), Q-outer at its L2 window."""
     def get(key):
         value = stats.get(key) if key in stats else stats.get(f"wl_{key}")
         return value if _usable(value) or value == 0 else None
     tile = union_tokens(schedule, tile_tokens(plan_info)) or tile_tokens(plan_info)
+    mma = _info(plan_info).get("mma_tokens") if schedule == Schedule.Q_PACKED else None
     if schedule == Schedule.DENSE_MASKED:
         blocks, keys, n = get("dense_kv_blocks"), get("dense_keys"), get("n_tokens")
         if not (_usable(blocks) and _usable(keys) and _usable(n)):
@@ -133,4 +138,5 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
         return predict_dense(shape, n, blocks, keys, device, flops=get("useful_flops"), gathered=not paged)
     return predict_point(schedule, shape, get("n_tokens") or float("nan"), get("nsb"), device,
                          flops=get("useful_flops"), selected_per_query=get("selected_blocks_per_query"),
-                         union_ratio=union_ratio_for(stats, tile), tile=tile)
+                         union_ratio=union_ratio_for(stats, tile), tile=tile,
+                         executed_union_ratio=union_ratio_for(stats, mma) if mma else None)

@@ -69,6 +69,7 @@ class Backend:
     candidate: bool = False                  # `auto` weighs it where the model predicts it
     stage_names: tuple[str, ...] = ()        # the stages its plans run, in order (their fixed costs)
     tile_tokens: int = 8                     # P of a token-packed schedule
+    mma_tokens: int | None = None            # tokens an MMA covers where fewer than the tile (model.predict)
     options: dict[str, Option] = {}          # constructor flags NAME@WORD+WORD sets (kernels/options.py)
 
     @classmethod
@@ -107,12 +108,16 @@ class Backend:
         # re-reads hit the L2 inside its window of tokens
         tile = union_tokens(self.schedule, self.tile_tokens)
         union = inputs.union_ratio(tile, padded=True) if tile else None
+        executed = inputs.union_ratio(self.mma_tokens, padded=True) if union and self.mma_tokens else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
-                    inputs.flops, union_ratio=union, tile_tokens=tile or self.tile_tokens)
+                    inputs.flops, union_ratio=union, tile_tokens=tile or self.tile_tokens,
+                    executed_union_ratio=executed)
         frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode)
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         if union is not None:
             used["union_ratio"] = union
+        if executed is not None:
+            used["executed_union_ratio"] = executed
         return p.time_s / frac, used
 
     def item_blocks(self, w: Workload, inputs: ModelInputs) -> float | None:

@@ -244,14 +244,16 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
 def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
             selected_per_query: float | None = None, flops: float | None = None,
             l2_capacity: bool = True, union_ratio: float | None = None,
-            tile_tokens: int = DEFAULT_TILE_TOKENS) -> Prediction:
+            tile_tokens: int = DEFAULT_TILE_TOKENS, executed_union_ratio: float | None = None) -> Prediction:
     """`flops`: the useful FLOPs (default: every query sees all its selected keys); q-packed executes
-    them x union_ratio (masked positions still cost MMA work). The roofline time alone: `module_time`
-    adds what a backend's kernels cost beyond it."""
+    them x union_ratio (masked positions still cost MMA work), or x executed_union_ratio where its MMAs
+    cover fewer tokens than its tile loads K/V for (the union at that many tokens). The roofline time
+    alone: `module_time` adds what a backend's kernels cost beyond it."""
     hbm_terms, l2_terms = traffic(schedule, shape, n_tokens, nsb, selected_per_query,
                                   device if l2_capacity else None, union_ratio, tile_tokens)
     fl = useful_flops(shape, n_tokens, selected_per_query) if flops is None else flops
-    executed = fl * (1.0 if union_ratio is None else union_ratio) if schedule == Schedule.Q_PACKED else fl
+    ratio = union_ratio if executed_union_ratio is None else executed_union_ratio
+    executed = fl * (1.0 if ratio is None else ratio) if schedule == Schedule.Q_PACKED else fl
     hbm_b, l2_b = sum(hbm_terms.values()), sum(l2_terms.values())
     times = {"hbm": hbm_b / device.hbm_bytes_per_s, "l2": l2_b / device.l2_bytes_per_s,
              "mma": executed / device.peak_flops(shape.dtype)}

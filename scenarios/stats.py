@@ -17,6 +17,7 @@ from .workload import Workload
 
 SCHEDULES = ALL_SCHEDULES      # q-packed at P = 8, this union_ratio
 UNION_TILES = (8, 16)          # P of the union_ratio statistics every result row stores
+MMA_TILES = (4,)               # and of the executed ones only: a q-packed-cute warpgroup's tokens
 
 
 def visible_tokens(w: Workload) -> torch.Tensor:
@@ -131,7 +132,7 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         **_quantiles(fanin),
         **{f"union_ratio_p{p}": workload_union_ratio(w, p) for p in UNION_TILES},
         # what a kernel of P-token tiles executes: a request's shorter tiles counted as P tokens
-        **{f"executed_union_ratio_p{p}": workload_union_ratio(w, p, padded=True) for p in UNION_TILES},
+        **{f"executed_union_ratio_p{p}": workload_union_ratio(w, p, padded=True) for p in UNION_TILES + MMA_TILES},
         "selected_tokens": vis,
         "selected_tokens_per_query": vis / (n * s.hkv) if n else 0.0,
         "useful_flops": useful_flops(w),

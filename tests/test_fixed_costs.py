@@ -386,3 +386,16 @@ def test_the_replay_floors_a_packed_unit_by_its_item_and_uses_the_decode_fractio
     roof = predict("q-packed", ModelShape(), 65536, 65536, dev, union_ratio=2.0).time_s
     assert roof > 52e-6 and predicted_module_s(prefill, dev) == pytest.approx(roof)       # prefill: fraction 1
     assert math.isnan(predicted_module_s({**row, "backend": "dense-gather"}, dev))       # a probe: not modelled
+
+def test_merge_keeps_the_backends_not_remeasured():
+    from msa_bench.harness.fixed_costs import merge_fixed_costs
+    old = {"launch_s": 1e-6, "launch_points": [[1, 2e-5]], "method": "stages: ...",
+           "stages": {"a/attention/bf16": {"s": 1.0}, "b/attention/bf16": {"s": 2.0}, "b/combine/bf16": {"s": 3.0}},
+           "decode_achieved": {"a/bf16": 0.5, "b/bf16": 0.6}, "items": {"a/bf16": {"block_s": 1.0}}}
+    fresh = {"launch_s": 2e-6, "launch_points": [[1, 3e-5]], "date": "2026-12-02 06:00:00", "seconds": 30.0,
+             "stages": {"b/attention/bf16": {"s": 5.0}}, "decode_achieved": {"b/bf16": 0.9}, "items": {}}
+    out = merge_fixed_costs(old, fresh, ["b"])
+    assert out["stages"] == {"a/attention/bf16": {"s": 1.0}, "b/attention/bf16": {"s": 5.0}}   # b's combine dropped
+    assert out["decode_achieved"] == {"a/bf16": 0.5, "b/bf16": 0.9} and out["items"] == {"a/bf16": {"block_s": 1.0}}
+    assert out["launch_s"] == 2e-6 and out["method"].endswith("b re-measured 2026-12-02 06:00:00 (30 s)")
+    assert old["stages"]["b/attention/bf16"] == {"s": 2.0}                                      # not mutated

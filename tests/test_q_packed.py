@@ -38,17 +38,26 @@ def test_token_tiles_follow_positions_and_requests():
 
 
 def oracle(w, P):
-    """Per (head, tile): sorted union, its pages, and each token's limit per union block, by Python loops."""
+    """Per (head, tile): the union (blocks only the first P // 2 tokens select, then those both halves do,
+    then the second half's own, each ascending), its pages, each token's limit per union block, and the
+    halves' ranges (lo_end, hi_start), by Python loops."""
     tok0, ntok = token_tiles(w.q_request, w.q_limit, P, w.causal)
     sel, lim, table, req = w.selection.cpu(), w.q_limit.cpu(), w.page_table.cpu(), w.q_request.cpu()
     out = []
     for h in range(w.shape.hkv):
         for t0, n in zip(tok0.tolist(), ntok.tolist()):
             toks = range(t0, t0 + n)
-            union = sorted({int(b) for q in toks for b in sel[h, q] if b >= 0})
+            halves = {}
+            for k, q in enumerate(toks):
+                for b in sel[h, q].tolist():
+                    if b >= 0:
+                        halves.setdefault(b, set()).add(k >= P // 2)
+            cls = {b: 1 if len(hs) == 2 else (2 if True in hs else 0) for b, hs in halves.items()}
+            union = sorted(halves, key=lambda b: (cls[b], b))
             limits = [[(min(int(lim[q]) - b * w.shape.block, w.shape.block - 1) if b in sel[h, q].tolist()
                         else NO_KEY) for q in toks] + [NO_KEY] * (P - n) for b in union]
-            out.append((union, [int(table[int(req[t0]), b]) for b in union], limits))
+            n_lo, n_both = sum(c == 0 for c in cls.values()), sum(c == 1 for c in cls.values())
+            out.append((union, [int(table[int(req[t0]), b]) for b in union], limits, (n_lo + n_both, n_lo)))
     return out
 
 
@@ -64,12 +73,13 @@ def test_schedule_matches_oracle(seed, P, causal, pad, hot, reqs):
     sch = PackedSchedule(w, P)
     sch.tile_page.fill_(123)
     sch.tile_count.fill_(77)
+    sch.tile_split.fill_(55)
     sch()
     U = sch.union_cap
     limit = sch.tile_limit.view(-1, U, P)
-    for i, (union, pages, limits) in enumerate(oracle(w, P)):
+    for i, (union, pages, limits, split) in enumerate(oracle(w, P)):
         c = len(union)
-        assert int(sch.tile_count[i]) == c
+        assert int(sch.tile_count[i]) == c and tuple(sch.tile_split.view(-1, 2)[i].tolist()) == split
         assert sch.tile_page[i, :c].tolist() == pages and (sch.tile_page[i, c:] == -1).all()
         assert limit[i, :c].tolist() == limits
         assert (limit[i, c:] == NO_KEY).all()

@@ -40,9 +40,9 @@ def _cli(*args, env=None):
 
 def test_options_name_their_libraries():
     plain = cb.QPackedCuteBackend.from_option("plain")
-    assert (plain.pingpong, plain.s_ahead) == (False, False)
+    assert plain.flags == (False, False)
     both = cb.QPackedCuteBackend.from_option("sa+pp")
-    assert (both.pingpong, both.s_ahead) == (True, True)
+    assert both.flags == (True, True)
     for bad in ("x", "pp+pp", "pp+", ""):
         with pytest.raises(ValueError, match=r"pp\|plain .* sa\|plain"):
             cb.QPackedCuteBackend.from_option(bad)
@@ -51,11 +51,11 @@ def test_options_name_their_libraries():
     names = [c.name for c in ALL]
     assert len(set(names)) == 8 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     assert {c.option for c in ALL} == {"", "pp", "sa", "pp+sa"}
-    assert {(c.option, c.dtype) for c in mf.q_packed_configs("default")} == {("pp", "bf16"), ("pp+sa", "fp8")}
+    assert {(c.option, c.dtype) for c in mf.q_packed_configs("default")} == {("", "bf16"), ("pp+sa", "fp8")}
     assert mf.q_packed_configs("none") == []
     b = get_backend("q-packed-cute@pp+sa")
     assert b.config_for("fp8") == mf.QPackedConfig("fp8", True, True) and b.name == "q-packed-cute@pp+sa"
-    assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128_pp"
+    assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
     assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_pp_sa"
     assert get_backend("q-packed-cute@plain").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
     for cfg in ALL:                      # a library's option names it back
@@ -66,11 +66,11 @@ def test_pack_checks_the_tensors():
     """(The ABI against the kernel's signature and the shim: tests/test_cute_build.py.)"""
     meta = torch.device("meta")
     cfg = mf.QPackedConfig("bf16")
-    with pytest.raises(ValueError, match="expected 10 tensors"):
+    with pytest.raises(ValueError, match="expected 11 tensors"):
         pack_arguments(cfg, [torch.empty(1, device=meta)] * 13, meta)
     with pytest.raises(ValueError, match="int32"):
         pack_arguments(cfg, [torch.empty(1, device=meta)] * 3 + [torch.empty(2 ** 31, device=meta)]
-                       + [torch.empty(1, device=meta)] * 6, meta)
+                       + [torch.empty(1, device=meta)] * 7, meta)
 
 
 def test_source_hash_covers_the_kernel_and_what_it_imports():
@@ -82,18 +82,18 @@ def test_source_hash_covers_the_kernel_and_what_it_imports():
 
 
 def test_find_library_says_what_to_rebuild(tmp_path):
-    cfg = mf.QPackedConfig("bf16", pingpong=True)                 # bf16's default
+    cfg = mf.QPackedConfig("bf16")                                # bf16's default
     path, why = mf.find_library(cfg, tmp_path, "sm_90a")
     assert path is None and "no CuTe build" in why and "--no-kv-outer --q-packed default" in why
     lib = tmp_path / cfg.library
     lib.write_bytes(b"not really a library")
     mf.write_manifest(tmp_path, "sm_90a", dict(dsl_version="4.8.1", cuda_version="13.0", cxx_version="test"),
-                      [mf.config_entry(cfg, lib, "qp1")])
+                      [mf.config_entry(cfg, lib, "qp2")])
     assert mf.find_library(cfg, tmp_path, "sm_90a") == (lib, None)
     assert "is for sm_90a, this GPU is sm_100a" in mf.find_library(cfg, tmp_path, "sm_100a")[1]
-    plain = mf.QPackedConfig("bf16")
-    assert re.search(r"has no qpk_attn_bf16_p8g16d128b128\b", mf.find_library(plain, tmp_path, "sm_90a")[1])
-    assert "--q-packed all" in mf.find_library(plain, tmp_path, "sm_90a")[1]
+    other = mf.QPackedConfig("bf16", pingpong=True)
+    assert re.search(r"has no qpk_attn_bf16_p8g16d128b128_pp\b", mf.find_library(other, tmp_path, "sm_90a")[1])
+    assert "--q-packed all" in mf.find_library(other, tmp_path, "sm_90a")[1]
     lib.write_bytes(b"altered")
     assert "checksum" in mf.find_library(cfg, tmp_path, "sm_90a")[1]
     data = json.loads((tmp_path / mf.MANIFEST_NAME).read_text())
@@ -147,12 +147,12 @@ def test_stage_hands_the_schedule_buffers_to_the_library(dtype, monkeypatch):
     b = sch.buffers
     v = stage.v
     expect = [w.q, w.k_cache, v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"], b["tile_limit"],
-              out, lse]
+              b["tile_split"], out, lse]
     assert lib.ptrs == [t.data_ptr() for t in expect]
     pages = w.num_pages
     assert lib.rows == [w.n_tokens * 64, pages * 4 * 128, pages * 4 * 128, sch.n_token_tiles, sch.n_token_tiles,
                         4 * sch.n_token_tiles, 4 * sch.n_token_tiles * 128, 4 * sch.n_token_tiles * 128 * 8,
-                        w.n_tokens * 64, w.n_tokens * 64]
+                        4 * sch.n_token_tiles * 2, w.n_tokens * 64, w.n_tokens * 64]
     assert stage.scalars == (4, sch.n_token_tiles, 128, 4 * sch.n_token_tiles, w.sm_scale * w.q_scale * w.k_scale,
                              w.v_scale)
     if dtype == "fp8":
@@ -213,7 +213,8 @@ def built(tmp_path_factory):
 
 
 def _artifact(dump: Path, cfg: mf.QPackedConfig, ext: str) -> Path:
-    tag = f"QPackedSm90_{cfg.dtype}" + ("_pingpong" if cfg.pingpong else "") + ("_sahead" if cfg.s_ahead else "")
+    tag = (f"QPackedSm90_{cfg.dtype}" + ("_pingpong" if cfg.pingpong else "") + ("_sahead" if cfg.s_ahead else "")
+)
     paths = [p for p in glob.glob(str(dump / f"*{tag}_FakeTensor*.{ext}"))]
     assert len(paths) == 1, (tag, ext, paths)
     return Path(paths[0])
@@ -229,7 +230,7 @@ def test_build_writes_every_config_and_its_manifest(built):
     for cfg in ALL:
         path, why = mf.find_library(cfg, out, "sm_90a")
         assert why is None and path.stat().st_size > 10_000
-        assert versions[cfg.name].startswith("qp1-") and ("pingpong" in versions[cfg.name]) == cfg.pingpong
+        assert versions[cfg.name].startswith("qp2-") and ("pingpong" in versions[cfg.name]) == cfg.pingpong
         assert ("s-ahead" in versions[cfg.name]) == cfg.s_ahead
 
 

@@ -11,9 +11,10 @@ import torch
 
 from msa_bench.harness.check import check_backend, edge_case_workload, sample_rows
 from msa_bench.kernels.base import get_backend
-from msa_bench.kernels.cute.manifest import DEFAULT_OPTIONS
+from msa_bench.kernels.cute.manifest import DEFAULT_OPTIONS, OPTION_FLAGS
 from msa_bench.scenarios.prefill_cases import get_case, prefill_workload
 from msa_bench.scenarios.selection import synthetic_workload
+from msa_bench.scenarios.serving import serving_workload
 from msa_bench.scenarios.workload import AttnShape
 
 pytestmark = [pytest.mark.cuda,
@@ -33,6 +34,8 @@ WORKLOADS = {
                                                 device="cuda"),
     "synthetic-causal": lambda d: synthetic_workload(SHAPE, d, 2048, 65536, 0.25, causal=True, seed=3,
                                                      device="cuda"),
+    # neighbours share about 87 % of their blocks: the warpgroups of a tile skip different blocks (wg_skip)
+    "drift-causal": lambda d: serving_workload(SHAPE, d, "drift", 1536, 40960, drift=0.07, seed=8, device="cuda"),
     "synthetic-noncausal": lambda d: synthetic_workload(SHAPE, d, 1024, 32768, 1.0, causal=False, seed=4,
                                                         device="cuda"),
     # three requests on a scattered page table, -1 padding, a hot block, tokens with no block at all,
@@ -73,9 +76,9 @@ def test_matches_the_float64_reference(dtype, option, case):
     w = workload(case, dtype)
     err, tol, details = check_backend(name, w, rows=sample_rows(w.n_tokens))
     assert err <= tol, (case, details["out_rel_err"], details.get("lse_rel_err"))
-    flags = DEFAULT_OPTIONS[dtype] if option == "" else ("pp" in option, "sa" in option)
+    flags = DEFAULT_OPTIONS[dtype] if option == "" else tuple(tag in option.split("+") for tag in OPTION_FLAGS)
     attention = details["info"]["attention"]
-    assert (attention["pingpong"], attention["s_ahead"]) == flags
+    assert tuple(attention[flag] for flag in OPTION_FLAGS.values()) == flags
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -106,15 +109,16 @@ def test_graph_replay_equals_eager(dtype, option, graph_replay_equals_eager, poi
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_options_agree_with_each_other(dtype):
     """The schedule options only reorder when the same MMAs and softmax steps are issued (each block's O is
-    rescaled by its alpha before its P V in every option): the outputs are bitwise equal. A difference
-    means a race or a misordered rescale, not rounding."""
-    outs = []
-    for option in OPTIONS:
-        name = backend_name(option)
-        _skip_unavailable(name, dtype)
-        plan = get_backend(name).plan(workload("synthetic-causal", dtype))
-        plan.run()
-        torch.cuda.synchronize()
-        outs.append((plan.output.float().clone(), plan.lse.clone()))
-    for option, (out, lse) in zip(OPTIONS[1:], outs[1:]):
-        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1]), option
+    rescaled by its alpha before its P V in every option): the outputs are bitwise equal. A difference means a race or a misordered rescale, not
+    rounding."""
+    for case in ("synthetic-causal", "drift-causal"):
+        outs = []
+        for option in OPTIONS:
+            name = backend_name(option)
+            _skip_unavailable(name, dtype)
+            plan = get_backend(name).plan(workload(case, dtype))
+            plan.run()
+            torch.cuda.synchronize()
+            outs.append((plan.output.float().clone(), plan.lse.clone()))
+        for option, (out, lse) in zip(OPTIONS[1:], outs[1:]):
+            assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1]), (case, option)

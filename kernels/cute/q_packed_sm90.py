@@ -15,7 +15,7 @@ How (FA3's warp-specialized layout, reusing the KV-outer stage's pieces):
   kv_full expects P arrivals (lane 0's carries the TMA bytes) and kv_empty the eight consumer warps.
   Warps 1 and 2 gather the tile's Q rows by cp.async into a ring of Q_STAGES (the next tile's Q lands
   while this tile's blocks stream: the gather does not wait behind warp 0's K/V stage waits, as it would
-  if one warp did both) and write the tile's (count, ntok, tok0) next to the stage; q_full
+  if one warp did both) and write the tile's (count, ntok, tok0, lo_end, hi_start) next to the stage; q_full
   expects their 64 arrivals plus that one; q_empty the eight consumer warps, after the tile's last S.
   Warp 3 has nothing to do.
 * Warpgroups 1 and 2 are the consumers, 64 rows = 4 tokens each. In a m64 wgmma accumulator warp w of a
@@ -26,6 +26,11 @@ How (FA3's warp-specialized layout, reusing the KV-outer stage's pieces):
   rescales O and l; rows that have seen no key keep m = -inf and take alpha = 1, P = 0); P to registers
   (bf16: the accumulator's k16 slices; fp8: e4m3 regrouped without shuffles, V's keys permuted to match,
   manifest.fp8_v_key_order; times 2^P_SHIFT); O += P V.
+* Each consumer warpgroup walks only the union blocks its four tokens selected: the schedule orders a
+  tile's union as first-half-only, both, second-half-only (kernels/q_packed/schedule.py), so warpgroup 0
+  runs slots [0, lo_end) and warpgroup 1 [hi_start, count), and each releases the other stages as they
+  fill (taking their pingpong turns). Where neighbours drift this cuts the MMAs to the union of 4 tokens
+  instead of 8; a decode tile of one token leaves warpgroup 1 nothing to do.
 * After the tile's last block: O * out_scale / l -> bf16 -> stmatrix into the warp's staging slot -> one TMA
   store of its (G, D) rows to out row block (tok0 + w) * Hkv + head (tokens past tile_ntok not stored);
   lse = (m scale_log2 + log2 l - P_SHIFT) ln 2, -inf where l = 0, by the lane holding each row.
@@ -68,6 +73,7 @@ from .softmax import _row, mask_keys, pairwise
 PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168, the launch's allocation
 CONSUMER_REGS = 224
 Q_STAGES = 2                 # the tile's Q and the next tile's
+META = 5                     # per Q stage: the tile's count, ntok, tok0, lo_end, hi_start
 KV_STAGES = {"bf16": 2, "fp8": 4}      # as many K/V stages as shared memory holds next to Q and O staging
 PINGPONG_BARRIER = 1         # named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn
 LN2 = math.log(2.0)
@@ -114,7 +120,7 @@ class QPackedSm90:
     num_threads = 384
     wg_threads = 128
     num_consumer_warps = 8
-    kernel_version = "qp1-ws-online"
+    kernel_version = "qp2-ws-online-halves"
 
     def __init__(self, dtype: str, tile_tokens: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  pingpong: bool = False, s_ahead: bool = False, kv_stages: int | None = None):
@@ -145,7 +151,7 @@ class QPackedSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileTok0: cute.Tensor,
                  mTileNtok: cute.Tensor, mTileCount: cute.Tensor, mTilePage: cute.Tensor, mTileLimit: cute.Tensor,
-                 mO: cute.Tensor, mLse: cute.Tensor, hkv: Int32, n_token_tiles: Int32, union_cap: Int32,
+                 mTileSplit: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, hkv: Int32, n_token_tiles: Int32, union_cap: Int32,
                  num_ctas: Int32, scale: Float32, out_scale: Float32, stream: cuda.CUstream):
         dt = self.dtype
         D, BLK, ROWS = self.head_dim, self.block, self.rows
@@ -166,7 +172,7 @@ class QPackedSm90:
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
         storage = self._storage_struct(sQ_layout, sK_layout, sV_layout, sO_layout)
         self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mTileTok0, mTileNtok,
-                    mTileCount, mTilePage, mTileLimit, mLse, hkv, n_token_tiles, union_cap, scale * LOG2E,
+                    mTileCount, mTilePage, mTileLimit, mTileSplit, mLse, hkv, n_token_tiles, union_cap, scale * LOG2E,
                     out_scale, sQ_layout, sK_layout, sV_layout, sO_layout).launch(
             grid=(num_ctas, 1, 1), block=(self.num_threads, 1, 1), smem=storage.size_in_bytes(),
             min_blocks_per_mp=1, preferred_smem_carveout=100, stream=stream)
@@ -179,7 +185,7 @@ class QPackedSm90:
         # field types as objects, not annotations (this module's `from __future__ import annotations`)
         fields = {"q_full": mem[cutlass.Int64, self.q_stages], "q_empty": mem[cutlass.Int64, self.q_stages],
                   "kv_full": mem[cutlass.Int64, self.kv_stages], "kv_empty": mem[cutlass.Int64, self.kv_stages],
-                  "sMeta": mem[Int32, 3 * self.q_stages],
+                  "sMeta": mem[Int32, META * self.q_stages],
                   "sLim": mem[Int32, self.tile_tokens * self.kv_stages],
                   "sQ": align[mem[dt, cute.cosize(sQ_layout)], 1024],
                   "sK": align[mem[dt, cute.cosize(sK_layout)], 1024],
@@ -193,7 +199,8 @@ class QPackedSm90:
     def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_k: cute.CopyAtom, gK_tma: cute.Tensor,
                tma_v: cute.CopyAtom, gV_tma: cute.Tensor, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
                mQ: cute.Tensor, mTileTok0: cute.Tensor, mTileNtok: cute.Tensor, mTileCount: cute.Tensor,
-               mTilePage: cute.Tensor, mTileLimit: cute.Tensor, mLse: cute.Tensor, hkv: Int32,
+               mTilePage: cute.Tensor, mTileLimit: cute.Tensor, mTileSplit: cute.Tensor, mLse: cute.Tensor,
+               hkv: Int32,
                n_token_tiles: Int32, union_cap: Int32, scale_log2: Float32, out_scale: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout):
@@ -204,7 +211,7 @@ class QPackedSm90:
         storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
         q_full, q_empty = storage.q_full.data_ptr(), storage.q_empty.data_ptr()
         kv_full, kv_empty = storage.kv_full.data_ptr(), storage.kv_empty.data_ptr()
-        sMeta = storage.sMeta.get_tensor(cute.make_layout((3, self.q_stages)))
+        sMeta = storage.sMeta.get_tensor(cute.make_layout((META, self.q_stages)))
         sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_tokens, self.kv_stages)))
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)          # (ROWS, D, QS)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (BLK, D, KS)
@@ -231,7 +238,7 @@ class QPackedSm90:
                 self.load_kv(tma_k, gK_tma, tma_v, gV_tma, mTileCount, mTilePage, mTileLimit, sK, sV, sLim,
                              kv_full, kv_empty, hkv, n_token_tiles, num_tiles, union_cap)
             elif warp_idx <= 2:
-                self.gather_q(mQ, mTileTok0, mTileNtok, mTileCount, sQ, sMeta, q_full, q_empty, hkv,
+                self.gather_q(mQ, mTileTok0, mTileNtok, mTileCount, mTileSplit, sQ, sMeta, q_full, q_empty, hkv,
                               n_token_tiles, num_tiles, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -292,11 +299,11 @@ class QPackedSm90:
 
     @cute.jit
     def gather_q(self, mQ: cute.Tensor, mTileTok0: cute.Tensor, mTileNtok: cute.Tensor, mTileCount: cute.Tensor,
-                 sQ: cute.Tensor, sMeta: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, hkv: Int32,
+                 mTileSplit: cute.Tensor, sQ: cute.Tensor, sMeta: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, hkv: Int32,
                  n_token_tiles: Int32, num_tiles: Int32, qtid: Int32):
         """Producer warps 1 and 2 (qtid 0..63): each tile's 128 Q rows into the next Q stage by cp.async,
         row p * G + g from q[tok0 + p, head * G + g] (tokens past ntok repeat the last one: finite rows,
-        never stored), and the tile's (count, ntok, tok0) beside the stage."""
+        never stored), and the tile's (count, ntok, tok0, lo_end, hi_start) beside the stage."""
         dt, G, D = self.dtype, self.group, self.head_dim
         g2s, thr_q, tQcQ = q_row_copy(dt, D, self.q_threads, qtid, self.rows)
         rows_per_pass = self.q_threads // (D // (128 // dt.width))        # divides G: a pass is in one token
@@ -321,6 +328,8 @@ class QPackedSm90:
                 sMeta[0, q_idx] = count
                 sMeta[1, q_idx] = ntok
                 sMeta[2, q_idx] = tok0
+                sMeta[3, q_idx] = mTileSplit[2 * tile]
+                sMeta[4, q_idx] = mTileSplit[2 * tile + 1]
                 cute.arch.mbarrier_arrive(q_full + q_idx)
             q_idx, q_phase = advance(q_idx, q_phase, self.q_stages)
         cute.arch.cp_async_wait_group(0)
@@ -385,18 +394,23 @@ class QPackedSm90:
             count = sMeta[0, q_idx]
             ntok = sMeta[1, q_idx]
             tok0 = sMeta[2, q_idx]
+            # the warpgroup's blocks are union slots [lo, hi) (schedule.py orders the union by halves)
+            lo = Int32(cutlass.select_(cwg == 0, Int32(0), sMeta[4, q_idx]))
+            hi = Int32(cutlass.select_(cwg == 0, sMeta[3, q_idx], count))
             # the Q rows arrived by cp.async (generic proxy); the wgmma reads them through the async proxy
             cute.arch.fence_view_async_shared()
             acc_o.fill(0.0)
             for r in cutlass.range_constexpr(n_rows):
                 m_run[r] = -Float32.inf
                 l_run[r] = Float32(0.0)
+            kv_idx, kv_phase = self._pass(kv_full, kv_empty, kv_idx, kv_phase, lo, cwg, lane)
             if const_expr(self.s_ahead):
                 kv_idx, kv_phase = self._blocks_s_ahead(qk_mma, pv_mma, v, sLim, kv_full, kv_empty, kv_idx,
-                                                        kv_phase, q_idx, count, warp, cwg, lane, scale_log2)
+                                                        kv_phase, q_idx, hi - lo, warp, cwg, lane, scale_log2)
             else:
                 kv_idx, kv_phase = self._blocks(qk_mma, pv_mma, v, sLim, kv_full, kv_empty, kv_idx, kv_phase,
-                                                q_idx, count, warp, cwg, lane, scale_log2)
+                                                q_idx, hi - lo, warp, cwg, lane, scale_log2)
+            kv_idx, kv_phase = self._pass(kv_full, kv_empty, kv_idx, kv_phase, count - hi, cwg, lane)
             release(q_empty + q_idx, lane)                # every S of the tile has completed
             self._store(st_copy, tRsO, tma_o, tOsO, tOgO, mLse, v, tok0, ntok, head, hkv, warp, lane, ctid,
                         out_scale, scale_log2)
@@ -416,6 +430,20 @@ class QPackedSm90:
         """pingpong: hand the turn to the other consumer warpgroup (no-op otherwise)."""
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=2 * self.wg_threads)
+
+    @cute.jit
+    def _pass(self, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32, kv_phase: Int32, n: Int32,
+              cwg: Int32, lane: Int32):
+        """The next n K/V stages, which none of the warpgroup's tokens selected: each released once full, after
+        its pingpong turn (both warpgroups take one per union block). Their step would leave the rows as they
+        are (alpha 1, P 0). No MMA under a branch: a wgmma there makes ptxas serialize every wgmma."""
+        for j in cutlass.range(n, unroll=1):
+            wait(kv_full + kv_idx, kv_phase)
+            self._turn_begin(cwg)
+            self._turn_end(cwg)
+            release(kv_empty + kv_idx, lane)
+            kv_idx, kv_phase = advance(kv_idx, kv_phase, self.kv_stages)
+        return kv_idx, kv_phase
 
     @cute.jit
     def _issue_s(self, qk_mma: cute.TiledMma, v, q_idx: Int32, kv_idx: Int32):

@@ -4,7 +4,7 @@ ctypes on the current stream (graph capturable).
 
 Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
 j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither. Without
-an option each dtype takes the one measured fastest (DEFAULT_OPTIONS). Built for P 8, G 16, D 128, block
+an option each dtype takes the set measured fastest (DEFAULT_OPTIONS). Built for P 8, G 16, D 128, block
 128 in bf16 and fp8.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from ..base import Backend, Plan, register
 from ..triton_common import partial_dtype, triton_unavailable_reason
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
-from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig, device_arch,
-                             fp8_v_key_order)
+from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig,
+                             device_arch, fp8_v_key_order)
 from ..options import Choice
 
 TILE_TOKENS = 8
@@ -60,7 +60,7 @@ class QPackedCuteAttention:
         self.v = fp8_v_operand(w.v_cache) if w.dtype == "fp8" else w.v_cache
         b = schedule.buffers
         tensors = [w.q, w.k_cache, self.v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"],
-                   b["tile_limit"], out, lse]
+                   b["tile_limit"], b["tile_split"], out, lse]
         self.keep = tensors                        # the pointers stay valid while the stage lives
         self.packed = self.library.pack(tensors, w.device)
         self.num_tiles = schedule.num_tiles
@@ -70,8 +70,7 @@ class QPackedCuteAttention:
 
     def describe(self) -> dict:
         return dict(kernel=self.cfg.name, tile_tokens=self.sch.P, tile_rows=self.sch.P * self.w.shape.group,
-                    tiles=self.num_tiles, grid=self.grid, pingpong=self.cfg.pingpong, s_ahead=self.cfg.s_ahead,
-                    p_shift=P_SHIFT[self.w.dtype])
+                    tiles=self.num_tiles, grid=self.grid, **self.cfg.options, p_shift=P_SHIFT[self.w.dtype])
 
     def __call__(self) -> None:
         if self.num_tiles == 0:
@@ -90,21 +89,20 @@ class QPackedCuteBackend(Backend):
     candidate = True
     stage_names = ("schedule", "attention")
     tile_tokens = TILE_TOKENS
+    mma_tokens = TILE_TOKENS // 2        # a consumer warpgroup's 64 rows: it skips what its 4 tokens did not select
     # the words are manifest.OPTION_FLAGS's, which name the libraries
     options = {"pingpong": Choice("pingpong consumer warpgroups", {"pp": True, "plain": False}),
                "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False})}
 
     def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None):
-        """Both None: each dtype's DEFAULT_OPTIONS; naming one flag turns the other off (`@pp` is pingpong
+        """All None: each dtype's DEFAULT_OPTIONS; naming one flag turns the others off (`@pp` is pingpong
         alone)."""
-        if pingpong is not None or s_ahead is not None:
-            pingpong, s_ahead = bool(pingpong), bool(s_ahead)
-        self.pingpong, self.s_ahead = pingpong, s_ahead
+        flags = (pingpong, s_ahead)
+        self.flags = None if all(f is None for f in flags) else tuple(bool(f) for f in flags)
 
     def config_for(self, dtype: str) -> QPackedConfig:
-        pingpong, s_ahead = DEFAULT_OPTIONS.get(dtype, (False, False)) if self.pingpong is None else \
-            (self.pingpong, self.s_ahead)
-        return QPackedConfig(dtype, pingpong, s_ahead, tile_tokens=TILE_TOKENS)
+        flags = DEFAULT_OPTIONS.get(dtype, (False,) * len(OPTION_FLAGS)) if self.flags is None else self.flags
+        return QPackedConfig(dtype, *flags, tile_tokens=TILE_TOKENS)
 
     def unavailable_reason(self, dtype, device):
         if torch.device(device).type != "cuda" or not torch.cuda.is_available():      # the first thing to fix
@@ -132,11 +130,17 @@ class QPackedCuteBackend(Backend):
         schedule = PackedSchedule(w, TILE_TOKENS)
         attention = QPackedCuteAttention(w, schedule, out, lse, self.config_for(w.dtype))
         schedule()
-        executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
+        # each warpgroup's tokens x the union slots it walks, [0, lo_end) and [hi_start, count)
+        half = self.mma_tokens
+        ntok = schedule.tile_ntok.double().repeat(s.hkv)
+        split = schedule.tile_split.view(-1, 2).double()
+        executed = float(split[:, 0] @ ntok.clamp(max=half) + (schedule.tile_count.double() - split[:, 1])
+                         @ (ntok - half).clamp(min=0))
         selected = float((w.selection >= 0).sum())
-        info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, tiles=schedule.num_tiles,
+        info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, mma_tokens=self.mma_tokens,
+                    tiles=schedule.num_tiles,
                     union_capacity=schedule.union_cap,
-                    executed_union_ratio=executed / selected if selected else 1.0,
+                    executed_union_ratio=executed / selected if selected else 1.0,     # each token's warpgroup's
                     attention=attention.describe(),
                     quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major, keys permuted, copy made in plan)"
                                   if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))

@@ -107,6 +107,10 @@ class HybridBackend(Backend):
         residual = float((res >= 0).sum())
         packed = selected - residual
         executed = float(sch.tile_count.double().sum()) * self.tokens_per_tile     # P x G rows per union block
+        half = get_backend(packed_kernel).mma_tokens
+        # traffic: the tiles' unions; MMAs: what each warpgroup walks, [0, lo_end) and [hi_start, count)
+        walked = (float(sch.tile_split.view(-1, 2).double().sum(0) @ torch.tensor([1.0, -1.0], dtype=torch.float64))
+                  + float(sch.tile_count.double().sum())) * half if half else None
         head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
         t, parts = 0.0, {}
         if packed > 0:
@@ -114,7 +118,8 @@ class HybridBackend(Backend):
             nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
             shape = ModelShape.of(s, dtype=w.dtype)
             p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
-                        union_ratio=executed / packed, tile_tokens=self.tokens_per_tile)
+                        union_ratio=executed / packed, tile_tokens=self.tokens_per_tile,
+                        executed_union_ratio=walked / packed if walked is not None else None)
             parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype, inputs.decode)
         if residual > 0:
             nsb_res = float(torch.unique((res + head)[res >= 0]).numel())

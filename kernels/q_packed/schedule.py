@@ -4,8 +4,14 @@ Token tiles, the query tiles of scenarios/tiling.py, depend only on q_request an
 cuts them on the host. The unions depend on the selection, so stage `schedule` builds them on the
 device, inside the module's graph: one Triton program per (KV head, token tile) loads its P x topk
 selected ids, ranks each distinct id among the tile's distinct ids (sort the (id, entry) pairs, open a
-slot at the first entry of each id), and writes the union in ascending order, its pages, and every
-token's key limit per union slot. Fixed shapes, no host reads.
+slot at the first entry of each id), and writes the union, its pages, and every token's key limit per
+union slot. Fixed shapes, no host reads.
+
+The union's order: first the blocks only the tile's first half of tokens selected, then those both
+halves did, then those only the second half did, ascending within each. A CuTe consumer warpgroup holds
+one half (4 tokens x 16 heads, one 64-row wgmma), so each half's blocks are one contiguous range of the
+union, [0, lo_end) and [hi_start, count) (tile_split), and a warpgroup skips the rest without a branch
+per block.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import triton.language as tl
 
 NO_KEY = -1                      # a token's limit for a union block it did not select
 _NO_KEY = tl.constexpr(NO_KEY)   # the same, where a Triton kernel reads it
+MAX_BLOCK_ID = 1 << 20           # the union's order key packs (half class, block id, entry) in 30 bits
 
 
 def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile: int,
@@ -31,9 +38,11 @@ def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile:
 
 @triton.jit
 def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_tok0_ptr, tile_ntok_ptr,
-                     tile_count_ptr, tile_page_ptr, tile_limit_ptr, residual_ptr, n_tokens, n_token_tiles,
+                     tile_count_ptr, tile_page_ptr, tile_limit_ptr, tile_split_ptr, residual_ptr, n_tokens,
+                     n_token_tiles,
                      table_stride, P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
-                     BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
+                     LAST: tl.constexpr):
     tile = tl.program_id(0)                       # head * n_token_tiles + token tile
     head = tile // n_token_tiles
     tt = tile % n_token_tiles
@@ -63,6 +72,21 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
     rank = tl.cumsum(kept_first.to(tl.int32), 0) - 1
     count = tl.sum(kept_first.to(tl.int32), 0)
     tl.store(tile_count_ptr + tile, count)
+    # each id's halves: a run's entries are in token order, so its first and last entry hold its least
+    # and greatest token; class 0: first half only, 1: both, 2: second half only
+    run_first = tl.minimum(tl.gather(starts, slot, 0), U_P2 - 1)      # no id at all: starts are U_P2
+    run_last = tl.maximum(tl.minimum(nxt, n_valid) - 1, 0)
+    tok_lo = tl.gather(entry, run_first, 0) // TOPK
+    tok_hi = tl.gather(entry, run_last, 0) // TOPK
+    cls = tl.where(tok_hi < P // 2, 0, tl.where(tok_lo >= P // 2, 2, 1))
+    # slot of each kept id in (class, id) order: sort, then invert the permutation by a second sort
+    order = tl.sort(tl.where(kept_first, (cls * MAX_ID + blk_s) * U_P2 + i, LAST + i)) % U_P2
+    inv = tl.sort(order * U_P2 + i) % U_P2
+    rank = tl.gather(inv, run_first, 0)
+    n_lo = tl.sum((kept_first & (cls == 0)).to(tl.int32), 0)
+    n_both = tl.sum((kept_first & (cls == 1)).to(tl.int32), 0)
+    tl.store(tile_split_ptr + 2 * tile, n_lo + n_both)
+    tl.store(tile_split_ptr + 2 * tile + 1, n_lo)
     req = tl.load(q_request_ptr + tok0)
     page = tl.load(page_table_ptr + req.to(tl.int64) * table_stride + blk_s, mask=valid, other=-1)
     base = tile.to(tl.int64) * U
@@ -81,8 +105,8 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
 
 
 class PackedSchedule:
-    """Stage `schedule`: per (KV head, token tile) the sorted union of selected blocks, its pages and the
-    per-token key limits, written into buffers allocated here. Only blocks that at least min_share of the
+    """Stage `schedule`: per (KV head, token tile) the union of selected blocks (module docstring: its
+    order and tile_split), its pages and the per-token key limits, written into buffers allocated here. Only blocks that at least min_share of the
     tile's tokens select are packed; with `residual`, the other entries' pages go to residual_pages
     [Hkv, N, topk] (-1 elsewhere), the selection a KV-outer stack runs."""
 
@@ -100,14 +124,20 @@ class PackedSchedule:
         self.tile_count = torch.zeros(tiles, dtype=torch.int32, device=dev)
         self.tile_page = torch.full((tiles, u), -1, dtype=torch.int32, device=dev)
         self.tile_limit = torch.full((tiles * u * tokens_per_tile,), NO_KEY, dtype=torch.int32, device=dev)
+        self.tile_split = torch.zeros(tiles * 2, dtype=torch.int32, device=dev)      # (lo_end, hi_start)
         self.buffers = dict(tile_tok0=self.tile_tok0, tile_ntok=self.tile_ntok, tile_count=self.tile_count,
-                            tile_page=self.tile_page, tile_limit=self.tile_limit)
+                            tile_page=self.tile_page, tile_limit=self.tile_limit, tile_split=self.tile_split)
         # with a share threshold, the pages of the entries it leaves out: a KV-outer stack takes them
         self.residual_pages = torch.full_like(w.pages, -1) if residual else None
         if self.residual_pages is not None:
             self.buffers["residual_pages"] = self.residual_pages
-        self.consts = dict(P=tokens_per_tile, TOPK=s.topk, U=u, U_P2=triton.next_power_of_2(u), BLOCK=s.block,
-                           MIN_SHARE=min_share, RESIDUAL=self.residual_pages is not None)
+        u_p2 = triton.next_power_of_2(u)
+        if w.page_table.shape[-1] > MAX_BLOCK_ID or 3 * MAX_BLOCK_ID * u_p2 + u_p2 > 1 << 30:
+            raise ValueError(f"the q-packed schedule orders a tile's union by (class, block id) in 31 bits: at most "
+                             f"{MAX_BLOCK_ID} blocks a request and {u_p2} entries a tile, got "
+                             f"{w.page_table.shape[-1]} and {u_p2}")
+        self.consts = dict(P=tokens_per_tile, TOPK=s.topk, U=u, U_P2=u_p2, BLOCK=s.block, MIN_SHARE=min_share,
+                           RESIDUAL=self.residual_pages is not None, MAX_ID=MAX_BLOCK_ID, LAST=1 << 30)
 
     @property
     def num_tiles(self) -> int:
@@ -119,7 +149,7 @@ class PackedSchedule:
         w = self.w
         pack_tile_kernel[(self.num_tiles,)](
             w.selection, w.q_limit, w.q_request, w.page_table, self.tile_tok0, self.tile_ntok, self.tile_count,
-            self.tile_page, self.tile_limit,
+            self.tile_page, self.tile_limit, self.tile_split,
             self.tile_count if self.residual_pages is None else self.residual_pages,
             w.n_tokens, self.n_token_tiles, w.page_table.stride(0),
             num_warps=4, **self.consts)
