@@ -259,10 +259,18 @@ PER_BACKEND = ("stages", "decode_achieved", "items")     # fixed_costs tables ke
 
 def merge_fixed_costs(old: dict, fresh: dict, only) -> dict:
     """`old` fixed costs with every entry of the backends in `only` replaced by `fresh`'s (an entry `fresh`
-    lacks is dropped, not kept stale), the launch cost re-measured, and the method saying which were."""
+    lacks is dropped, not kept stale), the launch cost re-measured, and the method saying which were. A
+    backend in `only` that `fresh` has no stage of (it failed or was skipped, as the log says) is a
+    UserError: nothing is written."""
+    from ..errors import UserError
     only = set(only)
     mine = lambda key: key.split("/")[0] in only            # noqa: E731
-    out = {**old, "launch_s": fresh["launch_s"], "launch_points": fresh["launch_points"]}
+    missing = sorted(b for b in only if not any(k.split("/")[0] == b for k in fresh["stages"]))
+    if missing:
+        raise UserError(f"fixed costs of {', '.join(missing)} were not measured (the log above says why); "
+                        f"the profile is unchanged")
+    out = {**old, "launch_s": fresh["launch_s"], "launch_points": fresh["launch_points"],
+           "date": fresh["date"], "seconds": fresh["seconds"]}
     for table in PER_BACKEND:
         out[table] = {**{k: v for k, v in (old.get(table) or {}).items() if not mine(k)},
                       **{k: v for k, v in fresh[table].items() if mine(k)}}

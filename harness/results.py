@@ -366,7 +366,6 @@ def _packed_unit(run_dir: Path, rec: dict) -> tuple[dict, pd.DataFrame | None]:
 def pack_run(run_dir: str | Path) -> int:
     """Pack a checked run whose raw samples were removed: its unit folders into PACKED_FILE (module
     docstring), units/ removed, run.json saying so. Returns the units packed."""
-    import gzip
     run_dir = Path(run_dir)
     if is_packed(run_dir):
         raise UserError(f"{run_dir} is packed already")
@@ -375,20 +374,63 @@ def pack_run(run_dir: str | Path) -> int:
         raise UserError(f"{run_dir} keeps raw timing samples: pack takes runs whose samples were removed "
                         f"(run.json {SAMPLES_REMOVED}), which compare and merge refuse anyway")
     units = run_dir / UNITS_DIR
-    lines = []
-    for uid in sorted(finished_units(run_dir)):
-        status, stats, _ = read_unit(units / uid, samples_kept=False)
-        rows = None if stats is None else stats.to_dict("records")
-        lines.append(json.dumps({"unit": uid, "status": status, "stats": rows}, sort_keys=True, default=_json_default))
+    records = {uid: _unit_record(units / uid, uid) for uid in finished_units(run_dir)}
+    _write_packed(run_dir, records)
+    shutil.rmtree(units)
+    meta = dict(run.meta)
+    meta["packed"] = f"{len(records)} units in {PACKED_FILE} (read-only: no resume, no merge)"
+    write_meta(run_dir, meta)
+    return len(records)
+
+
+def _unit_record(folder: Path, uid: str) -> dict:
+    status, stats, _ = read_unit(folder, samples_kept=False)
+    return {"unit": uid, "status": status, "stats": None if stats is None else stats.to_dict("records")}
+
+
+def _write_packed(run_dir: Path, records: dict) -> None:
+    import gzip
+    lines = [json.dumps(records[uid], sort_keys=True, default=_json_default) for uid in sorted(records)]
     tmp = run_dir / f".tmp-{PACKED_FILE}"
     with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:   # same bytes for same units
         f.write(("\n".join(lines) + "\n").encode())
     os.rename(tmp, run_dir / PACKED_FILE)
-    shutil.rmtree(units)
-    meta = dict(run.meta)
-    meta["packed"] = f"{len(lines)} units in {PACKED_FILE} (read-only: no resume, no merge)"
+
+
+def update_packed(run_dir: str | Path, newer_dir: str | Path) -> int:
+    """Put the units of `newer_dir` (a sweep of the same scenario on the same GPU, usually with --backend:
+    some backends re-run after a change) in place of a packed run's copies, as merge --force does for whole
+    runs. Every newer unit must be one of the packed run's planned points; run.json lists each update
+    (its commit, backends and units). Returns the units replaced or added."""
+    run_dir, newer_dir = Path(run_dir), Path(newer_dir)
+    if not is_packed(run_dir):
+        raise UserError(f"{run_dir} is not packed: merge --force NEWER {run_dir} joins whole runs")
+    run, newer = load_run(run_dir), load_run(newer_dir)       # both checked before anything is written
+    meta, new_meta = run.meta, newer.meta
+    for key, what in (("scenario", "scenario"), ("timer", "timer")):
+        if new_meta.get(key) != meta.get(key):
+            raise UserError(f"{newer_dir} has {what} {new_meta.get(key)!r}, {run_dir} {meta.get(key)!r}")
+    dev = lambda m: (m.get("provenance") or {}).get("device_name")          # noqa: E731
+    if dev(new_meta) != dev(meta):
+        raise UserError(f"{newer_dir} was measured on {dev(new_meta)!r}, {run_dir} on {dev(meta)!r}")
+    records = _packed_records(run_dir)
+    planned = set(meta.get("units_planned") or meta.get("grid_units") or []) | set(records)
+    uids = sorted(finished_units(newer_dir))
+    stray = [u for u in uids if u not in planned]
+    if stray:
+        raise UserError(f"{len(stray)} unit(s) of {newer_dir} are no point of {run_dir} (e.g. {stray[0]}): "
+                        "the same scenario's grid is needed")
+    records.update({uid: _unit_record(newer_dir / UNITS_DIR / uid, uid) for uid in uids})
+    _write_packed(run_dir, records)
+    prov = new_meta.get("provenance") or {}
+    meta = dict(meta)
+    meta["updated_from"] = [*meta.get("updated_from", []),
+                            {"commit": prov.get("git_commit"), "dirty": prov.get("git_dirty"),
+                             "finished_utc": new_meta.get("finished_utc"), "backends": new_meta.get("backends"),
+                             "units": len(uids)}]
+    meta["packed"] = f"{len(records)} units in {PACKED_FILE} (read-only: no resume, no merge)"
     write_meta(run_dir, meta)
-    return len(lines)
+    return len(uids)
 
 
 def samples_kept(meta: dict) -> bool:

@@ -399,3 +399,5 @@ def test_merge_keeps_the_backends_not_remeasured():
     assert out["decode_achieved"] == {"a/bf16": 0.5, "b/bf16": 0.9} and out["items"] == {"a/bf16": {"block_s": 1.0}}
     assert out["launch_s"] == 2e-6 and out["method"].endswith("b re-measured 2026-12-02 06:00:00 (30 s)")
     assert old["stages"]["b/attention/bf16"] == {"s": 2.0}                                      # not mutated
+    with pytest.raises(UserError, match="fixed costs of a were not measured"):
+        merge_fixed_costs(old, fresh, ["a", "b"])
