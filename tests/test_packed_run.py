@@ -72,3 +72,42 @@ def test_a_packed_run_is_not_resumed(tmp_path, cli, one_error_line):
     pack_run(run_dir)
     code, _, err = cli("sweep", "--scenario", "smoke", "--out", run_dir, "--resume", "--reps", "3")
     assert code == 2 and "packed" in one_error_line(err)
+
+
+def test_update_puts_a_newer_runs_units_in_place(tmp_path):
+    from msa_bench.harness.results import update_packed
+    run_dir = _sample_less(tmp_path / "run")
+    pack_run(run_dir)
+    newer = tmp_path / "newer"
+    shutil.copytree(SMOKE, newer)
+    uid = sorted(p.name for p in (newer / "units").iterdir() if (p / "stats.parquet").is_file())[0]
+    for p in (newer / "units").iterdir():
+        if p.name != uid:
+            shutil.rmtree(p)
+    stats = pd.read_parquet(newer / "units" / uid / "stats.parquet")
+    timed = stats["statistic"].str.endswith("_s")
+    stats.loc[timed, "value"] = stats.loc[timed, "value"] * 2
+    stats.to_parquet(newer / "units" / uid / "stats.parquet", index=False)
+    (newer / "units" / uid / "samples.parquet").unlink(missing_ok=True)
+    meta = json.loads((newer / "run.json").read_text())
+    meta.update(complete=False, units_planned=[uid], **{SAMPLES_REMOVED: "a test copy"})
+    (newer / "run.json").write_text(json.dumps(meta))
+    before = load_run(run_dir).stats
+    assert update_packed(run_dir, newer) == 1
+    after = load_run(run_dir).stats
+    backend = uid.rsplit("-", 1)[0]
+    old_rows = before[before.backend == backend]
+    new_rows = after[after.backend == backend]
+    assert len(after) == len(before) and (new_rows["value"].sum() > old_rows["value"].sum())
+    assert json.loads((run_dir / "run.json").read_text())["updated_from"][0]["units"] == 1
+    # a packed run that never planned the newer unit's point refuses it
+    path = run_dir / PACKED_FILE
+    lines = [x for x in gzip.open(path, "rt").read().splitlines() if json.loads(x)["unit"] != uid]
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    meta = json.loads((run_dir / "run.json").read_text())
+    meta.update(complete=False, units_planned=[u for u in meta.get("units_planned", []) if u != uid],
+                grid_units=[u for u in meta.get("grid_units", []) if u != uid])
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="no point of"):
+        update_packed(run_dir, newer)
