@@ -34,7 +34,7 @@ WORKLOADS = {
                                                 device="cuda"),
     "synthetic-causal": lambda d: synthetic_workload(SHAPE, d, 2048, 65536, 0.25, causal=True, seed=3,
                                                      device="cuda"),
-    # neighbours share about 87 % of their blocks: the warpgroups of a tile skip different blocks (wg_skip)
+    # neighbours share about 87 % of their blocks: a tile's two warpgroups walk different blocks
     "drift-causal": lambda d: serving_workload(SHAPE, d, "drift", 1536, 40960, drift=0.07, seed=8, device="cuda"),
     "synthetic-noncausal": lambda d: synthetic_workload(SHAPE, d, 1024, 32768, 1.0, causal=False, seed=4,
                                                         device="cuda"),
@@ -109,8 +109,8 @@ def test_graph_replay_equals_eager(dtype, option, graph_replay_equals_eager, poi
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_options_agree_with_each_other(dtype):
     """The schedule options only reorder when the same MMAs and softmax steps are issued (each block's O is
-    rescaled by its alpha before its P V in every option): the outputs are bitwise equal. A difference means a race or a misordered rescale, not
-    rounding."""
+    rescaled by its alpha before its P V in every option): the outputs are bitwise equal. A difference
+    means a race or a misordered rescale, not rounding."""
     for case in ("synthetic-causal", "drift-causal"):
         outs = []
         for option in OPTIONS:

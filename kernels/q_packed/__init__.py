@@ -11,10 +11,14 @@ schedule   (selection -> tiles, their unions and per-token key limits; schedule.
   tile_tok0  [T] int32          first token of each tile (T = Hkv x token tiles, head-major)
   tile_ntok  [T] int32          tokens in the tile (0 past the last real tile)
   tile_count [T] int32          union blocks of the tile
-  tile_page  [T, U] int32       physical page of each union block, ascending block id (U = P x topk)
+  tile_page  [T, U] int32       physical page of each union block (U = P x topk): the blocks only the
+                                first P / 2 tokens select, then both halves', then the second's,
+                                each ascending
   tile_limit [T, U, P] int32    last visible key of the block for each tile token, as an offset in
                                 the block (block - 1 when every key is visible, -1 when the token did
                                 not select the block)
+  tile_split [T, 2] int32       (lo_end, hi_start): the first half's blocks are slots [0, lo_end),
+                                the second half's [hi_start, count)
 
 attention  (one program per tile; attention.py)
   out [N, Hq, D] bf16 (fp32 for fp32 inputs), lse [N, Hq] fp32 (natural log)

@@ -106,8 +106,8 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
 
 class PackedSchedule:
     """Stage `schedule`: per (KV head, token tile) the union of selected blocks (module docstring: its
-    order and tile_split), its pages and the per-token key limits, written into buffers allocated here. Only blocks that at least min_share of the
-    tile's tokens select are packed; with `residual`, the other entries' pages go to residual_pages
+    order and tile_split), its pages and the per-token key limits, written into buffers allocated here.
+    Only blocks that at least min_share of the tile's tokens select are packed; with `residual`, the other entries' pages go to residual_pages
     [Hkv, N, topk] (-1 elsewhere), the selection a KV-outer stack runs."""
 
     def __init__(self, workload, tokens_per_tile: int, min_share: int = 1, residual: bool = False):
