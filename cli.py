@@ -637,9 +637,10 @@ def calibrate(
         raise UserError("--backend re-measures some backends' fixed costs: it needs --fixed-costs-only")
     if only:
         from .kernels.auto import candidate_names
-        unknown = [b for b in only if b not in candidate_names()]
+        candidates = candidate_names()
+        unknown = [b for b in only if b not in candidates]
         if unknown:
-            raise UserError(f"--backend {unknown[0]!r} is not an `auto` candidate ({', '.join(candidate_names())})")
+            raise UserError(f"--backend {unknown[0]!r} is not an `auto` candidate ({', '.join(candidates)})")
     if fixed_costs_only:
         if not path.is_file():
             raise UserError(f"--fixed-costs-only writes into an existing profile and {path} does not exist; "

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
             return 2
         newer, args = args[i + 1], args[:i] + args[i + 2:]
     if not args or any(r.startswith("-") for r in args) or (newer and len(args) != 1):
-        print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)
+        print("usage: " + " | ".join(line.strip() for line in __doc__.strip().splitlines()[-2:]), file=sys.stderr)
         return 2
     for run in args:
         try:

@@ -130,12 +130,11 @@ class QPackedCuteBackend(Backend):
         schedule = PackedSchedule(w, TILE_TOKENS)
         attention = QPackedCuteAttention(w, schedule, out, lse, self.config_for(w.dtype))
         schedule()
-        # each warpgroup's tokens x the union slots it walks, [0, lo_end) and [hi_start, count)
+        # each warpgroup's tokens x the union slots it walks
         half = self.mma_tokens
         ntok = schedule.tile_ntok.double().repeat(s.hkv)
-        split = schedule.tile_split.view(-1, 2).double()
-        executed = float(split[:, 0] @ ntok.clamp(max=half) + (schedule.tile_count.double() - split[:, 1])
-                         @ (ntok - half).clamp(min=0))
+        lo, hi = schedule.half_slots()
+        executed = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
         selected = float((w.selection >= 0).sum())
         info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, mma_tokens=self.mma_tokens,
                     tiles=schedule.num_tiles,

@@ -108,9 +108,8 @@ class HybridBackend(Backend):
         packed = selected - residual
         executed = float(sch.tile_count.double().sum()) * self.tokens_per_tile     # P x G rows per union block
         half = get_backend(packed_kernel).mma_tokens
-        # traffic: the tiles' unions; MMAs: what each warpgroup walks, [0, lo_end) and [hi_start, count)
-        split = sch.tile_split.view(-1, 2).double().sum(0).tolist()
-        walked = (split[0] - split[1] + float(sch.tile_count.double().sum())) * half if half else None
+        # traffic: the tiles' unions; MMAs: the slots each warpgroup walks, P / 2 tokens' rows each
+        walked = float(sum(part.sum() for part in sch.half_slots())) * half if half else None
         head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
         t, parts = 0.0, {}
         if packed > 0:

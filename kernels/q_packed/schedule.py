@@ -107,8 +107,9 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
 class PackedSchedule:
     """Stage `schedule`: per (KV head, token tile) the union of selected blocks (module docstring: its
     order and tile_split), its pages and the per-token key limits, written into buffers allocated here.
-    Only blocks that at least min_share of the tile's tokens select are packed; with `residual`, the other entries' pages go to residual_pages
-    [Hkv, N, topk] (-1 elsewhere), the selection a KV-outer stack runs."""
+    Only blocks that at least min_share of the tile's tokens select are packed; with `residual`, the other
+    entries' pages go to residual_pages [Hkv, N, topk] (-1 elsewhere), the selection a KV-outer stack
+    runs."""
 
     def __init__(self, workload, tokens_per_tile: int, min_share: int = 1, residual: bool = False):
         w, s = workload, workload.shape
@@ -142,6 +143,12 @@ class PackedSchedule:
     @property
     def num_tiles(self) -> int:
         return self.w.shape.hkv * self.n_token_tiles
+
+    def half_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per tile (float64), the union slots each half's tokens walk after the stage ran: [0, lo_end)
+        and [hi_start, count) (a CuTe consumer warpgroup per half)."""
+        split = self.tile_split.view(-1, 2).double()
+        return split[:, 0], self.tile_count.double() - split[:, 1]
 
     def __call__(self) -> None:
         if self.num_tiles == 0:
