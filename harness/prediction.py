@@ -101,7 +101,7 @@ def _usable(v) -> bool:
 def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
                   flops: float | None = None, selected_per_query: float | None = None,
                   union_ratio: float | None = None, tile: int = DEFAULT_TILE_TOKENS,
-                  executed_union_ratio: float | None = None) -> Prediction | None:
+                  executed_union_ratio: float | None = None, shared_nsb: float | None = None) -> Prediction | None:
     """predict() for one measured point; `flops`, `selected_per_query` and `union_ratio` (at P = tile) from
     the workload's stats (scenarios.stats) when known, so causal masking and padding count as the workload
     has them; union_ratio at P = `tile` (model.union_tokens: q-packed's tile, Q-outer's L2 window). None for
@@ -117,7 +117,8 @@ def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float,
                    flops=flops if _usable(flops) else None,
                    union_ratio=float(union_ratio) if _usable(union_ratio) and union_tokens(schedule) else None,
                    tile_tokens=tile,
-                   executed_union_ratio=float(executed_union_ratio) if _usable(executed_union_ratio) else None)
+                   executed_union_ratio=float(executed_union_ratio) if _usable(executed_union_ratio) else None,
+                   shared_nsb=float(shared_nsb) if _usable(shared_nsb) or shared_nsb == 0 else None)
 
 
 def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile, plan_info=None) -> Prediction | None:
@@ -139,4 +140,5 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
     return predict_point(schedule, shape, get("n_tokens") or float("nan"), get("nsb"), device,
                          flops=get("useful_flops"), selected_per_query=get("selected_blocks_per_query"),
                          union_ratio=union_ratio_for(stats, tile), tile=tile,
-                         executed_union_ratio=union_ratio_for(stats, mma) if mma else None)
+                         executed_union_ratio=union_ratio_for(stats, mma) if mma else None,
+                         shared_nsb=get("nsb_shared"))

@@ -399,9 +399,10 @@ def _write_packed(run_dir: Path, records: dict) -> None:
 
 def update_packed(run_dir: str | Path, newer_dir: str | Path) -> int:
     """Put the units of `newer_dir` (a sweep of the same scenario on the same GPU, usually with --backend:
-    some backends re-run after a change) in place of a packed run's copies, as merge --force does for whole
-    runs. Every newer unit must be one of the packed run's planned points; run.json lists each update
-    (its commit, backends and units). Returns the units replaced or added."""
+    some backends re-run after a change, or a backend the scenario now lists) in place of a packed run's
+    copies, as merge --force does for whole runs. Every newer unit must be one of the packed run's planned
+    units or a new backend's at one of its points; run.json lists each update (its commit, backends and
+    units). Returns the units replaced or added."""
     run_dir, newer_dir = Path(run_dir), Path(newer_dir)
     if not is_packed(run_dir):
         raise UserError(f"{run_dir} is not packed: merge --force NEWER {run_dir} joins whole runs")
@@ -416,11 +417,13 @@ def update_packed(run_dir: str | Path, newer_dir: str | Path) -> int:
     records = _packed_records(run_dir)
     planned = set(meta.get("units_planned") or meta.get("grid_units") or []) | set(records)
     uids = sorted(finished_units(newer_dir))
-    stray = [u for u in uids if u not in planned]
+    points = {r["status"].get("point_key") for r in records.values()}
+    new = {uid: _unit_record(newer_dir / UNITS_DIR / uid, uid) for uid in uids}
+    stray = [u for u, r in new.items() if u not in planned and r["status"].get("point_key") not in points]
     if stray:
         raise UserError(f"{len(stray)} unit(s) of {newer_dir} are no point of {run_dir} (e.g. {stray[0]}): "
                         "the same scenario's grid is needed")
-    records.update({uid: _unit_record(newer_dir / UNITS_DIR / uid, uid) for uid in uids})
+    records.update(new)
     _write_packed(run_dir, records)
     prov = new_meta.get("provenance") or {}
     meta = dict(meta)
@@ -429,6 +432,8 @@ def update_packed(run_dir: str | Path, newer_dir: str | Path) -> int:
                              "finished_utc": new_meta.get("finished_utc"), "backends": new_meta.get("backends"),
                              "units": len(uids)}]
     meta["packed"] = f"{len(records)} units in {PACKED_FILE} (read-only: no resume, no merge)"
+    meta["backends"] = list(dict.fromkeys([*(meta.get("backends") or []),
+                                           *(r["status"].get("backend") for r in new.values())]))
     write_meta(run_dir, meta)
     return len(uids)
 

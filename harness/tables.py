@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..roofline.devices import DeviceProfile, achieved
 from ..kernels.base import get_backend, model_dtype
-from ..roofline.model import crossover, crossover_at, fixed_cost, is_decode, module_time
+from ..roofline.model import crossover, crossover_at, decode_work_share, fixed_cost, is_decode, module_time
 from ..roofline.schedules import Schedule
 from ..roofline.shape import AttnShape
 from .axes import UNION, group_label, varying_fields
@@ -185,7 +185,7 @@ def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
 
 
 def _model_parts(row, device: DeviceProfile):
-    """(backend, today's roofline seconds, the stages the unit ran, its item blocks) for a
+    """(backend, today's roofline Prediction, the stages the unit ran, its item blocks) for a
     unit row the model predicts, else None (Backend.unmodelled_reason; hybrid; a backend not registered
     here; a row without what the roofline needs, such as CPU runs)."""
     try:
@@ -204,10 +204,10 @@ def _model_parts(row, device: DeviceProfile):
     stages = [s for s in backend.stage_names
               if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
     blocks = row["wl_topk"] * union if backend.schedule == Schedule.Q_PACKED and union else None
-    return backend, pred.time_s, stages, blocks
+    return backend, pred, stages, blocks
 
 
-def row_decode_share(row) -> float:
+def row_decode_share(row, binding: str | None = None) -> float:
     """A unit row's share of decode tokens (model.decode_share): its wl_decode_share; for rows written
     before that statistic, a mixed step's from its point (every token outside its chunks is a decode
     token), else 1 or 0 by model.is_decode."""
@@ -216,7 +216,7 @@ def row_decode_share(row) -> float:
         return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
     share = num("wl_decode_share")
     if share is not None:
-        return share
+        return decode_work_share(binding, share, num("wl_decode_kv_share")) if binding else share
     n, chunks, chunk_tokens = num("wl_n_tokens"), num("chunks"), num("chunk_tokens")
     if row.get("generator") == "mixed" and n and chunks is not None and chunk_tokens is not None:
         return max(0.0, 1.0 - chunks * chunk_tokens / n)
@@ -234,10 +234,10 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     parts = _model_parts(row, device)
     if parts is None:
         return float("nan")
-    _, roof, stages, blocks = parts
-    decode = row_decode_share(row)
+    _, pred, stages, blocks = parts
+    decode = row_decode_share(row, pred.binding)
     dtype = model_dtype(row["dtype"])
-    return module_time(device, row["backend"], dtype, roof / achieved(device, row["backend"], dtype, decode),
+    return module_time(device, row["backend"], dtype, pred.time_s / achieved(device, row["backend"], dtype, decode),
                        stages, blocks)[0]
 
 
@@ -256,11 +256,31 @@ def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
         dtype = model_dtype(r["dtype"])
         fixed = fixed_cost(device, r["backend"], parts[2], dtype)[0]
         if r["module.median_s"] > fixed:
-            rows.append({"backend": r["backend"], "dtype": dtype, "f": parts[1] / (r["module.median_s"] - fixed)})
+            rows.append({"backend": r["backend"], "dtype": dtype, "f": parts[1].time_s / (r["module.median_s"] - fixed)})
     if not rows:
         return pd.DataFrame(columns=["backend", "dtype", "units", "achieved", "min", "max"])
     f = pd.DataFrame(rows).groupby(["backend", "dtype"])["f"]
     return pd.DataFrame({"units": f.size(), "achieved": f.median(), "min": f.min(), "max": f.max()}).reset_index()
+
+
+def _replayed_hybrid(record: dict, device: DeviceProfile, dtype: str, row) -> float:
+    """The hybrid's module time from an `auto` unit's record: each part's recorded time (its roofline over
+    the fraction it was divided by) over today's fraction of its kernel at the part's decode share instead,
+    plus today's fixed costs. The parts' rooflines are the recorded ones: the split needs the workload's
+    selection. Records before the parts' own shares (2026-12-02) divided both by the step's."""
+    used = record.get("used") or {}
+    hybrid = used.get("hybrid") or {}
+    if "packed_s" not in hybrid and "kv_outer_s" not in hybrid:      # records without parts: as recorded
+        return float(record["predicted_s"]["hybrid"]) - float(hybrid.get("fixed_s", 0.0)) + fixed_cost(
+            device, "hybrid", ("schedule", "attention", "combine"), dtype)[0]
+    total = 0.0
+    for part, kernel in (("packed", hybrid.get("packed")), ("kv_outer", hybrid.get("kv_outer"))):
+        if f"{part}_s" in hybrid:
+            decode = hybrid.get(f"{part}_decode_share", row_decode_share(row))
+            ran = float(hybrid.get(f"{part}_achieved") or (used.get(kernel) or {}).get("achieved")
+                        or achieved(device, kernel, dtype, decode))
+            total += float(hybrid[f"{part}_s"]) * ran / achieved(device, kernel, dtype, decode)
+    return total + fixed_cost(device, "hybrid", ("schedule", "attention", "combine"), dtype)[0]
 
 
 def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
@@ -288,10 +308,7 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
             record = _info(a.get("plan_info")).get("auto") or {}
             recorded = record.get("predicted_s") or {}
             if "hybrid" in recorded and "hybrid" in measured.index and has_fixed_costs(device, "hybrid", dtype):
-                # the recorded roofline part (less the fixed costs of the profile it ran with) plus today's
-                ran_with = float(((record.get("used") or {}).get("hybrid") or {}).get("fixed_s", 0.0))
-                pred["hybrid"] = float(recorded["hybrid"]) - ran_with + fixed_cost(
-                    device, "hybrid", ("schedule", "attention", "combine"), dtype)[0]
+                pred["hybrid"] = _replayed_hybrid(record, device, dtype, a)
         pred = {b: v for b, v in pred.items() if math.isfinite(v)}
         if not pred:
             continue

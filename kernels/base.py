@@ -37,15 +37,23 @@ class ModelInputs:
     """What the roofline needs of a workload, computed once for every backend `auto` weighs."""
 
     def __init__(self, w: Workload):
-        from ..scenarios.stats import selected_pairs, useful_flops, workload_decode_share
+        from ..scenarios.stats import selected_pairs, useful_flops, workload_decode_kv_share, workload_decode_share
         s, n = w.shape, w.n_tokens
         self.w = w
         self.selected = float((w.selection >= 0).sum())
         self.per_query = self.selected / (n * s.hkv) if n else 0.0
-        self.nsb = float(selected_pairs(w)[1].numel())
+        fanin = selected_pairs(w)[1]
+        self.nsb = float(fanin.numel())
+        self.nsb_shared = float((fanin > 1).sum())             # model.traffic's re-read working set
         self.flops = useful_flops(w)
-        self.decode = workload_decode_share(w)                  # achieved(): the decode share it blends by
+        self.decode = workload_decode_share(w)                  # achieved(): the decode shares it blends by
+        self.decode_kv = workload_decode_kv_share(w)            # (model.decode_work_share)
         self._union: dict[tuple, float] = {}
+
+    def decode_for(self, binding: str) -> float:
+        """The decode share a prediction bound by `binding` blends its fractions by (model.decode_work_share)."""
+        from ..roofline.model import decode_work_share
+        return decode_work_share(binding, self.decode, self.decode_kv)
 
     def union_ratio(self, tile: int, padded: bool = False) -> float:
         """The workload's union_ratio at tiles of `tile` tokens (1 where nothing is selected); padded: with
@@ -111,8 +119,8 @@ class Backend:
         executed = inputs.union_ratio(self.mma_tokens, padded=True) if union and self.mma_tokens else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=tile or self.tile_tokens,
-                    executed_union_ratio=executed)
-        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode)
+                    executed_union_ratio=executed, shared_nsb=inputs.nsb_shared)
+        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p.binding))
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         if union is not None:
             used["union_ratio"] = union

@@ -146,6 +146,14 @@ def decode_share(tokens_per_request) -> float:
     return sum(c for c in counts if c <= DECODE_TOKENS) / total if total else 0.0
 
 
+def decode_work_share(binding: str, token_share: float, kv_share: float | None = None) -> float:
+    """The decode share `achieved()` blends a step's fractions by: of its K/V blocks where HBM binds (a
+    decode token's blocks are its request's own and read once, so they are most of the bytes of a step
+    with a short chunk), of its tokens (their FLOPs) where L2 or the MMAs do. kv_share None (rows written
+    before that statistic): the token share."""
+    return kv_share if binding == "hbm" and kv_share is not None else token_share
+
+
 def binding_of(times: dict) -> str:
     """The resource ("hbm", "l2" or "mma") whose time is the roofline's; ties to the first."""
     return max(times, key=times.get)
@@ -172,10 +180,13 @@ def _miss_rate(working_set: float, device: DeviceProfile | None, share: float = 
 
 def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selected_per_query: float | None = None,
             device: DeviceProfile | None = None, union_ratio: float | None = None,
-            tile_tokens: int = DEFAULT_TILE_TOKENS) -> tuple[dict, dict]:
+            tile_tokens: int = DEFAULT_TILE_TOKENS, shared_nsb: float | None = None) -> tuple[dict, dict]:
     """Byte terms (hbm_terms, l2_terms) for one launch. `device` given -> L2-capacity misses included.
     union_ratio at tile_tokens P (padded: every tile counted as P tokens): q-packed's tiles (default 1: a
-    tile's tokens select alike); Q-outer's L2 reuse window (P = Q_OUTER_WINDOW; default: no window)."""
+    tile's tokens select alike); Q-outer's L2 reuse window (P = Q_OUTER_WINDOW; default: no window).
+    shared_nsb: the (KV head, block) pairs more than one query token selects (default nsb), the working
+    set K/V re-reads compete for: a block read once is never re-read (a chunked-prefill step's decode
+    tokens), so it takes no part in the misses."""
     if schedule not in ALL_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}")
     s = shape
@@ -186,6 +197,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     q_bytes = n * s.hq * s.head_dim * d
     out_bytes = n * s.hq * s.head_dim * DTYPE_BYTES[s.out_dtype]
     kv_unique = nsb * s.kv_block_bytes
+    reread_set = (nsb if shared_nsb is None else min(shared_nsb, nsb)) * s.kv_block_bytes
     hbm = {"q_read": q_bytes, "kv_read": kv_unique, "out_write": out_bytes}
     l2 = dict(hbm)
 
@@ -195,7 +207,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
         # page lists: indices per edge plus indptr / last-page length per request
         index = edges * INDEX_BYTES + n * s.hkv * 3 * INDEX_BYTES
         hbm["index"] = l2["index"] = index
-        miss = _miss_rate(kv_unique, device)
+        miss = _miss_rate(reread_set, device)
         if miss:
             # union_ratio at P = the window (Q_OUTER_WINDOW): the blocks each window of P tokens loads;
             # re-reads inside a window hit, the rest miss at the LRU rate. None: no window (every re-read)
@@ -211,7 +223,9 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
         # membership mask of the tile's P tokens (the tokens that did not select it are masked out)
         index = union * INDEX_BYTES + n / tile_tokens * s.hkv * INDEX_BYTES + union * tile_tokens * MASK_BITS / 8
         hbm["index"] = l2["index"] = index
-        miss = _miss_rate(kv_unique, device)
+        # the tile list is head-major: the CTAs in flight walk one KV head's tiles, so its blocks are the
+        # working set the re-reads compete for
+        miss = _miss_rate(reread_set / s.hkv, device)
         if miss:
             hbm["kv_l2_miss_reread"] = max(0.0, kv_tiles - kv_unique) * miss
         return hbm, l2
@@ -244,13 +258,14 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
 def predict(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
             selected_per_query: float | None = None, flops: float | None = None,
             l2_capacity: bool = True, union_ratio: float | None = None,
-            tile_tokens: int = DEFAULT_TILE_TOKENS, executed_union_ratio: float | None = None) -> Prediction:
+            tile_tokens: int = DEFAULT_TILE_TOKENS, executed_union_ratio: float | None = None,
+            shared_nsb: float | None = None) -> Prediction:
     """`flops`: the useful FLOPs (default: every query sees all its selected keys); q-packed executes
     them x union_ratio (masked positions still cost MMA work), or x executed_union_ratio where its MMAs
     cover fewer tokens than its tile loads K/V for (the union at that many tokens). The roofline time
     alone: `module_time` adds what a backend's kernels cost beyond it."""
     hbm_terms, l2_terms = traffic(schedule, shape, n_tokens, nsb, selected_per_query,
-                                  device if l2_capacity else None, union_ratio, tile_tokens)
+                                  device if l2_capacity else None, union_ratio, tile_tokens, shared_nsb)
     fl = useful_flops(shape, n_tokens, selected_per_query) if flops is None else flops
     ratio = union_ratio if executed_union_ratio is None else executed_union_ratio
     executed = fl * (1.0 if ratio is None else ratio) if schedule == Schedule.Q_PACKED else fl

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..roofline.model import ALL_SCHEDULES, decode_share
+from ..roofline.model import ALL_SCHEDULES, DECODE_TOKENS, decode_share
 from ..roofline.schedules import Schedule
 from .tiling import query_tiles
 from .workload import Workload
@@ -110,6 +110,24 @@ def workload_decode_share(w: Workload) -> float:
     return decode_share(torch.bincount(w.q_request.long().cpu()).tolist())
 
 
+def decode_tokens(w: Workload) -> torch.Tensor:
+    """[N] bool on the workload's device: the query tokens of requests of at most DECODE_TOKENS tokens."""
+    req = w.q_request.long().cpu()
+    return (torch.bincount(req) <= DECODE_TOKENS)[req].to(w.pages.device)
+
+
+def workload_decode_kv_share(w: Workload) -> float:
+    """The share of the distinct selected (KV head, page) pairs that decode tokens select: the decode share
+    model.decode_work_share takes where HBM binds."""
+    decode = decode_tokens(w)
+    total = selected_pairs(w)[1].numel()
+    if not total or not bool(decode.any()):
+        return 0.0
+    pages = w.pages[:, decode].long()
+    head = torch.arange(w.shape.hkv, device=pages.device).view(-1, 1, 1).expand_as(pages)
+    return torch.unique((head * w.num_pages + pages)[pages >= 0]).numel() / total
+
+
 def workload_stats(w: Workload, device_profile=None) -> dict:
     """Flat dict of statistics; with a device profile (roofline.devices.DeviceProfile or preset name)
     also the roofline's predicted time and binding resource per schedule."""
@@ -125,8 +143,10 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk,
         "n_tokens": n, "requests": int(w.page_table.shape[0]),
         "decode_share": workload_decode_share(w),
+        "decode_kv_share": workload_decode_kv_share(w),
         "context_tokens": max(lens), "context_blocks": int((w.page_table >= 0).sum(1).max()),
         "nsb": nsb, "nsb_per_n": nsb / n if n else 0.0,
+        "nsb_shared": int((fanin > 1).sum()),                 # the blocks re-reads go to (model.traffic)
         "target_reuse": w.meta.get("target_reuse"),
         "selected_blocks_per_query": valid_entries / (n * s.hkv) if n else 0.0,
         **_quantiles(fanin),

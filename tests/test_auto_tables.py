@@ -68,8 +68,8 @@ def test_the_replay_uses_the_profiles_fixed_costs_not_the_ones_the_run_recorded(
     assert row["module.model_fixed_s"] == 0.0
     stages = {f"{b}/attention": {"s": 1e-9} for b in set(t["backend"])}      # every backend has some
     cheap = replace(H200, fixed_costs={"stages": stages})
-    costly = replace(H200, fixed_costs={"stages": {**stages, "kv-outer-cute/index_map": {"s": 1e-3}}})
-    assert tables.predicted_module_s(row, costly) == pytest.approx(tables.predicted_module_s(row, cheap) + 1e-3, rel=1e-4)
+    costly = replace(H200, fixed_costs={"stages": {**stages, "kv-outer-cute/index_map": {"s": 1e-2}}})
+    assert tables.predicted_module_s(row, costly) == pytest.approx(tables.predicted_module_s(row, cheap) + 1e-2, rel=1e-4)
     picks = tables.model_pick_table(run, costly)
     assert "kv-outer-cute" not in set(picks["model pick"]) and "kv-outer-cute" in set(
         tables.model_pick_table(run, H200)["model pick"])
@@ -86,3 +86,23 @@ def test_fit_achieved_takes_the_fixed_costs_off_and_leaves_out_what_the_model_do
         assert H200.achieved[f"{b}/{d}"] == pytest.approx(r["achieved"], abs=1e-4)
     free = tables.fit_achieved(run, replace(bare, fixed_costs={})).set_index(["backend", "dtype"])
     assert (free["achieved"] < fit["achieved"]).all()                             # fixed costs taken off: higher
+
+
+def test_the_replayed_hybrid_divides_each_part_by_todays_fraction():
+    """Each recorded part over the fraction it was divided by, times that over today's at its own share."""
+    from dataclasses import replace
+    dev = replace(H200, achieved={"q-packed-cute/bf16": 0.5, "kv-outer-cute/bf16": 0.8},
+                  fixed_costs={"stages": {"hybrid/attention": {"s": 1e-5}},
+                               "decode_achieved": {"kv-outer-cute/bf16": 0.4}})
+    hybrid = {"packed": "q-packed-cute", "kv_outer": "kv-outer-cute", "packed_s": 1e-3, "kv_outer_s": 2e-3,
+              "packed_achieved": 1.0, "kv_outer_achieved": 0.5, "packed_decode_share": 0.0,
+              "kv_outer_decode_share": 1.0}
+    record = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": hybrid}}
+    row = {"wl_decode_share": 0.5}
+    assert tables._replayed_hybrid(record, dev, "bf16", row) == pytest.approx(1e-3 * 1.0 / 0.5 + 2e-3 * 0.5 / 0.4 + 1e-5)
+    # records before the parts' own shares: the step's share, and the fraction the candidate itself recorded
+    parts = {k: hybrid[k] for k in ("packed", "kv_outer", "packed_s", "kv_outer_s")}
+    old = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": parts, "q-packed-cute": {"achieved": 1.0},
+                                                    "kv-outer-cute": {"achieved": 0.5}}}
+    step = 1 / (0.5 / 0.4 + 0.5 / 0.8)                                     # achieved()'s blend at share 0.5
+    assert tables._replayed_hybrid(old, dev, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / step + 1e-5)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.results import PACKED_FILE, SAMPLES_REMOVED, load_run, pack_run
+from msa_bench.harness.results import PACKED_FILE, SAMPLES_REMOVED, load_run, pack_run, unit_id
 
 SMOKE = Path(__file__).resolve().parents[1] / "results" / "fixtures" / "smoke-run"
 
@@ -100,9 +100,22 @@ def test_update_puts_a_newer_runs_units_in_place(tmp_path):
     new_rows = after[after.backend == backend]
     assert len(after) == len(before) and (new_rows["value"].sum() > old_rows["value"].sum())
     assert json.loads((run_dir / "run.json").read_text())["updated_from"][0]["units"] == 1
+    # a backend the run did not have, at one of its points, is added and listed
+    status = json.loads((newer / "units" / uid / "status.json").read_text())
+    added = unit_id(status["point_key"], "kv-outer-cute@plain")
+    (newer / "units" / uid).rename(newer / "units" / added)
+    (newer / "units" / added / "status.json").write_text(json.dumps({**status, "backend": "kv-outer-cute@plain"}))
+    stats.assign(backend="kv-outer-cute@plain").to_parquet(newer / "units" / added / "stats.parquet", index=False)
+    assert update_packed(run_dir, newer) == 1
+    assert len(load_run(run_dir).stats) > len(after)
+    assert "kv-outer-cute@plain" in json.loads((run_dir / "run.json").read_text())["backends"]
+    (newer / "units" / added).rename(newer / "units" / uid)
+    (newer / "units" / uid / "status.json").write_text(json.dumps(status))
+    stats.to_parquet(newer / "units" / uid / "stats.parquet", index=False)
     # a packed run that never planned the newer unit's point refuses it
     path = run_dir / PACKED_FILE
-    lines = [x for x in gzip.open(path, "rt").read().splitlines() if json.loads(x)["unit"] != uid]
+    lines = [x for x in gzip.open(path, "rt").read().splitlines()
+             if json.loads(x)["status"]["point_key"] != status["point_key"]]
     with gzip.open(path, "wt") as f:
         f.write("\n".join(lines) + "\n")
     meta = json.loads((run_dir / "run.json").read_text())

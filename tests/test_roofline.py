@@ -92,6 +92,24 @@ def test_l2_capacity_adds_hbm_rereads_only_past_l2():
     assert crossover_at(shape, dev, 16384) >= crossover(shape, dev)
 
 
+def test_only_blocks_read_more_than_once_and_one_heads_blocks_make_the_reread_working_set():
+    """q-packed's misses: the re-reads compete for one KV head's shared blocks (the tile list is head-major);
+    blocks one token selects (a mixed step's decode tokens) are read once and take no part."""
+    from msa_bench.roofline.model import decode_work_share
+    dev, shape = PRESETS["h200"], ModelShape()
+    n, nsb = 16384, 16384 * 0.25                       # 4096 blocks x 64 KiB = 256 MiB, 64 MiB a head
+    p = predict("q-packed", shape, n, nsb, dev, union_ratio=2.0)
+    kv_tiles = n * 4 * 16 * 2.0 / 8 * 65536
+    assert p.hbm_terms["kv_l2_miss_reread"] == pytest.approx((kv_tiles - nsb * 65536) * (1 - 30 / 64))
+    few = predict("q-packed", shape, n, nsb, dev, union_ratio=2.0, shared_nsb=1024)   # 16 MiB a head: fits
+    assert "kv_l2_miss_reread" not in few.hbm_terms
+    assert few.hbm_terms["kv_read"] == p.hbm_terms["kv_read"]               # read once all the same
+    q = predict("q-outer", shape, n, nsb, dev, shared_nsb=256)
+    assert "kv_l2_miss_reread" not in q.hbm_terms
+    assert decode_work_share("hbm", 0.1, 0.9) == 0.9 and decode_work_share("mma", 0.1, 0.9) == 0.1
+    assert decode_work_share("hbm", 0.1, None) == 0.1
+
+
 def test_profile_roundtrip_and_errors(tmp_path):
     path = tmp_path / "p.json"
     PRESETS["h200"].to_json(path)

@@ -102,6 +102,22 @@ def test_mixed_layout_puts_the_chunks_first():
     _check_layout(w, kv, counts)
 
 
+def test_a_mixed_steps_decode_shares_and_reread_working_set():
+    """The decode tokens' blocks are their requests' own, read once: most of the step's distinct blocks,
+    few of its tokens, and none of the blocks more than one token selects (model.traffic's working set)."""
+    from msa_bench.scenarios.stats import decode_tokens, selected_pairs
+    w = serving_workload(FULL, "bf16", "mixed", tokens=512, context=16384, context_min=4096, requests=64,
+                         chunks=1, drift=0.05, with_tensors=False)
+    st = workload_stats(w)
+    assert int(decode_tokens(w).sum()) == 64 and st["decode_share"] == pytest.approx(64 / 576)
+    decode_pairs = 64 * FULL.hkv * FULL.topk                  # distinct: every request has its own pages
+    assert st["decode_kv_share"] == pytest.approx(decode_pairs / st["nsb"])
+    assert st["decode_kv_share"] > 0.5 > st["decode_share"]
+    assert st["nsb_shared"] == int((selected_pairs(w)[1] > 1).sum()) <= st["nsb"] - decode_pairs
+    batch = workload_stats(serving_workload(FULL, "bf16", "decode", None, context=8192, requests=4, with_tensors=False))
+    assert batch["decode_kv_share"] == 1.0 and batch["nsb_shared"] == 0
+
+
 def test_fixed_context_and_the_sparsity_ratio():
     for context, ratio in ((2048, 1.0), (131072, 64.0)):
         w = serving_workload(FULL, "bf16", "decode", None, context=context, requests=4, with_tensors=False)

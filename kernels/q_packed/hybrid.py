@@ -25,6 +25,7 @@ from ...roofline.devices import achieved, device_profile
 from ...roofline.hybrid import min_shared_tokens
 from ...roofline.model import ModelShape, predict
 from ...roofline.schedules import Schedule
+from ...scenarios.stats import decode_tokens
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 from .attention import PackedAttention, packed_quantization
@@ -99,8 +100,8 @@ class HybridBackend(Backend):
         each over its kernel's achieved fraction."""
         s, n, dtype = w.shape, w.n_tokens, model_dtype(w.dtype)
         kv, packed_kernel = self.kv_backend(w.dtype, w.device, w), self.packed_backend(w)
-        share, _ = self.threshold(w, kv, packed_kernel, profile)
-        sch = PackedSchedule(w, self.tokens_per_tile, min_share=share, residual=True)
+        threshold, _ = self.threshold(w, kv, packed_kernel, profile)
+        sch = PackedSchedule(w, self.tokens_per_tile, min_share=threshold, residual=True)
         sch()
         res = sch.residual_pages
         selected, flops = inputs.selected, inputs.flops
@@ -111,7 +112,14 @@ class HybridBackend(Backend):
         # traffic: the tiles' unions; MMAs: the slots each warpgroup walks, P / 2 tokens' rows each
         walked = float(sum(part.sum() for part in sch.half_slots())) * half if half else None
         head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
-        t, parts = 0.0, {}
+        # each part's decode share (achieved()): its entries that decode tokens hold; a decode token alone in
+        # its tile packs nothing, so a chunked-prefill step's decode tokens are mostly the residual's
+        decode = decode_tokens(w)
+        chosen = w.pages >= 0
+        in_res = res >= 0
+        share = {"packed": float((chosen & ~in_res)[:, decode].sum()) / packed if packed else 0.0,
+                 "kv_outer": float(in_res[:, decode].sum()) / residual if residual else 0.0}
+        parts, record = {}, {}
         if packed > 0:
             tiles = sch.tile_page.view(s.hkv, -1)
             nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
@@ -119,14 +127,18 @@ class HybridBackend(Backend):
             p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
                         union_ratio=executed / packed, tile_tokens=self.tokens_per_tile,
                         executed_union_ratio=walked / packed if walked is not None else None)
-            parts["packed_s"] = p.time_s / achieved(profile, packed_kernel, dtype, inputs.decode)
+            frac = achieved(profile, packed_kernel, dtype, share["packed"])
+            parts["packed_s"] = p.time_s / frac
+            record.update(packed_binding=p.binding, packed_achieved=frac, packed_decode_share=share["packed"])
         if residual > 0:
             nsb_res = float(torch.unique((res + head)[res >= 0]).numel())
             p = predict(Schedule.KV_OUTER, kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
                         flops * residual / selected)
-            parts["kv_outer_s"] = p.time_s / achieved(profile, kv.name, dtype, inputs.decode)
+            frac = achieved(profile, kv.name, dtype, share["kv_outer"])
+            parts["kv_outer_s"] = p.time_s / frac
+            record.update(kv_outer_binding=p.binding, kv_outer_achieved=frac, kv_outer_decode_share=share["kv_outer"])
         t = sum(parts.values())
-        return t, {**parts, "min_share": share, "packed_entry_share": packed / selected if selected else 0.0,
+        return t, {**parts, **record, "min_share": threshold, "packed_entry_share": packed / selected if selected else 0.0,
                    "packed": packed_kernel, "kv_outer": kv.name}
 
     def _plan(self, w: Workload) -> Plan:
