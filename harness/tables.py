@@ -207,16 +207,17 @@ def _model_parts(row, device: DeviceProfile):
     return backend, pred, stages, blocks
 
 
-def row_decode_share(row, binding: str | None = None) -> float:
-    """A unit row's share of decode tokens (model.decode_share): its wl_decode_share; for rows written
-    before that statistic, a mixed step's from its point (every token outside its chunks is a decode
-    token), else 1 or 0 by model.is_decode."""
+def row_decode_share(row, prediction=None) -> float:
+    """A unit row's share of decode tokens (model.decode_share): its wl_decode_share (given the row's
+    `prediction`, the share of its work, model.decode_work_share); for rows written before that statistic,
+    a mixed step's from its point (every token outside its chunks is a decode token), else 1 or 0 by
+    model.is_decode."""
     def num(key):
         v = row.get(key)
         return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
     share = num("wl_decode_share")
     if share is not None:
-        return decode_work_share(binding, share, num("wl_decode_kv_share")) if binding else share
+        return decode_work_share(prediction, share, num("wl_decode_kv_share")) if prediction else share
     n, chunks, chunk_tokens = num("wl_n_tokens"), num("chunks"), num("chunk_tokens")
     if row.get("generator") == "mixed" and n and chunks is not None and chunk_tokens is not None:
         return max(0.0, 1.0 - chunks * chunk_tokens / n)
@@ -235,7 +236,7 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     if parts is None:
         return float("nan")
     _, pred, stages, blocks = parts
-    decode = row_decode_share(row, pred.binding)
+    decode = row_decode_share(row, pred)
     dtype = model_dtype(row["dtype"])
     return module_time(device, row["backend"], dtype, pred.time_s / achieved(device, row["backend"], dtype, decode),
                        stages, blocks)[0]

@@ -50,10 +50,10 @@ class ModelInputs:
         self.decode_kv = workload_decode_kv_share(w)            # (model.decode_work_share)
         self._union: dict[tuple, float] = {}
 
-    def decode_for(self, binding: str) -> float:
-        """The decode share a prediction bound by `binding` blends its fractions by (model.decode_work_share)."""
+    def decode_for(self, prediction) -> float:
+        """The decode share `prediction`'s fractions blend by (model.decode_work_share)."""
         from ..roofline.model import decode_work_share
-        return decode_work_share(binding, self.decode, self.decode_kv)
+        return decode_work_share(prediction, self.decode, self.decode_kv)
 
     def union_ratio(self, tile: int, padded: bool = False) -> float:
         """The workload's union_ratio at tiles of `tile` tokens (1 where nothing is selected); padded: with
@@ -120,7 +120,7 @@ class Backend:
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=tile or self.tile_tokens,
                     executed_union_ratio=executed, shared_nsb=inputs.nsb_shared)
-        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p.binding))
+        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p))
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         if union is not None:
             used["union_ratio"] = union

@@ -279,7 +279,7 @@ class DenseMasked(Backend):
         blocks, keys = dense_extent(w)
         paged = self.candidates(w.device)[0] == PAGED
         p = predict_dense(self.model_shape(w), w.n_tokens, blocks, keys, profile, inputs.flops, gathered=not paged)
-        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p.binding))
+        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p))
         return p.time_s / frac, {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding, "paged": paged}
 
     def _sizes(self, w: Workload, buckets, layout: str) -> dict:

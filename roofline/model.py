@@ -146,12 +146,19 @@ def decode_share(tokens_per_request) -> float:
     return sum(c for c in counts if c <= DECODE_TOKENS) / total if total else 0.0
 
 
-def decode_work_share(binding: str, token_share: float, kv_share: float | None = None) -> float:
-    """The decode share `achieved()` blends a step's fractions by: of its K/V blocks where HBM binds (a
-    decode token's blocks are its request's own and read once, so they are most of the bytes of a step
-    with a short chunk), of its tokens (their FLOPs) where L2 or the MMAs do. kv_share None (rows written
-    before that statistic): the token share."""
-    return kv_share if binding == "hbm" and kv_share is not None else token_share
+REREAD_TERMS = ("kv_l2_miss_reread", "kv_range_reread")      # HBM bytes only tokens that share blocks cause
+
+
+def decode_work_share(p: "Prediction", token_share: float, kv_share: float | None = None) -> float:
+    """The decode share `achieved()` blends a step's fractions by: where HBM binds, the decode tokens' share
+    of its bytes (of the distinct K/V blocks kv_share, a decode token's own and read once; none of the
+    re-reads; of every per-token term, partials and Q and O, token_share); where L2 or the MMAs bind, of
+    its tokens (their FLOPs). kv_share None (rows written before that statistic): the token share."""
+    total = sum(p.hbm_terms.values())
+    if p.binding != "hbm" or kv_share is None or total <= 0:
+        return token_share
+    part = {"kv_read": kv_share, **{t: 0.0 for t in REREAD_TERMS}}
+    return sum(b * part.get(term, token_share) for term, b in p.hbm_terms.items()) / total
 
 
 def binding_of(times: dict) -> str:

@@ -172,12 +172,12 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         out["weight"] = w.meta.get("weight", 0.0)
     if device_profile is not None:
         out.update(predicted_times(w, nsb, valid_entries, out["useful_flops"], device_profile,
-                                   out[f"executed_union_ratio_p{UNION_TILES[0]}"]))
+                                   out[f"executed_union_ratio_p{UNION_TILES[0]}"], out["nsb_shared"]))
     return out
 
 
 def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, device_profile,
-                    union: float | None = None) -> dict:
+                    union: float | None = None, nsb_shared: int | None = None) -> dict:
     """Predicted time and binding resource per schedule; q-packed (tiles of UNION_TILES[0] tokens) only
     where the selection has a union_ratio."""
     from ..roofline.devices import load_device
@@ -191,7 +191,8 @@ def predicted_times(w: Workload, nsb: int, valid_entries: int, flops: float, dev
         if sched == Schedule.Q_PACKED and union is None:
             continue
         p = predict(sched, shape, n, nsb, dev, selected_per_query=per_query, flops=flops,
-                    union_ratio=union if sched == Schedule.Q_PACKED else None, tile_tokens=UNION_TILES[0])
+                    union_ratio=union if sched == Schedule.Q_PACKED else None, tile_tokens=UNION_TILES[0],
+                    shared_nsb=nsb_shared)
         out[f"pred_{sched}_s"] = p.time_s
         out[f"pred_{sched}_binding"] = p.binding
     cross = crossover(shape, dev)

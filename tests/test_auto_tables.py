@@ -68,11 +68,11 @@ def test_the_replay_uses_the_profiles_fixed_costs_not_the_ones_the_run_recorded(
     assert row["module.model_fixed_s"] == 0.0
     stages = {f"{b}/attention": {"s": 1e-9} for b in set(t["backend"])}      # every backend has some
     cheap = replace(H200, fixed_costs={"stages": stages})
-    costly = replace(H200, fixed_costs={"stages": {**stages, "kv-outer-cute/index_map": {"s": 1e-2}}})
+    packed = {f"{b}/schedule": {"s": 1e-2} for b in ("q-packed-cute", "hybrid")}
+    costly = replace(H200, fixed_costs={"stages": {**stages, **packed, "kv-outer-cute/index_map": {"s": 1e-2}}})
     assert tables.predicted_module_s(row, costly) == pytest.approx(tables.predicted_module_s(row, cheap) + 1e-2, rel=1e-4)
-    picks = tables.model_pick_table(run, costly)
-    assert "kv-outer-cute" not in set(picks["model pick"]) and "kv-outer-cute" in set(
-        tables.model_pick_table(run, H200)["model pick"])
+    assert set(tables.model_pick_table(run, H200)["model pick"]) & {"q-packed-cute", "hybrid"}
+    assert not set(tables.model_pick_table(run, costly)["model pick"]) & {"q-packed-cute", "hybrid", "kv-outer-cute"}
 
 
 def test_fit_achieved_takes_the_fixed_costs_off_and_leaves_out_what_the_model_does_not_predict():

@@ -106,8 +106,17 @@ def test_only_blocks_read_more_than_once_and_one_heads_blocks_make_the_reread_wo
     assert few.hbm_terms["kv_read"] == p.hbm_terms["kv_read"]               # read once all the same
     q = predict("q-outer", shape, n, nsb, dev, shared_nsb=256)
     assert "kv_l2_miss_reread" not in q.hbm_terms
-    assert decode_work_share("hbm", 0.1, 0.9) == 0.9 and decode_work_share("mma", 0.1, 0.9) == 0.1
-    assert decode_work_share("hbm", 0.1, None) == 0.1
+    # the decode share of a step's work: of the HBM bytes where HBM binds (K/V blocks by kv_share, per-token
+    # terms by the token share, re-reads none), of the tokens elsewhere
+    k = predict("kv-outer", shape, n, nsb, dev)
+    t = k.hbm_terms
+    assert k.binding == "hbm" and "kv_range_reread" not in t
+    share = (t["kv_read"] * 0.9 + (sum(t.values()) - t["kv_read"]) * 0.1) / sum(t.values())
+    assert decode_work_share(k, 0.1, 0.9) == pytest.approx(share) and decode_work_share(k, 0.1, None) == 0.1
+    # re-reads are none of a decode token's work
+    assert p.binding == "hbm" or decode_work_share(p, 0.1, 0.9) == 0.1
+    mma = predict("q-packed", shape, n, 64, dev, union_ratio=1.0)
+    assert mma.binding == "mma" and decode_work_share(mma, 0.1, 0.9) == 0.1
 
 
 def test_profile_roundtrip_and_errors(tmp_path):
