@@ -215,9 +215,12 @@ def stat_rows(st: dict) -> list[tuple[str, str]]:
         ("dtype, causal", f"{st['dtype']}, {'causal' if st['causal'] else 'non-causal'}"),
         ("N (query tokens)", num(st["n_tokens"])),
         ("requests", num(st["requests"])),
+        ("decode share: of the tokens / of the selected pairs", " / ".join(
+            num(st.get(k), ".3g") for k in ("decode_share", "decode_kv_share"))),
         ("context (tokens, longest request)", num(st["context_tokens"])),
         (f"context (blocks of {st['block']} tokens)", num(st["context_blocks"])),
         ("nsb (distinct selected (KV head, block) pairs)", num(st["nsb"])),
+        ("of them selected by more than one query (re-read)", num(st.get("nsb_shared"))),
         ("reuse nsb/N (achieved)", num(st["nsb_per_n"], ".4g")),
         ("reuse nsb/N (target)", num(st["target_reuse"], ".4g")),
         ("selected blocks per (query, KV head)", num(st["selected_blocks_per_query"], ".3g")),
