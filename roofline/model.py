@@ -149,7 +149,7 @@ def decode_share(tokens_per_request) -> float:
 REREAD_TERMS = ("kv_l2_miss_reread", "kv_range_reread")      # HBM bytes only tokens that share blocks cause
 
 
-def decode_work_share(p: "Prediction", token_share: float, kv_share: float | None = None) -> float:
+def decode_work_share(p: Prediction, token_share: float, kv_share: float | None = None) -> float:
     """The decode share `achieved()` blends a step's fractions by: where HBM binds, the decode tokens' share
     of its bytes (of the distinct K/V blocks kv_share, a decode token's own and read once; none of the
     re-reads; of every per-token term, partials and Q and O, token_share); where L2 or the MMAs bind, of

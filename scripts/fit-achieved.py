@@ -11,6 +11,7 @@ measured (`msa-bench calibrate --fixed-costs-only`); every other run is out of s
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import sys
 from dataclasses import replace
@@ -19,6 +20,12 @@ from msa_bench.errors import UserError
 from msa_bench.harness.results import load_run
 from msa_bench.harness.tables import fit_achieved
 from msa_bench.roofline.devices import CALIBRATION_FILES, PACKAGE_ROOT, load_device
+
+
+def _fitted(source: str) -> str | None:
+    """The backend one `--backend` entry of achieved_source fitted (None for a whole-run fit)."""
+    found = re.search(r"--backend (\S+)", source)
+    return found[1] if found else None
 
 
 def main(argv=None) -> int:
@@ -50,12 +57,17 @@ def main(argv=None) -> int:
         path = PACKAGE_ROOT / CALIBRATION_FILES[args.device]
         data = json.loads(path.read_text())
         fitted = {f"{r.backend}/{r.dtype}": round(float(r.achieved), 4) for r in table.itertuples()}
+        # the commit that measured the fitted units: the run's, or the last update that re-ran the backend
+        commit = (run.meta.get("provenance") or {}).get("git_commit") or "?"
+        for update in run.meta.get("updated_from") or []:
+            if args.backend and args.backend in (update.get("backends") or []):
+                commit = update.get("commit") or commit
         source = (f"scripts/fit-achieved.py {args.run.rstrip('/')}{f' --backend {args.backend}' if args.backend else ''}"
-                  f" (commit {((run.meta.get('provenance') or {}).get('git_commit') or '?')[:7]})")
+                  f" (commit {commit[:7]})")
         if args.backend:
             kept = {k: v for k, v in (data.get("achieved") or {}).items() if k.split("/")[0] != args.backend}
             data["achieved"] = {**kept, **fitted}
-            others = [s for s in str(data.get("achieved_source", "")).split("; ") if s and f"--backend {args.backend}" not in s]
+            others = [s for s in str(data.get("achieved_source", "")).split("; ") if s and _fitted(s) != args.backend]
             data["achieved_source"] = "; ".join([*others, source])
         else:
             data["achieved"] = fitted

@@ -29,3 +29,29 @@ def test_a_missing_run_is_refused_in_one_line(tmp_path, capsys):
     assert script().main([str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing" in err[0]
+
+
+def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(tmp_path, monkeypatch, capsys):
+    """scripts/fit-achieved.py --backend: the other backends' fractions and sources stay (q-packed's fit
+    leaves q-packed-cute's), and the source names the commit that measured the fitted units."""
+    import json
+    import shutil
+    from msa_bench.roofline.devices import CALIBRATION_FILES
+    spec = importlib.util.spec_from_file_location("fit_achieved", ROOT / "scripts" / "fit-achieved.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    profile = tmp_path / CALIBRATION_FILES["h200"]
+    profile.parent.mkdir(parents=True)
+    shutil.copy(ROOT / CALIBRATION_FILES["h200"], profile)
+    before = json.loads(profile.read_text())
+    monkeypatch.setattr(mod, "PACKAGE_ROOT", tmp_path)
+    run = str(ROOT / "results" / "h200" / "co-selection")
+    assert mod.main([run, "--backend", "q-packed", "--write"]) == 0
+    assert mod.main([run, "--backend", "q-packed-cute", "--write"]) == 0
+    after = json.loads(profile.read_text())
+    assert {k: v for k, v in after["achieved"].items() if not k.startswith("q-packed")} == \
+        {k: v for k, v in before["achieved"].items() if not k.startswith("q-packed")}
+    sources = after["achieved_source"].split("; ")
+    assert sum(mod._fitted(s) == "q-packed" for s in sources) == 1
+    assert [s for s in sources if mod._fitted(s) == "q-packed-cute"][0].endswith("(commit 759d021)")
+    capsys.readouterr()
