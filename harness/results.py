@@ -375,11 +375,8 @@ def pack_run(run_dir: str | Path) -> int:
                         f"(run.json {SAMPLES_REMOVED}), which compare and merge refuse anyway")
     units = run_dir / UNITS_DIR
     records = {uid: _unit_record(units / uid, uid) for uid in finished_units(run_dir)}
-    _write_packed(run_dir, records)
+    _write_packed(run_dir, records, dict(run.meta))
     shutil.rmtree(units)
-    meta = dict(run.meta)
-    meta["packed"] = f"{len(records)} units in {PACKED_FILE} (read-only: no resume, no merge)"
-    write_meta(run_dir, meta)
     return len(records)
 
 
@@ -388,13 +385,16 @@ def _unit_record(folder: Path, uid: str) -> dict:
     return {"unit": uid, "status": status, "stats": None if stats is None else stats.to_dict("records")}
 
 
-def _write_packed(run_dir: Path, records: dict) -> None:
+def _write_packed(run_dir: Path, records: dict, meta: dict) -> None:
+    """PACKED_FILE of `records`, then run.json (`meta`) saying so."""
     import gzip
     lines = [json.dumps(records[uid], sort_keys=True, default=_json_default) for uid in sorted(records)]
     tmp = run_dir / f".tmp-{PACKED_FILE}"
     with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:   # same bytes for same units
         f.write(("\n".join(lines) + "\n").encode())
     os.rename(tmp, run_dir / PACKED_FILE)
+    meta["packed"] = f"{len(records)} units in {PACKED_FILE} (read-only: no resume, no merge)"
+    write_meta(run_dir, meta)
 
 
 def update_packed(run_dir: str | Path, newer_dir: str | Path) -> int:
@@ -424,17 +424,15 @@ def update_packed(run_dir: str | Path, newer_dir: str | Path) -> int:
         raise UserError(f"{len(stray)} unit(s) of {newer_dir} are no point of {run_dir} (e.g. {stray[0]}): "
                         "the same scenario's grid is needed")
     records.update(new)
-    _write_packed(run_dir, records)
     prov = new_meta.get("provenance") or {}
     meta = dict(meta)
     meta["updated_from"] = [*meta.get("updated_from", []),
                             {"commit": prov.get("git_commit"), "dirty": prov.get("git_dirty"),
                              "finished_utc": new_meta.get("finished_utc"), "backends": new_meta.get("backends"),
                              "units": len(uids)}]
-    meta["packed"] = f"{len(records)} units in {PACKED_FILE} (read-only: no resume, no merge)"
     meta["backends"] = list(dict.fromkeys([*(meta.get("backends") or []),
                                            *(r["status"].get("backend") for r in new.values())]))
-    write_meta(run_dir, meta)
+    _write_packed(run_dir, records, meta)
     return len(uids)
 
 

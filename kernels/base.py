@@ -47,7 +47,7 @@ class ModelInputs:
         self.nsb_shared = float((fanin > 1).sum())             # model.traffic's re-read working set
         self.flops = useful_flops(w)
         self.decode = workload_decode_share(w)                  # achieved(): the decode shares it blends by
-        self.decode_kv = workload_decode_kv_share(w)            # (model.decode_work_share)
+        self.decode_kv = workload_decode_kv_share(w, fanin.numel())     # (model.decode_work_share)
         self._union: dict[tuple, float] = {}
 
     def decode_for(self, prediction) -> float:

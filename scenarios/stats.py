@@ -36,9 +36,10 @@ def useful_flops(w: Workload) -> float:
     return 4.0 * s.group * s.head_dim * float(visible_tokens(w).sum())
 
 
-def selected_pairs(w: Workload) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct selected (KV head, physical page) pairs and how many queries select each (fan-in)."""
-    pages = w.pages.long()
+def selected_pairs(w: Workload, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct selected (KV head, physical page) pairs and how many queries select each (fan-in); of the
+    query tokens `tokens` (an [N] bool mask) only, where given."""
+    pages = (w.pages if tokens is None else w.pages[:, tokens]).long()
     head = torch.arange(w.shape.hkv, device=pages.device).view(-1, 1, 1).expand_as(pages)
     key = (head * w.num_pages + pages)[pages >= 0]
     return torch.unique(key, return_counts=True)
@@ -116,16 +117,10 @@ def decode_tokens(w: Workload) -> torch.Tensor:
     return (torch.bincount(req) <= DECODE_TOKENS)[req].to(w.pages.device)
 
 
-def workload_decode_kv_share(w: Workload) -> float:
-    """The share of the distinct selected (KV head, page) pairs that decode tokens select: the decode share
-    model.decode_work_share takes where HBM binds."""
-    decode = decode_tokens(w)
-    total = selected_pairs(w)[1].numel()
-    if not total or not bool(decode.any()):
-        return 0.0
-    pages = w.pages[:, decode].long()
-    head = torch.arange(w.shape.hkv, device=pages.device).view(-1, 1, 1).expand_as(pages)
-    return torch.unique((head * w.num_pages + pages)[pages >= 0]).numel() / total
+def workload_decode_kv_share(w: Workload, nsb: int) -> float:
+    """The share of the workload's nsb distinct selected (KV head, page) pairs (selected_pairs) that decode
+    tokens select: the decode share model.decode_work_share takes where HBM binds."""
+    return selected_pairs(w, decode_tokens(w))[0].numel() / nsb if nsb else 0.0
 
 
 def workload_stats(w: Workload, device_profile=None) -> dict:
@@ -143,7 +138,7 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         "hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk,
         "n_tokens": n, "requests": int(w.page_table.shape[0]),
         "decode_share": workload_decode_share(w),
-        "decode_kv_share": workload_decode_kv_share(w),
+        "decode_kv_share": workload_decode_kv_share(w, nsb),
         "context_tokens": max(lens), "context_blocks": int((w.page_table >= 0).sum(1).max()),
         "nsb": nsb, "nsb_per_n": nsb / n if n else 0.0,
         "nsb_shared": int((fanin > 1).sum()),                 # the blocks re-reads go to (model.traffic)
