@@ -35,7 +35,7 @@ from scipy.stats import mannwhitneyu
 from ..errors import UserError
 from .baseline import DEFAULT_FLOOR, clocked_samples, has_clock
 from .results import SAMPLES_REMOVED, STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run, samples_kept
-from .timing import TIMER_GPU
+from .timing import TIMER_GPU, l2_flush_of
 
 TIMED_STAGES = ("module", "attention")
 SET_FLAG = 0.5             # against a baseline set: flag at this fraction of the threshold (docstring)
@@ -197,7 +197,8 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
     warnings = []
     for label, a, b in (("device", base.device_name, new.device_name),
                         ("scenario", base.meta.get("scenario"), new.meta.get("scenario")),
-                        ("timer", base.timer, new.timer)):
+                        ("timer", base.timer, new.timer),
+                        ("L2 flush", l2_flush_of(base.meta), l2_flush_of(new.meta))):
         if a != b:
             warnings.append(f"different {label}: baseline {a!r}, new {b!r}")
     for b in bases:

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import UserError
-from .timing import TIMER_GPU
+from .timing import TIMER_GPU, l2_flush_of
 
 SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
@@ -408,12 +408,11 @@ def update_packed(run_dir: str | Path, newer_dir: str | Path) -> int:
         raise UserError(f"{run_dir} is not packed: merge --force NEWER {run_dir} joins whole runs")
     run, newer = load_run(run_dir), load_run(newer_dir)       # both checked before anything is written
     meta, new_meta = run.meta, newer.meta
-    for key, what in (("scenario", "scenario"), ("timer", "timer")):
-        if new_meta.get(key) != meta.get(key):
-            raise UserError(f"{newer_dir} has {what} {new_meta.get(key)!r}, {run_dir} {meta.get(key)!r}")
-    dev = lambda m: (m.get("provenance") or {}).get("device_name")          # noqa: E731
-    if dev(new_meta) != dev(meta):
-        raise UserError(f"{newer_dir} was measured on {dev(new_meta)!r}, {run_dir} on {dev(meta)!r}")
+    if new_meta.get("scenario") != meta.get("scenario"):
+        raise UserError(f"{newer_dir} has scenario {new_meta.get('scenario')!r}, {run_dir} {meta.get('scenario')!r}")
+    why = measured_apart(new_meta, meta)
+    if why:
+        raise UserError(f"{newer_dir} and {run_dir} were measured apart: {why}")
     records = _packed_records(run_dir)
     planned = set(meta.get("units_planned") or meta.get("grid_units") or []) | set(records)
     uids = sorted(finished_units(newer_dir))
@@ -522,6 +521,16 @@ def load_run(run_dir: str | Path) -> Run:
     return Run(run_dir, meta, status_df, stats_df, samples_df, missing)
 
 
+def measured_apart(a: dict, b: dict) -> str | None:
+    """Why two runs' timings (their run.json) cannot sit in one run: another GPU, timer or L2 flush."""
+    dev = lambda m: (m.get("provenance") or {}).get("device_name")          # noqa: E731
+    for what, x, y in (("GPU", dev(a), dev(b)), ("timer", a.get("timer"), b.get("timer")),
+                       ("L2 flush", l2_flush_of(a), l2_flush_of(b))):
+        if x != y:
+            return f"{what} {x!r} against {y!r}"
+    return None
+
+
 def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = False) -> dict:
     """Join shard run folders into `out_dir`. Refuses shards of different scenarios/grids or devices
     unless `force`. Returns a summary dict (units copied, duplicates, missing)."""
@@ -538,14 +547,9 @@ def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = 
             if m.get(key) != first.get(key) and not force:
                 raise UserError(f"{d} is from a different {what} than {shard_dirs[0]} "
                                 f"({m.get(key)} vs {first.get(key)}); pass --force to merge anyway")
-        dev_a = (m.get("provenance") or {}).get("device_name")
-        dev_b = (first.get("provenance") or {}).get("device_name")
-        if dev_a != dev_b and not force:
-            raise UserError(f"{d} was measured on {dev_a!r}, {shard_dirs[0]} on {dev_b!r}; "
-                            "pass --force to merge anyway")
-        if m.get("timer") != first.get("timer") and not force:
-            raise UserError(f"{d} used timer {m.get('timer')!r}, {shard_dirs[0]} {first.get('timer')!r}; "
-                            "pass --force to merge anyway")
+        why = measured_apart(m, first)
+        if why and not force:
+            raise UserError(f"{d} and {shard_dirs[0]} were measured apart: {why}; pass --force to merge anyway")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"merge output {out_dir} exists and is not empty")
     runs = [load_run(d) for d in shard_dirs]    # validates every unit of every shard before anything is copied

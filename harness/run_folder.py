@@ -9,7 +9,7 @@ from pathlib import Path
 from . import provenance, results
 from ..errors import UserError
 from .request import Grid, SweepRequest
-from .timing import TIMER_CPU, TIMER_GPU
+from .timing import TIMER_CPU, TIMER_GPU, l2_flush_of
 
 CPU_NOTE = ("CPU RUN: timings are host perf_counter timings of the CPU pipeline, NOT GPU timings; "
             "they only show that the pipeline works")
@@ -71,6 +71,9 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         if here != there:
             raise UserError(f"{run_dir} was measured on {there!r}; this machine is {here!r}: "
                             "resume it there or choose another --out")
+        if l2_flush_of(old) != l2_flush_of({"timing": grid.timing.__dict__}):
+            raise UserError(f"{run_dir} was timed after the L2 flush {l2_flush_of(old)!r}, this version flushes "
+                            f"{l2_flush_of({'timing': grid.timing.__dict__})!r}: sweep into another --out")
         results.clear_partial_units(run_dir)
         return old
     if req.resume:

@@ -1,8 +1,9 @@
 """Timing protocol: every stage alone and the whole module, L2 cold, raw samples kept.
 
 GPU: each stage is captured into its own CUDA graph and the whole module into one more. One timed
-sample is: replay the preceding stages' graphs (so the stage's inputs are real), write a buffer of
-twice the L2 size (evicts the L2), record an event, replay the graph, record an event. Warm-up
+sample is: replay the preceding stages' graphs (so the stage's inputs are real), flush the L2
+(kernels/l2.py: write a buffer of twice its size, then read it back, so the L2 is cold and clean),
+record an event, replay the graph, record an event. Warm-up
 replays first, then at least `reps` samples (never fewer than 20); while the coefficient of
 variation exceeds `cv_target` more samples are taken, up to `max_reps`.
 
@@ -24,6 +25,7 @@ import torch
 
 from ..errors import UserError
 from ..kernels.clock import probe_mhz, record_spin
+from ..kernels.l2 import LEGACY_PROTOCOL, NO_FLUSH, PROTOCOL, L2Flush
 
 TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"
@@ -40,6 +42,7 @@ class TimingConfig:
     max_reps: int = 200
     cv_target: float = 0.03
     cold_l2: bool = True
+    l2_flush: str = PROTOCOL     # recorded with the run: how the cold L2 was made (not a scenario key)
     cpu_warmup: int = 0
     cpu_reps: int = 5
     cpu_max_reps: int = 5        # no CV re-measurement on CPU by default: its numbers mean nothing anyway
@@ -100,6 +103,15 @@ def summarize(seconds: list[float]) -> dict[str, float]:
             "cv": std / mean if mean > 0 else 0.0, "n_reps": float(len(a))}
 
 
+def l2_flush_of(meta: dict) -> str:
+    """The L2 flush a run's timings followed (its run.json `timing`): a run recorded before the protocol
+    was named wrote the buffer only."""
+    timing = meta.get("timing") or {}
+    if not timing.get("cold_l2", True):
+        return NO_FLUSH
+    return timing.get("l2_flush", LEGACY_PROTOCOL)
+
+
 def coefficient_of_variation(seconds: list[float]) -> float:
     if len(seconds) < 2:
         return 0.0
@@ -113,8 +125,7 @@ class _GraphClock:
     def __init__(self, plan, device: torch.device, cold_l2: bool = True,
                  read_reasons: Callable[[], int] | None = None):
         self.read_reasons = read_reasons
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device) if cold_l2 else None
+        self.flush = L2Flush(device) if cold_l2 else None
         # Warm-up on a side stream, as PyTorch's CUDA-graph docs advise: compiles kernels, creates
         # library handles/workspaces and fills every intermediate buffer once before capture.
         side = torch.cuda.Stream(device)
@@ -155,7 +166,7 @@ class _GraphClock:
             for replay in before:
                 replay()
             if self.flush is not None:
-                self.flush.zero_()
+                self.flush()
             pre = record_spin()
             starts[i].record()
             target()

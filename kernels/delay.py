@@ -20,6 +20,7 @@ import torch
 
 from .base import Backend, Plan
 from .clock import probe_mhz, record_spin
+from .l2 import L2Flush
 from .options import JOINERS
 
 DELAY_STAGE = "delay"
@@ -42,13 +43,10 @@ def _module_seconds(plan: Plan, cuda: bool) -> tuple[float, float | None]:
     """(median module seconds, median SM clock in MHz right after each run; None on CPU)."""
     times, clocks = [], []
     plan.run()                                   # warm-up
-    flush = None
-    if cuda:
-        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-        flush = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+    flush = L2Flush(torch.cuda.current_device()) if cuda else None
     for _ in range(CALIBRATION_RUNS):
         if cuda:
-            flush.zero_()
+            flush()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             plan.run()

@@ -59,6 +59,21 @@ def test_split_covers_every_pair_once(seed, P, share, causal, hot, pad, reqs):
         assert ((lim != NO_KEY).sum(1) >= min(share, P)).all() or share > P
 
 
+def test_one_token_tiles_leave_every_pair_to_the_residual_above_share_one():
+    shape = AttnShape(hq=4, hkv=2, head_dim=16, block=16, topk=4)
+    w = edge_case_workload(shape, "fp32", [90, 40, 130], [1, 1, 11], True, 0.0, 0.3, seed=5)
+    sel = w.selection.cpu()
+    selected = {(h, q, int(sel[h, q, k])) for h, q, k in (sel >= 0).nonzero().tolist()}
+    for share in (1, 2):
+        sch = PackedSchedule(w, 8, min_share=share, residual=True)
+        sch.residual_pages.fill_(7)
+        sch()
+        packed, residual = split_pairs(w, sch)
+        assert not packed & residual and packed | residual == selected
+        decode = {pair for pair in selected if pair[1] < 2}          # tokens 0 and 1: one a request
+        assert (decode <= packed) if share == 1 else (decode <= residual)
+
+
 def test_threshold_from_the_roofline_by_hand():
     h200 = load_device("h200")
     s = ModelShape(dtype="bf16")

@@ -70,10 +70,23 @@ def test_schedule_matches_oracle(seed, P, causal, pad, hot, reqs):
     shape = AttnShape(hq=4, hkv=2, head_dim=16, block=16, topk=4)
     kv_lens = [max(kv, n) for kv, n in reqs]
     w = edge_case_workload(shape, "fp32", kv_lens, [n for _, n in reqs], causal, hot, pad, seed=seed)
+    assert_schedule_matches_oracle(w, P)
+
+
+@pytest.mark.parametrize("P", [1, 8])
+def test_one_token_tiles_match_oracle(P):
+    # decode tokens (one a request, the schedule's one-token path) beside a causal chunk (the general one)
+    shape = AttnShape(hq=4, hkv=2, head_dim=16, block=16, topk=4)
+    w = edge_case_workload(shape, "fp32", [90, 40, 130, 64], [1, 1, 13, 1], True, 0.0, 0.4, seed=3)
+    assert_schedule_matches_oracle(w, P)
+
+
+def assert_schedule_matches_oracle(w, P):
     sch = PackedSchedule(w, P)
     sch.tile_page.fill_(123)
     sch.tile_count.fill_(77)
     sch.tile_split.fill_(55)
+    sch.tile_limit.fill_(99)
     sch()
     U = sch.union_cap
     limit = sch.tile_limit.view(-1, U, P)

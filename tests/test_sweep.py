@@ -1,6 +1,7 @@
 """The sweep end to end on CPU: smoke grid (reference backend, fp32, one reuse), interruption and
 --resume, shard + merge, and bad input giving one clear line and a non-zero exit."""
 import json
+import shutil
 
 import pytest
 
@@ -91,6 +92,23 @@ def test_merge_refuses_other_scenario_grid_unless_forced(smoke_run, tmp_path, cl
     assert code == 2 and "different scenario grid" in one_error_line(err)
     code, _, err = cli("merge", tmp_path / "m2", smoke_run["run"], other, "--force")
     assert code == 0, err
+
+
+def test_a_run_timed_after_another_l2_flush_is_not_resumed_or_merged(smoke_run, tmp_path, cli, one_error_line):
+    from msa_bench.harness.timing import l2_flush_of
+    legacy = tmp_path / "legacy"
+    shutil.copytree(smoke_run["run"], legacy)
+    meta = json.loads((legacy / "run.json").read_text())
+    assert l2_flush_of(meta) == "write+read"
+    del meta["timing"]["l2_flush"]               # as recorded before the protocol was named
+    (legacy / "run.json").write_text(json.dumps(meta))
+    assert l2_flush_of(meta) == "write" and l2_flush_of({"timing": {"cold_l2": False}}) == "none"
+    code, _, err = cli("sweep", "--scenario", "smoke", *GRID, "--out", legacy, "--resume")
+    assert code == 2 and "L2 flush 'write'" in one_error_line(err)
+    code, _, err = cli("merge", tmp_path / "m", smoke_run["run"], legacy)
+    assert code == 2 and "L2 flush" in one_error_line(err)
+    code, out, err = cli("compare", legacy, smoke_run["run"])
+    assert "different L2 flush" in out + err
 
 
 def test_existing_run_needs_resume_and_same_grid(smoke_run, cli, one_error_line):

@@ -42,12 +42,74 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
                      n_token_tiles,
                      table_stride, P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
                      BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
-                     LAST: tl.constexpr):
+                     LAST: tl.constexpr, K_P2: tl.constexpr):
     tile = tl.program_id(0)                       # head * n_token_tiles + token tile
     head = tile // n_token_tiles
     tt = tile % n_token_tiles
     tok0 = tl.load(tile_tok0_ptr + tt)
     ntok = tl.load(tile_ntok_ptr + tt)
+    if ntok == 1:
+        _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
+                        tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, n_tokens, table_stride,
+                        P, TOPK, K_P2, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL)
+    else:
+        _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
+                         tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, ntok, n_tokens,
+                         table_stride, P, TOPK, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, MAX_ID, LAST)
+
+
+@triton.jit
+def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
+                    tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, n_tokens, table_stride,
+                    P: tl.constexpr, TOPK: tl.constexpr, K_P2: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
+                    BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr):
+    """A tile of one token (every decode token): its union is its own selection in ascending order, all of
+    it the first half's, so the general path's sorts over P x topk entries reduce to one over topk."""
+    j = tl.arange(0, K_P2)
+    row0 = (head.to(tl.int64) * n_tokens + tok0) * TOPK
+    blk = tl.load(sel_ptr + row0 + j, mask=j < TOPK, other=-1)
+    big = 2147483647
+    key = tl.sort(tl.where(blk >= 0, blk * K_P2 + j, big))
+    valid = key != big
+    blk_s = tl.where(valid, key // K_P2, -1)
+    entry = key % K_P2
+    prev = tl.gather(blk_s, tl.maximum(j - 1, 0), 0)
+    first = valid & ((j == 0) | (blk_s != prev))
+    # an id's share is its entries, as in the general path (a repeated id counts twice)
+    shared = tl.sum((blk_s[:, None] == blk_s[None, :]).to(tl.int32), 1)
+    kept = valid & (shared >= MIN_SHARE)
+    keep = first & kept
+    rank = tl.cumsum(keep.to(tl.int32), 0) - 1
+    count = tl.sum(keep.to(tl.int32), 0)
+    tl.store(tile_count_ptr + tile, count)
+    lo_end = count
+    if P == 1:                  # a tile one token wide has no first half: the token is its second
+        lo_end = count * 0
+    tl.store(tile_split_ptr + 2 * tile, lo_end)
+    tl.store(tile_split_ptr + 2 * tile + 1, lo_end)
+    req = tl.load(q_request_ptr + tok0)
+    page = tl.load(page_table_ptr + req.to(tl.int64) * table_stride + blk_s, mask=valid, other=-1)
+    base = tile.to(tl.int64) * U
+    i = tl.arange(0, U_P2)
+    tl.store(tile_page_ptr + base + i, tl.full([U_P2], -1, tl.int32), mask=(i >= count) & (i < U))
+    tl.store(tile_page_ptr + base + rank, page, mask=keep)
+    # limits [U, P]: the token's own at (slot, 0), NO_KEY in every other cell (disjoint stores, no barrier)
+    cell = tl.arange(0, U_P2 * P)
+    tl.store(tile_limit_ptr + base * P + cell, tl.full([U_P2 * P], _NO_KEY, tl.int32),
+             mask=(cell < U * P) & ((cell % P != 0) | (cell // P >= count)))
+    limit = tl.minimum(tl.load(q_limit_ptr + tok0) - blk_s * BLOCK, BLOCK - 1)
+    tl.store(tile_limit_ptr + (base + rank) * P, limit, mask=keep)
+    if RESIDUAL:
+        tl.store(residual_ptr + row0 + entry, tl.where(kept, -1, page), mask=valid)
+        tl.store(residual_ptr + row0 + j, tl.full([K_P2], -1, tl.int32), mask=(j < TOPK) & (blk < 0))
+
+
+@triton.jit
+def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
+                     tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, ntok, n_tokens, table_stride,
+                     P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
+                     BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
+                     LAST: tl.constexpr):
     i = tl.arange(0, U_P2)                        # entry i: token i // TOPK, rank i % TOPK
     ok = (i < U) & (i // TOPK < ntok)
     row0 = (head.to(tl.int64) * n_tokens + tok0) * TOPK      # the tile's first entry in [Hkv, N, topk]
@@ -137,7 +199,8 @@ class PackedSchedule:
             raise ValueError(f"the q-packed schedule orders a tile's union by (class, block id) in 31 bits: at most "
                              f"{MAX_BLOCK_ID} blocks a request and {u_p2} entries a tile, got "
                              f"{w.page_table.shape[-1]} and {u_p2}")
-        self.consts = dict(P=tokens_per_tile, TOPK=s.topk, U=u, U_P2=u_p2, BLOCK=s.block, MIN_SHARE=min_share,
+        self.consts = dict(P=tokens_per_tile, TOPK=s.topk, K_P2=triton.next_power_of_2(s.topk), U=u, U_P2=u_p2,
+                           BLOCK=s.block, MIN_SHARE=min_share,
                            RESIDUAL=self.residual_pages is not None, MAX_ID=MAX_BLOCK_ID, LAST=1 << 30)
 
     @property
