@@ -137,9 +137,13 @@ class Backend:
         """(seconds, what the prediction used): roofline.model.module_time of this backend's roofline."""
         from ..roofline.model import module_time
         t, used = self.roofline(w, inputs, profile)
-        total, parts = module_time(profile, self.name, model_dtype(w.dtype), t, self.stage_names,
+        total, parts = module_time(profile, self.name, model_dtype(w.dtype), t, self.stages_for(w),
                                    self.item_blocks(w, inputs))
         return total, {**used, **parts}
+
+    def stages_for(self, w: Workload) -> tuple[str, ...]:
+        """The stages a plan of `w` runs (their fixed costs): all of stage_names unless a backend skips one."""
+        return self.stage_names
 
     def unavailable_reason(self, dtype: str, device: torch.device | str) -> str | None:
         """None if this backend can run `dtype` on `device`, else one line saying why not."""

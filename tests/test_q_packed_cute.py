@@ -66,11 +66,11 @@ def test_pack_checks_the_tensors():
     """(The ABI against the kernel's signature and the shim: tests/test_cute_build.py.)"""
     meta = torch.device("meta")
     cfg = mf.QPackedConfig("bf16")
-    with pytest.raises(ValueError, match="expected 11 tensors"):
+    with pytest.raises(ValueError, match="expected 14 tensors"):
         pack_arguments(cfg, [torch.empty(1, device=meta)] * 13, meta)
     with pytest.raises(ValueError, match="int32"):
         pack_arguments(cfg, [torch.empty(1, device=meta)] * 3 + [torch.empty(2 ** 31, device=meta)]
-                       + [torch.empty(1, device=meta)] * 7, meta)
+                       + [torch.empty(1, device=meta)] * 10, meta)
 
 
 def test_source_hash_covers_the_kernel_and_what_it_imports():
@@ -147,14 +147,23 @@ def test_stage_hands_the_schedule_buffers_to_the_library(dtype, monkeypatch):
     b = sch.buffers
     v = stage.v
     expect = [w.q, w.k_cache, v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"], b["tile_limit"],
-              b["tile_split"], out, lse]
+              b["tile_split"], w.pages, w.selection, w.q_limit, out, lse]
     assert lib.ptrs == [t.data_ptr() for t in expect]
-    pages = w.num_pages
+    pages, sel = w.num_pages, 4 * w.n_tokens * 16
     assert lib.rows == [w.n_tokens * 64, pages * 4 * 128, pages * 4 * 128, sch.n_token_tiles, sch.n_token_tiles,
                         4 * sch.n_token_tiles, 4 * sch.n_token_tiles * 128, 4 * sch.n_token_tiles * 128 * 8,
-                        4 * sch.n_token_tiles * 2, w.n_tokens * 64, w.n_tokens * 64]
-    assert stage.scalars == (4, sch.n_token_tiles, 128, 4 * sch.n_token_tiles, w.sm_scale * w.q_scale * w.k_scale,
-                             w.v_scale)
+                        4 * sch.n_token_tiles * 2, sel, sel, w.n_tokens, w.n_tokens * 64, w.n_tokens * 64]
+    assert stage.scalars == (4, sch.n_token_tiles, 128, 4 * sch.n_token_tiles, w.n_tokens, 16, 0,
+                             w.sm_scale * w.q_scale * w.k_scale, w.v_scale)
+    assert not stage.describe()["direct"]
+    # every tile one token (decode): the direct path, and the plan runs no schedule stage
+    one = edge_case_workload(shape, dtype, [700, 300, 500], [1, 1, 1], True, pad=0.3, seed=2)
+    assert cb.one_token_tiles(one) and not cb.one_token_tiles(w)
+    sch1 = PackedSchedule(one, 8)
+    direct = cb.QPackedCuteAttention(one, sch1, out[:3], lse[:3], lib.cfg, library=lib, direct=True)
+    assert direct.scalars[6] == 1 and direct.describe()["direct"]
+    backend = get_backend("q-packed-cute")
+    assert backend.stages_for(one) == ("attention",) and backend.stages_for(w) == ("schedule", "attention")
     if dtype == "fp8":
         # d-major, and stored key k of every 16 holds the true key fp8_v_key_order()[k]
         order = torch.tensor(fp8_v_key_order())
@@ -247,7 +256,8 @@ def test_ptx_holds_the_pipeline_of_each_option(built, cfg):
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+56;", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+224;", ptx)
     boxes = 2 if cfg.dtype == "bf16" else 1
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") == 2 * boxes
+    # K and V of a block, at each of the producer's two walks (the schedule's tile list, the direct path)
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") == 2 * 2 * boxes
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2          # (16, 128) bf16 O: two boxes
     assert "mbarrier.arrive.expect_tx" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
     assert ptx.count("cp.async.cg.shared.global") == (32 if cfg.dtype == "bf16" else 16)

@@ -47,7 +47,15 @@ WORKLOADS = {
     # every token selects nothing (not causal: a causal token keeps its local block): union count 0 in
     # every tile, O = 0 and LSE -inf everywhere
     "no-keys": lambda d: edge_case_workload(SHAPE, d, [1000], [13], False, empty=13, seed=7, device="cuda"),
+    # one token a request: every tile one token, the kernel's direct path (no schedule stage)
+    "decode": lambda d: serving_workload(SHAPE, d, "decode", None, 32768, context_min=8192, requests=64, seed=9,
+                                         device="cuda"),
+    "decode-edge": lambda d: edge_case_workload(SHAPE, d, [3000, 700, 1900, 2600, 900], [1] * 5, True, hot=0.5,
+                                                pad=0.5, seed=10, device="cuda"),
+    "decode-no-keys": lambda d: edge_case_workload(SHAPE, d, [1000, 600], [1, 1], False, empty=2, seed=11,
+                                                   device="cuda"),
 }
+DIRECT = ("decode", "decode-edge", "decode-no-keys")
 _CACHE: dict = {}
 
 
@@ -79,28 +87,33 @@ def test_matches_the_float64_reference(dtype, option, case):
     flags = DEFAULT_OPTIONS[dtype] if option == "" else tuple(tag in option.split("+") for tag in OPTION_FLAGS)
     attention = details["info"]["attention"]
     assert tuple(attention[flag] for flag in OPTION_FLAGS.values()) == flags
+    assert attention["direct"] == (case in DIRECT)
 
 
+@pytest.mark.parametrize("case", ["no-keys", "decode-no-keys"])
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_no_keys_gives_zero_output_and_minus_infinity(dtype, option):
+def test_no_keys_gives_zero_output_and_minus_infinity(dtype, option, case):
     name = backend_name(option)
     _skip_unavailable(name, dtype)
-    plan = get_backend(name).plan(workload("no-keys", dtype))
+    plan = get_backend(name).plan(workload(case, dtype))
     plan.output.fill_(float("nan"))
     plan.lse.fill_(float("nan"))
     plan.run()
     torch.cuda.synchronize()
-    assert int(plan.buffers["tile_count"].max()) == 0
+    assert ("schedule" in plan.stages) == (case not in DIRECT)
+    if "schedule" in plan.stages:
+        assert int(plan.buffers["tile_count"].max()) == 0
     assert bool((plan.output == 0).all()) and bool(torch.isneginf(plan.lse).all())
 
 
+@pytest.mark.parametrize("case", ["edge-causal", "decode-edge"])
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_graph_replay_equals_eager(dtype, option, graph_replay_equals_eager, poisoned_run):
+def test_graph_replay_equals_eager(dtype, option, case, graph_replay_equals_eager, poisoned_run):
     name = backend_name(option)
     _skip_unavailable(name, dtype)
-    plan = get_backend(name).plan(workload("edge-causal", dtype))
+    plan = get_backend(name).plan(workload(case, dtype))
     poisoned_run(plan)
     graph_replay_equals_eager(plan)
     assert math.isfinite(plan.output.float().abs().sum().item())
@@ -111,7 +124,7 @@ def test_options_agree_with_each_other(dtype):
     """The schedule options only reorder when the same MMAs and softmax steps are issued (each block's O is
     rescaled by its alpha before its P V in every option): the outputs are bitwise equal. A difference
     means a race or a misordered rescale, not rounding."""
-    for case in ("synthetic-causal", "drift-causal"):
+    for case in ("synthetic-causal", "drift-causal", "decode-edge"):
         outs = []
         for option in OPTIONS:
             name = backend_name(option)

@@ -70,9 +70,10 @@ KV_OUTER_ABI = Abi(
 Q_PACKED_ABI = Abi(
     tensors=(("mQ", "data", "D"), ("mK", "data", "D"), ("mV", "data", "V"), ("mTileTok0", "i32", 1),
              ("mTileNtok", "i32", 1), ("mTileCount", "i32", 1), ("mTilePage", "i32", 1), ("mTileLimit", "i32", 1),
-             ("mTileSplit", "i32", 1), ("mO", "bf16", "D"), ("mLse", "f32", 1)),
+             ("mTileSplit", "i32", 1), ("mPages", "i32", 1), ("mSel", "i32", 1), ("mQLimit", "i32", 1),
+             ("mO", "bf16", "D"), ("mLse", "f32", 1)),
     scalars=(("hkv", "i32"), ("n_token_tiles", "i32"), ("union_cap", "i32"), ("num_ctas", "i32"),
-             ("scale", "f32"), ("out_scale", "f32")))
+             ("n_tokens", "i32"), ("topk", "i32"), ("direct", "i32"), ("scale", "f32"), ("out_scale", "f32")))
 
 
 class LibraryConfig:

@@ -151,8 +151,10 @@ class QPackedSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileTok0: cute.Tensor,
                  mTileNtok: cute.Tensor, mTileCount: cute.Tensor, mTilePage: cute.Tensor, mTileLimit: cute.Tensor,
-                 mTileSplit: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, hkv: Int32, n_token_tiles: Int32, union_cap: Int32,
-                 num_ctas: Int32, scale: Float32, out_scale: Float32, stream: cuda.CUstream):
+                 mTileSplit: cute.Tensor, mPages: cute.Tensor, mSel: cute.Tensor, mQLimit: cute.Tensor,
+                 mO: cute.Tensor, mLse: cute.Tensor, hkv: Int32, n_token_tiles: Int32, union_cap: Int32,
+                 num_ctas: Int32, n_tokens: Int32, topk: Int32, direct: Int32, scale: Float32, out_scale: Float32,
+                 stream: cuda.CUstream):
         dt = self.dtype
         D, BLK, ROWS = self.head_dim, self.block, self.rows
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -172,8 +174,9 @@ class QPackedSm90:
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
         storage = self._storage_struct(sQ_layout, sK_layout, sV_layout, sO_layout)
         self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mTileTok0, mTileNtok,
-                    mTileCount, mTilePage, mTileLimit, mTileSplit, mLse, hkv, n_token_tiles, union_cap, scale * LOG2E,
-                    out_scale, sQ_layout, sK_layout, sV_layout, sO_layout).launch(
+                    mTileCount, mTilePage, mTileLimit, mTileSplit, (mPages, mSel, mQLimit, n_tokens, topk, direct),
+                    mLse, hkv, n_token_tiles, union_cap, scale * LOG2E, out_scale, sQ_layout, sK_layout, sV_layout,
+                    sO_layout).launch(
             grid=(num_ctas, 1, 1), block=(self.num_threads, 1, 1), smem=storage.size_in_bytes(),
             min_blocks_per_mp=1, preferred_smem_carveout=100, stream=stream)
 
@@ -199,8 +202,8 @@ class QPackedSm90:
     def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_k: cute.CopyAtom, gK_tma: cute.Tensor,
                tma_v: cute.CopyAtom, gV_tma: cute.Tensor, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
                mQ: cute.Tensor, mTileTok0: cute.Tensor, mTileNtok: cute.Tensor, mTileCount: cute.Tensor,
-               mTilePage: cute.Tensor, mTileLimit: cute.Tensor, mTileSplit: cute.Tensor, mLse: cute.Tensor,
-               hkv: Int32,
+               mTilePage: cute.Tensor, mTileLimit: cute.Tensor, mTileSplit: cute.Tensor, direct_args,
+               mLse: cute.Tensor, hkv: Int32,
                n_token_tiles: Int32, union_cap: Int32, scale_log2: Float32, out_scale: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout):
@@ -235,11 +238,11 @@ class QPackedSm90:
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                self.load_kv(tma_k, gK_tma, tma_v, gV_tma, mTileCount, mTilePage, mTileLimit, sK, sV, sLim,
-                             kv_full, kv_empty, hkv, n_token_tiles, num_tiles, union_cap)
+                self.load_kv(tma_k, gK_tma, tma_v, gV_tma, mTileTok0, mTileCount, mTilePage, mTileLimit, direct_args,
+                             sK, sV, sLim, kv_full, kv_empty, hkv, n_token_tiles, num_tiles, union_cap)
             elif warp_idx <= 2:
-                self.gather_q(mQ, mTileTok0, mTileNtok, mTileCount, mTileSplit, sQ, sMeta, q_full, q_empty, hkv,
-                              n_token_tiles, num_tiles, tidx - 32)
+                self.gather_q(mQ, mTileTok0, mTileNtok, mTileCount, mTileSplit, direct_args, sQ, sMeta, q_full,
+                              q_empty, hkv, n_token_tiles, num_tiles, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sQ, sK, sV, sO, sMeta, sLim, mLse,
@@ -249,12 +252,15 @@ class QPackedSm90:
     # ---- producer warps ---------------------------------------------------------------------------
     @cute.jit
     def load_kv(self, tma_k: cute.CopyAtom, gK_tma: cute.Tensor, tma_v: cute.CopyAtom, gV_tma: cute.Tensor,
-                mTileCount: cute.Tensor, mTilePage: cute.Tensor, mTileLimit: cute.Tensor, sK: cute.Tensor,
-                sV: cute.Tensor, sLim: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer, hkv: Int32,
-                n_token_tiles: Int32, num_tiles: Int32, union_cap: Int32):
+                mTileTok0: cute.Tensor, mTileCount: cute.Tensor, mTilePage: cute.Tensor, mTileLimit: cute.Tensor,
+                direct_args, sK: cute.Tensor, sV: cute.Tensor, sLim: cute.Tensor, kv_full: cute.Pointer,
+                kv_empty: cute.Pointer, hkv: Int32, n_token_tiles: Int32, num_tiles: Int32, union_cap: Int32):
         """Producer warp 0: every union block of the CTA's tiles in order, K and V by TMA into the next
         stage, its P key limits (lane p: tile token p) beside it. The next block's page and limits are
-        read before the wait for a free stage."""
+        read before the wait for a free stage. direct (every tile one token, no schedule stage): a tile's
+        blocks are its token's selected pages in selection order, lane j holding entry j's page and key
+        limit (the selection's contract: valid entries first, distinct ids)."""
+        mPages, mSel, mQLimit, n_tokens, topk, direct = direct_args
         D, BLK, P = self.head_dim, self.block, self.tile_tokens
         v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
         gK = cute.local_tile(gK_tma, (BLK, D), (None, 0))                 # (BLK, D, slabs)
@@ -263,6 +269,7 @@ class QPackedSm90:
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
+        copies = (tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
         lane = cute.arch.lane_idx()
         my_lane = cutlass.min(lane, P - 1)          # lanes past P read token P - 1's limit and drop it
         cta, _, _ = cute.arch.block_idx()
@@ -271,39 +278,64 @@ class QPackedSm90:
         kv_phase = Int32(1)           # empty barriers: the first wait on each stage passes at once
         for tile in cutlass.range(cta, num_tiles, grid, unroll=1):
             head = tile // n_token_tiles
-            count = mTileCount[tile]
-            base = tile * union_cap
-            page_n = Int32(0)
-            lim_n = Int32(-1)
-            if count > 0:
-                page_n = mTilePage[base]
-                lim_n = mTileLimit[base * P + my_lane]
-            for j in cutlass.range(count, unroll=1):
-                page = page_n
-                lim = lim_n
-                nxt = base + cutlass.min(j + 1, count - 1)
-                page_n = mTilePage[nxt]
-                lim_n = mTileLimit[nxt * P + my_lane]
-                wait(kv_empty + kv_idx, kv_phase)
-                if lane < P:
-                    sLim[lane, kv_idx] = lim
-                    # P arrivals, each after its lane's limit store; lane 0's also expects the TMA bytes
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
-                    else:
-                        cute.arch.mbarrier_arrive(kv_full + kv_idx)
-                slab = page * hkv + head
-                cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
-                cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
-                kv_idx, kv_phase = advance(kv_idx, kv_phase, self.kv_stages)
+            if direct != 0:
+                tok = mTileTok0[tile - head * n_token_tiles]
+                row = (head * n_tokens + tok) * topk
+                entry = row + cutlass.min(lane, topk - 1)
+                pg = Int32(cutlass.select_(lane < topk, mPages[entry], Int32(-1)))
+                lm = cutlass.min(mQLimit[tok] - mSel[entry] * BLK, BLK - 1)
+                count = cute.arch.popc(cute.arch.vote_ballot_sync(pg >= 0))
+                for j in cutlass.range(count, unroll=1):
+                    page = cute.arch.shuffle_sync(pg, j)
+                    lim = cute.arch.shuffle_sync(lm, j)
+                    kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
+                                                        page * hkv + head,
+                                                        Int32(cutlass.select_(lane == 0, lim, Int32(-1))), lane)
+            else:
+                count = mTileCount[tile]
+                base = tile * union_cap
+                page_n = Int32(0)
+                lim_n = Int32(-1)
+                if count > 0:
+                    page_n = mTilePage[base]
+                    lim_n = mTileLimit[base * P + my_lane]
+                for j in cutlass.range(count, unroll=1):
+                    page = page_n
+                    lim = lim_n
+                    nxt = base + cutlass.min(j + 1, count - 1)
+                    page_n = mTilePage[nxt]
+                    lim_n = mTileLimit[nxt * P + my_lane]
+                    kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
+                                                        page * hkv + head, lim, lane)
+
+    @cute.jit
+    def _fill_stage(self, copies, sLim: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32,
+                    kv_phase: Int32, slab: Int32, lim: Int32, lane: Int32):
+        """Producer warp 0: wait for the next K/V stage to be free, write the block's key limits (lane p: tile
+        token p) and load K and V of `slab` into it. Returns the ring's next (stage, phase)."""
+        tma_k, tKgK, tKsK, tma_v, tVgV, tVsV = copies
+        P = self.tile_tokens
+        wait(kv_empty + kv_idx, kv_phase)
+        if lane < P:
+            sLim[lane, kv_idx] = lim
+            # P arrivals, each after its lane's limit store; lane 0's also expects the TMA bytes
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(kv_full + kv_idx, self.kv_tx_bytes)
+            else:
+                cute.arch.mbarrier_arrive(kv_full + kv_idx)
+        cute.copy(tma_k, tKgK[None, slab], tKsK[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+        cute.copy(tma_v, tVgV[None, slab], tVsV[None, kv_idx], tma_bar_ptr=kv_full + kv_idx)
+        return advance(kv_idx, kv_phase, self.kv_stages)
 
     @cute.jit
     def gather_q(self, mQ: cute.Tensor, mTileTok0: cute.Tensor, mTileNtok: cute.Tensor, mTileCount: cute.Tensor,
-                 mTileSplit: cute.Tensor, sQ: cute.Tensor, sMeta: cute.Tensor, q_full: cute.Pointer, q_empty: cute.Pointer, hkv: Int32,
-                 n_token_tiles: Int32, num_tiles: Int32, qtid: Int32):
+                 mTileSplit: cute.Tensor, direct_args, sQ: cute.Tensor, sMeta: cute.Tensor, q_full: cute.Pointer,
+                 q_empty: cute.Pointer, hkv: Int32, n_token_tiles: Int32, num_tiles: Int32, qtid: Int32):
         """Producer warps 1 and 2 (qtid 0..63): each tile's 128 Q rows into the next Q stage by cp.async,
         row p * G + g from q[tok0 + p, head * G + g] (tokens past ntok repeat the last one: finite rows,
-        never stored), and the tile's (count, ntok, tok0, lo_end, hi_start) beside the stage."""
+        never stored), and the tile's (count, ntok, tok0, lo_end, hi_start) beside the stage (direct: count
+        is the token's valid entries, counted by warp 1 as load_kv does, all of them the first half's)."""
+        mPages, _, _, n_tokens, topk, direct = direct_args
         dt, G, D = self.dtype, self.group, self.head_dim
         g2s, thr_q, tQcQ = q_row_copy(dt, D, self.q_threads, qtid, self.rows)
         rows_per_pass = self.q_threads // (D // (128 // dt.width))        # divides G: a pass is in one token
@@ -317,7 +349,22 @@ class QPackedSm90:
             tt = tile - head * n_token_tiles
             tok0 = mTileTok0[tt]
             ntok = mTileNtok[tt]
-            count = mTileCount[tile]
+            count = Int32(0)
+            lo_end = Int32(0)
+            hi_start = Int32(0)
+            if direct != 0:
+                if qtid < 32:
+                    lane = qtid
+                    entry = (head * n_tokens + tok0) * topk + cutlass.min(lane, topk - 1)
+                    pg = Int32(cutlass.select_(lane < topk, mPages[entry], Int32(-1)))
+                    count = cute.arch.popc(cute.arch.vote_ballot_sync(pg >= 0))
+                    lo_end = count
+                    hi_start = count
+            else:
+                if qtid == 0:
+                    count = mTileCount[tile]
+                    lo_end = mTileSplit[2 * tile]
+                    hi_start = mTileSplit[2 * tile + 1]
             last = cutlass.max(ntok - 1, 0)
             wait(q_empty + q_idx, q_phase)
             gather_q(g2s, thr_q, tQcQ, sQ[None, None, q_idx], mQ, hq, head, G, D,
@@ -328,8 +375,8 @@ class QPackedSm90:
                 sMeta[0, q_idx] = count
                 sMeta[1, q_idx] = ntok
                 sMeta[2, q_idx] = tok0
-                sMeta[3, q_idx] = mTileSplit[2 * tile]
-                sMeta[4, q_idx] = mTileSplit[2 * tile + 1]
+                sMeta[3, q_idx] = lo_end
+                sMeta[4, q_idx] = hi_start
                 cute.arch.mbarrier_arrive(q_full + q_idx)
             q_idx, q_phase = advance(q_idx, q_phase, self.q_stages)
         cute.arch.cp_async_wait_group(0)

@@ -81,14 +81,16 @@ extern "C" int QPK_NAME_load(void) {
   arg.dynamic_shapes[0] = rows[i];
 
 extern "C" int QPK_NAME_launch(void *const *ptrs, const int32_t *rows, int32_t hkv, int32_t n_token_tiles,
-                               int32_t union_cap, int32_t num_ctas, float scale, float out_scale, void *stream) {
+                               int32_t union_cap, int32_t num_ctas, int32_t n_tokens, int32_t topk, int32_t direct,
+                               float scale, float out_scale, void *stream) {
   if (!qpk_loaded) return (int)cudaErrorInitializationError;
   QPK_TENSOR(mQ, 0) QPK_TENSOR(mK, 1) QPK_TENSOR(mV, 2) QPK_TENSOR(mTileTok0, 3) QPK_TENSOR(mTileNtok, 4)
   QPK_TENSOR(mTileCount, 5) QPK_TENSOR(mTilePage, 6) QPK_TENSOR(mTileLimit, 7) QPK_TENSOR(mTileSplit, 8)
-  QPK_TENSOR(mO, 9) QPK_TENSOR(mLse, 10)
+  QPK_TENSOR(mPages, 9) QPK_TENSOR(mSel, 10) QPK_TENSOR(mQLimit, 11) QPK_TENSOR(mO, 12) QPK_TENSOR(mLse, 13)
   int32_t ret = cute_dsl_QPK_NAME_wrapper(&qpk_module, &mQ, &mK, &mV, &mTileTok0, &mTileNtok, &mTileCount,
-                                          &mTilePage, &mTileLimit, &mTileSplit, &mO, &mLse, hkv, n_token_tiles,
-                                          union_cap, num_ctas, scale, out_scale, (cudaStream_t)stream);
+                                          &mTilePage, &mTileLimit, &mTileSplit, &mPages, &mSel, &mQLimit, &mO,
+                                          &mLse, hkv, n_token_tiles, union_cap, num_ctas, n_tokens, topk, direct,
+                                          scale, out_scale, (cudaStream_t)stream);
   cudaError_t err = cudaGetLastError();   // the launch's own error (consumed: it is reported here)
   if (ret != 0) return (int)ret;
   return (int)err;

@@ -1,6 +1,7 @@
 """q-packed-cute: q-packed's schedule stage (schedule.py, Triton on the GPU) with the attention stage as the
 CuTe DSL sm_90a kernel kernels/cute/q_packed_sm90.py, prebuilt (`msa-bench build-kernels`) and launched with
-ctypes on the current stream (graph capturable).
+ctypes on the current stream (graph capturable). Where every token tile holds one token (decode) the plan
+has no schedule stage: the kernel reads each token's selected pages itself (its direct path).
 
 Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
 j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither. Without
@@ -39,6 +40,19 @@ def fp8_v_operand(v_cache: torch.Tensor) -> torch.Tensor:
     return v.view(*v.shape[:-1], blk // 16, 16)[..., order].reshape(v.shape).contiguous()
 
 
+DIRECT_MAX_TOPK = 32            # the direct path holds a token's entries one per lane of a warp
+
+
+def one_token_tiles(w: Workload) -> bool:
+    """Whether every token tile of `w` holds one token (decode): then the attention stage reads each token's
+    selected pages itself (QPackedSm90's direct path) and the plan has no schedule stage."""
+    from .schedule import token_tiles
+    if w.shape.topk > DIRECT_MAX_TOPK or w.n_tokens == 0:
+        return False
+    _, ntok = token_tiles(w.q_request, w.q_limit, TILE_TOKENS, w.causal)
+    return int(ntok.max()) == 1
+
+
 def num_ctas(device, num_tiles: int) -> int:
     """The persistent grid: one CTA per SM (384 threads and 192-224 KiB of shared memory each), no more
     than there are tiles."""
@@ -51,7 +65,7 @@ class QPackedCuteAttention:
     launches one persistent grid on the current CUDA stream (no host sync, no allocation)."""
 
     def __init__(self, workload: Workload, schedule, out: torch.Tensor, lse: torch.Tensor, cfg: QPackedConfig,
-                 library=None):
+                 library=None, direct: bool = False):
         from ..cute.loader import resolve_library
         w, s = workload, workload.shape
         self.w, self.sch, self.cfg = w, schedule, cfg
@@ -60,17 +74,19 @@ class QPackedCuteAttention:
         self.v = fp8_v_operand(w.v_cache) if w.dtype == "fp8" else w.v_cache
         b = schedule.buffers
         tensors = [w.q, w.k_cache, self.v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"],
-                   b["tile_limit"], b["tile_split"], out, lse]
+                   b["tile_limit"], b["tile_split"], w.pages, w.selection, w.q_limit, out, lse]
+        self.direct = direct
         self.keep = tensors                        # the pointers stay valid while the stage lives
         self.packed = self.library.pack(tensors, w.device)
         self.num_tiles = schedule.num_tiles
         self.grid = num_ctas(w.device, self.num_tiles) if self.num_tiles else 0
-        self.scalars = (s.hkv, schedule.n_token_tiles, schedule.union_cap, self.grid,
-                        w.sm_scale * w.q_scale * w.k_scale, w.v_scale)
+        self.scalars = (s.hkv, schedule.n_token_tiles, schedule.union_cap, self.grid, w.n_tokens, s.topk,
+                        int(direct), w.sm_scale * w.q_scale * w.k_scale, w.v_scale)
 
     def describe(self) -> dict:
         return dict(kernel=self.cfg.name, tile_tokens=self.sch.P, tile_rows=self.sch.P * self.w.shape.group,
-                    tiles=self.num_tiles, grid=self.grid, **self.cfg.options, p_shift=P_SHIFT[self.w.dtype])
+                    tiles=self.num_tiles, grid=self.grid, direct=self.direct, **self.cfg.options,
+                    p_shift=P_SHIFT[self.w.dtype])
 
     def __call__(self) -> None:
         if self.num_tiles == 0:
@@ -122,20 +138,28 @@ class QPackedCuteBackend(Backend):
     def workload_unavailable_reason(self, w: Workload) -> str | None:
         return self.unavailable_reason(w.dtype, w.device) or cute_shape_reason(w, self.name)
 
+    def stages_for(self, w: Workload) -> tuple[str, ...]:
+        return ("attention",) if one_token_tiles(w) else self.stage_names
+
     def _plan(self, w: Workload) -> Plan:
         from .schedule import PackedSchedule
         s, dev = w.shape, w.device
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         schedule = PackedSchedule(w, TILE_TOKENS)
-        attention = QPackedCuteAttention(w, schedule, out, lse, self.config_for(w.dtype))
-        schedule()
-        # each warpgroup's tokens x the union slots it walks
-        half = self.mma_tokens
-        ntok = schedule.tile_ntok.double().repeat(s.hkv)
-        lo, hi = schedule.half_slots()
-        executed = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
+        # every tile one token (decode): the attention stage reads the tokens' pages itself, no schedule stage
+        direct = one_token_tiles(w)
+        attention = QPackedCuteAttention(w, schedule, out, lse, self.config_for(w.dtype), direct=direct)
         selected = float((w.selection >= 0).sum())
+        if direct:
+            executed = selected
+        else:
+            schedule()
+            # each warpgroup's tokens x the union slots it walks
+            half = self.mma_tokens
+            ntok = schedule.tile_ntok.double().repeat(s.hkv)
+            lo, hi = schedule.half_slots()
+            executed = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
         info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, mma_tokens=self.mma_tokens,
                     tiles=schedule.num_tiles,
                     union_capacity=schedule.union_cap,
@@ -143,5 +167,6 @@ class QPackedCuteBackend(Backend):
                     attention=attention.describe(),
                     quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major, keys permuted, copy made in plan)"
                                   if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))
-        return Plan(backend=self.name, stages={"schedule": schedule, "attention": attention}, output=out, lse=lse,
+        stages = {"attention": attention} if direct else {"schedule": schedule, "attention": attention}
+        return Plan(backend=self.name, stages=stages, output=out, lse=lse,
                     buffers=dict(schedule.buffers), info=info)
