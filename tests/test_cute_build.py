@@ -71,7 +71,7 @@ def test_build_writes_every_library_the_sweep_can_select_and_the_manifest(built)
 # sha256 of the device code of every library build-kernels makes by default: the sm_90a cubin the DSL
 # compiles and build-kernels embeds, unchanged, in each library. v23 and v28 in bf16 and fp8 (bf16's default
 # is v23, fp8's v28) as built at commit 9821365, and q-packed's per-dtype defaults (bf16 plain, fp8 pp+sa,
-# each warpgroup walking its own tokens' blocks) as built on 2026-12-02: the builds measured on the H200. The rest of a library is host code (the DSL
+# each warpgroup walking its own tokens' blocks, the direct path of one-token tiles) as built on 2026-12-02: the builds measured on the H200. The rest of a library is host code (the DSL
 # compiles its launcher for the build machine's CPU, AVX-512 where it has it; g++ links the shim), so its
 # bytes differ from machine to machine and are not held. A change of structure keeps the cubins
 # byte-identical; a kernel whose cubin moves must be checked and timed again on the GPU.
@@ -80,8 +80,8 @@ DEFAULT_DEVICE_CODE_SHA256 = {
     "kvo_attn_fp8_q8g16d128b128_c1_v23": "1a2722750fc52061cf281d3782882de51a0e404df8bd793048515d5bc09274a7",
     "kvo_attn_bf16_q8g16d128b128_c1_v28": "f37112912ed207db1518ae45f85d28a1aa4dcc9273b5884967ce2b51a4761e31",
     "kvo_attn_fp8_q8g16d128b128_c1_v28": "36284f162c7de29418bc98ad86748026daadee10e1bcbb186f563fb4d2c5cf4f",
-    "qpk_attn_bf16_p8g16d128b128": "26fa68efb9494cd71ee227ffc88b31782604c88b4165e506ccd844bef7ac6615",
-    "qpk_attn_fp8_p8g16d128b128_pp_sa": "4738373b99bd2819a961809d22f011bf860ec87dce21c3df0e2c7ccfcc07aa30",
+    "qpk_attn_bf16_p8g16d128b128": "f56e677bfa4fa0052b134c0e5451134ebe859514befb39fe00e76c11f0116fdd",
+    "qpk_attn_fp8_p8g16d128b128_pp_sa": "8ff48a264933b66e8486317c274262212bdc7ab1133dadb8e1f9d80c53b61721",
 }
 DEVICE_CODE_DSL_VERSION = "4.8.1"      # the DSL's own NVVM and ptxas compile the device code
 EM_CUDA = 190
