@@ -80,8 +80,8 @@ DEFAULT_DEVICE_CODE_SHA256 = {
     "kvo_attn_fp8_q8g16d128b128_c1_v23": "1a2722750fc52061cf281d3782882de51a0e404df8bd793048515d5bc09274a7",
     "kvo_attn_bf16_q8g16d128b128_c1_v28": "f37112912ed207db1518ae45f85d28a1aa4dcc9273b5884967ce2b51a4761e31",
     "kvo_attn_fp8_q8g16d128b128_c1_v28": "36284f162c7de29418bc98ad86748026daadee10e1bcbb186f563fb4d2c5cf4f",
-    "qpk_attn_bf16_p8g16d128b128": "f56e677bfa4fa0052b134c0e5451134ebe859514befb39fe00e76c11f0116fdd",
-    "qpk_attn_fp8_p8g16d128b128_pp_sa": "8ff48a264933b66e8486317c274262212bdc7ab1133dadb8e1f9d80c53b61721",
+    "qpk_attn_bf16_p8g16d128b128": "cdde6042f4c48ef56c08fce7c2e9caf1c105ca13be26c7d794449918ab8a444b",
+    "qpk_attn_fp8_p8g16d128b128_pp_sa": "dbc40e89315c54cd9f206e6a525113d793d83c4dafb6d07c2f998bd333998eac",
 }
 DEVICE_CODE_DSL_VERSION = "4.8.1"      # the DSL's own NVVM and ptxas compile the device code
 EM_CUDA = 190

@@ -20,7 +20,8 @@ How (FA3's warp-specialized layout, reusing the KV-outer stage's pieces):
   Warp 3 has nothing to do.
 * direct (a launch scalar: every tile one token, decode): no schedule stage ran; warp 0 takes a tile's
   blocks from its token's row of the selected pages ([Hkv, N, topk], valid entries first, distinct),
-  lane j holding entry j's page and key limit (min(q_limit - block * BLOCK, BLOCK - 1)) and handing them
+  lane j holding entry j's page and key limit (min(q_limit - block * BLOCK, BLOCK - 1), the next tile's read
+  while this one's blocks stream) and handing them
   out by shuffle, and warp 1 counts them (a ballot) for the tile's metadata: all of them the first half's.
 * Warpgroups 1 and 2 are the consumers, 64 rows = 4 tokens each. In a m64 wgmma accumulator warp w of a
   warpgroup owns rows 16 w .. 16 w + 15: one token's 16 heads, so each consumer warp w (0..7 across both
@@ -280,14 +281,17 @@ class QPackedSm90:
         grid, _, _ = cute.arch.grid_dim()
         kv_idx = Int32(0)
         kv_phase = Int32(1)           # empty barriers: the first wait on each stage passes at once
+        direct_entries = (mTileTok0, mPages, mSel, mQLimit, num_tiles, n_token_tiles, n_tokens, topk, lane)
+        pg_n = Int32(-1)
+        lm_n = Int32(-1)
+        if direct != 0:               # the first tile's entries; each next tile's are read during this one's
+            pg_n, lm_n = self._direct_entries(direct_entries, cta)
         for tile in cutlass.range(cta, num_tiles, grid, unroll=1):
             head = tile // n_token_tiles
             if direct != 0:
-                tok = mTileTok0[tile - head * n_token_tiles]
-                row = (head * n_tokens + tok) * topk
-                entry = row + cutlass.min(lane, topk - 1)
-                pg = Int32(cutlass.select_(lane < topk, mPages[entry], Int32(-1)))
-                lm = cutlass.min(mQLimit[tok] - mSel[entry] * BLK, BLK - 1)
+                pg = pg_n
+                lm = lm_n
+                pg_n, lm_n = self._direct_entries(direct_entries, tile + grid)
                 count = cute.arch.popc(cute.arch.vote_ballot_sync(pg >= 0))
                 for j in cutlass.range(count, unroll=1):
                     page = cute.arch.shuffle_sync(pg, j)
@@ -311,6 +315,19 @@ class QPackedSm90:
                     lim_n = mTileLimit[nxt * P + my_lane]
                     kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
                                                         page * hkv + head, lim, lane)
+
+    @cute.jit
+    def _direct_entries(self, direct_entries, tile: Int32):
+        """direct: this lane's (page, key limit) of entry `lane` of `tile`'s token; page -1 past its valid
+        entries and past the last tile."""
+        mTileTok0, mPages, mSel, mQLimit, num_tiles, n_token_tiles, n_tokens, topk, lane = direct_entries
+        t = cutlass.min(tile, num_tiles - 1)
+        head = t // n_token_tiles
+        tok = mTileTok0[t - head * n_token_tiles]
+        entry = (head * n_tokens + tok) * topk + cutlass.min(lane, topk - 1)
+        pg = Int32(cutlass.select_((tile < num_tiles) & (lane < topk), mPages[entry], Int32(-1)))
+        lm = cutlass.min(mQLimit[tok] - mSel[entry] * self.block, self.block - 1)
+        return pg, lm
 
     @cute.jit
     def _fill_stage(self, copies, sLim: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32,
