@@ -20,9 +20,9 @@ How (FA3's warp-specialized layout, reusing the KV-outer stage's pieces):
   Warp 3 has nothing to do.
 * direct (a launch scalar: every tile one token, decode): no schedule stage ran; warp 0 takes a tile's
   blocks from its token's row of the selected pages ([Hkv, N, topk], valid entries first, distinct),
-  lane j holding entry j's page and key limit (min(q_limit - block * BLOCK, BLOCK - 1), the next tile's read
-  while this one's blocks stream) and handing them
-  out by shuffle, and warp 1 counts them (a ballot) for the tile's metadata: all of them the first half's.
+  lane j holding entry j's page and key limit (min(q_limit - block * BLOCK, BLOCK - 1); the next tile's
+  are read while this one's blocks stream) and handing them out by shuffle, and warp 1 counts them (a
+  ballot) for the tile's metadata: all of them the first half's.
 * Warpgroups 1 and 2 are the consumers, 64 rows = 4 tokens each. In a m64 wgmma accumulator warp w of a
   warpgroup owns rows 16 w .. 16 w + 15: one token's 16 heads, so each consumer warp w (0..7 across both
   warpgroups) is tile token w and needs one key limit per union block (-1: the token did not select it).

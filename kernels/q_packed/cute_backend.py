@@ -1,7 +1,7 @@
 """q-packed-cute: q-packed's schedule stage (schedule.py, Triton on the GPU) with the attention stage as the
 CuTe DSL sm_90a kernel kernels/cute/q_packed_sm90.py, prebuilt (`msa-bench build-kernels`) and launched with
-ctypes on the current stream (graph capturable). Where every token tile holds one token (decode) the plan
-has no schedule stage: the kernel reads each token's selected pages itself (its direct path).
+ctypes on the current stream (graph capturable). Where every token tile holds one token (decode) in fp8 the
+plan has no schedule stage: the kernel reads each token's selected pages itself (its direct path).
 
 Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
 j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither. Without
@@ -41,6 +41,10 @@ def fp8_v_operand(v_cache: torch.Tensor) -> torch.Tensor:
 
 
 DIRECT_MAX_TOPK = 32            # the direct path holds a token's entries one per lane of a warp
+# The dtypes whose decode plans take the direct path. fp8's four K/V stages cover the direct path's reads
+# at each tile's start (decode 256 x 8K-32K: 0.156 ms against 0.162 with the schedule stage); bf16's two
+# run dry behind them (0.281 against 0.261): docs/perf-log.md, 2026-12-02.
+DIRECT_DTYPES = ("fp8",)
 
 
 def one_token_tiles(w: Workload) -> bool:
@@ -51,6 +55,11 @@ def one_token_tiles(w: Workload) -> bool:
         return False
     _, ntok = token_tiles(w.q_request, w.q_limit, TILE_TOKENS, w.causal)
     return int(ntok.max()) == 1
+
+
+def direct_path(w: Workload) -> bool:
+    """Whether a q-packed-cute plan of `w` runs the kernel's direct path and no schedule stage."""
+    return w.dtype in DIRECT_DTYPES and one_token_tiles(w)
 
 
 def num_ctas(device, num_tiles: int) -> int:
@@ -139,7 +148,7 @@ class QPackedCuteBackend(Backend):
         return self.unavailable_reason(w.dtype, w.device) or cute_shape_reason(w, self.name)
 
     def stages_for(self, w: Workload) -> tuple[str, ...]:
-        return ("attention",) if one_token_tiles(w) else self.stage_names
+        return ("attention",) if direct_path(w) else self.stage_names
 
     def _plan(self, w: Workload) -> Plan:
         from .schedule import PackedSchedule
@@ -147,8 +156,8 @@ class QPackedCuteBackend(Backend):
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         schedule = PackedSchedule(w, TILE_TOKENS)
-        # every tile one token (decode): the attention stage reads the tokens' pages itself, no schedule stage
-        direct = one_token_tiles(w)
+        # every tile one token (decode, fp8): the attention stage reads the tokens' pages itself, no schedule stage
+        direct = direct_path(w)
         attention = QPackedCuteAttention(w, schedule, out, lse, self.config_for(w.dtype), direct=direct)
         selected = float((w.selection >= 0).sum())
         if direct:
