@@ -48,8 +48,8 @@ DIRECT_DTYPES = ("fp8",)
 
 
 def one_token_tiles(w: Workload) -> bool:
-    """Whether every token tile of `w` holds one token (decode): then the attention stage reads each token's
-    selected pages itself (QPackedSm90's direct path) and the plan has no schedule stage."""
+    """Whether every token tile of `w` holds one token (a decode batch) and the direct path can hold a
+    token's entries: the geometry half of direct_path."""
     from .schedule import token_tiles
     if w.shape.topk > DIRECT_MAX_TOPK or w.n_tokens == 0:
         return False
