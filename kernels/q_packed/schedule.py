@@ -59,6 +59,18 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
 
 
 @triton.jit
+def _id_runs(blk, i, N: tl.constexpr):
+    """Sort the (block id, entry) pairs of entries i (padding, id -1, sorts last): per sorted position whether
+    it holds an entry, its id (-1 for padding), its entry, and whether it opens its id's run (a union slot)."""
+    big = 2147483647
+    key = tl.sort(tl.where(blk >= 0, blk * N + i, big))
+    valid = key != big
+    blk_s = tl.where(valid, key // N, -1)
+    prev = tl.gather(blk_s, tl.maximum(i - 1, 0), 0)
+    return valid, blk_s, key % N, valid & ((i == 0) | (blk_s != prev))
+
+
+@triton.jit
 def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                     tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, n_tokens, table_stride,
                     P: tl.constexpr, TOPK: tl.constexpr, K_P2: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
@@ -68,13 +80,7 @@ def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_co
     j = tl.arange(0, K_P2)
     row0 = (head.to(tl.int64) * n_tokens + tok0) * TOPK
     blk = tl.load(sel_ptr + row0 + j, mask=j < TOPK, other=-1)
-    big = 2147483647
-    key = tl.sort(tl.where(blk >= 0, blk * K_P2 + j, big))
-    valid = key != big
-    blk_s = tl.where(valid, key // K_P2, -1)
-    entry = key % K_P2
-    prev = tl.gather(blk_s, tl.maximum(j - 1, 0), 0)
-    first = valid & ((j == 0) | (blk_s != prev))
+    valid, blk_s, entry, first = _id_runs(blk, j, K_P2)
     # an id's share is its entries, as in the general path (a repeated id counts twice)
     shared = tl.sum((blk_s[:, None] == blk_s[None, :]).to(tl.int32), 1)
     kept = valid & (shared >= MIN_SHARE)
@@ -114,14 +120,7 @@ def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_c
     ok = (i < U) & (i // TOPK < ntok)
     row0 = (head.to(tl.int64) * n_tokens + tok0) * TOPK      # the tile's first entry in [Hkv, N, topk]
     blk = tl.load(sel_ptr + row0 + i, mask=ok, other=-1)
-    # sort (block id, entry) pairs; padding sorts last. The first entry of each id run opens a union slot.
-    big = 2147483647
-    key = tl.sort(tl.where(blk >= 0, blk * U_P2 + i, big))
-    valid = key != big
-    blk_s = tl.where(valid, key // U_P2, -1)
-    entry = key % U_P2
-    prev = tl.gather(blk_s, tl.maximum(i - 1, 0), 0)
-    first = valid & ((i == 0) | (blk_s != prev))
+    valid, blk_s, entry, first = _id_runs(blk, i, U_P2)
     rank = tl.cumsum(first.to(tl.int32), 0) - 1
     # tokens per id (the run's length): the next run's start minus this run's start
     starts = tl.sort(tl.where(first, i, U_P2))
