@@ -71,10 +71,10 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         if here != there:
             raise UserError(f"{run_dir} was measured on {there!r}; this machine is {here!r}: "
                             "resume it there or choose another --out")
-        then, now = l2_flush_of(old), l2_flush_of({"timing": grid.timing.__dict__})
-        if then != now:
-            raise UserError(f"{run_dir} was timed after the L2 flush {then!r}, this version flushes {now!r}: "
-                            "sweep into another --out")
+        flushed, flushes = l2_flush_of(old), l2_flush_of({"timing": grid.timing.__dict__})
+        if flushed != flushes:
+            raise UserError(f"{run_dir} was timed after the L2 flush {flushed!r}, this version flushes "
+                            f"{flushes!r}: sweep into another --out")
         results.clear_partial_units(run_dir)
         return old
     if req.resume:
