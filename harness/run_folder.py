@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import provenance, results
@@ -71,7 +71,7 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         if here != there:
             raise UserError(f"{run_dir} was measured on {there!r}; this machine is {here!r}: "
                             "resume it there or choose another --out")
-        flushed, flushes = l2_flush_of(old), l2_flush_of({"timing": grid.timing.__dict__})
+        flushed, flushes = l2_flush_of(old), l2_flush_of({"timing": asdict(grid.timing)})
         if flushed != flushes:
             raise UserError(f"{run_dir} was timed after the L2 flush {flushed!r}, this version flushes "
                             f"{flushes!r}: sweep into another --out")
@@ -91,7 +91,7 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         "grid_units": sorted(results.unit_id(p.key(), b) for p, b in grid.every),
         "units_planned": grid.mine_ids,
         "shard": {"index": grid.shard[0], "count": grid.shard[1]} if grid.shard else None,
-        "timing": grid.timing.__dict__,
+        "timing": asdict(grid.timing),
         "timer": TIMER_GPU if device.type == "cuda" else TIMER_CPU,
         "provenance": provenance.collect(device, sc.name, scenario_file(sc), req.argv or None),
         "started_utc": now(),

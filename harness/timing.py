@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import numpy as np
@@ -42,7 +42,8 @@ class TimingConfig:
     max_reps: int = 200
     cv_target: float = 0.03
     cold_l2: bool = True
-    l2_flush: str = PROTOCOL     # recorded with the run: how the cold L2 was made (not a scenario key)
+    # recorded with the run: how _GraphClock makes the cold L2 (kernels/l2.py); a record, not a setting
+    l2_flush: str = field(default=PROTOCOL, init=False)
     cpu_warmup: int = 0
     cpu_reps: int = 5
     cpu_max_reps: int = 5        # no CV re-measurement on CPU by default: its numbers mean nothing anyway
