@@ -195,6 +195,9 @@ Q_PACKED_SETS = ("default", "all", "none")
 # 0.07 / 0.15 and decode batches: bf16 plain is within 2 % of pingpong at u 1 and 1-4 % faster where the
 # warpgroups skip; fp8 both is 3-6 % faster than plain at u 1 and within 1 % elsewhere.
 DEFAULT_OPTIONS = {"bf16": (False, False), "fp8": (True, True)}
+# The dtypes whose decode plans (every tile one token) run the pairs library: two tokens per tile, one per
+# consumer warpgroup, their blocks interleaved, read by the kernel from the tokens' pages (no schedule stage).
+PAIRS_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ class QPackedConfig(LibraryConfig):
     dtype: str
     pingpong: bool = False
     s_ahead: bool = False
+    pairs: bool = False
     tile_tokens: int = 8
     group: int = 16
     head_dim: int = 128
@@ -218,12 +222,12 @@ class QPackedConfig(LibraryConfig):
 
     @property
     def name(self) -> str:
-        tags = "".join(f"_{tag}" for tag in self.option.split("+") if tag)
+        tags = "".join(f"_{tag}" for tag in self.option.split("+") if tag) + ("_pairs" if self.pairs else "")
         return f"qpk_attn_{self.dtype}_p{self.tile_tokens}g{self.group}d{self.head_dim}b{self.block}{tags}"
 
     @property
     def options(self) -> dict:
-        return {flag: getattr(self, flag) for flag in OPTION_FLAGS.values()}
+        return {flag: getattr(self, flag) for flag in (*OPTION_FLAGS.values(), "pairs")}
 
     @property
     def geometry(self) -> tuple:
@@ -244,10 +248,11 @@ def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfi
     (DEFAULT_OPTIONS), all = every option set, none = nothing."""
     if which not in Q_PACKED_SETS:
         raise ValueError(f"--q-packed must be one of {', '.join(Q_PACKED_SETS)}, got {which!r}")
+    pairs = [QPackedConfig(d, pairs=True) for d in dtypes if d in PAIRS_DTYPES] if which != "none" else []
     if which == "default":
-        return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes]
+        return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes] + pairs
     flag_sets = list(itertools.product((False, True), repeat=len(OPTION_FLAGS))) if which == "all" else []
-    return [QPackedConfig(d, *flags) for flags in flag_sets for d in dtypes]
+    return [QPackedConfig(d, *flags) for flags in flag_sets for d in dtypes] + pairs
 
 
 # ---- both: data layout, sources, manifest ----------------------------------------------------------------

@@ -128,7 +128,7 @@ class QPackedSm90:
     kernel_version = "qp2-ws-online-halves"
 
     def __init__(self, dtype: str, tile_tokens: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
-                 pingpong: bool = False, s_ahead: bool = False, kv_stages: int | None = None):
+                 pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, kv_stages: int | None = None):
         if dtype not in DSL_DTYPES:
             raise ValueError(f"the q-packed CuTe stage supports {', '.join(DSL_DTYPES)}, not {dtype}")
         if (tile_tokens, group, head_dim, block) != (8, 16, 128, 128):
@@ -140,17 +140,22 @@ class QPackedSm90:
         self.tile_tokens, self.group, self.head_dim, self.block = tile_tokens, group, head_dim, block
         self.rows = tile_tokens * group
         self.p_shift = P_SHIFT[dtype]
-        self.pingpong, self.s_ahead = pingpong, s_ahead
+        if pairs and (pingpong or s_ahead):
+            # pingpong's turns would order the pairs' blocks one warpgroup after the other again, and s_ahead
+            # holds two stages per warpgroup, all four of fp8's ring
+            raise ValueError("QPackedSm90: pairs runs without pingpong and s_ahead")
+        self.pingpong, self.s_ahead, self.pairs = pingpong, s_ahead, pairs
         self.q_stages = Q_STAGES
         self.kv_stages = kv_stages or KV_STAGES[dtype]
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
-        self.kernel_version = self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
+        self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
+                               + ("-pairs" if pairs else ""))
 
     def __repr__(self) -> str:
         # the DSL names the compiled functions (and ncu shows the kernel) after str(self)
         return (f"QPackedSm90_{self.dtype_name}" + ("_pingpong" if self.pingpong else "")
-                + ("_sahead" if self.s_ahead else ""))
+                + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else ""))
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
@@ -288,7 +293,23 @@ class QPackedSm90:
             pg_n, lm_n = self._direct_entries(direct_entries, cta)
         for tile in cutlass.range(cta, num_tiles, grid, unroll=1):
             head = tile // n_token_tiles
-            if direct != 0:
+            if const_expr(self.pairs):
+                pg = pg_n
+                lm = lm_n
+                pg_n, lm_n = self._direct_entries(direct_entries, tile + grid)
+                n_a, n_b = self._pair_counts(pg)
+                both = cutlass.min(n_a, n_b)
+                for i in cutlass.range(n_a + n_b, unroll=1):
+                    # a0 b0 a1 b1 ... then the longer token's rest (lanes 0-15 hold token a's, 16-31 b's)
+                    src = Int32(cutlass.select_(i < 2 * both, (i % 2) * 16 + i // 2,
+                                                cutlass.select_(n_a > n_b, i - both, 16 + i - both)))
+                    page = cute.arch.shuffle_sync(pg, src)
+                    lim = cute.arch.shuffle_sync(lm, src)
+                    slot = Int32(cutlass.select_(src >= 16, P // 2, 0))
+                    kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
+                                                        page * hkv + head,
+                                                        Int32(cutlass.select_(lane == slot, lim, Int32(-1))), lane)
+            elif direct != 0:
                 pg = pg_n
                 lm = lm_n
                 pg_n, lm_n = self._direct_entries(direct_entries, tile + grid)
@@ -323,11 +344,26 @@ class QPackedSm90:
         mTileTok0, mPages, mSel, mQLimit, num_tiles, n_token_tiles, n_tokens, topk, lane = direct_entries
         t = cutlass.min(tile, num_tiles - 1)
         head = t // n_token_tiles
-        tok = mTileTok0[t - head * n_token_tiles]
-        entry = (head * n_tokens + tok) * topk + cutlass.min(lane, topk - 1)
-        pg = Int32(cutlass.select_((tile < num_tiles) & (lane < topk), mPages[entry], Int32(-1)))
+        e = lane
+        ok = (tile < num_tiles) & (lane < topk)
+        if const_expr(self.pairs):
+            # lanes 0-15: the pair's first token (2 tt), 16-31 its second (topk <= 16)
+            e = lane % 16
+            tok = 2 * (t - head * n_token_tiles) + lane // 16
+            ok = (tile < num_tiles) & (e < topk) & (tok < n_tokens)
+            tok = cutlass.min(tok, n_tokens - 1)
+        else:
+            tok = mTileTok0[t - head * n_token_tiles]
+        entry = (head * n_tokens + tok) * topk + cutlass.min(e, topk - 1)
+        pg = Int32(cutlass.select_(ok, mPages[entry], Int32(-1)))
         lm = cutlass.min(mQLimit[tok] - mSel[entry] * self.block, self.block - 1)
         return pg, lm
+
+    @cute.jit
+    def _pair_counts(self, pg: Int32):
+        """pairs: the valid entries of the pair's first token (lanes 0-15) and of its second (16-31)."""
+        valid = cute.arch.vote_ballot_sync(pg >= 0)
+        return cute.arch.popc(valid & 0xFFFF), cute.arch.popc((valid >> 16) & 0xFFFF)
 
     @cute.jit
     def _fill_stage(self, copies, sLim: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32,
@@ -360,6 +396,7 @@ class QPackedSm90:
         dt, G, D = self.dtype, self.group, self.head_dim
         g2s, thr_q, tQcQ = q_row_copy(dt, D, self.q_threads, qtid, self.rows)
         rows_per_pass = self.q_threads // (D // (128 // dt.width))        # divides G: a pass is in one token
+        slot_tokens = self.tile_tokens // 2 if const_expr(self.pairs) else 1   # pairs: slots 0-3 token 0, 4-7 1
         hq = hkv * G
         cta, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -368,12 +405,29 @@ class QPackedSm90:
         for tile in cutlass.range(cta, num_tiles, grid, unroll=1):
             head = tile // n_token_tiles
             tt = tile - head * n_token_tiles
-            tok0 = mTileTok0[tt]
-            ntok = mTileNtok[tt]
+            tok0 = Int32(0)
+            ntok = Int32(0)
             count = Int32(0)
             lo_end = Int32(0)
             hi_start = Int32(0)
-            if direct != 0:
+            if const_expr(self.pairs):
+                tok0 = 2 * tt
+                ntok = cutlass.min(n_tokens - tok0, 2)
+            else:
+                tok0 = mTileTok0[tt]
+                ntok = mTileNtok[tt]
+            if const_expr(self.pairs):
+                if qtid < 32:
+                    # the same entries as load_kv's (lanes 0-15 token tok0, 16-31 tok0 + 1); meta 3 and 4 are
+                    # the two tokens' counts
+                    lane = qtid
+                    e = lane % 16
+                    tok = tok0 + lane // 16
+                    entry = (head * n_tokens + cutlass.min(tok, n_tokens - 1)) * topk + cutlass.min(e, topk - 1)
+                    pg = Int32(cutlass.select_((e < topk) & (tok < n_tokens), mPages[entry], Int32(-1)))
+                    lo_end, hi_start = self._pair_counts(pg)
+                    count = lo_end + hi_start
+            elif direct != 0:
                 if qtid < 32:
                     lane = qtid
                     entry = (head * n_tokens + tok0) * topk + cutlass.min(lane, topk - 1)
@@ -389,7 +443,7 @@ class QPackedSm90:
             last = cutlass.max(ntok - 1, 0)
             wait(q_empty + q_idx, q_phase)
             gather_q(g2s, thr_q, tQcQ, sQ[None, None, q_idx], mQ, hq, head, G, D,
-                     lambda m, row: tok0 + cutlass.min(m * rows_per_pass // G, last))
+                     lambda m, row: tok0 + cutlass.min(m * rows_per_pass // G // slot_tokens, last))
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_mbarrier_arrive_noinc(q_full + q_idx)      # when this thread's copies land
             if qtid == 0:
@@ -465,6 +519,16 @@ class QPackedSm90:
             # the warpgroup's blocks are union slots [lo, hi) (schedule.py orders the union by halves)
             lo = Int32(cutlass.select_(cwg == 0, Int32(0), sMeta[4, q_idx]))
             hi = Int32(cutlass.select_(cwg == 0, sMeta[3, q_idx], count))
+            if const_expr(self.pairs):
+                # token a's n_a blocks (warpgroup 0) and b's n_b (1) in the order a0 b0 a1 b1 ... then the
+                # longer's rest: warpgroup 1 passes a0 first; each passes the other's block after its own
+                # while both have blocks (_pair_pass), then the other's rest
+                n_a = sMeta[3, q_idx]
+                n_b = sMeta[4, q_idx]
+                both = cutlass.min(n_a, n_b)
+                lo = Int32(cutlass.select_(cwg == 0, Int32(0), cutlass.min(both, 1)))
+                hi = Int32(cutlass.select_(cwg == 0, n_a, n_b)) + both
+                walk = Int32(cutlass.select_(cwg == 0, n_a, n_b))
             # the Q rows arrived by cp.async (generic proxy); the wgmma reads them through the async proxy
             cute.arch.fence_view_async_shared()
             acc_o.fill(0.0)
@@ -476,8 +540,9 @@ class QPackedSm90:
                 kv_idx, kv_phase = self._blocks_s_ahead(qk_mma, pv_mma, v, sLim, kv_full, kv_empty, kv_idx,
                                                         kv_phase, q_idx, hi - lo, warp, cwg, lane, scale_log2)
             else:
-                kv_idx, kv_phase = self._blocks(qk_mma, pv_mma, v, sLim, kv_full, kv_empty, kv_idx, kv_phase,
-                                                q_idx, hi - lo, warp, cwg, lane, scale_log2)
+                kv_idx, kv_phase = self._blocks(qk_mma, pv_mma, v, sLim, kv_full, kv_empty, kv_idx, kv_phase, q_idx,
+                                                walk if const_expr(self.pairs) else hi - lo,
+                                                both if const_expr(self.pairs) else None, warp, cwg, lane, scale_log2)
             kv_idx, kv_phase = self._pass(kv_full, kv_empty, kv_idx, kv_phase, count - hi, cwg, lane)
             release(q_empty + q_idx, lane)                # every S of the tile has completed
             self._store(st_copy, tRsO, tma_o, tOsO, tOgO, mLse, v, tok0, ntok, head, hkv, warp, lane, ctid,
@@ -512,6 +577,15 @@ class QPackedSm90:
             release(kv_empty + kv_idx, lane)
             kv_idx, kv_phase = advance(kv_idx, kv_phase, self.kv_stages)
         return kv_idx, kv_phase
+
+    @cute.jit
+    def _pair_pass(self, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32, kv_phase: Int32, j: Int32,
+                   both: Int32, cwg: Int32, lane: Int32):
+        """pairs: the other token's block after the warpgroup's block j: warpgroup 0's b_j (j < both),
+        warpgroup 1's a_(j+1) (j + 1 < both). Called only under const_expr(self.pairs): a call before a loop's
+        other assignments, even one that passes nothing, reorders the loop's carried values and the code."""
+        return self._pass(kv_full, kv_empty, kv_idx, kv_phase, Int32(cutlass.select_(j + cwg < both, 1, 0)), cwg,
+                          lane)
 
     @cute.jit
     def _issue_s(self, qk_mma: cute.TiledMma, v, q_idx: Int32, kv_idx: Int32):
@@ -552,10 +626,11 @@ class QPackedSm90:
 
     @cute.jit
     def _blocks(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, v, sLim: cute.Tensor, kv_full: cute.Pointer,
-                kv_empty: cute.Pointer, kv_idx: Int32, kv_phase: Int32, q_idx: Int32, count: Int32, warp: Int32,
-                cwg: Int32, lane: Int32, scale_log2: Float32):
-        """The tile's union blocks one after the other: S, softmax (O rescaled), P V. Returns the K/V ring's
-        (stage, phase) after them."""
+                kv_empty: cute.Pointer, kv_idx: Int32, kv_phase: Int32, q_idx: Int32, count: Int32, both: Int32,
+                warp: Int32, cwg: Int32, lane: Int32, scale_log2: Float32):
+        """The warpgroup's count union blocks one after the other: S, softmax (O rescaled), P V; pairs: each
+        followed by the other token's block while both have blocks. Returns the K/V ring's (stage, phase)
+        after them."""
         for j in cutlass.range(count, unroll=1):
             wait(kv_full + kv_idx, kv_phase)
             limit = sLim[warp, kv_idx]
@@ -570,6 +645,8 @@ class QPackedSm90:
             warpgroup.wait_group(0)
             release(kv_empty + kv_idx, lane)              # K and V of this stage have been read
             kv_idx, kv_phase = advance(kv_idx, kv_phase, self.kv_stages)
+            if const_expr(self.pairs):
+                kv_idx, kv_phase = self._pair_pass(kv_full, kv_empty, kv_idx, kv_phase, j, both, cwg, lane)
         return kv_idx, kv_phase
 
     @cute.jit
@@ -638,6 +715,9 @@ class QPackedSm90:
         r_o.store(acc_o.load().to(cutlass.BFloat16))
         live = warp < ntok
         token = tok0 + warp
+        if const_expr(self.pairs):                         # slot 0: token tok0, slot P / 2: tok0 + 1
+            live = (warp % (self.tile_tokens // 2) == 0) & (warp // (self.tile_tokens // 2) < ntok)
+            token = tok0 + warp // (self.tile_tokens // 2)
         if live:
             if ctid % 4 == 0:
                 for r in cutlass.range_constexpr(n_rows):

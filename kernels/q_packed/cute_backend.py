@@ -16,8 +16,8 @@ from ..base import Backend, Plan, register
 from ..triton_common import partial_dtype, triton_unavailable_reason
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
-from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig,
-                             device_arch, fp8_v_key_order)
+from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, PAIRS_DTYPES, SUPPORTED_ARCHS,
+                             QPackedConfig, device_arch, fp8_v_key_order)
 from ..options import Choice
 
 TILE_TOKENS = 8
@@ -57,6 +57,14 @@ def one_token_tiles(w: Workload) -> bool:
     return int(ntok.max()) == 1
 
 
+PAIRS_MAX_TOPK = 16             # a pair's two tokens share a warp's lanes
+
+
+def pairs_path(w: Workload) -> bool:
+    """Whether a default q-packed-cute plan of `w` runs the pairs library (two decode tokens per tile)."""
+    return w.dtype in PAIRS_DTYPES and w.shape.topk <= PAIRS_MAX_TOPK and one_token_tiles(w)
+
+
 def direct_path(w: Workload) -> bool:
     """Whether a q-packed-cute plan of `w` runs the kernel's direct path and no schedule stage."""
     return w.dtype in DIRECT_DTYPES and one_token_tiles(w)
@@ -79,6 +87,8 @@ class QPackedCuteAttention:
         w, s = workload, workload.shape
         self.w, self.sch, self.cfg = w, schedule, cfg
         self.library = library or resolve_library(cfg, w.device)
+        # pairs: tile t holds tokens 2t and 2t + 1 (one_token_tiles: token tile t is token t)
+        n_token_tiles = (w.n_tokens + 1) // 2 if cfg.pairs else schedule.n_token_tiles
         self.library.load_module()                 # before any capture: module load, smem attribute
         self.v = fp8_v_operand(w.v_cache) if w.dtype == "fp8" else w.v_cache
         b = schedule.buffers
@@ -87,9 +97,9 @@ class QPackedCuteAttention:
         self.direct = direct
         self.keep = tensors                        # the pointers stay valid while the stage lives
         self.packed = self.library.pack(tensors, w.device)
-        self.num_tiles = schedule.num_tiles
+        self.num_tiles = s.hkv * n_token_tiles
         self.grid = num_ctas(w.device, self.num_tiles) if self.num_tiles else 0
-        self.scalars = (s.hkv, schedule.n_token_tiles, schedule.union_cap, self.grid, w.n_tokens, s.topk,
+        self.scalars = (s.hkv, n_token_tiles, schedule.union_cap, self.grid, w.n_tokens, s.topk,
                         int(direct), w.sm_scale * w.q_scale * w.k_scale, w.v_scale)
 
     def describe(self) -> dict:
@@ -147,8 +157,14 @@ class QPackedCuteBackend(Backend):
     def workload_unavailable_reason(self, w: Workload) -> str | None:
         return self.unavailable_reason(w.dtype, w.device) or cute_shape_reason(w, self.name)
 
+    def _pairs(self, w: Workload) -> bool:
+        return self.flags is None and pairs_path(w)
+
+    def _direct(self, w: Workload) -> bool:
+        return self._pairs(w) or direct_path(w)
+
     def stages_for(self, w: Workload) -> tuple[str, ...]:
-        return ("attention",) if direct_path(w) else self.stage_names
+        return ("attention",) if self._direct(w) else self.stage_names
 
     def _plan(self, w: Workload) -> Plan:
         from .schedule import PackedSchedule
@@ -157,8 +173,9 @@ class QPackedCuteBackend(Backend):
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         schedule = PackedSchedule(w, TILE_TOKENS)
         # every tile one token (decode, fp8): the attention stage reads the tokens' pages itself, no schedule stage
-        direct = direct_path(w)
-        attention = QPackedCuteAttention(w, schedule, out, lse, self.config_for(w.dtype), direct=direct)
+        direct = self._direct(w)
+        cfg = QPackedConfig(w.dtype, pairs=True) if self._pairs(w) else self.config_for(w.dtype)
+        attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
         selected = float((w.selection >= 0).sum())
         if direct:
             executed = selected
