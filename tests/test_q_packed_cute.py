@@ -49,16 +49,18 @@ def test_options_name_their_libraries():
     with pytest.raises(KeyError, match="q-packed-cute options"):
         get_backend("q-packed-cute@p16")
     names = [c.name for c in ALL]
-    assert len(set(names)) == 8 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
+    assert len(set(names)) == 10 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     assert {c.option for c in ALL} == {"", "pp", "sa", "pp+sa"}
-    assert {(c.option, c.dtype) for c in mf.q_packed_configs("default")} == {("", "bf16"), ("pp+sa", "fp8")}
+    assert {(c.option, c.dtype, c.pairs) for c in mf.q_packed_configs("default")} == {
+        ("", "bf16", False), ("pp+sa", "fp8", False), ("", "bf16", True), ("", "fp8", True)}
+    assert mf.QPackedConfig("fp8", pairs=True).name == "qpk_attn_fp8_p8g16d128b128_pairs"
     assert mf.q_packed_configs("none") == []
     b = get_backend("q-packed-cute@pp+sa")
     assert b.config_for("fp8") == mf.QPackedConfig("fp8", True, True) and b.name == "q-packed-cute@pp+sa"
     assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
     assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_pp_sa"
     assert get_backend("q-packed-cute@plain").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
-    for cfg in ALL:                      # a library's option names it back
+    for cfg in (c for c in ALL if not c.pairs):      # a library's option names it back
         assert get_backend(f"q-packed-cute@{cfg.option or 'plain'}").config_for(cfg.dtype) == cfg
 
 
@@ -161,11 +163,17 @@ def test_stage_hands_the_schedule_buffers_to_the_library(dtype, monkeypatch):
     assert cb.one_token_tiles(one) and not cb.one_token_tiles(w)
     sch1 = PackedSchedule(one, 8)
     direct = cb.QPackedCuteAttention(one, sch1, out[:3], lse[:3], lib.cfg, library=lib, direct=True)
-    assert direct.scalars[6] == 1 and direct.describe()["direct"]
+    assert direct.scalars[:2] == (4, 3) and direct.scalars[6] == 1 and direct.describe()["direct"]
+    # the pairs library: tile t is tokens 2t and 2t + 1, so 3 tokens make 2 tiles a head
+    pairs = _Library(mf.QPackedConfig(dtype, pairs=True))
+    two = cb.QPackedCuteAttention(one, sch1, out[:3], lse[:3], pairs.cfg, library=pairs, direct=True)
+    assert two.scalars[:4] == (4, 2, 128, 8) and two.num_tiles == 8 and two.describe()["pairs"]
     backend = get_backend("q-packed-cute")
-    assert cb.direct_path(one) == (dtype == "fp8") and not cb.direct_path(w)
-    assert backend.stages_for(one) == (("attention",) if dtype == "fp8" else ("schedule", "attention"))
-    assert backend.stages_for(w) == ("schedule", "attention")
+    assert backend.stages_for(one) == ("attention",) and backend.stages_for(w) == ("schedule", "attention")
+    # pairs where the one-token tiles outnumber the SMs (4 heads x 3 tokens = 12)
+    for sms, expect in ((11, True), (12, False)):
+        monkeypatch.setattr(cb, "sm_count", lambda device, n=sms: n)
+        assert cb.pairs_path(one) == expect and not cb.pairs_path(w)
     if dtype == "fp8":
         # d-major, and stored key k of every 16 holds the true key fp8_v_key_order()[k]
         order = torch.tensor(fp8_v_key_order())
@@ -225,7 +233,7 @@ def built(tmp_path_factory):
 
 def _artifact(dump: Path, cfg: mf.QPackedConfig, ext: str) -> Path:
     tag = (f"QPackedSm90_{cfg.dtype}" + ("_pingpong" if cfg.pingpong else "") + ("_sahead" if cfg.s_ahead else "")
-)
+           + ("_pairs" if cfg.pairs else ""))
     paths = [p for p in glob.glob(str(dump / f"*{tag}_FakeTensor*.{ext}"))]
     assert len(paths) == 1, (tag, ext, paths)
     return Path(paths[0])
@@ -242,7 +250,7 @@ def test_build_writes_every_config_and_its_manifest(built):
         path, why = mf.find_library(cfg, out, "sm_90a")
         assert why is None and path.stat().st_size > 10_000
         assert versions[cfg.name].startswith("qp2-") and ("pingpong" in versions[cfg.name]) == cfg.pingpong
-        assert ("s-ahead" in versions[cfg.name]) == cfg.s_ahead
+        assert ("s-ahead" in versions[cfg.name]) == cfg.s_ahead and ("pairs" in versions[cfg.name]) == cfg.pairs
 
 
 @pytest.mark.parametrize("cfg", ALL, ids=[c.name for c in ALL])
@@ -258,8 +266,10 @@ def test_ptx_holds_the_pipeline_of_each_option(built, cfg):
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+56;", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+224;", ptx)
     boxes = 2 if cfg.dtype == "bf16" else 1
-    # K and V of a block, at each of the producer's two walks (the schedule's tile list, the direct path)
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") == 2 * 2 * boxes
+    # K and V of a block, at each of the producer's walks: the schedule's tile list and one token's
+    # entries, or a pair's alone
+    walks = 1 if cfg.pairs else 2
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") == walks * 2 * boxes
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2          # (16, 128) bf16 O: two boxes
     assert "mbarrier.arrive.expect_tx" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
     assert ptx.count("cp.async.cg.shared.global") == (32 if cfg.dtype == "bf16" else 16)

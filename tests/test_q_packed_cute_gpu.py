@@ -12,7 +12,7 @@ import torch
 from msa_bench.harness.check import check_backend, edge_case_workload, sample_rows
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.cute.manifest import DEFAULT_OPTIONS, OPTION_FLAGS
-from msa_bench.kernels.q_packed.cute_backend import DIRECT_DTYPES
+from msa_bench.kernels.q_packed import cute_backend as cb
 from msa_bench.scenarios.prefill_cases import get_case, prefill_workload
 from msa_bench.scenarios.selection import synthetic_workload
 from msa_bench.scenarios.serving import serving_workload
@@ -48,7 +48,8 @@ WORKLOADS = {
     # every token selects nothing (not causal: a causal token keeps its local block): union count 0 in
     # every tile, O = 0 and LSE -inf everywhere
     "no-keys": lambda d: edge_case_workload(SHAPE, d, [1000], [13], False, empty=13, seed=7, device="cuda"),
-    # one token a request: every tile one token, the kernel's direct path in fp8 (no schedule stage)
+    # one token a request: every tile one token, the kernel's direct path (no schedule stage); 256 one-token
+    # tiles outnumber the SMs, so a default plan runs two tokens a tile (the pairs library)
     "decode": lambda d: serving_workload(SHAPE, d, "decode", None, 32768, context_min=8192, requests=64, seed=9,
                                          device="cuda"),
     "decode-edge": lambda d: edge_case_workload(SHAPE, d, [3000, 700, 1900, 2600, 900], [1] * 5, True, hot=0.5,
@@ -87,8 +88,33 @@ def test_matches_the_float64_reference(dtype, option, case):
     assert err <= tol, (case, details["out_rel_err"], details.get("lse_rel_err"))
     flags = DEFAULT_OPTIONS[dtype] if option == "" else tuple(tag in option.split("+") for tag in OPTION_FLAGS)
     attention = details["info"]["attention"]
-    assert tuple(attention[flag] for flag in OPTION_FLAGS.values()) == flags
-    assert attention["direct"] == (case in DIRECT and dtype in DIRECT_DTYPES)
+    assert attention["direct"] == (case in DIRECT)
+    assert attention["pairs"] == (option == "" and cb.pairs_path(w))
+    if not attention["pairs"]:
+        assert tuple(attention[flag] for flag in OPTION_FLAGS.values()) == flags
+
+
+@pytest.mark.parametrize("case", DIRECT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairs_match_the_reference_and_one_token_tiles_bitwise(dtype, case, monkeypatch):
+    """Every decode case in pairs (one SM, so the one-token tiles outnumber it): odd token counts, padded
+    selections and tokens with different counts. A pair's tokens take the one-token tile's MMAs and softmax
+    steps in the same order (the options only reorder them), so its output equals one token a tile's
+    bitwise."""
+    _skip_unavailable("q-packed-cute", dtype)
+    w = workload(case, dtype)
+    monkeypatch.setattr(cb, "sm_count", lambda device: 1)
+    err, tol, details = check_backend("q-packed-cute", w, rows=sample_rows(w.n_tokens))
+    assert err <= tol and details["info"]["attention"]["pairs"], (case, details["out_rel_err"])
+    outs = []
+    for sms in (1, 10 ** 6):
+        monkeypatch.setattr(cb, "sm_count", lambda device, n=sms: n)
+        plan = get_backend("q-packed-cute").plan(w)
+        plan.run()
+        torch.cuda.synchronize()
+        outs.append((plan.output.clone(), plan.lse.clone(), plan.info["attention"]["pairs"]))
+    assert [o[2] for o in outs] == [True, False]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("case", ["no-keys", "decode-no-keys"])
@@ -102,13 +128,13 @@ def test_no_keys_gives_zero_output_and_minus_infinity(dtype, option, case):
     plan.lse.fill_(float("nan"))
     plan.run()
     torch.cuda.synchronize()
-    assert ("schedule" in plan.stages) == (case not in DIRECT or dtype not in DIRECT_DTYPES)
+    assert ("schedule" in plan.stages) == (case not in DIRECT)
     if "schedule" in plan.stages:
         assert int(plan.buffers["tile_count"].max()) == 0
     assert bool((plan.output == 0).all()) and bool(torch.isneginf(plan.lse).all())
 
 
-@pytest.mark.parametrize("case", ["edge-causal", "decode-edge"])
+@pytest.mark.parametrize("case", ["edge-causal", "decode-edge", "decode"])
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_graph_replay_equals_eager(dtype, option, case, graph_replay_equals_eager, poisoned_run):

@@ -195,9 +195,6 @@ Q_PACKED_SETS = ("default", "all", "none")
 # 0.07 / 0.15 and decode batches: bf16 plain is within 2 % of pingpong at u 1 and 1-4 % faster where the
 # warpgroups skip; fp8 both is 3-6 % faster than plain at u 1 and within 1 % elsewhere.
 DEFAULT_OPTIONS = {"bf16": (False, False), "fp8": (True, True)}
-# The dtypes whose decode plans (every tile one token) run the pairs library: two tokens per tile, one per
-# consumer warpgroup, their blocks interleaved, read by the kernel from the tokens' pages (no schedule stage).
-PAIRS_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -248,7 +245,8 @@ def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfi
     (DEFAULT_OPTIONS), all = every option set, none = nothing."""
     if which not in Q_PACKED_SETS:
         raise ValueError(f"--q-packed must be one of {', '.join(Q_PACKED_SETS)}, got {which!r}")
-    pairs = [QPackedConfig(d, pairs=True) for d in dtypes if d in PAIRS_DTYPES] if which != "none" else []
+    # each dtype's decode library: two tokens a tile (QPackedSm90's pairs)
+    pairs = [QPackedConfig(d, pairs=True) for d in dtypes] if which != "none" else []
     if which == "default":
         return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes] + pairs
     flag_sets = list(itertools.product((False, True), repeat=len(OPTION_FLAGS))) if which == "all" else []

@@ -46,6 +46,13 @@ Options (constructor flags, off by default; FA3's two ways of running the softma
 * s_ahead: block j + 1's S is issued together with block j's P V, so the softmax of j + 1 runs while P V
   of j is on the tensor cores (one more S accumulator's worth of registers live).
 With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
+* pairs (decode, direct only, neither of the above): tile t holds tokens 2t and 2t + 1, in token slots 0
+  and P / 2, so each consumer warpgroup computes one of them. Lanes 0-15 of warp 0 hold the first token's
+  entries, 16-31 the second's; the blocks go out a0 b0 a1 b1 ... then the longer token's rest, and each
+  warpgroup passes the other's block after its own (_pair_pass). A one-token tile runs one softmax chain per
+  block on one warpgroup while the other idles; a pair runs two at once. Without pingpong (its turns would
+  order the pairs one warpgroup after the other) and s_ahead (two held stages per warpgroup: all of fp8's
+  four, none left to read ahead).
 
 Shared memory (one CTA per SM): bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each + O staging 8 x 4 KiB = 224 KiB;
 fp8 Q 2 x 16 KiB + K, V 4 x 16 KiB each + 32 KiB = 192 KiB. Registers: 128 x 56 (producer) + 256 x 224

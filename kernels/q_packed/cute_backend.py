@@ -1,7 +1,8 @@
 """q-packed-cute: q-packed's schedule stage (schedule.py, Triton on the GPU) with the attention stage as the
 CuTe DSL sm_90a kernel kernels/cute/q_packed_sm90.py, prebuilt (`msa-bench build-kernels`) and launched with
-ctypes on the current stream (graph capturable). Where every token tile holds one token (decode) in fp8 the
-plan has no schedule stage: the kernel reads each token's selected pages itself (its direct path).
+ctypes on the current stream (graph capturable). Where every token tile holds one token (decode) the plan
+has no schedule stage: the kernel reads each token's selected pages itself (its direct path), and where
+those tiles outnumber the SMs a default plan runs each dtype's pairs library, two tokens per tile.
 
 Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
 j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither. Without
@@ -16,8 +17,8 @@ from ..base import Backend, Plan, register
 from ..triton_common import partial_dtype, triton_unavailable_reason
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
-from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, PAIRS_DTYPES, SUPPORTED_ARCHS,
-                             QPackedConfig, device_arch, fp8_v_key_order)
+from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig,
+                             device_arch, fp8_v_key_order)
 from ..options import Choice
 
 TILE_TOKENS = 8
@@ -41,15 +42,12 @@ def fp8_v_operand(v_cache: torch.Tensor) -> torch.Tensor:
 
 
 DIRECT_MAX_TOPK = 32            # the direct path holds a token's entries one per lane of a warp
-# The dtypes whose decode plans take the direct path. fp8's four K/V stages cover the direct path's reads
-# at each tile's start (decode 256 x 8K-32K: 0.156 ms against 0.162 with the schedule stage); bf16's two
-# run dry behind them (0.281 against 0.261): docs/perf-log.md, 2026-12-02.
-DIRECT_DTYPES = ("fp8",)
+PAIRS_MAX_TOPK = 16             # a pair's two tokens share a warp's lanes
 
 
 def one_token_tiles(w: Workload) -> bool:
-    """Whether every token tile of `w` holds one token (a decode batch) and the direct path can hold a
-    token's entries: the geometry half of direct_path."""
+    """Whether every token tile of `w` holds one token (a decode batch) and a warp's lanes can hold a
+    token's entries: the plan runs the kernel's direct path and no schedule stage."""
     from .schedule import token_tiles
     if w.shape.topk > DIRECT_MAX_TOPK or w.n_tokens == 0:
         return False
@@ -57,24 +55,24 @@ def one_token_tiles(w: Workload) -> bool:
     return int(ntok.max()) == 1
 
 
-PAIRS_MAX_TOPK = 16             # a pair's two tokens share a warp's lanes
+def sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pairs_path(w: Workload) -> bool:
-    """Whether a default q-packed-cute plan of `w` runs the pairs library (two decode tokens per tile)."""
-    return w.dtype in PAIRS_DTYPES and w.shape.topk <= PAIRS_MAX_TOPK and one_token_tiles(w)
-
-
-def direct_path(w: Workload) -> bool:
-    """Whether a q-packed-cute plan of `w` runs the kernel's direct path and no schedule stage."""
-    return w.dtype in DIRECT_DTYPES and one_token_tiles(w)
+    """Whether a decode plan of `w` runs the pairs library: two tokens per tile, one per consumer warpgroup,
+    where the one-token tiles are more than the SMs. With fewer, pairs would leave SMs idle, and one SM's
+    reads at a time bound a pair (decode 16 x 32K-128K: 53.9 us against 30.8 one token a tile, bf16);
+    with more, a one-token tile's single softmax chain binds (decode 256 x 8K-32K fp8: 137.9 against
+    150.6): docs/perf-log.md, 2026-12-02."""
+    return (w.shape.topk <= PAIRS_MAX_TOPK and one_token_tiles(w)
+            and w.shape.hkv * w.n_tokens > sm_count(w.device))
 
 
 def num_ctas(device, num_tiles: int) -> int:
     """The persistent grid: one CTA per SM (384 threads and 192-224 KiB of shared memory each), no more
     than there are tiles."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(sms, num_tiles))
+    return max(1, min(sm_count(device), num_tiles))
 
 
 class QPackedCuteAttention:
@@ -157,14 +155,8 @@ class QPackedCuteBackend(Backend):
     def workload_unavailable_reason(self, w: Workload) -> str | None:
         return self.unavailable_reason(w.dtype, w.device) or cute_shape_reason(w, self.name)
 
-    def _pairs(self, w: Workload) -> bool:
-        return self.flags is None and pairs_path(w)
-
-    def _direct(self, w: Workload) -> bool:
-        return self._pairs(w) or direct_path(w)
-
     def stages_for(self, w: Workload) -> tuple[str, ...]:
-        return ("attention",) if self._direct(w) else self.stage_names
+        return ("attention",) if one_token_tiles(w) else self.stage_names
 
     def _plan(self, w: Workload) -> Plan:
         from .schedule import PackedSchedule
@@ -173,8 +165,10 @@ class QPackedCuteBackend(Backend):
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         schedule = PackedSchedule(w, TILE_TOKENS)
         # every tile one token (decode, fp8): the attention stage reads the tokens' pages itself, no schedule stage
-        direct = self._direct(w)
-        cfg = QPackedConfig(w.dtype, pairs=True) if self._pairs(w) else self.config_for(w.dtype)
+        direct = one_token_tiles(w)
+        # a default plan's decode tiles in pairs; named options keep their library (one token a tile)
+        pairs = self.flags is None and pairs_path(w)
+        cfg = QPackedConfig(w.dtype, pairs=True) if pairs else self.config_for(w.dtype)
         attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
         selected = float((w.selection >= 0).sum())
         if direct:
