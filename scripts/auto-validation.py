@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     dev = load_device(args.device)
     print(f"{'run':<28} {'pts':>4} {'auto<=5%':>8} {'worst':>6} | {'pick<=5%':>8} {'worst':>6} | "
           f"{'fid<=25%':>8} {'units':>5}")
+    total = dict(points=0, auto=0, within=0, units=0, worst=0.0)
     for path in args.runs:
         try:
             run = load_run(path)
@@ -49,6 +50,15 @@ def main(argv=None) -> int:
               f"{(format(float((r <= 1 + args.within).mean()), '.0%') if r is not None else '-'):>8} "
               f"{(format(float(r.max()), '.3f') if r is not None else '-'):>6} | "
               f"{(format(within / units, '.0%') if units else '-'):>8} {units:>5}")
+        if av:
+            total["points"] += av["points"]
+            total["auto"] += round(av["share_within"] * av["points"])
+            total["worst"] = max(total["worst"], av["worst"])
+        total["within"] += int(within)
+        total["units"] += units
+    if len(args.runs) > 1:
+        print(f"all: auto within {args.within:.0%} at {total['auto']} of {total['points']} points (worst "
+              f"{total['worst']:.3f}); model within 25 % at {total['within']} of {total['units']} units")
     return 0
 
 

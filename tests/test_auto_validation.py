@@ -1,5 +1,6 @@
 """scripts/auto-validation.py: one line per run, the calibrated profile's replay, bad input refused."""
 import importlib.util
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,8 +17,13 @@ def script():
 def test_one_line_per_run_with_the_shares_it_measured(capsys):
     assert script().main(RUNS) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["run", "pts", "auto<=5%"] and len(lines) == 3
+    assert lines[0].split()[:3] == ["run", "pts", "auto<=5%"] and len(lines) == 4
     decode, cosel = lines[1].split(), lines[2].split()
+    # the runs together: their points and units summed
+    total = re.fullmatch(r"all: auto within 5% at (\d+) of (\d+) points \(worst ([\d.]+)\); "
+                         r"model within 25 % at (\d+) of (\d+) units", lines[3])
+    assert total and int(total[2]) == 24 + 14 and int(total[1]) <= 38 and int(total[4]) <= int(total[5])
+    assert float(total[3]) == max(float(decode[3]), float(cosel[4]))
     assert decode[0] == "decode" and int(decode[1]) == 24 and cosel[:2] == ["co-selection", "(fit)"]
     # every share is a percentage and every worst ratio at least 1
     for cols in (decode, cosel[1:]):
