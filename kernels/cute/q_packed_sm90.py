@@ -412,8 +412,6 @@ class QPackedSm90:
         for tile in cutlass.range(cta, num_tiles, grid, unroll=1):
             head = tile // n_token_tiles
             tt = tile - head * n_token_tiles
-            tok0 = Int32(0)
-            ntok = Int32(0)
             count = Int32(0)
             lo_end = Int32(0)
             hi_start = Int32(0)

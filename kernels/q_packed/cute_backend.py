@@ -164,7 +164,7 @@ class QPackedCuteBackend(Backend):
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         schedule = PackedSchedule(w, TILE_TOKENS)
-        # every tile one token (decode, fp8): the attention stage reads the tokens' pages itself, no schedule stage
+        # every tile one token (decode): the attention stage reads the tokens' pages itself, no schedule stage
         direct = one_token_tiles(w)
         # a default plan's decode tiles in pairs; named options keep their library (one token a tile)
         pairs = self.flags is None and pairs_path(w)
