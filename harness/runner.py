@@ -66,10 +66,13 @@ class Runner:
         # every unit's status names the GPU (index, UUID, clocks) and, in a pool, the worker
         self.where = {**provenance.gpu_identity(device, self.telemetry.nvml_handle), **(where or {})}
 
-    def run_unit(self, point, backend: str, workload, wl_stats: dict, why: str = "") -> dict:
-        """Run one unit (or record why its workload could not be built) and write its folder; its status."""
+    def run_unit(self, point, backend: str, workload, wl_stats: dict, why: str = "", nth: int = 0) -> dict:
+        """Run one unit (or record why its workload could not be built) and write its folder; its status.
+        nth: the units this process ran on the same built workload before it (0: the first). Where the
+        buffers of large decode points land moves their time by 10 %, and the first unit on a workload
+        has landed slow (docs/perf-log.md, 2026-12-02): the status keeps the order to show it."""
         head = {"point_key": point.key(), **point.as_dict(), "timer": self.timer, **self.where, **wl_stats,
-                "backend": backend, "schedule": schedule_of(backend) or "none"}
+                "backend": backend, "schedule": schedule_of(backend) or "none", "nth_on_workload": nth}
         if workload is None:
             status, stats, samples = {**head, "status": results.STATUS_FAILED, "reason": why}, [], []
         else:

@@ -73,9 +73,9 @@ class _Loop:
         self.progress.working(self.WORKER, f"{label(point)} · building workload")
         workload, wl_stats, why = build_workload(point, self.device)
         want = []
-        for b in todo:
+        for nth, b in enumerate(todo):
             self.progress.working(self.WORKER, f"{label(point)} · {b}")
-            status = self.runner.run_unit(point, b, workload, wl_stats, why)
+            status = self.runner.run_unit(point, b, workload, wl_stats, why, nth)
             if wants_counters(status) and self.runner.ncu is not None:
                 want.append(b)
             self.written += 1

@@ -47,7 +47,7 @@ def main() -> int:
     kill = os.environ.get(KILL_HOOK, "")
     kill_name, _, kill_at = kill.partition(":")
     held_key, workload, wl_stats, why = None, None, {}, ""
-    count = 0
+    count = nth = 0
     for line in iter(sys.stdin.readline, ""):
         uid = json.loads(line)["unit"]
         point, backend = units[uid]
@@ -62,11 +62,12 @@ def main() -> int:
                 torch.cuda.empty_cache()
             send({"state": f"{label(point)} · building workload"})
             workload, wl_stats, why = build_workload(point, device)
-            held_key = point.key()
+            held_key, nth = point.key(), 0
         send({"state": f"{label(point)} · {backend}"})
         if kill == uid or (kill_name == name and kill_at.isdigit() and count == int(kill_at)):
             os.kill(os.getpid(), signal.SIGKILL)
-        status = runner.run_unit(point, backend, workload, wl_stats, why)
+        status = runner.run_unit(point, backend, workload, wl_stats, why, nth)
+        nth += 1
         send({"done": uid, "status": status["status"], "seconds": time.monotonic() - start, "notes": notes})
     return 0
 

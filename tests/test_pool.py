@@ -35,6 +35,7 @@ def test_two_workers_share_one_queue_and_run_each_unit_once(tmp_path, cli):
     counts = Counter(uid for _, uid in _starts(log))
     assert set(counts) == set(r.meta["units_planned"]) and set(counts.values()) == {1}, counts
     assert set(r.status["worker"]) <= {"cpu0", "cpu1"}
+    assert (r.status["nth_on_workload"] == 0).all()                      # one backend: each unit first
     assert [w["worker"] for w in r.meta["workers"]] == ["cpu0", "cpu1"]
     assert "2 CPU worker(s)" in " ".join(err.split())
 

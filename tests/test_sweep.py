@@ -184,6 +184,8 @@ def test_unavailable_backend_is_recorded_and_the_sweep_goes_on(tmp_path, cli):
     assert (ref["status"] == "ok").all()
     assert (fi["status"] == "unavailable").all() and fi["reason"].str.len().gt(0).all()
     assert "unavailable here (" in text and "needs a CUDA GPU and FlashInfer" in text
+    # each unit names its place among the units run on its point's workload
+    assert (ref["nth_on_workload"] == 0).all() and (fi["nth_on_workload"] == 1).all()
 
 
 def test_backend_option_names_its_rows_and_keeps_its_schedule(tmp_path, cli):
