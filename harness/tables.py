@@ -180,7 +180,8 @@ def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
     if table.empty:
         return {}
     r = table["auto/fastest"]
-    return {"points": len(r), "within": within, "share_within": float((r <= 1 + within).mean()),
+    near = r <= 1 + within
+    return {"points": len(r), "within": within, "count_within": int(near.sum()), "share_within": float(near.mean()),
             "worst": float(r.max()), "median": float(r.median())}
 
 

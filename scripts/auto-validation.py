@@ -52,7 +52,7 @@ def main(argv=None) -> int:
               f"{(format(within / units, '.0%') if units else '-'):>8} {units:>5}")
         if av:
             total["points"] += av["points"]
-            total["auto"] += round(av["share_within"] * av["points"])
+            total["auto"] += av["count_within"]
             total["worst"] = max(total["worst"], av["worst"])
         total["within"] += int(within)
         total["units"] += units

@@ -41,6 +41,7 @@ def test_auto_against_the_fastest_names_the_fastest_other_backend(default_run):
         assert r["auto/fastest"] == pytest.approx(r["auto_s"] / r["fastest_s"]) and r["fastest"] != "auto"
     s = tables.auto_summary(av)
     assert s["points"] == 10 and s["worst"] == pytest.approx(av["auto/fastest"].max())
+    assert s["count_within"] == int((av["auto/fastest"] <= 1.05).sum()) == round(s["share_within"] * 10)
 
 
 def test_fidelity_holds_in_sample_and_counts_units():
