@@ -68,9 +68,8 @@ class Runner:
 
     def run_unit(self, point, backend: str, workload, wl_stats: dict, why: str = "", nth: int = 0) -> dict:
         """Run one unit (or record why its workload could not be built) and write its folder; its status.
-        nth: the units this process ran on the same built workload before it (0: the first). Where the
-        buffers of large decode points land moves their time by 10 %, and the first unit on a workload
-        has landed slow (docs/perf-log.md, 2026-12-02): the status keeps the order to show it."""
+        nth: the units this process ran on the same built workload before it (0: the first, which plans once
+        and drops that plan before its timed one: see unit())."""
         head = {"point_key": point.key(), **point.as_dict(), "timer": self.timer, **self.where, **wl_stats,
                 "backend": backend, "schedule": schedule_of(backend) or "none", "nth_on_workload": nth}
         if workload is None:
@@ -85,7 +84,12 @@ class Runner:
 
         The plan's outputs are poisoned with NaN, it is timed, and the output its last timed run left is
         compared with the float64 reference: the numbers kept are those of a run that was checked, and a
-        unit whose output disagrees is recorded as failed with its timings discarded."""
+        unit whose output disagrees is recorded as failed with its timings discarded.
+
+        The first unit on a workload (base's nth_on_workload 0) first builds a plan, runs it once and drops
+        it: on large decode points a plan whose buffers came fresh from the driver ran 10 % slower than
+        one built after another plan was freed, whichever backend it was (docs/perf-log.md, 2026-12-02), so
+        without it the first backend on each point lost its race."""
         from ..kernels.base import BackendUnavailable, get_backend
         from .check import compare_output, poison
         status = dict(base)
@@ -95,6 +99,10 @@ class Runner:
             rows = torch.linspace(0, workload.n_tokens - 1, CHECK_ROWS).round().long().unique()
         try:
             plan = backend.plan(workload)          # BackendUnavailable when it cannot run this workload here
+            if base.get("nth_on_workload") == 0:
+                plan.run()
+                del plan
+                plan = backend.plan(workload)
             poison(plan)
             before = self.telemetry.sample()
             poller = Poller(self.telemetry.sample).start() if self.telemetry.available else None
