@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,6 +46,8 @@ class Runner:
         self.run_dir = run_dir
         self.device = device
         self.timing = timing
+        # the dropped plan of a workload's first unit (unit()): the fewest samples the timer takes
+        self.warm_timing = replace(timing, warmup=0, reps=1, max_reps=1, cpu_warmup=0, cpu_reps=1, cpu_max_reps=1)
         self.timer = TIMER_GPU if device.type == "cuda" else TIMER_CPU
         self.telemetry = open_telemetry(device)
         if not self.telemetry.available:
@@ -68,8 +71,8 @@ class Runner:
 
     def run_unit(self, point, backend: str, workload, wl_stats: dict, why: str = "", nth: int = 0) -> dict:
         """Run one unit (or record why its workload could not be built) and write its folder; its status.
-        nth: the units this process ran on the same built workload before it (0: the first, which plans once
-        and drops that plan before its timed one: see unit())."""
+        nth: the units this process ran on the same built workload before it (0: the first, which times one
+        plan and drops it before its timed one: see unit())."""
         head = {"point_key": point.key(), **point.as_dict(), "timer": self.timer, **self.where, **wl_stats,
                 "backend": backend, "schedule": schedule_of(backend) or "none", "nth_on_workload": nth}
         if workload is None:
@@ -86,10 +89,10 @@ class Runner:
         compared with the float64 reference: the numbers kept are those of a run that was checked, and a
         unit whose output disagrees is recorded as failed with its timings discarded.
 
-        The first unit on a workload (base's nth_on_workload 0) first builds a plan, runs it once and drops
-        it: on large decode points a plan whose buffers came fresh from the driver ran 10 % slower than
-        one built after another plan was freed, whichever backend it was (docs/perf-log.md, 2026-12-02), so
-        without it the first backend on each point lost its race."""
+        The first unit on a workload (base's nth_on_workload 0) first builds a plan, times it (the fewest
+        samples) and drops it: on large decode points the unit timed first ran 10 % slower than those
+        after it, whichever backend it was (docs/perf-log.md, 2026-12-02); a plan dropped after one eager
+        run did not help at 1024 requests, a timed one did."""
         from ..kernels.base import BackendUnavailable, get_backend
         from .check import compare_output, poison
         status = dict(base)
@@ -100,7 +103,7 @@ class Runner:
         try:
             plan = backend.plan(workload)          # BackendUnavailable when it cannot run this workload here
             if base.get("nth_on_workload") == 0:
-                plan.run()
+                time_plan(plan, self.warm_timing, self.device)
                 del plan
                 plan = backend.plan(workload)
             poison(plan)

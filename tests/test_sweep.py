@@ -325,24 +325,29 @@ def test_cute_backend_option_takes_a_tile_order():
         get_backend("kv-outer-cute@v99+phases")
 
 
-def test_the_first_unit_on_a_workload_drops_one_plan_before_its_timed_one(tmp_path, cli, monkeypatch):
-    """A plan whose buffers came fresh from the driver ran 10 % slower on large decode points than one built
-    after another plan was freed: the first unit on each workload plans, runs and drops one plan first."""
+def test_the_first_unit_on_a_workload_drops_one_timed_plan_before_its_own(tmp_path, cli, monkeypatch):
+    """On large decode points the unit timed first on a workload ran 10 % slower than those after it: the
+    first unit on each workload builds and times one plan (the fewest samples) and drops it first."""
+    from msa_bench.harness import runner as sweep_runner
     from msa_bench.kernels import base
-    made, ran = [], []
-    real = base.Backend.plan
+    made, timed = [], []
+    real_plan, real_time = base.Backend.plan, sweep_runner.time_plan
 
-    def counting(self, w):
-        plan = real(self, w)
+    def plan(self, w):
         made.append(self.name)
-        run = plan.run
-        plan.run = lambda: (ran.append(self.name), run())[1]
-        return plan
-    monkeypatch.setattr(base.Backend, "plan", counting)
+        return real_plan(self, w)
+
+    def time_plan(plan, config, *a, **k):
+        timed.append((plan.backend, config.cpu_reps))
+        return real_time(plan, config, *a, **k)
+    monkeypatch.setattr(base.Backend, "plan", plan)
+    monkeypatch.setattr(sweep_runner, "time_plan", time_plan)
     out = tmp_path / "r"
     code, _, err = cli("sweep", "--scenario", "smoke", "--backend", "reference,q-outer-torch", "--dtype", "fp32",
-                       "--reuse", "0.5", "--generator", "synthetic", "--no-causal", "--reps", "1", "--out", out)
+                       "--reuse", "0.5", "--generator", "synthetic", "--no-causal", "--reps", "3", "--out", out)
     assert code == 0, err
     points = load_run(out).status["point_key"].nunique()
     assert made.count("reference") == 2 * points and made.count("q-outer-torch") == points
-    assert ran == ["reference"] * points               # the dropped plans, once each (the timer runs stages)
+    assert timed == [("reference", 1), ("reference", 3), ("q-outer-torch", 3)] * points
+    timed_stages = load_run(out).samples.query("stage != 'plan'")            # plan: one host sample
+    assert (timed_stages.groupby(["point_key", "backend", "stage"]).size() == 3).all()   # none of the dropped plan's
