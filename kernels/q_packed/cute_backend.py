@@ -59,14 +59,14 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pairs_path(w: Workload) -> bool:
+def pairs_path(w: Workload, one_token: bool | None = None) -> bool:
     """Whether a decode plan of `w` runs the pairs library: two tokens per tile, one per consumer warpgroup,
     where the one-token tiles are more than the SMs. With fewer, pairs would leave SMs idle, and one SM's
     reads at a time bound a pair (decode 16 x 32K-128K: 53.9 us against 30.8 one token a tile, bf16);
     with more, a one-token tile's single softmax chain binds (decode 256 x 8K-32K fp8: 137.9 against
-    150.6): docs/perf-log.md, 2026-12-02."""
-    return (w.shape.topk <= PAIRS_MAX_TOPK and one_token_tiles(w)
-            and w.shape.hkv * w.n_tokens > sm_count(w.device))
+    150.6): docs/perf-log.md, 2026-12-02. one_token: one_token_tiles(w), where the caller has it."""
+    one_token = one_token_tiles(w) if one_token is None else one_token
+    return w.shape.topk <= PAIRS_MAX_TOPK and one_token and w.shape.hkv * w.n_tokens > sm_count(w.device)
 
 
 def num_ctas(device, num_tiles: int) -> int:
@@ -167,7 +167,7 @@ class QPackedCuteBackend(Backend):
         # every tile one token (decode): the attention stage reads the tokens' pages itself, no schedule stage
         direct = one_token_tiles(w)
         # a default plan's decode tiles in pairs; named options keep their library (one token a tile)
-        pairs = self.flags is None and pairs_path(w)
+        pairs = self.flags is None and pairs_path(w, direct)
         cfg = QPackedConfig(w.dtype, pairs=True) if pairs else self.config_for(w.dtype)
         attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
         selected = float((w.selection >= 0).sum())
@@ -181,7 +181,7 @@ class QPackedCuteBackend(Backend):
             lo, hi = schedule.half_slots()
             executed = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
         info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, mma_tokens=self.mma_tokens,
-                    tiles=schedule.num_tiles,
+                    tiles=attention.num_tiles,                  # as launched: a pair of decode tokens is one
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=executed / selected if selected else 1.0,     # each token's warpgroup's
                     attention=attention.describe(),
