@@ -469,7 +469,9 @@ def compare(
     clock: str = typer.Option("normalize", help="normalize: times at the GPU's max SM clock (per-sample clock "
                                           "x seconds / max; raw where a run has no clocks); raw: measured "
                                           "times; floor: drop samples clocked "
-                                          "below --floor x their unit's highest sampled clock."),
+                                          "below --floor x their unit's highest sampled clock; fit: "
+                                          "each stage scaled by its own clock sensitivity, fitted on "
+                                          "the baseline's samples (0 memory-bound .. 1 as normalize)."),
     floor: float = typer.Option(0.97, help="--clock floor: the fraction of the unit's highest sampled clock "
                                            "below which a sample is dropped."),
     show_all: bool = typer.Option(False, "--all", help="List every compared point, not only the changes."),

@@ -33,7 +33,7 @@ import numpy as np
 from scipy.stats import mannwhitneyu
 
 from ..errors import UserError
-from .baseline import DEFAULT_FLOOR, clocked_samples, has_clock
+from .baseline import DEFAULT_FLOOR, clock_exponents, clocked_samples, has_clock
 from .results import SAMPLES_REMOVED, STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run, samples_kept
 from .timing import TIMER_GPU, l2_flush_of
 
@@ -191,7 +191,7 @@ def _unusable(base: Run, new: Run) -> str | None:
 
 def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, counter_tolerance: float = 0.02,
                  alpha: float = 0.05, clock: str = "normalize", floor: float = DEFAULT_FLOOR) -> Comparison:
-    """`base`: one run, or the K runs of a baseline set. `clock`: raw | normalize | floor (baseline.py)."""
+    """`base`: one run, or the K runs of a baseline set. `clock`: raw | normalize | floor | fit (baseline.py)."""
     bases = [base] if isinstance(base, Run) else list(base)
     base = bases[0]
     warnings = []
@@ -215,7 +215,8 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
         warnings.append(f"--clock {clock}: a run has no per-sample SM clock (made before the probe was "
                         "recorded), so raw times are compared")
         clock = "raw"
-    clocked = [clocked_samples(r, clock, floor) for r in (*bases, new)]
+    exponents = clock_exponents(bases) if clock == "fit" else None
+    clocked = [clocked_samples(r, clock, floor, exponents) for r in (*bases, new)]
     dropped = sum(n for _, n in clocked)
     if clock == "floor":
         warnings.append(f"--clock floor: dropped {dropped} sample(s) clocked below {floor:.0%} of their "
