@@ -466,13 +466,14 @@ def compare(
                                                   "set: the slowdown the gate must catch; it flags at half of it "
                                                   "(5% or 0.05)."),
     counter_tolerance: str = typer.Option("2%", help="Relative change of bytes moved (ncu) tolerated."),
-    clock: str = typer.Option("normalize", help="normalize: times at the GPU's max SM clock (per-sample clock "
-                                          "x seconds / max; raw where a run has no clocks); raw: measured "
-                                          "times; floor: drop samples clocked "
-                                          "below --floor x their unit's highest sampled clock; fit: "
-                                          "each stage scaled by its own clock sensitivity, fitted on "
-                                          "the baseline's samples (0 memory-bound .. 1 as normalize)."),
-    floor: float = typer.Option(0.97, help="--clock floor: the fraction of the unit's highest sampled clock "
+    clock: str = typer.Option("both", help="both (default): a change counts only if raw and normalize both "
+                                          "see it (a stage bound by memory does not follow the clock, one "
+                                          "bound by the SMs does); normalize: times at the GPU's max SM "
+                                          "clock (per-sample clock x seconds / max); raw: measured times "
+                                          "(every mode is raw where a run has no clocks); floor: drop "
+                                          "samples clocked below --floor x their stage's highest sampled "
+                                          "clock."),
+    floor: float = typer.Option(0.97, help="--clock floor: the fraction of the stage's highest sampled clock "
                                            "below which a sample is dropped."),
     show_all: bool = typer.Option(False, "--all", help="List every compared point, not only the changes."),
 ):

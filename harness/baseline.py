@@ -9,12 +9,12 @@ Clock modes (the per-sample SM clock from the spin probe, harness/timing.py):
   raw        the measured seconds.
   normalize  cycles_seconds(): the time the sample would take at the unit's reference clock (NVML's
              maximum SM clock), for a compute-bound stage.
-  floor      drop samples whose clock is below `floor` x the highest clock sampled in their unit.
-  fit        the time at the reference clock with the stage's own sensitivity to the clock: seconds x
-             (clock / ref)^beta, beta fitted on the baseline's samples of that (point, backend, dtype,
-             stage) (clock_exponents). normalize is beta 1, raw beta 0; a stage bound by memory moves
-             less than its clock (kv-outer-cute's bf16 attention on real prefill: beta about 0.2-0.6),
-             and normalize made it a false regression where the new run's clock was the higher.
+  floor      drop samples whose clock is below `floor` x the highest clock sampled in their unit's
+             stage.
+  both       a change counts only if raw and normalize both see it (compare.py; the default); the
+             samples shown are normalize's. A stage bound by memory does not follow the SM clock
+             (kv-outer-cute's bf16 attention on real prefill ran as fast at 1912 MHz as at 1840), so
+             normalize read a new run's higher clock as its slowdown; raw reads a clock step as one.
 """
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ from ..errors import UserError
 from .results import RUN_FILE, Run, load_run
 from .timing import TIMER_GPU
 
-CLOCK_MODES = ("raw", "normalize", "floor", "fit")
-KEY = ["point_key", "backend", "dtype", "stage"]
+CLOCK_MODES = ("raw", "normalize", "floor", "both")
 DEFAULT_FLOOR = 0.97
 
 
@@ -68,30 +67,12 @@ def has_clock(run: Run) -> bool:
     return "sm_clock_mhz" in s.columns and not s.loc[gpu, "sm_clock_mhz"].isna().any()
 
 
-def clock_exponents(runs: list[Run]) -> dict:
-    """beta per (point_key, backend, dtype, stage) for --clock fit: minus the least-squares slope of log
-    seconds on log SM clock over the GPU samples of `runs` (a baseline's K runs pooled), clipped to
-    [0, 1]. A stage whose samples all share one clock gets 1 (normalize's assumption)."""
-    s = pd.concat([r.samples for r in runs if r.timer == TIMER_GPU and not r.samples.empty and has_clock(r)])
-    if s.empty:
-        return {}
-    s = s[s["timer"] == TIMER_GPU]
-    out = {}
-    for key, g in s.groupby(KEY, sort=False):
-        x, y = np.log(g["sm_clock_mhz"].to_numpy(float)), np.log(g["seconds"].to_numpy(float))
-        x = x - x.mean()
-        sxx = float(x @ x)
-        out[key] = 1.0 if sxx < 1e-12 else float(np.clip(-(x @ (y - y.mean())) / sxx, 0.0, 1.0))
-    return out
-
-
-def clocked_samples(run: Run, mode: str, floor: float = DEFAULT_FLOOR,
-                    exponents: dict | None = None) -> tuple[pd.DataFrame, int]:
+def clocked_samples(run: Run, mode: str, floor: float = DEFAULT_FLOOR) -> tuple[pd.DataFrame, int]:
     """(the run's samples under `mode`, how many samples the floor dropped). Host (CPU) runs are
-    returned as they are: their timings are never judged. exponents: clock_exponents() of the
-    baseline, for mode fit (a stage it lacks takes beta 1)."""
+    returned as they are: their timings are never judged."""
     if mode not in CLOCK_MODES:
         raise UserError(f"--clock must be one of {', '.join(CLOCK_MODES)}, got {mode!r}")
+    mode = "normalize" if mode == "both" else mode
     s = run.samples
     if mode == "raw" or run.timer != TIMER_GPU or s.empty:
         return s, 0
@@ -100,19 +81,15 @@ def clocked_samples(run: Run, mode: str, floor: float = DEFAULT_FLOOR,
         raise UserError(f"{run.path} has no per-sample SM clock (a run made before it was recorded): "
                         "use --clock raw")
     s = s[gpu].copy()
-    if mode in ("normalize", "fit"):
+    if mode == "normalize":
         ref = run.status.set_index(["point_key", "backend"]).get("sm_clock_max_mhz")
         keys = pd.MultiIndex.from_frame(s[["point_key", "backend"]])
         refs = ref.reindex(keys).to_numpy(dtype=float) if ref is not None else np.full(len(s), np.nan)
         if not (np.isfinite(refs) & (refs > 0)).all():
             raise UserError(f"{run.path} has units without a reference clock (sm_clock_max_mhz): use --clock raw")
-        if mode == "normalize":
-            s["seconds"] = cycles_seconds(s["seconds"], s["sm_clock_mhz"], refs)
-        else:
-            exps = exponents or {}
-            beta = np.array([exps.get(k, 1.0) for k in s[KEY].itertuples(index=False, name=None)], dtype=float)
-            s["seconds"] = s["seconds"].to_numpy(float) * (s["sm_clock_mhz"].to_numpy(float) / refs) ** beta
+        s["seconds"] = cycles_seconds(s["seconds"], s["sm_clock_mhz"], refs)
         return s, 0
-    top = s.groupby(["point_key", "backend"])["sm_clock_mhz"].transform("max")
+    # per stage: a stage timed wholly after a clock step keeps its best-clocked samples
+    top = s.groupby(["point_key", "backend", "stage"])["sm_clock_mhz"].transform("max")
     keep = s["sm_clock_mhz"] >= floor * top
     return s[keep], int((~keep).sum())

@@ -26,14 +26,14 @@ Improvements mirror it. Status and counters are judged against the set's first r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 from scipy.stats import mannwhitneyu
 
 from ..errors import UserError
-from .baseline import DEFAULT_FLOOR, clock_exponents, clocked_samples, has_clock
+from .baseline import DEFAULT_FLOOR, clocked_samples, has_clock
 from .results import SAMPLES_REMOVED, STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run, samples_kept
 from .timing import TIMER_GPU, l2_flush_of
 
@@ -189,9 +189,44 @@ def _unusable(base: Run, new: Run) -> str | None:
     return None
 
 
+def _time_findings(bases: list[Run], new: Run, clock: str, floor: float, threshold: float, alpha: float,
+                   judged: bool) -> list[Finding]:
+    """One time finding per (point, backend, dtype, stage) timed in every baseline run and the new run,
+    the samples taken under `clock`, in key order."""
+    clocked = [clocked_samples(r, clock, floor)[0] for r in (*bases, new)]
+    per_base = [_samples_by_key(s) for s in clocked[:-1]]
+    ns = _samples_by_key(clocked[-1])
+    bs = {k: v for k, v in per_base[0].items() if all(k in d for d in per_base[1:])}
+    ok_new = set(new.status.loc[new.status["status"] == STATUS_OK, ["point_key", "backend"]].itertuples(
+        index=False, name=None)) if not new.status.empty else set()
+    unsampled = [f"{k[1]} at {k[0]}, stage {k[3]}" for k in sorted(bs.keys() - ns.keys()) if (k[0], k[1]) in ok_new]
+    if unsampled:
+        raise UserError(f"the new run has no samples for {len(unsampled)} timed stage(s) of the baseline: "
+                        f"{'; '.join(unsampled[:3])}")
+    findings = []
+    for key in sorted(bs.keys() & ns.keys()):
+        if len(bases) == 1:
+            (verdict, ratio, p), spread = judge_samples(bs[key], ns[key], threshold, alpha), None
+            center = float(np.median(bs[key]))
+        else:
+            runs = [d[key] for d in per_base]
+            verdict, ratio, p, spread = judge_set(runs, ns[key], threshold, alpha)
+            center = float(np.median([np.median(r) for r in runs]))
+        findings.append(Finding(*key, "time", center, float(np.median(ns[key])), ratio, p,
+                                verdict if judged else NOT_JUDGED, spread=spread))
+    return findings
+
+
+def _both(raw: Finding, norm: Finding) -> Finding:
+    """--clock both: normalize's finding, flagged only where raw times flag the same (a stage whose time
+    follows the clock, and one whose time does not, both see the change)."""
+    agree = raw.verdict == norm.verdict or norm.verdict in (UNCHANGED, NOT_JUDGED)
+    return norm if agree else replace(norm, verdict=NOISE)
+
+
 def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, counter_tolerance: float = 0.02,
-                 alpha: float = 0.05, clock: str = "normalize", floor: float = DEFAULT_FLOOR) -> Comparison:
-    """`base`: one run, or the K runs of a baseline set. `clock`: raw | normalize | floor | fit (baseline.py)."""
+                 alpha: float = 0.05, clock: str = "both", floor: float = DEFAULT_FLOOR) -> Comparison:
+    """`base`: one run, or the K runs of a baseline set. `clock`: raw | normalize | floor | both (baseline.py)."""
     bases = [base] if isinstance(base, Run) else list(base)
     base = bases[0]
     warnings = []
@@ -215,31 +250,15 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
         warnings.append(f"--clock {clock}: a run has no per-sample SM clock (made before the probe was "
                         "recorded), so raw times are compared")
         clock = "raw"
-    exponents = clock_exponents(bases) if clock == "fit" else None
-    clocked = [clocked_samples(r, clock, floor, exponents) for r in (*bases, new)]
-    dropped = sum(n for _, n in clocked)
-    if clock == "floor":
-        warnings.append(f"--clock floor: dropped {dropped} sample(s) clocked below {floor:.0%} of their "
-                        "unit's highest sampled clock")
-    per_base = [_samples_by_key(s) for s, _ in clocked[:-1]]
-    ns = _samples_by_key(clocked[-1][0])
-    bs = {k: v for k, v in per_base[0].items() if all(k in d for d in per_base[1:])}
-    ok_new = set(new.status.loc[new.status["status"] == STATUS_OK, ["point_key", "backend"]].itertuples(
-        index=False, name=None)) if not new.status.empty else set()
-    unsampled = [f"{k[1]} at {k[0]}, stage {k[3]}" for k in sorted(bs.keys() - ns.keys()) if (k[0], k[1]) in ok_new]
-    if unsampled:
-        raise UserError(f"the new run has no samples for {len(unsampled)} timed stage(s) of the baseline: "
-                        f"{'; '.join(unsampled[:3])}")
-    for key in sorted(bs.keys() & ns.keys()):
-        if len(bases) == 1:
-            (verdict, ratio, p), spread = judge_samples(bs[key], ns[key], threshold, alpha), None
-            center = float(np.median(bs[key]))
-        else:
-            runs = [d[key] for d in per_base]
-            verdict, ratio, p, spread = judge_set(runs, ns[key], threshold, alpha)
-            center = float(np.median([np.median(r) for r in runs]))
-        findings.append(Finding(*key, "time", center, float(np.median(ns[key])), ratio, p,
-                                verdict if judged else NOT_JUDGED, spread=spread))
+    if clock == "both":
+        by_mode = [_time_findings(bases, new, m, floor, threshold, alpha, judged) for m in ("raw", "normalize")]
+        findings += [_both(f_raw, f_norm) for f_raw, f_norm in zip(*by_mode)]
+    else:
+        findings += _time_findings(bases, new, clock, floor, threshold, alpha, judged)
+        if clock == "floor":
+            dropped = sum(clocked_samples(r, clock, floor)[1] for r in (*bases, new))
+            warnings.append(f"--clock floor: dropped {dropped} sample(s) clocked below {floor:.0%} of their "
+                            "unit's highest sampled clock")
     bc, nc = _counters_by_key(base), _counters_by_key(new)
     for key in sorted(bc.keys() & nc.keys()):
         b, n = bc[key], nc[key]

@@ -16,7 +16,7 @@ from ..kernels.base import OPTION_SEP, split_name
 from ..kernels.delay import split_delay
 import numpy as np
 
-from .baseline import CLOCK_MODES, clock_exponents, clocked_samples
+from .baseline import CLOCK_MODES, clocked_samples
 from .compare import REGRESSION, compare_runs
 from .results import Run
 
@@ -50,8 +50,8 @@ class Power:
     realized: dict[float, list[float]] = field(default_factory=dict)  # percent -> planted/clean - 1, per unit
 
 
-def _module_medians(run: Run, mode: str, floor: float, exponents: dict | None = None) -> dict:
-    s, _ = clocked_samples(run, mode, floor, exponents)
+def _module_medians(run: Run, mode: str, floor: float) -> dict:
+    s, _ = clocked_samples(run, mode, floor)
     s = s[s["stage"] == "module"]
     return {key: float(np.median(g["seconds"])) for key, g in s.groupby(["point_key", "backend", "dtype"])}
 
@@ -72,7 +72,7 @@ def gate_power(runs: list[Run], k: int, threshold: float = 0.05, modes=CLOCK_MOD
             times = [f for f in result.findings if f.kind == "time"]
             power.clean_comparisons += len(times)
             power.false_regressions += sum(f.verdict == REGRESSION for f in times)
-            medians = _module_medians(new, mode, floor, clock_exponents(bases) if mode == "fit" else None)
+            medians = _module_medians(new, mode, floor)
             for name in backends:
                 target = planted(name)
                 if target is None:

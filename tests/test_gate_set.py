@@ -79,6 +79,24 @@ def test_clock_modes_undo_a_clock_step(tmp_path, fake_run, cli):
     assert "dropped 40 sample(s)" in " ".join(out.split())     # 20 per stage, module and attention
 
 
+def test_clock_both_flags_only_what_raw_and_normalize_both_see(tmp_path, fake_run, cli):
+    base = fake_run(tmp_path / "base", {"a": (samples(1e-3), [1850.0] * 40)})
+    # a stage bound by memory: the same time at a 5.4 % higher clock, which normalize reads as a slowdown
+    quicker_clock = fake_run(tmp_path / "q", {"a": (samples(1e-3), [1950.0] * 40)})
+    assert cli("compare", base, quicker_clock, "--clock", "normalize")[0] == 1
+    assert cli("compare", base, quicker_clock, "--clock", "raw")[0] == 0
+    code, out, err = cli("compare", base, quicker_clock, "--clock", "both")
+    assert code == 0 and "0 regression(s)" in out, out + err
+    # a clock step: 10 % slower at a 10 % lower clock, which raw reads as a slowdown
+    stepped = fake_run(tmp_path / "s", {"a": (samples(1.1e-3), [1850.0 / 1.1] * 40)})
+    assert cli("compare", base, stepped, "--clock", "raw")[0] == 1
+    assert cli("compare", base, stepped, "--clock", "both")[0] == 0
+    # a real slowdown at the same clock: both see it
+    slower = fake_run(tmp_path / "r", {"a": (samples(1.1e-3), [1850.0] * 40)})
+    code, out, err = cli("compare", base, slower, "--clock", "both")
+    assert code == 1 and "2 regression(s)" in " ".join(out.split()), out + err     # module and attention
+
+
 def test_clock_modes_need_the_clock_columns(tmp_path, fake_run, cli, one_error_line):
     old = fake_run(tmp_path / "old", {"a": samples(1e-3)}, clocks=False)
     code, out, _ = cli("compare", old, old)           # runs without the columns still load and compare raw
