@@ -258,7 +258,7 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
         if clock == "floor":
             dropped = sum(clocked_samples(r, clock, floor)[1] for r in (*bases, new))
             warnings.append(f"--clock floor: dropped {dropped} sample(s) clocked below {floor:.0%} of their "
-                            "unit's highest sampled clock")
+                            "stage's highest sampled clock")
     bc, nc = _counters_by_key(base), _counters_by_key(new)
     for key in sorted(bc.keys() & nc.keys()):
         b, n = bc[key], nc[key]
