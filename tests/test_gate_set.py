@@ -69,7 +69,7 @@ def test_clock_modes_undo_a_clock_step(tmp_path, fake_run, cli):
     # the same work, every sample 10 % slower because the SMs ran 10 % slower
     stepped = fake_run(tmp_path / "stepped", {"a": (samples(1.1e-3), [1800.0] * 40)})
     assert cli("compare", base, stepped, "--clock", "raw")[0] == 1
-    code, out, err = cli("compare", base, stepped)          # normalize is the default
+    code, out, err = cli("compare", base, stepped)          # the default (both): normalize sees no change
     assert code == 0, out + err
     # half the samples clock-stepped: the floor drops them and says how many
     mixed = fake_run(tmp_path / "mixed", {"a": (samples(1e-3, 20) + samples(1.2e-3, 20), [1980.0] * 20 + [1650.0] * 20)})
