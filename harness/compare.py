@@ -190,12 +190,12 @@ def _unusable(base: Run, new: Run) -> str | None:
 
 
 def _time_findings(bases: list[Run], new: Run, clock: str, floor: float, threshold: float, alpha: float,
-                   judged: bool) -> list[Finding]:
-    """One time finding per (point, backend, dtype, stage) timed in every baseline run and the new run,
-    the samples taken under `clock`, in key order."""
-    clocked = [clocked_samples(r, clock, floor)[0] for r in (*bases, new)]
-    per_base = [_samples_by_key(s) for s in clocked[:-1]]
-    ns = _samples_by_key(clocked[-1])
+                   judged: bool) -> tuple[list[Finding], int]:
+    """(one time finding per (point, backend, dtype, stage) timed in every baseline run and the new run,
+    the samples taken under `clock`, in key order; the samples the floor dropped)."""
+    clocked = [clocked_samples(r, clock, floor) for r in (*bases, new)]
+    per_base = [_samples_by_key(s) for s, _ in clocked[:-1]]
+    ns = _samples_by_key(clocked[-1][0])
     bs = {k: v for k, v in per_base[0].items() if all(k in d for d in per_base[1:])}
     ok_new = set(new.status.loc[new.status["status"] == STATUS_OK, ["point_key", "backend"]].itertuples(
         index=False, name=None)) if not new.status.empty else set()
@@ -214,7 +214,7 @@ def _time_findings(bases: list[Run], new: Run, clock: str, floor: float, thresho
             center = float(np.median([np.median(r) for r in runs]))
         findings.append(Finding(*key, "time", center, float(np.median(ns[key])), ratio, p,
                                 verdict if judged else NOT_JUDGED, spread=spread))
-    return findings
+    return findings, sum(n for _, n in clocked)
 
 
 def _both(raw: Finding, norm: Finding) -> Finding:
@@ -251,12 +251,12 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
                         "recorded), so raw times are compared")
         clock = "raw"
     if clock == "both":
-        by_mode = [_time_findings(bases, new, m, floor, threshold, alpha, judged) for m in ("raw", "normalize")]
+        by_mode = [_time_findings(bases, new, m, floor, threshold, alpha, judged)[0] for m in ("raw", "normalize")]
         findings += [_both(f_raw, f_norm) for f_raw, f_norm in zip(*by_mode)]
     else:
-        findings += _time_findings(bases, new, clock, floor, threshold, alpha, judged)
+        timed, dropped = _time_findings(bases, new, clock, floor, threshold, alpha, judged)
+        findings += timed
         if clock == "floor":
-            dropped = sum(clocked_samples(r, clock, floor)[1] for r in (*bases, new))
             warnings.append(f"--clock floor: dropped {dropped} sample(s) clocked below {floor:.0%} of their "
                             "stage's highest sampled clock")
     bc, nc = _counters_by_key(base), _counters_by_key(new)
