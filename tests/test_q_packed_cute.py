@@ -52,13 +52,13 @@ def test_options_name_their_libraries():
     assert len(set(names)) == 10 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     assert {c.option for c in ALL} == {"", "pp", "sa", "pp+sa"}
     assert {(c.option, c.dtype, c.pairs) for c in mf.q_packed_configs("default")} == {
-        ("", "bf16", False), ("pp+sa", "fp8", False), ("", "bf16", True), ("", "fp8", True)}
+        ("", "bf16", False), ("sa", "fp8", False), ("", "bf16", True), ("", "fp8", True)}
     assert mf.QPackedConfig("fp8", pairs=True).name == "qpk_attn_fp8_p8g16d128b128_pairs"
     assert mf.q_packed_configs("none") == []
     b = get_backend("q-packed-cute@pp+sa")
     assert b.config_for("fp8") == mf.QPackedConfig("fp8", True, True) and b.name == "q-packed-cute@pp+sa"
     assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
-    assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_pp_sa"
+    assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_sa"
     assert get_backend("q-packed-cute@plain").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
     for cfg in (c for c in ALL if not c.pairs):      # a library's option names it back
         assert get_backend(f"q-packed-cute@{cfg.option or 'plain'}").config_for(cfg.dtype) == cfg

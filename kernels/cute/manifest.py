@@ -193,8 +193,10 @@ Q_PACKED_SETS = ("default", "all", "none")
 # (pingpong, s_ahead) of each dtype's default, measured on the H200 (2026-12-02) with the warpgroups
 # skipping the blocks their tokens did not select, on two N 16384 real-prefill cases (u 1), drift p 0.03 /
 # 0.07 / 0.15 and decode batches: bf16 plain is within 2 % of pingpong at u 1 and 1-4 % faster where the
-# warpgroups skip; fp8 both is 3-6 % faster than plain at u 1 and within 1 % elsewhere.
-DEFAULT_OPTIONS = {"bf16": (False, False), "fp8": (True, True)}
+# warpgroups skip. fp8 with five K/V stages (q_packed_sm90.KV_STAGES): s_ahead alone is within 0.6 % of
+# pingpong + s_ahead at u 1 and on decode, and 1-6 % faster where tokens drift or an indexer picks
+# (pingpong leaves the fifth stage nothing to do).
+DEFAULT_OPTIONS = {"bf16": (False, False), "fp8": (False, True)}
 
 
 @dataclass(frozen=True)
