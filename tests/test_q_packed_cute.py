@@ -52,13 +52,13 @@ def test_options_name_their_libraries():
     assert len(set(names)) == 10 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     assert {c.option for c in ALL} == {"", "pp", "sa", "pp+sa"}
     assert {(c.option, c.dtype, c.pairs) for c in mf.q_packed_configs("default")} == {
-        ("", "bf16", False), ("sa", "fp8", False), ("", "bf16", True), ("", "fp8", True)}
+        ("", "bf16", False), ("pp+sa", "fp8", False), ("sa", "fp8", False), ("", "bf16", True), ("", "fp8", True)}
     assert mf.QPackedConfig("fp8", pairs=True).name == "qpk_attn_fp8_p8g16d128b128_pairs"
     assert mf.q_packed_configs("none") == []
     b = get_backend("q-packed-cute@pp+sa")
     assert b.config_for("fp8") == mf.QPackedConfig("fp8", True, True) and b.name == "q-packed-cute@pp+sa"
     assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
-    assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_sa"
+    assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_pp_sa"
     assert get_backend("q-packed-cute@plain").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
     for cfg in (c for c in ALL if not c.pairs):      # a library's option names it back
         assert get_backend(f"q-packed-cute@{cfg.option or 'plain'}").config_for(cfg.dtype) == cfg
@@ -181,6 +181,28 @@ def test_stage_hands_the_schedule_buffers_to_the_library(dtype, monkeypatch):
         assert torch.equal(v.float(), w.v_cache.float()[:, :, true_keys, :].transpose(-1, -2))
     else:
         assert v is w.v_cache
+
+
+def test_default_plan_runs_the_skip_library_where_warpgroups_skip():
+    """walked_ratio is 1 where each half of a tile selects alike (tiny drift keeps most tiles whole) and grows
+    with drift; a default plan runs SKIP_OPTIONS past SKIP_RATIO, a named option always its own flags."""
+    from msa_bench.scenarios.serving import serving_workload
+    shape = AttnShape(hq=64, hkv=4, head_dim=128, block=128, topk=16)
+    backend = get_backend("q-packed-cute")
+    ratios = {}
+    for drift in (0.0, 0.3):
+        w = serving_workload(shape, "fp8", "drift", 256, 16384, drift=drift, seed=3, with_tensors=False)
+        sch = PackedSchedule(w, 8)
+        sch()
+        ratios[drift] = backend.walked_ratio(w, sch, float((w.selection >= 0).sum()))
+    assert ratios[0.0] == pytest.approx(1.0, abs=0.02) and ratios[0.3] > 1.3, ratios
+    assert backend.config_for("fp8", ratios[0.0]) == mf.QPackedConfig("fp8", *mf.DEFAULT_OPTIONS["fp8"])
+    assert backend.config_for("fp8", ratios[0.3]) == mf.QPackedConfig("fp8", *mf.SKIP_OPTIONS["fp8"])
+    assert backend.config_for("bf16", ratios[0.3]) == backend.config_for("bf16", 1.0)      # bf16 has one default
+    named = get_backend("q-packed-cute@pp+sa")
+    assert named.config_for("fp8", ratios[0.3]) == named.config_for("fp8") == mf.QPackedConfig("fp8", True, True)
+    assert backend.configs_for("fp8") == [mf.QPackedConfig("fp8", True, True), mf.QPackedConfig("fp8", False, True)]
+    assert named.configs_for("fp8") == [mf.QPackedConfig("fp8", True, True)]
 
 
 def test_stage_skips_an_empty_schedule(monkeypatch):

@@ -8,7 +8,8 @@ constructor arguments, its C ABI (Abi: the launch's tensor and scalar arguments)
   `msa-bench build-kernels` builds every kernel in each of its dtypes; the backend runs each dtype's
   default, or the kernel its option names.
 * q-packed (QPackedConfig; backend q-packed-cute). One class, QPackedSm90, with two schedule flags
-  (OPTION_FLAGS); each dtype has its default flags (DEFAULT_OPTIONS).
+  (OPTION_FLAGS); each dtype has its default flags (DEFAULT_OPTIONS) and may have others for plans
+  whose warpgroups skip blocks (SKIP_OPTIONS).
 
 A build directory holds one shared library per configuration plus manifest.json:
   {"format", "arch", "dsl_version", "cuda_version", "cxx_version", "source_hash", "built_at",
@@ -193,10 +194,16 @@ Q_PACKED_SETS = ("default", "all", "none")
 # (pingpong, s_ahead) of each dtype's default, measured on the H200 (2026-12-02) with the warpgroups
 # skipping the blocks their tokens did not select, on two N 16384 real-prefill cases (u 1), drift p 0.03 /
 # 0.07 / 0.15 and decode batches: bf16 plain is within 2 % of pingpong at u 1 and 1-4 % faster where the
-# warpgroups skip. fp8 with five K/V stages (q_packed_sm90.KV_STAGES): s_ahead alone is within 0.6 % of
-# pingpong + s_ahead at u 1 and on decode, and 1-6 % faster where tokens drift or an indexer picks
-# (pingpong leaves the fifth stage nothing to do).
-DEFAULT_OPTIONS = {"bf16": (False, False), "fp8": (False, True)}
+# warpgroups skip; fp8 both is 3-6 % faster than plain at u 1, and 2-12 % faster than s_ahead alone on
+# real prefill's small cases (one or two tiles per SM) and on decode's one-token tiles.
+DEFAULT_OPTIONS = {"bf16": (False, False), "fp8": (True, True)}
+# The flags a dtype runs instead where its warpgroups skip blocks: where they walk more than SKIP_RATIO
+# times the entries their tokens selected (QPackedCuteBackend.walked_ratio). fp8 s_ahead alone with five
+# K/V stages: 1.1-5.9 % faster than both where tokens drift, an indexer picks or groups share part of their
+# blocks (walked ratio 1.085-1.88), and up to 12 % slower at ratio 1 (real prefill), where pingpong lets one
+# warpgroup's softmax run under the other's MMAs on the same blocks (docs/perf-log.md, 2026-12-02).
+SKIP_OPTIONS = {"fp8": (False, True)}
+SKIP_RATIO = 1.05
 
 
 @dataclass(frozen=True)
@@ -244,13 +251,15 @@ class QPackedConfig(LibraryConfig):
 
 def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfig]:
     """The libraries `msa-bench build-kernels --q-packed WHICH` builds: default = each dtype's default options
-    (DEFAULT_OPTIONS), all = every option set, none = nothing."""
+    (DEFAULT_OPTIONS) and those it runs where its warpgroups skip (SKIP_OPTIONS), all = every option set,
+    none = nothing."""
     if which not in Q_PACKED_SETS:
         raise ValueError(f"--q-packed must be one of {', '.join(Q_PACKED_SETS)}, got {which!r}")
     # each dtype's decode library: two tokens a tile (QPackedSm90's pairs)
     pairs = [QPackedConfig(d, pairs=True) for d in dtypes] if which != "none" else []
     if which == "default":
-        return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes] + pairs
+        skip = [QPackedConfig(d, *SKIP_OPTIONS[d]) for d in dtypes if d in SKIP_OPTIONS]
+        return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes] + skip + pairs
     flag_sets = list(itertools.product((False, True), repeat=len(OPTION_FLAGS))) if which == "all" else []
     return [QPackedConfig(d, *flags) for flags in flag_sets for d in dtypes] + pairs
 

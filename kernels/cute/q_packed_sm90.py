@@ -55,7 +55,7 @@ With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
   fp8's pairs ring, none left to read ahead).
 
 Shared memory (one CTA per SM): bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each + O staging 8 x 4 KiB = 224 KiB;
-fp8 Q 2 x 16 KiB + K, V 5 x 16 KiB each + 32 KiB = 224 KiB (pairs: 4 stages, 192 KiB). Registers: 128 x 56 (producer) + 256 x 224
+fp8 Q 2 x 16 KiB + K, V 5 x 16 KiB each + 32 KiB = 224 KiB (pingpong, pairs: 4 stages, 192 KiB). Registers: 128 x 56 (producer) + 256 x 224
 (consumers) = 64512 of the 65536 at 384 threads; the DSL 4.8.1 build's consumers use at most 186 (bf16) /
 171 (fp8) registers, 197 / 182 with s_ahead, none spilled.
 
@@ -87,9 +87,10 @@ CONSUMER_REGS = 224
 Q_STAGES = 2                 # the tile's Q and the next tile's
 META = 5                     # per Q stage: the tile's count, ntok, tok0, lo_end, hi_start
 KV_STAGES = {"bf16": 2, "fp8": 5}      # as many K/V stages as shared memory holds next to Q and O staging
-# decode pairs keep four: with five, every fp8 pairs point of the decode scenario ran 0.5-3.3 % slower
-# (H200, 2026-12-02; outputs bitwise equal)
-PAIRS_KV_STAGES = 4
+# pingpong and decode pairs keep four (H200, 2026-12-02; outputs bitwise equal): with pingpong a fifth was
+# within 0.7 % on 12 prefill, drift and decode points (the turns order the warpgroups), and every fp8 pairs
+# point of the decode scenario ran 0.5-3.3 % slower with it
+TURNS_KV_STAGES = 4
 PINGPONG_BARRIER = 1         # named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn
 LN2 = math.log(2.0)
 
@@ -156,7 +157,8 @@ class QPackedSm90:
             raise ValueError("QPackedSm90: pairs runs without pingpong and s_ahead")
         self.pingpong, self.s_ahead, self.pairs = pingpong, s_ahead, pairs
         self.q_stages = Q_STAGES
-        self.kv_stages = kv_stages or (min(KV_STAGES[dtype], PAIRS_KV_STAGES) if pairs else KV_STAGES[dtype])
+        turns = pingpong or pairs
+        self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else KV_STAGES[dtype])
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")

@@ -6,8 +6,9 @@ those tiles outnumber the SMs a default plan runs each dtype's pairs library, tw
 
 Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
 j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither. Without
-an option each dtype takes the set measured fastest (DEFAULT_OPTIONS). Built for P 8, G 16, D 128, block
-128 in bf16 and fp8.
+an option each dtype takes the set measured fastest (DEFAULT_OPTIONS), or where its warpgroups skip blocks
+(neighbours drift) the set measured fastest there (SKIP_OPTIONS). Built for P 8, G 16, D 128, block 128 in
+bf16 and fp8.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from ..base import Backend, Plan, register
 from ..triton_common import partial_dtype, triton_unavailable_reason
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
-from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SUPPORTED_ARCHS, QPackedConfig,
+from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SKIP_OPTIONS, SKIP_RATIO,
+                              SUPPORTED_ARCHS, QPackedConfig,
                              device_arch, fp8_v_key_order)
 from ..options import Choice
 
@@ -133,9 +135,30 @@ class QPackedCuteBackend(Backend):
         flags = (pingpong, s_ahead)
         self.flags = None if all(f is None for f in flags) else tuple(bool(f) for f in flags)
 
-    def config_for(self, dtype: str) -> QPackedConfig:
-        flags = DEFAULT_OPTIONS.get(dtype, (False,) * len(OPTION_FLAGS)) if self.flags is None else self.flags
+    def config_for(self, dtype: str, walked_ratio: float = 1.0) -> QPackedConfig:
+        """The library a plan runs: the named flags; else the dtype's SKIP_OPTIONS where its warpgroups walk
+        more than SKIP_RATIO times the entries selected (walked_ratio), else its DEFAULT_OPTIONS."""
+        if self.flags is not None:
+            flags = self.flags
+        elif walked_ratio > SKIP_RATIO and dtype in SKIP_OPTIONS:
+            flags = SKIP_OPTIONS[dtype]
+        else:
+            flags = DEFAULT_OPTIONS.get(dtype, (False,) * len(OPTION_FLAGS))
         return QPackedConfig(dtype, *flags, tile_tokens=TILE_TOKENS)
+
+    def configs_for(self, dtype: str) -> list[QPackedConfig]:
+        """Every library a plan in `dtype` may run (decode pairs aside)."""
+        return list(dict.fromkeys(self.config_for(dtype, r) for r in (1.0, float("inf"))))
+
+    def walked_ratio(self, w: Workload, schedule, selected: float) -> float:
+        """The entries the tiles' warpgroups walk (each its P / 2 tokens x the union slots of its half; the
+        schedule has run) over the `selected` entries they hold: 1 where each half's tokens select the same
+        blocks."""
+        half = self.mma_tokens
+        ntok = schedule.tile_ntok.double().repeat(w.shape.hkv)
+        lo, hi = schedule.half_slots()
+        walked = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
+        return walked / selected if selected else 1.0
 
     def unavailable_reason(self, dtype, device):
         if torch.device(device).type != "cuda" or not torch.cuda.is_available():      # the first thing to fix
@@ -150,7 +173,7 @@ class QPackedCuteBackend(Backend):
         if reason:
             return reason
         from ..cute.loader import library_unavailable_reason
-        return library_unavailable_reason(self.config_for(dtype), arch)
+        return next(filter(None, (library_unavailable_reason(c, arch) for c in self.configs_for(dtype))), None)
 
     def workload_unavailable_reason(self, w: Workload) -> str | None:
         return self.unavailable_reason(w.dtype, w.device) or cute_shape_reason(w, self.name)
@@ -166,24 +189,18 @@ class QPackedCuteBackend(Backend):
         schedule = PackedSchedule(w, TILE_TOKENS)
         # every tile one token (decode): the attention stage reads the tokens' pages itself, no schedule stage
         direct = one_token_tiles(w)
+        selected = float((w.selection >= 0).sum())
+        if not direct:
+            schedule()
+        walked = 1.0 if direct else self.walked_ratio(w, schedule, selected)
         # a default plan's decode tiles in pairs; named options keep their library (one token a tile)
         pairs = self.flags is None and pairs_path(w, direct)
-        cfg = QPackedConfig(w.dtype, pairs=True) if pairs else self.config_for(w.dtype)
+        cfg = QPackedConfig(w.dtype, pairs=True) if pairs else self.config_for(w.dtype, walked)
         attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
-        selected = float((w.selection >= 0).sum())
-        if direct:
-            executed = selected
-        else:
-            schedule()
-            # each warpgroup's tokens x the union slots it walks
-            half = self.mma_tokens
-            ntok = schedule.tile_ntok.double().repeat(s.hkv)
-            lo, hi = schedule.half_slots()
-            executed = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
         info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, mma_tokens=self.mma_tokens,
                     tiles=attention.num_tiles,                  # as launched: a pair of decode tokens is one
                     union_capacity=schedule.union_cap,
-                    executed_union_ratio=executed / selected if selected else 1.0,     # each token's warpgroup's
+                    executed_union_ratio=walked,                # each token's warpgroup's
                     attention=attention.describe(),
                     quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major, keys permuted, copy made in plan)"
                                   if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))

@@ -73,10 +73,14 @@ class HybridBackend(Backend):
         return "q-packed-cute" if get_backend("q-packed-cute").workload_unavailable_reason(w) is None else "q-packed"
 
     @staticmethod
-    def packed_attention(w: Workload, kernel: str, packed: PackedSchedule, out: torch.Tensor, lse: torch.Tensor):
+    def packed_attention(w: Workload, kernel: str, packed: PackedSchedule, out: torch.Tensor, lse: torch.Tensor,
+                         entries: float):
+        """The packed part's stage over the schedule's tiles (run), which hold `entries` selected entries."""
         if kernel == "q-packed-cute":
             from .cute_backend import QPackedCuteAttention
-            return QPackedCuteAttention(w, packed, out, lse, get_backend("q-packed-cute").config_for(w.dtype))
+            cute = get_backend("q-packed-cute")
+            cfg = cute.config_for(w.dtype, cute.walked_ratio(w, packed, entries))
+            return QPackedCuteAttention(w, packed, out, lse, cfg)
         return PackedAttention(w, packed, out, lse)
 
     def threshold(self, w: Workload, kv: Backend, packed: str, dev=None) -> tuple[int, str]:
@@ -156,7 +160,9 @@ class HybridBackend(Backend):
         # the pairs that also have KV-outer partials
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
-        attention = self.packed_attention(w, packed_kernel, packed, out, lse)
+        selected = float((w.selection >= 0).sum())
+        residual = float((packed.residual_pages >= 0).sum())
+        attention = self.packed_attention(w, packed_kernel, packed, out, lse, selected - residual)
         cfg = kv_plan.info.get("config", {})
         combine = Combine(w_res, kv_plan.buffers, out, lse, cfg.get("combine_pairs", 4),
                           cfg.get("combine_num_warps", 4), merge_into_output=True)
@@ -171,8 +177,6 @@ class HybridBackend(Backend):
             attention()
             kvs["attention"]()
 
-        selected = float((w.selection >= 0).sum())
-        residual = float((packed.residual_pages >= 0).sum())
         executed = float(packed.tile_count.double() @ packed.tile_ntok.double().repeat(s.hkv))
         info = dict(schedule=Schedule.HYBRID, tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
                     packed_entry_share=1.0 - residual / selected if selected else 0.0,
