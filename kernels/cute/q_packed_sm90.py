@@ -55,9 +55,9 @@ With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
   fp8's pairs ring, none left to read ahead).
 
 Shared memory (one CTA per SM): bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each + O staging 8 x 4 KiB = 224 KiB;
-fp8 Q 2 x 16 KiB + K, V 5 x 16 KiB each + 32 KiB = 224 KiB (pingpong, pairs: 4 stages, 192 KiB). Registers: 128 x 56 (producer) + 256 x 224
-(consumers) = 64512 of the 65536 at 384 threads; the DSL 4.8.1 build's consumers use at most 186 (bf16) /
-171 (fp8) registers, 197 / 182 with s_ahead, none spilled.
+fp8 Q 2 x 16 KiB + K, V 5 x 16 KiB each + 32 KiB = 224 KiB (pingpong, pairs: 4 stages, 192 KiB).
+Registers: 128 x 56 (producer) + 256 x 224 (consumers) = 64512 of the 65536 at 384 threads; the DSL 4.8.1
+build's consumers use at most 186 (bf16) / 171 (fp8) registers, 197 / 182 with s_ahead, none spilled.
 
 Import this module only with CUTE_DSL_ARCH set (build.py does) when no GPU is present.
 """
