@@ -1,14 +1,14 @@
 """Interleaved A/B of q-packed-cute's attention libraries: the same plans, each variant's kernel in turn.
 
-A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, kvN (K/V stages), qN (Q stages),
-oregs (O stored from registers); `plain` is none of them, `default` the plan's own library (build/cute).
+A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, kvN (K/V stages); `plain` is none
+of them, `default` the plan's own library (build/cute).
 
   build (CPU or GPU host; no GPU needed):
-    python3 scripts/qpacked-ab.py build --out build/ab --dtype bf16 --variant sa+kv3+q1+oregs
+    python3 scripts/qpacked-ab.py build --out build/ab --dtype fp8 --variant sa+kv4
   run (GPU): the plans of each point, then ROUNDS rounds of every variant in turn (round 0 dropped: the first
   timed plan of a process can run slow), timed by the harness timer (cold L2, CUDA graphs); each variant's
   output and LSE are checked bitwise against the default library's. One JSON line per point and variant:
-    python3 scripts/qpacked-ab.py run --lib build/ab --dtype bf16 --variant default,sa+kv3+q1+oregs \\
+    python3 scripts/qpacked-ab.py run --lib build/ab --dtype fp8 --variant default,sa+kv4 \\
         --point drift:drift0.07 --point real-prefill:c17ccf --rounds 4 --out ab.jsonl
 
 A point is SCENARIO:TEXT, the shipped scenario's point of this dtype whose key contains TEXT.
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs", "oregs": "o_regs"}
+FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs"}
 
 
 def parse_variant(text: str, dtype: str):
@@ -34,10 +34,8 @@ def parse_variant(text: str, dtype: str):
             kw[FLAGS[tag]] = True
         elif tag[:2] == "kv" and tag[2:].isdigit():
             kw["kv_stages"] = int(tag[2:])
-        elif tag[:1] == "q" and tag[1:].isdigit():
-            kw["q_stages"] = int(tag[1:])
         elif tag != "plain":
-            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, oregs, kvN, qN, plain)")
+            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, kvN, plain)")
     return QPackedConfig(dtype, **kw)
 
 

@@ -336,6 +336,15 @@ def test_kernel_table_names_classes_that_exist():
     assert len({k.symbol for k in mf.KERNELS.values()}) == len(mf.KERNELS)
 
 
+def test_q_packed_kv_stages_name_a_library_of_their_own():
+    """A K/V ring other than the kernel's own count is a constructor flag and a library name of its own; the
+    default libraries keep their names and flags."""
+    default, five = mf.QPackedConfig("fp8", False, True), mf.QPackedConfig("fp8", False, True, kv_stages=4)
+    assert default.name == "qpk_attn_fp8_p8g16d128b128_sa" and "kv_stages" not in default.kernel_options
+    assert five.name == default.name + "_kv4" and five.kernel_options == dict(default.kernel_options, kv_stages=4)
+    assert five.options == default.options
+
+
 def test_source_hash_tracks_kernel_sources():
     files = mf.source_files()
     assert {"kv_outer_sm90.py", "producer.py", "mma.py", "softmax.py", "build.py", "shim_template.py",

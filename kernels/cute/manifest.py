@@ -220,20 +220,7 @@ class QPackedConfig(LibraryConfig):
     group: int = 16
     head_dim: int = 128
     block: int = 128
-    # shared memory (QPackedSm90's kv_stages, q_stages, o_regs): 0 stages = the kernel's own count
-    kv_stages: int = 0
-    q_stages: int = 2
-    o_regs: bool = False
-
-    @property
-    def ring(self) -> dict:
-        """The shared-memory flags that differ from the kernel's defaults."""
-        ring = {"kv_stages": self.kv_stages} if self.kv_stages else {}
-        if self.q_stages != 2:
-            ring["q_stages"] = self.q_stages
-        if self.o_regs:
-            ring["o_regs"] = True
-        return ring
+    kv_stages: int = 0          # QPackedSm90's K/V ring; 0: the kernel's own count for the dtype and flags
 
     @property
     def option(self) -> str:
@@ -243,7 +230,7 @@ class QPackedConfig(LibraryConfig):
     @property
     def name(self) -> str:
         tags = "".join(f"_{tag}" for tag in self.option.split("+") if tag) + ("_pairs" if self.pairs else "")
-        tags += "".join("_oregs" if key == "o_regs" else f"_{key[:-7]}{value}" for key, value in self.ring.items())
+        tags += f"_kv{self.kv_stages}" if self.kv_stages else ""
         return f"qpk_attn_{self.dtype}_p{self.tile_tokens}g{self.group}d{self.head_dim}b{self.block}{tags}"
 
     @property
@@ -256,7 +243,7 @@ class QPackedConfig(LibraryConfig):
 
     @property
     def kernel_options(self) -> dict:
-        return self.options | self.ring
+        return self.options | ({"kv_stages": self.kv_stages} if self.kv_stages else {})
 
     @property
     def rebuild_flags(self) -> str:

@@ -139,8 +139,7 @@ class QPackedSm90:
     kernel_version = "qp2-ws-online-halves"
 
     def __init__(self, dtype: str, tile_tokens: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
-                 pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, kv_stages: int | None = None,
-                 q_stages: int = Q_STAGES, o_regs: bool = False):
+                 pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, kv_stages: int | None = None):
         if dtype not in DSL_DTYPES:
             raise ValueError(f"the q-packed CuTe stage supports {', '.join(DSL_DTYPES)}, not {dtype}")
         if (tile_tokens, group, head_dim, block) != (8, 16, 128, 128):
@@ -157,26 +156,18 @@ class QPackedSm90:
             # holds two stages per warpgroup, all four of fp8's pairs ring
             raise ValueError("QPackedSm90: pairs runs without pingpong and s_ahead")
         self.pingpong, self.s_ahead, self.pairs = pingpong, s_ahead, pairs
-        if q_stages not in (1, 2):
-            raise ValueError(f"QPackedSm90: q_stages is 1 or 2, got {q_stages}")
-        self.q_stages, self.o_regs = q_stages, o_regs
+        self.q_stages = Q_STAGES
         turns = pingpong or pairs
         self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else KV_STAGES[dtype])
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
-                               + ("-pairs" if pairs else "") + self._ring_tag("-"))
+                               + ("-pairs" if pairs else ""))
 
     def __repr__(self) -> str:
         # the DSL names the compiled functions (and ncu shows the kernel) after str(self)
         return (f"QPackedSm90_{self.dtype_name}" + ("_pingpong" if self.pingpong else "")
-                + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else "") + self._ring_tag("_"))
-
-    def _ring_tag(self, sep: str) -> str:
-        """The shared-memory options where they differ from the defaults ('' otherwise: the default
-        libraries keep their names and bytes)."""
-        tags = ([f"q{self.q_stages}"] if self.q_stages != Q_STAGES else []) + (["oregs"] if self.o_regs else [])
-        return "".join(sep + t for t in tags + ([f"kv{self.kv_stages}"] if tags else []))
+                + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else ""))
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
@@ -204,8 +195,6 @@ class QPackedSm90:
         tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
         storage = self._storage_struct(sQ_layout, sK_layout, sV_layout, sO_layout)
-        if const_expr(self.o_regs):
-            gO_tma = mO                  # stored from registers: the kernel takes the output itself
         self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mTileTok0, mTileNtok,
                     mTileCount, mTilePage, mTileLimit, mTileSplit, (mPages, mSel, mQLimit, n_tokens, topk, direct),
                     mLse, hkv, n_token_tiles, union_cap, scale * LOG2E, out_scale, sQ_layout, sK_layout, sV_layout,
@@ -225,9 +214,8 @@ class QPackedSm90:
                   "sLim": mem[Int32, self.tile_tokens * self.kv_stages],
                   "sQ": align[mem[dt, cute.cosize(sQ_layout)], 1024],
                   "sK": align[mem[dt, cute.cosize(sK_layout)], 1024],
-                  "sV": align[mem[dt, cute.cosize(sV_layout)], 1024]}
-        if not self.o_regs:
-            fields["sO"] = align[mem[cutlass.BFloat16, cute.cosize(sO_layout)], 1024]
+                  "sV": align[mem[dt, cute.cosize(sV_layout)], 1024],
+                  "sO": align[mem[cutlass.BFloat16, cute.cosize(sO_layout)], 1024]}
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         return self.shared_storage
 
@@ -253,9 +241,7 @@ class QPackedSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)          # (ROWS, D, QS)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (BLK, D, KS)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)          # (BLK, D or D, BLK, KS)
-        sO = None
-        if const_expr(not self.o_regs):
-            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)      # (G, D, 8)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)          # (G, D, 8)
 
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -265,7 +251,7 @@ class QPackedSm90:
                 for s in cutlass.range_constexpr(self.kv_stages):
                     cute.arch.mbarrier_init(kv_full + s, self.tile_tokens)
                     cute.arch.mbarrier_init(kv_empty + s, self.num_consumer_warps)
-            for atom in (tma_k, tma_v) + (() if self.o_regs else (tma_o,)):
+            for atom in (tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -503,18 +489,14 @@ class QPackedSm90:
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
         tScS = rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
-        if const_expr(self.o_regs):
-            o_parts = (thr_pv, gO_tma)                                           # gO_tma is mO itself
-        else:
-            # O staging: the (ROWS, D) view of the slot-staged buffer (row = slot * G + g), written by stmatrix
-            sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_tokens), D), stride=((1, G * D), G)))
-            st_copy = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), pv_mma)
-            tRsO = st_copy.get_slice(ctid).partition_D(sO_tile)
-            gO = cute.local_tile(gO_tma, (G, D), (None, 0))                      # (G, D, N * Hkv)
-            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-            o_parts = (st_copy, tRsO, tma_o, tOsO, tOgO)
+        # O staging: the (ROWS, D) view of the slot-staged buffer (row = slot * G + g), written by stmatrix
+        sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_tokens), D), stride=((1, G * D), G)))
+        st_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), pv_mma)
+        tRsO = st_copy.get_slice(ctid).partition_D(sO_tile)
+        gO = cute.local_tile(gO_tma, (G, D), (None, 0))                          # (G, D, N * Hkv)
+        tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                           cute.group_modes(gO, 0, 2))
 
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, BLK)), Float32)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, D)), Float32)
@@ -573,7 +555,8 @@ class QPackedSm90:
                                                 both if const_expr(self.pairs) else None, warp, cwg, lane, scale_log2)
             kv_idx, kv_phase = self._pass(kv_full, kv_empty, kv_idx, kv_phase, count - hi, cwg, lane)
             release(q_empty + q_idx, lane)                # every S of the tile has completed
-            self._store(o_parts, mLse, v, tok0, ntok, head, hkv, warp, lane, ctid, out_scale, scale_log2)
+            self._store(st_copy, tRsO, tma_o, tOsO, tOgO, mLse, v, tok0, ntok, head, hkv, warp, lane, ctid,
+                        out_scale, scale_log2)
             q_idx, q_phase = advance(q_idx, q_phase, self.q_stages)
         if const_expr(self.pingpong):
             if cwg == 0:
@@ -718,12 +701,12 @@ class QPackedSm90:
         return kv_idx, kv_phase
 
     @cute.jit
-    def _store(self, o_parts, mLse: cute.Tensor, v, tok0: Int32, ntok: Int32, head: Int32, hkv: Int32,
+    def _store(self, st_copy: cute.TiledCopy, tRsO: cute.Tensor, tma_o: cute.CopyAtom, tOsO: cute.Tensor,
+               tOgO: cute.Tensor, mLse: cute.Tensor, v, tok0: Int32, ntok: Int32, head: Int32, hkv: Int32,
                warp: Int32, lane: Int32, ctid: Int32, out_scale: Float32, scale_log2: Float32):
         """The warp's token: l reduced over each row's quad, O * out_scale / l as bf16 by stmatrix into the
-        warp's own staging slot and one TMA store of its (G, D) rows (o_regs: from registers straight to
-        out, two columns a store); the LSE of its rows. A token past ntok stores nothing; a row with no
-        visible key gets O = 0 and LSE -inf."""
+        warp's own staging slot and one TMA store of its (G, D) rows; the LSE of its rows. A token past
+        ntok stores nothing; a row with no visible key gets O = 0 and LSE -inf."""
         G = self.group
         acc_o, m_run, l_run, alpha, tScS = v["acc_o"], v["m_run"], v["l_run"], v["alpha"], v["tScS"]
         n_rows = const_expr(cute.size(tScS, mode=[0]))
@@ -749,29 +732,14 @@ class QPackedSm90:
             if ctid % 4 == 0:
                 for r in cutlass.range_constexpr(n_rows):
                     mLse[token * (hkv * G) + head * G + tScS[r, 0][0] % G] = lse[r]
-        if const_expr(self.o_regs):
-            thr_pv, mO = o_parts
+        # per-warp O store (v21's): the warp's previous store has read its slot before stmatrix refills it
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+        cute.copy(st_copy, st_copy.retile(r_o), tRsO)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        if lane == 0:
             if live:
-                # the tile's (ROWS, D) rows in out (row slot * G + g is token tok0 + slot's head * G + g; pairs:
-                # slots 0-3 token tok0, 4-7 tok0 + 1); this thread's part is its warp's token's
-                hq = hkv * G
-                slots = ((self.tile_tokens // 2, 2), (0, hq * self.head_dim)) if const_expr(self.pairs) else \
-                    (self.tile_tokens, hq * self.head_dim)
-                tile = cute.make_layout(((G, slots[0]), self.head_dim), stride=((self.head_dim, slots[1]), 1))
-                first = (cutlass.Int64(tok0) * hq + head * G) * self.head_dim
-                ptr = cute.make_ptr(cutlass.BFloat16, (mO.iterator + first).toint(), cute.AddressSpace.gmem,
-                                    assumed_align=4)
-                cute.autovec_copy(r_o, thr_pv.partition_C(cute.make_tensor(ptr, tile)))
-        else:
-            st_copy, tRsO, tma_o, tOsO, tOgO = o_parts
-            # per-warp O store (v21's): the warp's previous store has read its slot before stmatrix refills it
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            cute.copy(st_copy, st_copy.retile(r_o), tRsO)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_warp()
-            if lane == 0:
-                if live:
-                    cute.copy(tma_o, tOsO[None, warp], tOgO[None, token * hkv + head])
-                cute.arch.cp_async_bulk_commit_group()
+                cute.copy(tma_o, tOsO[None, warp], tOgO[None, token * hkv + head])
+            cute.arch.cp_async_bulk_commit_group()
