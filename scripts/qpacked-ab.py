@@ -7,7 +7,8 @@ of them, `default` the plan's own library (build/cute).
     python3 scripts/qpacked-ab.py build --out build/ab --dtype fp8 --variant sa+kv4
   run (GPU): the plans of each point, then ROUNDS rounds of every variant in turn (round 0 dropped: the first
   timed plan of a process can run slow), timed by the harness timer (cold L2, CUDA graphs); each variant's
-  output and LSE are checked bitwise against the default library's. One JSON line per point and variant:
+  output and LSE are checked bitwise against the first variant's and, on sampled rows, against the float64
+  reference with the harness's tolerance (harness/check.py). One JSON line per point and variant:
     python3 scripts/qpacked-ab.py run --lib build/ab --dtype fp8 --variant default,sa+kv4 \\
         --point drift:drift0.07 --point real-prefill:c17ccf --rounds 4 --out ab.jsonl
 
@@ -20,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs"}
+FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs", "half": "half_blocks"}
 
 
 def parse_variant(text: str, dtype: str):
@@ -35,7 +36,7 @@ def parse_variant(text: str, dtype: str):
         elif tag[:2] == "kv" and tag[2:].isdigit():
             kw["kv_stages"] = int(tag[2:])
         elif tag != "plain":
-            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, kvN, plain)")
+            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, half, kvN, plain)")
     return QPackedConfig(dtype, **kw)
 
 
@@ -58,6 +59,7 @@ def points(specs: list[str], dtype: str):
 def run(args) -> None:
     import torch
 
+    from msa_bench.harness.check import compare_output, poison, sample_rows
     from msa_bench.harness.timing import TimingConfig, summarize, time_plan
     from msa_bench.kernels.base import get_backend
     from msa_bench.kernels.cute.loader import CuteLibrary
@@ -87,9 +89,12 @@ def run(args) -> None:
         for r in range(args.rounds + 1):
             for name, _ in variants:
                 plan.stages["attention"] = stages[name]
-                plan.output.zero_()
+                poison(plan)
                 plan.run()
                 torch.cuda.synchronize()
+                if r == 0:
+                    err, tol, _ = compare_output(plan, w, sample_rows(w.n_tokens))
+                    times[name]["rel_err"], times[name]["tol"] = err, tol
                 got = (plan.output.clone(), plan.lse.clone())
                 if reference is None:
                     reference = got
@@ -107,12 +112,13 @@ def run(args) -> None:
                        module_us=sorted(t["module"])[len(t["module"]) // 2],
                        attention_us=sorted(t["attention"])[len(t["attention"]) // 2],
                        rounds_module_us=[round(x, 1) for x in t["module"]],
-                       equal_to_first=not t.get("unequal"))
+                       equal_to_first=not t.get("unequal"), rel_err=t["rel_err"], passes=t["rel_err"] <= t["tol"])
             row["vs_first"] = round(row["module_us"] / base, 4)
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(f"{spec:28s} {name:22s} module {row['module_us']:9.1f} us  x{row['vs_first']:.3f}  "
-                  f"attention {row['attention_us']:9.1f}  equal {row['equal_to_first']}", flush=True)
+                  f"attention {row['attention_us']:9.1f}  equal {row['equal_to_first']}  err {row['rel_err']:.1e}"
+                  f"{'' if row['passes'] else ' FAILS'}", flush=True)
         plan.stages["attention"] = default
         del plan, w, stages
         torch.cuda.empty_cache()
