@@ -53,6 +53,8 @@ With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
   block on one warpgroup while the other idles; a pair runs two at once. Without pingpong (its turns would
   order the pairs one warpgroup after the other) and s_ahead (two held stages per warpgroup: all four of
   fp8's pairs ring, none left to read ahead).
+* half_blocks (bf16, no pairs): each union block fills two K/V stages of 64 keys (four in the same 128 KiB),
+  so s_ahead holds two half blocks a warpgroup with stages left to stream; the key limits are split per half.
 
 Shared memory (one CTA per SM): bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each + O staging 8 x 4 KiB = 224 KiB;
 fp8 Q 2 x 16 KiB + K, V 5 x 16 KiB each + 32 KiB = 224 KiB (pingpong, pairs: 4 stages, 192 KiB).
