@@ -1,7 +1,7 @@
 """Interleaved A/B of q-packed-cute's attention libraries: the same plans, each variant's kernel in turn.
 
-A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, kvN (K/V stages); `plain` is none
-of them, `default` the plan's own library (build/cute).
+A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, half (K/V stages of half a block),
+kvN (K/V stages); `plain` is none of them, `default` the plan's own library (build/cute).
 
   build (CPU or GPU host; no GPU needed):
     python3 scripts/qpacked-ab.py build --out build/ab --dtype fp8 --variant sa+kv4
@@ -38,6 +38,11 @@ def parse_variant(text: str, dtype: str):
         elif tag != "plain":
             sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, half, kvN, plain)")
     return QPackedConfig(dtype, **kw)
+
+
+def middle(values: list[float]) -> float:
+    """The median round (the upper middle one for an even count)."""
+    return sorted(values)[len(values) // 2]
 
 
 def build(args) -> None:
@@ -105,12 +110,11 @@ def run(args) -> None:
                 if r:
                     for stage in ("module", "attention"):
                         times[name][stage].append(summarize(samples[stage].seconds)["median_s"] * 1e6)
-        base = sorted(times[variants[0][0]]["module"])[len(times[variants[0][0]]["module"]) // 2]
+        base = middle(times[variants[0][0]]["module"])
         for name, cfg in variants:
             t = times[name]
             row = dict(point=spec, key=point.key(), variant=name, library=(cfg or default.cfg).name,
-                       module_us=sorted(t["module"])[len(t["module"]) // 2],
-                       attention_us=sorted(t["attention"])[len(t["attention"]) // 2],
+                       module_us=middle(t["module"]), attention_us=middle(t["attention"]),
                        rounds_module_us=[round(x, 1) for x in t["module"]],
                        equal_to_first=not t.get("unequal"), rel_err=t["rel_err"], passes=t["rel_err"] <= t["tol"])
             row["vs_first"] = round(row["module_us"] / base, 4)

@@ -244,8 +244,9 @@ class QPackedConfig(LibraryConfig):
 
     @property
     def kernel_options(self) -> dict:
-        ring = {"kv_stages": self.kv_stages} if self.kv_stages else {}
-        return self.options | ring | ({"half_blocks": True} if self.half_blocks else {})
+        # the shared-memory flags only where set: the default libraries keep their constructor calls
+        ring = {"kv_stages": self.kv_stages, "half_blocks": self.half_blocks}
+        return self.options | {flag: value for flag, value in ring.items() if value}
 
     @property
     def rebuild_flags(self) -> str:

@@ -166,7 +166,8 @@ class QPackedSm90:
         self.kv_rows = block // self.halves
         self.q_stages = Q_STAGES
         turns = pingpong or pairs
-        self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else KV_STAGES[dtype]) * self.halves
+        own = min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else KV_STAGES[dtype]
+        self.kv_stages = kv_stages or own * self.halves
         self.kv_tx_bytes = 2 * self.kv_rows * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
@@ -338,14 +339,9 @@ class QPackedSm90:
                 for j in cutlass.range(count, unroll=1):
                     page = cute.arch.shuffle_sync(pg, j)
                     lim = cute.arch.shuffle_sync(lm, j)
-                    if const_expr(self.halves == 1):
-                        kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
-                                                            page * hkv + head,
-                                                            Int32(cutlass.select_(lane == 0, lim, Int32(-1))), lane)
-                    else:
-                        kv_idx, kv_phase = self._fill_halves(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
-                                                             page * hkv + head,
-                                                             Int32(cutlass.select_(lane == 0, lim, Int32(-1))), lane)
+                    kv_idx, kv_phase = self._fill_block(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
+                                                        page * hkv + head,
+                                                        Int32(cutlass.select_(lane == 0, lim, Int32(-1))), lane)
             else:
                 count = mTileCount[tile]
                 base = tile * union_cap
@@ -360,12 +356,8 @@ class QPackedSm90:
                     nxt = base + cutlass.min(j + 1, count - 1)
                     page_n = mTilePage[nxt]
                     lim_n = mTileLimit[nxt * P + my_lane]
-                    if const_expr(self.halves == 1):
-                        kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
-                                                            page * hkv + head, lim, lane)
-                    else:
-                        kv_idx, kv_phase = self._fill_halves(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
-                                                             page * hkv + head, lim, lane)
+                    kv_idx, kv_phase = self._fill_block(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
+                                                        page * hkv + head, lim, lane)
 
     @cute.jit
     def _direct_entries(self, direct_entries, tile: Int32):
@@ -396,15 +388,18 @@ class QPackedSm90:
         return cute.arch.popc(valid & 0xFFFF), cute.arch.popc((valid >> 16) & 0xFFFF)
 
     @cute.jit
-    def _fill_halves(self, copies, sLim: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32,
-                     kv_phase: Int32, slab: Int32, lim: Int32, lane: Int32):
-        """half_blocks: a union block into two stages, keys [0, 64) and [64, 128), each with the tokens' key
-        limits within it (-1 where a token sees none of its keys)."""
-        KR = self.kv_rows
-        for h in cutlass.range_constexpr(self.halves):
-            lim_h = Int32(cutlass.select_(lim >= h * KR, cutlass.min(lim - h * KR, KR - 1), Int32(-1)))
-            kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
-                                                slab * self.halves + h, lim_h, lane)
+    def _fill_block(self, copies, sLim: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32,
+                    kv_phase: Int32, slab: Int32, lim: Int32, lane: Int32):
+        """One union block into the ring: one stage, or with half_blocks two, keys [0, 64) and [64, 128), each
+        with the tokens' key limits within it (-1 where a token sees none of its keys)."""
+        if const_expr(self.halves == 1):
+            kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase, slab, lim, lane)
+        else:
+            KR = self.kv_rows
+            for h in cutlass.range_constexpr(self.halves):
+                lim_h = Int32(cutlass.select_(lim >= h * KR, cutlass.min(lim - h * KR, KR - 1), Int32(-1)))
+                kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
+                                                    slab * self.halves + h, lim_h, lane)
         return kv_idx, kv_phase
 
     @cute.jit
