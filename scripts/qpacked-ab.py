@@ -1,7 +1,7 @@
 """Interleaved A/B of q-packed-cute's attention libraries: the same plans, each variant's kernel in turn.
 
-A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, half (K/V stages of half a block),
-kvN (K/V stages); `plain` is none of them, `default` the plan's own library (build/cute).
+A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, kvN (K/V stages); `plain` is none
+of them, `default` the plan's own library (build/cute).
 
   build (CPU or GPU host; no GPU needed):
     python3 scripts/qpacked-ab.py build --out build/ab --dtype fp8 --variant sa+kv4
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs", "half": "half_blocks"}
+FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs"}
 
 
 def parse_variant(text: str, dtype: str):
@@ -36,7 +36,7 @@ def parse_variant(text: str, dtype: str):
         elif tag[:2] == "kv" and tag[2:].isdigit():
             kw["kv_stages"] = int(tag[2:])
         elif tag != "plain":
-            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, half, kvN, plain)")
+            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, kvN, plain)")
     return QPackedConfig(dtype, **kw)
 
 

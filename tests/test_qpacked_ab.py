@@ -23,9 +23,6 @@ def test_variants_name_the_kernels_flags(ab):
     assert ab.parse_variant("pp+sa", "fp8") == QPackedConfig("fp8", True, True)
     assert ab.parse_variant("sa+kv4", "fp8") == QPackedConfig("fp8", False, True, kv_stages=4)
     assert ab.parse_variant("pairs", "fp8") == QPackedConfig("fp8", pairs=True)
-    half = ab.parse_variant("pp+sa+half", "bf16")
-    assert half == QPackedConfig("bf16", True, True, half_blocks=True) and half.name.endswith("_pp_sa_half")
-    assert half.kernel_options["half_blocks"] is True and "half_blocks" not in QPackedConfig("bf16").kernel_options
 
 
 def test_an_unknown_tag_is_one_line_and_a_failure(ab):

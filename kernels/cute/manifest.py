@@ -221,7 +221,6 @@ class QPackedConfig(LibraryConfig):
     head_dim: int = 128
     block: int = 128
     kv_stages: int = 0          # QPackedSm90's K/V ring; 0: the kernel's own count for the dtype and flags
-    half_blocks: bool = False   # QPackedSm90's K/V stages of half a block
 
     @property
     def option(self) -> str:
@@ -231,7 +230,7 @@ class QPackedConfig(LibraryConfig):
     @property
     def name(self) -> str:
         tags = "".join(f"_{tag}" for tag in self.option.split("+") if tag) + ("_pairs" if self.pairs else "")
-        tags += (f"_kv{self.kv_stages}" if self.kv_stages else "") + ("_half" if self.half_blocks else "")
+        tags += f"_kv{self.kv_stages}" if self.kv_stages else ""
         return f"qpk_attn_{self.dtype}_p{self.tile_tokens}g{self.group}d{self.head_dim}b{self.block}{tags}"
 
     @property
@@ -244,9 +243,7 @@ class QPackedConfig(LibraryConfig):
 
     @property
     def kernel_options(self) -> dict:
-        # the shared-memory flags only where set: the default libraries keep their constructor calls
-        ring = {"kv_stages": self.kv_stages, "half_blocks": self.half_blocks}
-        return self.options | {flag: value for flag, value in ring.items() if value}
+        return self.options | ({"kv_stages": self.kv_stages} if self.kv_stages else {})
 
     @property
     def rebuild_flags(self) -> str:

@@ -53,8 +53,6 @@ With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
   block on one warpgroup while the other idles; a pair runs two at once. Without pingpong (its turns would
   order the pairs one warpgroup after the other) and s_ahead (two held stages per warpgroup: all four of
   fp8's pairs ring, none left to read ahead).
-* half_blocks (bf16, no pairs): each union block fills two K/V stages of 64 keys (four in the same 128 KiB),
-  so s_ahead holds two half blocks a warpgroup with stages left to stream; the key limits are split per half.
 
 Shared memory (one CTA per SM): bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each + O staging 8 x 4 KiB = 224 KiB;
 fp8 Q 2 x 16 KiB + K, V 5 x 16 KiB each + 32 KiB = 224 KiB (pingpong, pairs: 4 stages, 192 KiB).
@@ -141,8 +139,7 @@ class QPackedSm90:
     kernel_version = "qp2-ws-online-halves"
 
     def __init__(self, dtype: str, tile_tokens: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
-                 pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, kv_stages: int | None = None,
-                 half_blocks: bool = False):
+                 pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, kv_stages: int | None = None):
         if dtype not in DSL_DTYPES:
             raise ValueError(f"the q-packed CuTe stage supports {', '.join(DSL_DTYPES)}, not {dtype}")
         if (tile_tokens, group, head_dim, block) != (8, 16, 128, 128):
@@ -158,26 +155,19 @@ class QPackedSm90:
             # pingpong's turns would order the pairs' blocks one warpgroup after the other again, and s_ahead
             # holds two stages per warpgroup, all four of fp8's pairs ring
             raise ValueError("QPackedSm90: pairs runs without pingpong and s_ahead")
-        if half_blocks and (pairs or dtype != "bf16"):
-            raise ValueError("QPackedSm90: half_blocks is written for bf16 prefill (no pairs)")
         self.pingpong, self.s_ahead, self.pairs = pingpong, s_ahead, pairs
-        # keys per K/V stage: a block, or half of one (each union block fills two stages)
-        self.halves = 2 if half_blocks else 1
-        self.kv_rows = block // self.halves
         self.q_stages = Q_STAGES
         turns = pingpong or pairs
-        own = min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else KV_STAGES[dtype]
-        self.kv_stages = kv_stages or own * self.halves
-        self.kv_tx_bytes = 2 * self.kv_rows * head_dim * self.dtype.width // 8     # K box + V box
+        self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else KV_STAGES[dtype])
+        self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
-                               + ("-pairs" if pairs else "") + ("-half-blocks" if half_blocks else ""))
+                               + ("-pairs" if pairs else ""))
 
     def __repr__(self) -> str:
         # the DSL names the compiled functions (and ncu shows the kernel) after str(self)
         return (f"QPackedSm90_{self.dtype_name}" + ("_pingpong" if self.pingpong else "")
-                + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else "")
-                + ("_halfblocks" if self.halves > 1 else ""))
+                + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else ""))
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
@@ -188,7 +178,7 @@ class QPackedSm90:
                  num_ctas: Int32, n_tokens: Int32, topk: Int32, direct: Int32, scale: Float32, out_scale: Float32,
                  stream: cuda.CUstream):
         dt = self.dtype
-        D, BLK, ROWS = self.head_dim, self.kv_rows, self.rows
+        D, BLK, ROWS = self.head_dim, self.block, self.rows
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, BLK))
         pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj if const_expr(self.v_d_major) else mnmaj,
@@ -293,9 +283,9 @@ class QPackedSm90:
         blocks are its token's selected pages in selection order, lane j holding entry j's page and key
         limit (the selection's contract: valid entries first, distinct ids)."""
         mPages, mSel, mQLimit, n_tokens, topk, direct = direct_args
-        D, BLK, P = self.head_dim, self.kv_rows, self.tile_tokens
+        D, BLK, P = self.head_dim, self.block, self.tile_tokens
         v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
-        gK = cute.local_tile(gK_tma, (BLK, D), (None, 0))                 # (BLK, D, slabs x halves)
+        gK = cute.local_tile(gK_tma, (BLK, D), (None, 0))                 # (BLK, D, slabs)
         gV = cute.local_tile(gV_tma, v_tile, (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
@@ -339,7 +329,7 @@ class QPackedSm90:
                 for j in cutlass.range(count, unroll=1):
                     page = cute.arch.shuffle_sync(pg, j)
                     lim = cute.arch.shuffle_sync(lm, j)
-                    kv_idx, kv_phase = self._fill_block(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
+                    kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
                                                         page * hkv + head,
                                                         Int32(cutlass.select_(lane == 0, lim, Int32(-1))), lane)
             else:
@@ -356,7 +346,7 @@ class QPackedSm90:
                     nxt = base + cutlass.min(j + 1, count - 1)
                     page_n = mTilePage[nxt]
                     lim_n = mTileLimit[nxt * P + my_lane]
-                    kv_idx, kv_phase = self._fill_block(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
+                    kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
                                                         page * hkv + head, lim, lane)
 
     @cute.jit
@@ -386,21 +376,6 @@ class QPackedSm90:
         """pairs: the valid entries of the pair's first token (lanes 0-15) and of its second (16-31)."""
         valid = cute.arch.vote_ballot_sync(pg >= 0)
         return cute.arch.popc(valid & 0xFFFF), cute.arch.popc((valid >> 16) & 0xFFFF)
-
-    @cute.jit
-    def _fill_block(self, copies, sLim: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32,
-                    kv_phase: Int32, slab: Int32, lim: Int32, lane: Int32):
-        """One union block into the ring: one stage, or with half_blocks two, keys [0, 64) and [64, 128), each
-        with the tokens' key limits within it (-1 where a token sees none of its keys)."""
-        if const_expr(self.halves == 1):
-            kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase, slab, lim, lane)
-        else:
-            KR = self.kv_rows
-            for h in cutlass.range_constexpr(self.halves):
-                lim_h = Int32(cutlass.select_(lim >= h * KR, cutlass.min(lim - h * KR, KR - 1), Int32(-1)))
-                kv_idx, kv_phase = self._fill_stage(copies, sLim, kv_full, kv_empty, kv_idx, kv_phase,
-                                                    slab * self.halves + h, lim_h, lane)
-        return kv_idx, kv_phase
 
     @cute.jit
     def _fill_stage(self, copies, sLim: cute.Tensor, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32,
@@ -500,7 +475,7 @@ class QPackedSm90:
         """Consumer thread ctid (0..255; warp ctid // 32 is tile token w): the CTA's tiles in order, each
         one's union blocks with the online softmax, then O and LSE of the warp's token."""
         q_full, q_empty, kv_full, kv_empty = bars
-        G, D, BLK, ROWS = self.group, self.head_dim, self.kv_rows, self.rows
+        G, D, BLK, ROWS = self.group, self.head_dim, self.block, self.rows
         lane = cute.arch.lane_idx()
         warp = ctid // 32                                  # tile token of this warp's 16 rows
         cwg = ctid // self.wg_threads
@@ -554,10 +529,6 @@ class QPackedSm90:
             # the warpgroup's blocks are union slots [lo, hi) (schedule.py orders the union by halves)
             lo = Int32(cutlass.select_(cwg == 0, Int32(0), sMeta[4, q_idx]))
             hi = Int32(cutlass.select_(cwg == 0, sMeta[3, q_idx], count))
-            if const_expr(self.halves > 1):       # each union slot is two K/V stages
-                count = count * self.halves
-                lo = lo * self.halves
-                hi = hi * self.halves
             if const_expr(self.pairs):
                 # token a's n_a blocks (warpgroup 0) and b's n_b (1) in the order a0 b0 a1 b1 ... then the
                 # longer's rest: warpgroup 1 passes a0 first; each passes the other's block after its own
@@ -651,7 +622,7 @@ class QPackedSm90:
     def _softmax(self, v, limit: Int32, scale_log2: Float32):
         """Mask the keys past the warp's limit, then the online softmax step on the S accumulator."""
         s_rc = rows_cols_view(v["acc_s"])
-        mask_keys(s_rc, v["tScS"], limit, self.kv_rows)
+        mask_keys(s_rc, v["tScS"], limit, self.block)
         _online_softmax_step(s_rc, v["m_run"], v["l_run"], v["alpha"], scale_log2, self.p_shift)
 
     def _p_to_regs(self, v):
