@@ -51,13 +51,20 @@ def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(t
     shutil.copy(ROOT / CALIBRATION_FILES["h200"], profile)
     before = json.loads(profile.read_text())
     monkeypatch.setattr(mod, "PACKAGE_ROOT", tmp_path)
-    run = str(ROOT / "results" / "h200" / "co-selection")
+    # the committed run, with q-packed-cute's units said to come from a later sweep (pack-run.py --from)
+    run = tmp_path / "co-selection"
+    shutil.copytree(ROOT / "results" / "h200" / "co-selection", run, ignore=shutil.ignore_patterns("report"))
+    meta = json.loads((run / "run.json").read_text())
+    measured = meta["provenance"]["git_commit"][:7]
+    meta["updated_from"] = [{"backends": ["q-packed-cute"], "commit": "abcdef0123456789", "units": 14}]
+    (run / "run.json").write_text(json.dumps(meta))
+    run = str(run)
     assert mod.main([run, "--backend", "q-packed", "--write"]) == 0
     assert mod.main([run, "--backend", "q-packed-cute", "--write"]) == 0
     after = json.loads(profile.read_text())
     assert {k: v for k, v in after["achieved"].items() if not k.startswith("q-packed")} == \
         {k: v for k, v in before["achieved"].items() if not k.startswith("q-packed")}
     sources = after["achieved_source"].split("; ")
-    assert sum(mod._fitted(s) == "q-packed" for s in sources) == 1
-    assert [s for s in sources if mod._fitted(s) == "q-packed-cute"][0].endswith("(commit 759d021)")
+    assert [s for s in sources if mod._fitted(s) == "q-packed"] == [s for s in sources if s.endswith(f"(commit {measured})")]
+    assert [s for s in sources if mod._fitted(s) == "q-packed-cute"][0].endswith("(commit abcdef0)")
     capsys.readouterr()
