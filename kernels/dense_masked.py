@@ -24,6 +24,7 @@ tries one kernel.
 """
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from dataclasses import dataclass
@@ -226,7 +227,7 @@ def _time_module(stages: dict, device) -> float:
         end.record()
         end.synchronize()
         times.append(begin.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return statistics.median_high(times)
 
 
 def _flashinfer_here(device) -> bool:

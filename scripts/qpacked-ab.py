@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from statistics import median_high
 
 FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs"}
 
@@ -38,11 +39,6 @@ def parse_variant(text: str, dtype: str):
         elif tag != "plain":
             sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, kvN, plain)")
     return QPackedConfig(dtype, **kw)
-
-
-def middle(values: list[float]) -> float:
-    """The median round (the upper middle one for an even count)."""
-    return sorted(values)[len(values) // 2]
 
 
 def build(args) -> None:
@@ -110,11 +106,11 @@ def run(args) -> None:
                 if r:
                     for stage in ("module", "attention"):
                         times[name][stage].append(summarize(samples[stage].seconds)["median_s"] * 1e6)
-        base = middle(times[variants[0][0]]["module"])
+        base = median_high(times[variants[0][0]]["module"])
         for name, cfg in variants:
             t = times[name]
             row = dict(point=spec, key=point.key(), variant=name, library=(cfg or default.cfg).name,
-                       module_us=middle(t["module"]), attention_us=middle(t["attention"]),
+                       module_us=median_high(t["module"]), attention_us=median_high(t["attention"]),
                        rounds_module_us=[round(x, 1) for x in t["module"]],
                        equal_to_first=not t.get("unequal"), rel_err=t["rel_err"], passes=t["rel_err"] <= t["tol"])
             row["vs_first"] = round(row["module_us"] / base, 4)
