@@ -18,7 +18,7 @@ time against the blocks a tile walks (the latency point's 16 included) gives its
 intercept) and one block's walk on one SM (block_s).
 A candidate whose first plan would JIT-build a kernel (Backend.build_pending_reason), or whose plan and
 timing on one workload take over CANDIDATE_SECONDS, is skipped with its reason printed, so the step stays
-within its time.
+within its time; that dtype's entries then stay the profile's, named (merge_fixed_costs), never dropped.
 """
 from __future__ import annotations
 
@@ -108,9 +108,10 @@ def item_points(dtype: str, shape=None, points=ITEM_POINTS):
 
 
 def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, device="cuda", points=None,
-                   timing: TimingConfig = TIMING, only=None) -> dict:
+                   timing: TimingConfig = TIMING, only=None, skipped: dict | None = None) -> dict:
     """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches}, item blocks)]} for
-    every candidate here (or those in `only`); roofline times at achieved fraction 1."""
+    every candidate here (or those in `only`); roofline times at achieved fraction 1. Each candidate
+    skipped on a workload is also put in `skipped` ({"backend/dtype": why}, the first reason kept)."""
     from dataclasses import replace
     from ..errors import one_line
     from ..kernels.auto import candidate_names
@@ -122,6 +123,11 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     series: dict = {}
     launches: dict = {}
     dropped: set = set()            # (backend, dtype) skipped for the rest of the series
+    skipped = {} if skipped is None else skipped
+
+    def skip(name, dtype, why):
+        log(f"  fixed costs: {name} {dtype} skipped{why}")
+        skipped.setdefault(f"{name}/{dtype}", why.removeprefix(": ").strip())
     for dtype in dtypes:
         count = 0
         for point in points(dtype):
@@ -136,7 +142,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                 pending = backend.build_pending_reason(w)
                 if pending:                 # a JIT build inside the step would take it past its time
                     dropped.add((name, dtype))
-                    log(f"  fixed costs: {name} {dtype} skipped: {pending}")
+                    skip(name, dtype, f": {pending}")
                     continue
                 start = time.perf_counter()
                 try:
@@ -144,13 +150,13 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                     roof, _ = backend.roofline(w, inputs, bare)
                     samples = time_plan(plan, timing, device)
                 except Exception as exc:    # one backend that fails here leaves the others' costs measured
-                    log(f"  fixed costs: {name} {dtype} N {w.n_tokens} skipped: {one_line(exc)}")
+                    skip(name, dtype, f" at N {w.n_tokens}: {one_line(exc)}")
                     continue
                 took = time.perf_counter() - start
                 if took > CANDIDATE_SECONDS:
                     dropped.add((name, dtype))
-                    log(f"  fixed costs: {name} {dtype} skipped after N {w.n_tokens}: planning and timing took "
-                        f"{took:.0f} s, over {CANDIDATE_SECONDS:.0f} s a workload (a build or a stall in it)")
+                    skip(name, dtype, f" after N {w.n_tokens}: planning and timing took {took:.0f} s, over "
+                         f"{CANDIDATE_SECONDS:.0f} s a workload (a build or a stall in it)")
                     del plan
                     continue
                 medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
@@ -228,19 +234,23 @@ def fit_items(series: dict) -> dict:
 
 def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None) -> dict:
     """The fixed_costs table for `profile`'s GPU (this one): launch cost, per-stage costs, decode
-    fractions and item times; with `only` (backend names), theirs re-measured and every other backend's
-    kept from `profile` (merge_fixed_costs)."""
+    fractions and item times of every candidate, or with `only` (backend names) of those, every other
+    backend's entries kept from `profile`. A candidate skipped on a dtype keeps that dtype's entries from
+    `profile`, named in the method and the log (merge_fixed_costs)."""
     from ..errors import require_cuda
+    from ..kernels.auto import candidate_names
     require_cuda("fixed-cost calibration")
     t0 = time.perf_counter()
     launch, points = launch_seconds(torch.device("cuda"))
     log(f"  kernel launch in a CUDA graph: {launch * 1e6:.2f} us")
-    latency = measure_series(profile, log=log, points=latency_points, only=only)
+    skipped: dict = {}
+    latency = measure_series(profile, log=log, points=latency_points, only=only, skipped=skipped)
     with_items = {name for (name, _), rows in latency.items() if any(r[3] is not None for r in rows)}
-    item_series = measure_series(profile, log=log, points=item_points, only=with_items) if with_items else {}
+    item_series = measure_series(profile, log=log, points=item_points, only=with_items,
+                                 skipped=skipped) if with_items else {}
     items = fit_items({k: latency.get(k, []) + item_series.get(k, []) for k in set(latency) | set(item_series)})
     stages = fit_series(latency, items)
-    batches = measure_series(profile, log=log, only=only)
+    batches = measure_series(profile, log=log, only=only, skipped=skipped)
     generator, options = LATENCY_POINT
     fresh = {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
             "decode_achieved": fit_decode_achieved(batches, stages), "items": items,
@@ -251,29 +261,64 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None) -> dict:
                       f"items: Theil-Sen of module time against a tile's blocks on the latency point and "
                       f"{len(ITEM_POINTS)} one-request workloads",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}
-    return fresh if only is None else merge_fixed_costs(profile.fixed_costs, fresh, only)
+    out = merge_fixed_costs(profile.fixed_costs or {}, fresh, only, skipped,
+                            candidates=[c for c in candidate_names() if not pick_dependent(c)])
+    for unit, e in out.get("unmeasured", {}).items():
+        log(f"  fixed costs: {unit} {unmeasured_line(e)}")
+    return out
 
 
 PER_BACKEND = ("stages", "decode_achieved", "items")     # fixed_costs tables keyed "backend/..."
 
 
-def merge_fixed_costs(old: dict, fresh: dict, only) -> dict:
-    """`old` fixed costs with every entry of the backends in `only` replaced by `fresh`'s (an entry `fresh`
-    lacks is dropped, not kept stale), the launch cost re-measured, and the method saying which were. A
-    backend in `only` that `fresh` has no stage of (it failed or was skipped, as the log says) is a
-    UserError: nothing is written."""
+def unit_of(key: str) -> str:
+    """The "backend/dtype" a fixed_costs key belongs to ("backend/stage/dtype" or "backend/dtype")."""
+    parts = key.split("/")
+    return f"{parts[0]}/{parts[-1]}"
+
+
+def unmeasured_line(entry: dict) -> str:
+    """What a profile's "unmeasured" entry says: where its entries come from and why."""
+    where = f"kept from {entry['kept_from']}" if entry.get("kept_from") else "missing"
+    return f"{where} ({entry.get('why', 'not measured here')})"
+
+
+def merge_fixed_costs(old: dict, fresh: dict, only=None, skipped: dict | None = None, candidates=None) -> dict:
+    """The fixed costs a calibration writes: `fresh`'s entries for each backend and dtype it measured (a
+    stage at the latency point, skipped on no workload), in place of `old`'s (an entry `fresh` lacks is
+    dropped, not kept stale), and the launch cost re-measured. With `only` (backend names) every other
+    backend's entries are `old`'s; without, `old`'s backends are replaced whole. A backend and dtype in
+    scope that `fresh` did not measure (skipped, as `skipped` says why, or absent where `old` had it and it
+    is still in `candidates`) keeps all of `old`'s entries, named under "unmeasured" and in the method,
+    never dropped in silence. A calibration that measured nothing in scope is a UserError: nothing is written."""
     from ..errors import UserError
-    only = set(only)
-    mine = lambda key: key.split("/")[0] in only            # noqa: E731
-    missing = sorted(b for b in only if not any(k.split("/")[0] == b for k in fresh["stages"]))
-    if missing:
-        raise UserError(f"fixed costs of {', '.join(missing)} were not measured (the log above says why); "
-                        f"the profile is unchanged")
+    skipped = skipped or {}
+    mine = (lambda key: True) if only is None else (lambda key: key.split("/")[0] in set(only))   # noqa: E731
+    live = set(candidates) if candidates is not None else None
+    measured = {unit_of(k) for k in fresh["stages"]} - set(skipped)
+    if not any(mine(u) for u in measured):
+        scope = "any candidate" if only is None else ", ".join(sorted(only))
+        raise UserError(f"fixed costs of {scope} were not measured (the log above says why); the profile is unchanged")
+    had = {unit_of(k) for table in PER_BACKEND for k in (old.get(table) or {}) if mine(k)}
+    wanted = {u for u in had if live is None or u.split("/")[0] in live} | {u for u in skipped if mine(u)}
+    kept_units = sorted(wanted - measured)
+    noted = old.get("unmeasured") or {}          # an entry kept before keeps the date it was measured on
+    since = lambda u: (noted.get(u) or {}).get("kept_from") or old.get("date", "an earlier calibration")  # noqa: E731
+    kept = {u: {"kept_from": since(u) if u in had else None, "why": skipped.get(u, "not measured here")}
+            for u in kept_units}
     out = {**old, "launch_s": fresh["launch_s"], "launch_points": fresh["launch_points"],
            "date": fresh["date"], "seconds": fresh["seconds"]}
     for table in PER_BACKEND:
-        out[table] = {**{k: v for k, v in (old.get(table) or {}).items() if not mine(k)},
-                      **{k: v for k, v in fresh[table].items() if mine(k)}}
-    out["method"] = (f"{old.get('method', '')}; {', '.join(sorted(only))} re-measured {fresh['date']} "
-                     f"({fresh['seconds']:.0f} s)").lstrip("; ")
+        out[table] = {**{k: v for k, v in (old.get(table) or {}).items() if not mine(k) or unit_of(k) in kept},
+                      **{k: v for k, v in fresh[table].items() if mine(k) and unit_of(k) in measured}}
+    said = "; ".join(f"{u} {unmeasured_line(e)}" for u, e in kept.items())
+    if only is None:
+        out["method"] = fresh["method"] + (f"; {said}" if said else "")
+    else:
+        out["method"] = (f"{old.get('method', '')}; {', '.join(sorted(only))} re-measured {fresh['date']} "
+                         f"({fresh['seconds']:.0f} s)" + (f"; {said}" if said else "")).lstrip("; ")
+    kept = {**{u: e for u, e in noted.items() if not mine(u)}, **kept}
+    out.pop("unmeasured", None)
+    if kept:
+        out["unmeasured"] = kept
     return out

@@ -270,11 +270,11 @@ def test_the_calibration_skips_a_candidate_whose_plan_would_build_a_kernel(monke
     def never(self, w):
         raise AssertionError("planned a candidate that needs a build")
     monkeypatch.setattr(QPackedBackend, "_plan", never)
-    lines = []
+    lines, skipped = [], {}
     points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), (512, 1024))
     series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lines.append, device="cpu", points=points,
-                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
-    assert set(series) == {("kv-outer", "fp32")}
+                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1), skipped=skipped)
+    assert set(series) == {("kv-outer", "fp32")} and skipped == {"q-packed/fp32": "q-packed: its kernel is not built"}
     assert [ln for ln in lines if "q-packed" in ln] == ["  fixed costs: q-packed fp32 skipped: q-packed: its kernel "
                                                         "is not built"]
 
@@ -284,11 +284,11 @@ def test_the_calibration_drops_a_candidate_that_runs_past_its_time(monkeypatch):
     from msa_bench.harness.timing import TimingConfig
     monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer"])
     monkeypatch.setattr(fixed_costs, "CANDIDATE_SECONDS", 0.0)
-    lines = []
+    lines, skipped = [], {}
     points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), (512, 1024))
     series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lines.append, device="cpu", points=points,
-                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
-    assert series == {}
+                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1), skipped=skipped)
+    assert series == {} and list(skipped) == ["kv-outer/fp32"] and "over 0 s" in skipped["kv-outer/fp32"]
     assert sum("kv-outer fp32 skipped after N 8" in ln and "over 0 s" in ln for ln in lines) == 1
 
 
@@ -398,6 +398,58 @@ def test_merge_keeps_the_backends_not_remeasured():
     assert out["stages"] == {"a/attention/bf16": {"s": 1.0}, "b/attention/bf16": {"s": 5.0}}   # b's combine dropped
     assert out["decode_achieved"] == {"a/bf16": 0.5, "b/bf16": 0.9} and out["items"] == {"a/bf16": {"block_s": 1.0}}
     assert out["launch_s"] == 2e-6 and out["method"].endswith("b re-measured 2026-12-02 06:00:00 (30 s)")
-    assert old["stages"]["b/attention/bf16"] == {"s": 2.0}                                      # not mutated
+    assert "unmeasured" not in out and old["stages"]["b/attention/bf16"] == {"s": 2.0}        # not mutated
     with pytest.raises(UserError, match="fixed costs of a were not measured"):
-        merge_fixed_costs(old, fresh, ["a", "b"])
+        merge_fixed_costs(old, fresh, ["a"])
+
+
+OLD_FC = {"launch_s": 1e-6, "launch_points": [[1, 2e-5]], "method": "stages: ...", "date": "2026-12-02 05:00:00",
+          "stages": {"a/attention/bf16": {"s": 1.0}, "a/attention/fp8": {"s": 1.5}, "b/attention/bf16": {"s": 2.0},
+                     "gone/attention/bf16": {"s": 9.0}},
+          "decode_achieved": {"a/bf16": 0.5, "a/fp8": 0.4, "b/bf16": 0.6}, "items": {"a/bf16": {"block_s": 1.0}}}
+
+
+def _fresh(stages, decode):
+    return {"launch_s": 2e-6, "launch_points": [[1, 3e-5]], "date": "2026-12-03 06:00:00", "seconds": 30.0,
+            "method": "stages: fresh", "stages": stages, "decode_achieved": decode, "items": {}}
+
+
+def test_a_full_calibration_keeps_and_names_a_candidate_it_skipped():
+    """A candidate skipped on one dtype keeps that dtype's entries, every table, named with their date and why;
+    its other dtype and the other candidates are replaced whole; a backend no longer a candidate goes."""
+    from msa_bench.harness.fixed_costs import merge_fixed_costs
+    fresh = _fresh({"a/attention/fp8": {"s": 7.0}, "b/attention/bf16": {"s": 8.0}}, {"a/fp8": 0.7, "b/bf16": 0.8})
+    out = merge_fixed_costs(OLD_FC, fresh, None, {"a/bf16": "after N 1: planning and timing took 41 s"},
+                            candidates=["a", "b"])
+    assert out["stages"] == {"a/attention/bf16": {"s": 1.0}, "a/attention/fp8": {"s": 7.0},
+                             "b/attention/bf16": {"s": 8.0}}
+    assert out["decode_achieved"] == {"a/bf16": 0.5, "a/fp8": 0.7, "b/bf16": 0.8}
+    assert out["items"] == {"a/bf16": {"block_s": 1.0}}
+    assert out["unmeasured"] == {"a/bf16": {"kept_from": "2026-12-02 05:00:00",
+                                            "why": "after N 1: planning and timing took 41 s"}}
+    assert out["method"] == ("stages: fresh; a/bf16 kept from 2026-12-02 05:00:00 (after N 1: planning and timing "
+                             "took 41 s)")
+    # re-kept later: the entries keep the date they were measured on; measured again: no longer named
+    again = merge_fixed_costs(out, _fresh({"a/attention/fp8": {"s": 7.0}, "b/attention/bf16": {"s": 8.0}}, {}),
+                              None, {"a/bf16": "failed"}, candidates=["a", "b"])
+    assert again["unmeasured"]["a/bf16"] == {"kept_from": "2026-12-02 05:00:00", "why": "failed"}
+    assert "unmeasured" not in merge_fixed_costs(out, _fresh({"a/attention/bf16": {"s": 3.0},
+                                                              "a/attention/fp8": {"s": 3.0}}, {}),
+                                                 None, {}, candidates=["a"])
+
+
+def test_a_candidate_skipped_on_the_decode_batches_is_not_half_replaced():
+    """Stages measured at the latency point but the batches skipped: the unit keeps all its old entries."""
+    from msa_bench.harness.fixed_costs import merge_fixed_costs
+    fresh = _fresh({"a/attention/bf16": {"s": 3.0}, "b/attention/bf16": {"s": 8.0}}, {"a/bf16": 0.9})
+    out = merge_fixed_costs(OLD_FC, fresh, ["a", "b"], {"b/bf16": "at N 264: out of memory"})
+    assert out["stages"]["b/attention/bf16"] == {"s": 2.0} and out["decode_achieved"]["b/bf16"] == 0.6
+    assert out["stages"]["a/attention/bf16"] == {"s": 3.0} and out["decode_achieved"]["a/bf16"] == 0.9
+    assert out["unmeasured"] == {"a/fp8": {"kept_from": "2026-12-02 05:00:00", "why": "not measured here"},
+                                 "b/bf16": {"kept_from": "2026-12-02 05:00:00", "why": "at N 264: out of memory"}}
+    assert out["method"].endswith("a, b re-measured 2026-12-03 06:00:00 (30 s); a/fp8 kept from 2026-12-02 "
+                                  "05:00:00 (not measured here); b/bf16 kept from 2026-12-02 05:00:00 (at N 264: "
+                                  "out of memory)")
+    with pytest.raises(UserError, match="fixed costs of b were not measured"):
+        merge_fixed_costs(OLD_FC, fresh, ["b"], {"b/bf16": "at N 264: out of memory"})
+
