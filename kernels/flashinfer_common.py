@@ -43,11 +43,14 @@ def jit_dirs() -> list:
     return [Path(getattr(env, n)) for n in names if getattr(env, n, None)]
 
 
-def jit_module_built(pattern: str) -> bool:
-    """Whether a built module (a shared library) whose folder or file name matches the glob `pattern` is
-    where FlashInfer loads modules from, so using it compiles nothing."""
+def jit_module_built(pattern: str, unless: str | None = None) -> bool:
+    """Whether a built module (a shared library) whose folder or file name matches the glob `pattern` (and
+    does not contain `unless`) is where FlashInfer loads modules from, so using it compiles nothing."""
     for d in jit_dirs():
-        if d.is_dir() and (any(d.glob(f"**/{pattern}/*.so")) or any(d.glob(f"**/{pattern}.so"))):
+        if not d.is_dir():
+            continue
+        found = [*d.glob(f"**/{pattern}/*.so"), *d.glob(f"**/{pattern}.so")]
+        if any(unless is None or unless not in f"{f.parent.name}/{f.name}" for f in found):
             return True
     return False
 

@@ -304,6 +304,32 @@ def test_flashinfer_fa3_needs_a_build_until_its_module_is_in_the_jit_cache(tmp_p
     assert fa3.build_pending_reason(w) is None
 
 
+def test_dense_masked_needs_a_build_until_its_fa2_module_is_in_the_jit_cache(tmp_path, monkeypatch):
+    """The paged path's FA2 module (K/V in the data's dtype), not FA3's of the same prefix, counts as built."""
+    from msa_bench.kernels import flashinfer_common
+    from msa_bench.kernels.dense_masked import PAGED, DenseMasked
+    monkeypatch.setattr(flashinfer_common, "jit_dirs", lambda: [tmp_path])
+    dense = get_backend("dense-masked")
+    w = workload()
+    assert dense.build_pending_reason(w) is None                   # on the CPU: no paged path, nothing to build
+    monkeypatch.setattr(DenseMasked, "candidates", lambda self, device: [PAGED])
+    bf16, fp8 = replace(w, dtype="bf16"), replace(w, dtype="fp8")
+    assert "JIT-builds" in dense.build_pending_reason(bf16)
+    stem = "batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_{}_dtype_o_bf16_dtype_idx_i32_head_dim_qk_{}_" \
+           "head_dim_vo_{}_posenc_0_use_swa_False_use_logits_cap_False_f16qk_False{}"
+    d = w.shape.head_dim
+
+    def build(name):
+        (tmp_path / "cached_ops" / name).mkdir(parents=True)
+        (tmp_path / "cached_ops" / name / f"{name}.so").write_bytes(b"")
+    build(stem.format("bf16", d, d, "_sm90"))
+    assert "JIT-builds" in dense.build_pending_reason(bf16)       # FA3's module is another kernel
+    build(stem.format("bf16", d, d, "_kv_stride_equal"))
+    assert dense.build_pending_reason(bf16) is None and "JIT-builds" in dense.build_pending_reason(fp8)
+    build(stem.format("e4m3", d, d, ""))
+    assert dense.build_pending_reason(fp8) is None
+
+
 # ---- HBM fractions and item floors ---------------------------------------------------------------
 
 def _row(roof, module, blocks=None):
