@@ -283,7 +283,8 @@ class DenseMasked(Backend):
         if jit_module_built(module, unless="_sm90"):          # FA3's modules share the prefix
             return None
         return (f"{self.name}: no built FA2 prefill module ({module}) in FlashInfer's JIT cache; a first plan "
-                f"JIT-builds it (about a minute); build it ahead with `msa-bench check --backend {self.name}`")
+                f"JIT-builds it (about a minute); build it ahead with `msa-bench check --backend {self.name} "
+                f"--dtype {w.dtype}`")
 
     def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
         """predict_dense over the achieved fraction: the paged path's bytes where it is a candidate (the least
