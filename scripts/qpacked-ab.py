@@ -1,6 +1,7 @@
 """Interleaved A/B of q-packed-cute's attention libraries: the same plans, each variant's kernel in turn.
 
-A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, kvN (K/V stages); `plain` is none
+A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, kvN (K/V stages), pN (N tokens a
+tile: p12 is three consumer warpgroups, fp8; its plan's schedule stage cuts 12-token tiles); `plain` is none
 of them, `default` the plan's own library (build/cute).
 
   build (CPU or GPU host; no GPU needed):
@@ -36,8 +37,10 @@ def parse_variant(text: str, dtype: str):
             kw[FLAGS[tag]] = True
         elif tag[:2] == "kv" and tag[2:].isdigit():
             kw["kv_stages"] = int(tag[2:])
+        elif tag[:1] == "p" and tag[1:].isdigit():
+            kw["tile_tokens"] = int(tag[1:])
         elif tag != "plain":
-            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, kvN, plain)")
+            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, kvN, pN, plain)")
     return QPackedConfig(dtype, **kw)
 
 
@@ -66,6 +69,7 @@ def run(args) -> None:
     from msa_bench.kernels.cute.loader import CuteLibrary
     from msa_bench.kernels.cute.manifest import find_library, device_arch
     from msa_bench.kernels.q_packed.cute_backend import QPackedCuteAttention
+    from msa_bench.kernels.q_packed.schedule import PackedSchedule
     from msa_bench.scenarios.grid import make_workload
 
     variants = [(v, parse_variant(v, args.dtype)) for v in args.variant]
@@ -81,15 +85,22 @@ def run(args) -> None:
         w = make_workload(point, device="cuda")
         plan = get_backend("q-packed-cute").plan(w)
         default = plan.stages["attention"]
-        stages = {}
+        stages, schedules = {}, {}
         for name, cfg in variants:
+            sch = default.sch
+            if cfg is not None and cfg.tile_tokens != sch.P:      # its own tiles, and their schedule stage
+                sch = PackedSchedule(w, cfg.tile_tokens)
+                sch()
+            schedules[name] = sch
             stages[name] = default if cfg is None else QPackedCuteAttention(
-                w, default.sch, plan.output, plan.lse, cfg, library=libraries[name], direct=default.direct)
+                w, sch, plan.output, plan.lse, cfg, library=libraries[name], direct=default.direct)
         reference = None
         times = {name: {"module": [], "attention": []} for name, _ in variants}
         for r in range(args.rounds + 1):
             for name, _ in variants:
                 plan.stages["attention"] = stages[name]
+                if "schedule" in plan.stages:
+                    plan.stages["schedule"] = schedules[name]
                 poison(plan)
                 plan.run()
                 torch.cuda.synchronize()
@@ -107,6 +118,7 @@ def run(args) -> None:
                     for stage in ("module", "attention"):
                         times[name][stage].append(summarize(samples[stage].seconds)["median_s"] * 1e6)
         base = median_high(times[variants[0][0]]["module"])
+        selected = float((w.selection >= 0).sum())
         for name, cfg in variants:
             t = times[name]
             row = dict(point=spec, key=point.key(), variant=name, library=(cfg or default.cfg).name,
@@ -114,12 +126,20 @@ def run(args) -> None:
                        rounds_module_us=[round(x, 1) for x in t["module"]],
                        equal_to_first=not t.get("unequal"), rel_err=t["rel_err"], passes=t["rel_err"] <= t["tol"])
             row["vs_first"] = round(row["module_us"] / base, 4)
+            sch = schedules[name]
+            if "schedule" in plan.stages:            # the entries each token's warpgroup walks, over those selected
+                row["walked_ratio"] = (plan.info["executed_union_ratio"] if sch is default.sch else
+                                       float(sch.tile_count.double() @ sch.tile_ntok.double().repeat(w.shape.hkv))
+                                       / selected)
+            row["tiles"] = stages[name].num_tiles
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(f"{spec:28s} {name:22s} module {row['module_us']:9.1f} us  x{row['vs_first']:.3f}  "
                   f"attention {row['attention_us']:9.1f}  equal {row['equal_to_first']}  err {row['rel_err']:.1e}"
                   f"{'' if row['passes'] else ' FAILS'}", flush=True)
         plan.stages["attention"] = default
+        if "schedule" in plan.stages:
+            plan.stages["schedule"] = default.sch
         del plan, w, stages
         torch.cuda.empty_cache()
 

@@ -44,15 +44,26 @@ def test_options_name_their_libraries():
     both = cb.QPackedCuteBackend.from_option("sa+pp")
     assert both.flags == (True, True)
     for bad in ("x", "pp+pp", "pp+", ""):
-        with pytest.raises(ValueError, match=r"pp\|plain .* sa\|plain"):
+        with pytest.raises(ValueError, match=r"pp\|plain .* sa\|plain .* p8\|p12"):
             cb.QPackedCuteBackend.from_option(bad)
     with pytest.raises(KeyError, match="q-packed-cute options"):
         get_backend("q-packed-cute@p16")
+    with pytest.raises(KeyError, match="neither pp nor sa"):
+        get_backend("q-packed-cute@p12+pp")
+    wide = get_backend("q-packed-cute@p12")
+    assert wide.configs_for("fp8") == [mf.wide_config("fp8")] and wide.flags is None
+    assert wide.unavailable_reason("bf16", "cpu") is not None
     names = [c.name for c in ALL]
-    assert len(set(names)) == 10 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
+    assert len(set(names)) == 11 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     assert {c.option for c in ALL} == {"", "pp", "sa", "pp+sa"}
-    assert {(c.option, c.dtype, c.pairs) for c in mf.q_packed_configs("default")} == {
-        ("", "bf16", False), ("pp+sa", "fp8", False), ("sa", "fp8", False), ("", "bf16", True), ("", "fp8", True)}
+    assert {(c.option, c.dtype, c.pairs, c.tile_tokens) for c in mf.q_packed_configs("default")} == {
+        ("", "bf16", False, 8), ("pp+sa", "fp8", False, 8), ("sa", "fp8", False, 8), ("", "bf16", True, 8),
+        ("", "fp8", True, 8), ("", "fp8", False, 12)}
+    assert mf.wide_config("fp8").name == "qpk_attn_fp8_p12g16d128b128"
+    # a default plan may run the wide library, named options keep theirs
+    assert mf.wide_config("fp8") in get_backend("q-packed-cute").configs_for("fp8")
+    assert mf.wide_config("fp8") not in get_backend("q-packed-cute@pp+sa").configs_for("fp8")
+    assert mf.wide_config("fp8") not in get_backend("q-packed-cute@p8").configs_for("fp8")
     assert mf.QPackedConfig("fp8", pairs=True).name == "qpk_attn_fp8_p8g16d128b128_pairs"
     assert mf.q_packed_configs("none") == []
     b = get_backend("q-packed-cute@pp+sa")
@@ -60,7 +71,7 @@ def test_options_name_their_libraries():
     assert get_backend("q-packed-cute").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
     assert get_backend("q-packed-cute").config_for("fp8").name == "qpk_attn_fp8_p8g16d128b128_pp_sa"
     assert get_backend("q-packed-cute@plain").config_for("bf16").name == "qpk_attn_bf16_p8g16d128b128"
-    for cfg in (c for c in ALL if not c.pairs):      # a library's option names it back
+    for cfg in (c for c in ALL if not c.pairs and c.tile_tokens == 8):      # a library's option names it back
         assert get_backend(f"q-packed-cute@{cfg.option or 'plain'}").config_for(cfg.dtype) == cfg
 
 
@@ -201,8 +212,37 @@ def test_default_plan_runs_the_skip_library_where_warpgroups_skip():
     assert backend.config_for("bf16", ratios[0.3]) == backend.config_for("bf16", 1.0)      # bf16 has one default
     named = get_backend("q-packed-cute@pp+sa")
     assert named.config_for("fp8", ratios[0.3]) == named.config_for("fp8") == mf.QPackedConfig("fp8", True, True)
-    assert backend.configs_for("fp8") == [mf.QPackedConfig("fp8", True, True), mf.QPackedConfig("fp8", False, True)]
+    assert backend.configs_for("fp8") == [mf.QPackedConfig("fp8", True, True), mf.QPackedConfig("fp8", False, True),
+                                          mf.wide_config("fp8")]
     assert named.configs_for("fp8") == [mf.QPackedConfig("fp8", True, True)]
+
+
+def test_default_fp8_plan_takes_wide_tiles_only_where_the_rule_holds(monkeypatch):
+    """12-token tiles where the 8-token warpgroups skip nothing, the 12-token union walks at most
+    WIDE_MAX_RATIO times their entries and there are WIDE_MIN_TILES_PER_SM tiles an SM; never in bf16, for a
+    named option or p8; always for p12."""
+    from msa_bench.scenarios.serving import serving_workload
+    shape = AttnShape(hq=64, hkv=4, head_dim=128, block=128, topk=16)
+    backend, named, p8, p12 = (get_backend(n) for n in ("q-packed-cute", "q-packed-cute@pp+sa", "q-packed-cute@p8",
+                                                         "q-packed-cute@p12"))
+    # 240 causal tokens: 21 twelve-token tiles a head (cut where q_limit crosses a multiple of 12), 84 in all
+    sms = 84 // mf.WIDE_MIN_TILES_PER_SM
+    monkeypatch.setattr(cb, "sm_count", lambda device: sms)
+
+    def chosen(b, drift, dtype="fp8"):
+        w = serving_workload(shape, dtype, "drift", 240, 16384, drift=drift, seed=3, with_tensors=False)
+        sch = PackedSchedule(w, 8)
+        sch()
+        selected = float((w.selection >= 0).sum())
+        wide = b.wide_schedule(w, backend.walked_ratio(w, sch, selected), selected)
+        assert wide is None or (wide[0].P == 12 and wide[0].num_tiles == 84 and wide[1] >= 1.0)
+        return wide is not None
+
+    assert chosen(backend, 0.0) and chosen(p12, 0.0) and chosen(p12, 0.3)
+    assert not chosen(backend, 0.3) and not chosen(backend, 0.0, "bf16")
+    assert not chosen(named, 0.0) and not chosen(p8, 0.0)
+    monkeypatch.setattr(cb, "sm_count", lambda device: sms + 1)          # one tile an SM short
+    assert not chosen(backend, 0.0) and chosen(p12, 0.0)
 
 
 def test_stage_skips_an_empty_schedule(monkeypatch):
@@ -255,7 +295,7 @@ def built(tmp_path_factory):
 
 def _artifact(dump: Path, cfg: mf.QPackedConfig, ext: str) -> Path:
     tag = (f"QPackedSm90_{cfg.dtype}" + ("_pingpong" if cfg.pingpong else "") + ("_sahead" if cfg.s_ahead else "")
-           + ("_pairs" if cfg.pairs else ""))
+           + ("_pairs" if cfg.pairs else "") + ("_3wg" if cfg.tile_tokens == 12 else ""))
     paths = [p for p in glob.glob(str(dump / f"*{tag}_FakeTensor*.{ext}"))]
     assert len(paths) == 1, (tag, ext, paths)
     return Path(paths[0])
@@ -277,16 +317,18 @@ def test_build_writes_every_config_and_its_manifest(built):
 
 @pytest.mark.parametrize("cfg", ALL, ids=[c.name for c in ALL])
 def test_ptx_holds_the_pipeline_of_each_option(built, cfg):
-    """384 threads, registers moved 56 -> 224 from the producer warpgroup to the consumers, K/V by TMA
+    """384 threads, registers moved 56 -> 224 from the producer warpgroup to the consumers (12-token tiles:
+    512 threads, 32 -> 160 for three consumer warpgroups), K/V by TMA
     into mbarrier stages (fp8: one box per 128-byte row; bf16: two), Q by cp.async with a noinc arrive,
     O by stmatrix and TMA stores, the deadlock watchdog; one S and one P V wgmma group per block
     (s-ahead: twice, the loop's and the prologue/epilogue's, with S waited while P V runs); pingpong:
     named barriers of the two consumer warpgroups (256 threads), none otherwise."""
     _, dump = built
     ptx = _artifact(dump, cfg, "ptx").read_text()
-    assert ".reqntid 384, 1, 1" in ptx
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+56;", ptx)
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+224;", ptx)
+    wide = cfg.tile_tokens == 12
+    assert (".reqntid 512, 1, 1" if wide else ".reqntid 384, 1, 1") in ptx
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{32 if wide else 56};", ptx)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{160 if wide else 224};", ptx)
     boxes = 2 if cfg.dtype == "bf16" else 1
     # K and V of a block, at each of the producer's walks: the schedule's tile list and one token's
     # entries, or a pair's alone
@@ -294,7 +336,8 @@ def test_ptx_holds_the_pipeline_of_each_option(built, cfg):
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cta.global") == walks * 2 * boxes
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2          # (16, 128) bf16 O: two boxes
     assert "mbarrier.arrive.expect_tx" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
-    assert ptx.count("cp.async.cg.shared.global") == (32 if cfg.dtype == "bf16" else 16)
+    # a tile's Q rows, 16 bytes a copy over the 64 gathering threads
+    assert ptx.count("cp.async.cg.shared.global") == (32 if cfg.dtype == "bf16" else 16) * cfg.tile_tokens // 8
     assert "stmatrix.sync.aligned" in ptx and "trap;" in ptx
     groups = 4 if cfg.s_ahead else 2
     k_steps = 8 if cfg.dtype == "bf16" else 4

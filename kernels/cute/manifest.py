@@ -204,6 +204,15 @@ DEFAULT_OPTIONS = {"bf16": (False, False), "fp8": (True, True)}
 # warpgroup's softmax run under the other's MMAs on the same blocks (docs/perf-log.md, 2026-12-02).
 SKIP_OPTIONS = {"fp8": (False, True)}
 SKIP_RATIO = 1.05
+# Wide tiles: 12 tokens, three consumer warpgroups each walking the whole union (fp8; QPackedSm90 with
+# tile_tokens 12). A plan whose warpgroups skip nothing (walked ratio <= SKIP_RATIO) runs them where the
+# 12-token union walks at most WIDE_MAX_RATIO times the 8-token warpgroups' entries and the 12-token tiles
+# are at least WIDE_MIN_TILES_PER_SM per SM. Fitted on real prefill (H200, 2026-12-03: 5-8 % faster from 21
+# tiles an SM at ratio 1.03, 6-31 % slower at 4 and fewer) and held out on drift p 0.005-0.03 at N 2048-16384,
+# co-selection, indexer, mixed, `default` and sparsity (docs/perf-log.md).
+WIDE_TILE_TOKENS = {"fp8": 12}
+WIDE_MAX_RATIO = 1.05
+WIDE_MIN_TILES_PER_SM = 12
 
 
 @dataclass(frozen=True)
@@ -253,17 +262,24 @@ class QPackedConfig(LibraryConfig):
 
 def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfig]:
     """The libraries `msa-bench build-kernels --q-packed WHICH` builds: default = each dtype's default options
-    (DEFAULT_OPTIONS) and those it runs where its warpgroups skip (SKIP_OPTIONS), all = every option set,
-    none = nothing."""
+    (DEFAULT_OPTIONS), those it runs where its warpgroups skip (SKIP_OPTIONS) and its wide tiles
+    (WIDE_TILE_TOKENS), all = every option set and the wide tiles, none = nothing."""
     if which not in Q_PACKED_SETS:
         raise ValueError(f"--q-packed must be one of {', '.join(Q_PACKED_SETS)}, got {which!r}")
     # each dtype's decode library: two tokens a tile (QPackedSm90's pairs)
     pairs = [QPackedConfig(d, pairs=True) for d in dtypes] if which != "none" else []
+    wide = [wide_config(d) for d in dtypes if d in WIDE_TILE_TOKENS] if which != "none" else []
     if which == "default":
         skip = [QPackedConfig(d, *SKIP_OPTIONS[d]) for d in dtypes if d in SKIP_OPTIONS]
-        return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes] + skip + pairs
+        return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes] + skip + pairs + wide
     flag_sets = list(itertools.product((False, True), repeat=len(OPTION_FLAGS))) if which == "all" else []
-    return [QPackedConfig(d, *flags) for flags in flag_sets for d in dtypes] + pairs
+    return [QPackedConfig(d, *flags) for flags in flag_sets for d in dtypes] + pairs + wide
+
+
+def wide_config(dtype: str) -> QPackedConfig:
+    """The dtype's wide-tile library: WIDE_TILE_TOKENS tokens a tile, neither schedule flag (pingpong's turns
+    are two warpgroups'; s_ahead's second S makes ptxas serialize every wgmma at 160 registers a thread)."""
+    return QPackedConfig(dtype, tile_tokens=WIDE_TILE_TOKENS[dtype])
 
 
 # ---- both: data layout, sources, manifest ----------------------------------------------------------------

@@ -54,6 +54,12 @@ With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
   order the pairs one warpgroup after the other) and s_ahead (two held stages per warpgroup: all four of
   fp8's pairs ring, none left to read ahead).
 
+* 12-token tiles (tile_tokens 12, fp8; neither flag): three consumer warpgroups of 64 rows (512 threads,
+  registers 128 x 32 + 384 x 160), each walking the whole union (warps past 8 hold tokens 8-11; a token's
+  unselected blocks are masked by its -1 limit), four K/V stages: Q 2 x 24 KiB + K, V 4 x 16 KiB each + O
+  staging 12 x 4 KiB = 224 KiB. Three softmax chains per SM sub-partition instead of two: at u 1 the
+  attention stage is about 10 % faster (docs/perf-log.md, 2026-12-03); where tokens drift its union grows.
+
 Shared memory (one CTA per SM): bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each + O staging 8 x 4 KiB = 224 KiB;
 fp8 Q 2 x 16 KiB + K, V 5 x 16 KiB each + 32 KiB = 224 KiB (pingpong, pairs: 4 stages, 192 KiB).
 Registers: 128 x 56 (producer) + 256 x 224 (consumers) = 64512 of the 65536 at 384 threads; the DSL 4.8.1
@@ -82,11 +88,13 @@ from .softmax import _row, mask_keys, pairwise
 
 # the KV-outer stage's fp8 P regrouping (a method that uses no state of its class)
 
-PRODUCER_REGS = 56           # 128 x 56 + 256 x 224 = 384 x 168, the launch's allocation
-CONSUMER_REGS = 224
+# (producer, consumer) registers by consumer warpgroups: 128 x 56 + 256 x 224 = 384 x 168 and
+# 128 x 32 + 384 x 160 = 512 x 128, each launch's allocation
+REGS = {2: (56, 224), 3: (32, 160)}
 Q_STAGES = 2                 # the tile's Q and the next tile's
 META = 5                     # per Q stage: the tile's count, ntok, tok0, lo_end, hi_start
 KV_STAGES = {"bf16": 2, "fp8": 5}      # as many K/V stages as shared memory holds next to Q and O staging
+THREE_WG_KV_STAGES = 4                 # fp8 12-token tiles: Q 2 x 24 KiB, O staging 12 x 4 KiB
 # pingpong and decode pairs keep four (H200, 2026-12-02; outputs bitwise equal): with pingpong a fifth was
 # within 0.7 % on 12 prefill, drift and decode points (the turns order the warpgroups), and every fp8 pairs
 # point of the decode scenario ran 0.5-3.3 % slower with it
@@ -133,18 +141,24 @@ class QPackedSm90:
     """One compiled configuration of the token-packed attention stage (module docstring): data dtype, the
     tile (P tokens x G heads = 128 rows), D, block, and the schedule options."""
 
-    num_threads = 384
     wg_threads = 128
-    num_consumer_warps = 8
     kernel_version = "qp2-ws-online-halves"
 
     def __init__(self, dtype: str, tile_tokens: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, kv_stages: int | None = None):
         if dtype not in DSL_DTYPES:
             raise ValueError(f"the q-packed CuTe stage supports {', '.join(DSL_DTYPES)}, not {dtype}")
-        if (tile_tokens, group, head_dim, block) != (8, 16, 128, 128):
-            raise ValueError(f"the q-packed CuTe stage is written for P 8, G 16, D 128, block 128 (one token per "
-                             f"consumer warp), got P {tile_tokens}, G {group}, D {head_dim}, block {block}")
+        if tile_tokens not in (8, 12) or (group, head_dim, block) != (16, 128, 128):
+            raise ValueError(f"the q-packed CuTe stage is written for P 8 or 12, G 16, D 128, block 128 (one token "
+                             f"per consumer warp), got P {tile_tokens}, G {group}, D {head_dim}, block {block}")
+        # a consumer warpgroup per 4 tokens (64 rows); three walk the whole union (no halves to skip by)
+        self.consumer_wgs = tile_tokens // 4
+        if self.consumer_wgs == 3 and (dtype != "fp8" or pingpong or pairs):
+            raise ValueError("QPackedSm90: 12-token tiles (three consumer warpgroups) are fp8 only (bf16's Q and O "
+                             "staging leave no K/V stages), without pingpong (two warpgroups' turns) or pairs")
+        self.num_threads = self.wg_threads * (1 + self.consumer_wgs)
+        self.num_consumer_warps = 4 * self.consumer_wgs
+        self.producer_regs, self.consumer_regs = REGS[self.consumer_wgs]
         self.dtype_name = dtype
         self.dtype = DSL_DTYPES[dtype]
         self.v_d_major = dtype == "fp8"
@@ -158,16 +172,18 @@ class QPackedSm90:
         self.pingpong, self.s_ahead, self.pairs = pingpong, s_ahead, pairs
         self.q_stages = Q_STAGES
         turns = pingpong or pairs
-        self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else KV_STAGES[dtype])
+        self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else
+                                       THREE_WG_KV_STAGES if self.consumer_wgs == 3 else KV_STAGES[dtype])
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
-                               + ("-pairs" if pairs else ""))
+                               + ("-pairs" if pairs else "") + ("-3wg" if self.consumer_wgs == 3 else ""))
 
     def __repr__(self) -> str:
         # the DSL names the compiled functions (and ncu shows the kernel) after str(self)
         return (f"QPackedSm90_{self.dtype_name}" + ("_pingpong" if self.pingpong else "")
-                + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else ""))
+                + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else "")
+                + ("_3wg" if self.consumer_wgs == 3 else ""))
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
@@ -180,9 +196,10 @@ class QPackedSm90:
         dt = self.dtype
         D, BLK, ROWS = self.head_dim, self.block, self.rows
         kmaj, mnmaj = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, BLK))
+        wgs = (self.consumer_wgs, 1, 1)
+        qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, wgs, (64, BLK))
         pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj if const_expr(self.v_d_major) else mnmaj,
-                                             Float32, (2, 1, 1), (64, D), a_source=warpgroup.OperandSource.RMEM)
+                                             Float32, wgs, (64, D), a_source=warpgroup.OperandSource.RMEM)
         sQ_layout = staged_smem_layout(dt, ROWS, D, self.q_stages)
         sK_layout = staged_smem_layout(dt, BLK, D, self.kv_stages)
         v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
@@ -258,7 +275,7 @@ class QPackedSm90:
 
         num_tiles = hkv * n_token_tiles
         if warp_group == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load_kv(tma_k, gK_tma, tma_v, gV_tma, mTileTok0, mTileCount, mTilePage, mTileLimit, direct_args,
                              sK, sV, sLim, kv_full, kv_empty, hkv, n_token_tiles, num_tiles, union_cap)
@@ -266,7 +283,7 @@ class QPackedSm90:
                 self.gather_q(mQ, mTileTok0, mTileNtok, mTileCount, mTileSplit, direct_args, sQ, sMeta, q_full,
                               q_empty, hkv, n_token_tiles, num_tiles, tidx - 32)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sQ, sK, sV, sO, sMeta, sLim, mLse,
                           (q_full, q_empty, kv_full, kv_empty), hkv, n_token_tiles, num_tiles, scale_log2,
                           out_scale, tidx - self.wg_threads)
@@ -529,6 +546,9 @@ class QPackedSm90:
             # the warpgroup's blocks are union slots [lo, hi) (schedule.py orders the union by halves)
             lo = Int32(cutlass.select_(cwg == 0, Int32(0), sMeta[4, q_idx]))
             hi = Int32(cutlass.select_(cwg == 0, sMeta[3, q_idx], count))
+            if const_expr(self.consumer_wgs == 3):
+                lo = Int32(0)
+                hi = count
             if const_expr(self.pairs):
                 # token a's n_a blocks (warpgroup 0) and b's n_b (1) in the order a0 b0 a1 b1 ... then the
                 # longer's rest: warpgroup 1 passes a0 first; each passes the other's block after its own

@@ -5,10 +5,12 @@ has no schedule stage: the kernel reads each token's selected pages itself (its 
 those tiles outnumber the SMs a default plan runs each dtype's pairs library, two tokens per tile.
 
 Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
-j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither. Without
+j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither; `p8` or
+`p12` the tokens a tile (p12: three consumer warpgroups, fp8, neither pp nor sa; decode keeps its own). Without
 an option each dtype takes the set measured fastest (DEFAULT_OPTIONS), or where its warpgroups skip blocks
-(neighbours drift) the set measured fastest there (SKIP_OPTIONS). Built for P 8, G 16, D 128, block 128 in
-bf16 and fp8.
+(neighbours drift) the set measured fastest there (SKIP_OPTIONS); a default fp8 plan whose warpgroups skip
+nothing runs 12-token tiles on three consumer warpgroups where they pay (wide_schedule). Built for P 8 (fp8
+also 12), G 16, D 128, block 128 in bf16 and fp8.
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ from ..triton_common import partial_dtype, triton_unavailable_reason
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SKIP_OPTIONS, SKIP_RATIO,
-                              SUPPORTED_ARCHS, QPackedConfig,
-                             device_arch, fp8_v_key_order)
-from ..options import Choice
+                             SUPPORTED_ARCHS, WIDE_MAX_RATIO, WIDE_MIN_TILES_PER_SM, WIDE_TILE_TOKENS, QPackedConfig,
+                             device_arch, fp8_v_key_order, wide_config)
+from ..options import Choice, Number
 
 TILE_TOKENS = 8
 
@@ -127,13 +129,17 @@ class QPackedCuteBackend(Backend):
     mma_tokens = TILE_TOKENS // 2        # a consumer warpgroup's 64 rows: it skips what its 4 tokens did not select
     # the words are manifest.OPTION_FLAGS's, which name the libraries
     options = {"pingpong": Choice("pingpong consumer warpgroups", {"pp": True, "plain": False}),
-               "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False})}
+               "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False}),
+               "tile_size": Number("tokens a tile", "p", (TILE_TOKENS, WIDE_TILE_TOKENS["fp8"]))}
 
-    def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None):
+    def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None, tile_size: int | None = None):
         """All None: each dtype's DEFAULT_OPTIONS; naming one flag turns the others off (`@pp` is pingpong
-        alone)."""
+        alone). tile_size: None the rule (wide_schedule), 8 never wide, 12 always (neither flag)."""
         flags = (pingpong, s_ahead)
         self.flags = None if all(f is None for f in flags) else tuple(bool(f) for f in flags)
+        if tile_size == WIDE_TILE_TOKENS["fp8"] and any(f for f in flags):
+            raise ValueError(f"q-packed-cute: p{tile_size} runs neither pp nor sa (three consumer warpgroups)")
+        self.tile_size = tile_size
 
     def config_for(self, dtype: str, walked_ratio: float = 1.0) -> QPackedConfig:
         """The library a plan runs: the named flags; else the dtype's SKIP_OPTIONS where its warpgroups walk
@@ -148,7 +154,29 @@ class QPackedCuteBackend(Backend):
 
     def configs_for(self, dtype: str) -> list[QPackedConfig]:
         """Every library a plan in `dtype` may run (decode pairs aside)."""
-        return list(dict.fromkeys(self.config_for(dtype, r) for r in (1.0, float("inf"))))
+        if self.tile_size == WIDE_TILE_TOKENS["fp8"]:
+            return [wide_config(dtype)]
+        wide = [wide_config(dtype)] if self.flags is None and self.tile_size is None and dtype in WIDE_TILE_TOKENS else []
+        return list(dict.fromkeys([self.config_for(dtype, r) for r in (1.0, float("inf"))] + wide))
+
+    def wide_schedule(self, w: Workload, walked: float, selected: float):
+        """(the 12-token schedule, run; the entries its warpgroups walk over those selected) that a default plan
+        takes instead of its 8-token one, or None: fp8 where the
+        8-token warpgroups skip nothing (walked <= SKIP_RATIO), the 12-token union walks at most WIDE_MAX_RATIO
+        times their entries, and there are at least WIDE_MIN_TILES_PER_SM tiles an SM (manifest: where
+        measured, fewer ran slower). Each of its three warpgroups walks the whole union."""
+        from .schedule import PackedSchedule
+        forced = self.tile_size == WIDE_TILE_TOKENS["fp8"]
+        if not forced and (self.flags is not None or self.tile_size is not None or w.dtype not in WIDE_TILE_TOKENS
+                           or walked > SKIP_RATIO or not selected):
+            return None
+        wide = PackedSchedule(w, WIDE_TILE_TOKENS["fp8"])
+        if not forced and wide.num_tiles < WIDE_MIN_TILES_PER_SM * sm_count(w.device):
+            return None
+        wide()
+        walked_wide = float(wide.tile_count.double() @ wide.tile_ntok.double().repeat(w.shape.hkv))
+        ratio = walked_wide / selected if selected else 1.0
+        return (wide, ratio) if forced or ratio <= WIDE_MAX_RATIO * walked else None
 
     def walked_ratio(self, w: Workload, schedule, selected: float) -> float:
         """The entries the tiles' warpgroups walk (each its P / 2 tokens x the union slots of its half; the
@@ -166,6 +194,9 @@ class QPackedCuteBackend(Backend):
         reason = super().unavailable_reason(dtype, device)
         if reason:
             return reason
+        if self.tile_size == WIDE_TILE_TOKENS["fp8"] and dtype not in WIDE_TILE_TOKENS:
+            return (f"{self.name}@p{self.tile_size} runs {', '.join(WIDE_TILE_TOKENS)} only (bf16's Q and O staging "
+                    f"for 192 rows leave shared memory no K/V stage)")
         arch = device_arch(device)
         if arch not in SUPPORTED_ARCHS:
             return f"{self.name} is built for {', '.join(SUPPORTED_ARCHS)}; this GPU is {arch}"
@@ -194,10 +225,14 @@ class QPackedCuteBackend(Backend):
             schedule()
         walked = 1.0 if direct else self.walked_ratio(w, schedule, selected)
         # a default plan's decode tiles in pairs; named options keep their library (one token a tile)
-        pairs = self.flags is None and pairs_path(w, direct)
+        pairs = self.flags is None and self.tile_size is None and pairs_path(w, direct)
         cfg = QPackedConfig(w.dtype, pairs=True) if pairs else self.config_for(w.dtype, walked)
+        wide = None if direct else self.wide_schedule(w, walked, selected)
+        if wide is not None:
+            (schedule, walked), cfg = wide, wide_config(w.dtype)
         attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
-        info = dict(schedule=Schedule.Q_PACKED, tile_tokens=TILE_TOKENS, mma_tokens=self.mma_tokens,
+        info = dict(schedule=Schedule.Q_PACKED, tile_tokens=schedule.P,
+                    mma_tokens=self.mma_tokens if wide is None else schedule.P,
                     tiles=attention.num_tiles,                  # as launched: a pair of decode tokens is one
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=walked,                # each token's warpgroup's

@@ -42,7 +42,7 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
                      n_token_tiles,
                      table_stride, P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
                      BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
-                     LAST: tl.constexpr, K_P2: tl.constexpr):
+                     LAST: tl.constexpr, K_P2: tl.constexpr, CELLS: tl.constexpr):
     tile = tl.program_id(0)                       # head * n_token_tiles + token tile
     head = tile // n_token_tiles
     tt = tile % n_token_tiles
@@ -51,11 +51,11 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
     if ntok == 1:
         _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                         tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, n_tokens, table_stride,
-                        P, TOPK, K_P2, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL)
+                        P, TOPK, K_P2, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, CELLS)
     else:
         _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                          tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, ntok, n_tokens,
-                         table_stride, P, TOPK, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, MAX_ID, LAST)
+                         table_stride, P, TOPK, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, MAX_ID, LAST, CELLS)
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _id_runs(blk, i, N: tl.constexpr):
 def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                     tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, n_tokens, table_stride,
                     P: tl.constexpr, TOPK: tl.constexpr, K_P2: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
-                    BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr):
+                    BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, CELLS: tl.constexpr):
     """A tile of one token (every decode token): its union is its own selection in ascending order, all of
     it the first half's, so the general path's sorts over P x topk entries reduce to one over topk."""
     j = tl.arange(0, K_P2)
@@ -100,8 +100,8 @@ def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_co
     tl.store(tile_page_ptr + base + i, tl.full([U_P2], -1, tl.int32), mask=(i >= count) & (i < U))
     tl.store(tile_page_ptr + base + rank, page, mask=keep)
     # limits [U, P]: the token's own at (slot, 0), NO_KEY in every other cell (disjoint stores, no barrier)
-    cell = tl.arange(0, U_P2 * P)
-    tl.store(tile_limit_ptr + base * P + cell, tl.full([U_P2 * P], _NO_KEY, tl.int32),
+    cell = tl.arange(0, CELLS)
+    tl.store(tile_limit_ptr + base * P + cell, tl.full([CELLS], _NO_KEY, tl.int32),
              mask=(cell < U * P) & ((cell % P != 0) | (cell // P >= count)))
     limit = tl.minimum(tl.load(q_limit_ptr + tok0) - blk_s * BLOCK, BLOCK - 1)
     tl.store(tile_limit_ptr + (base + rank) * P, limit, mask=keep)
@@ -115,7 +115,7 @@ def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_c
                      tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, ntok, n_tokens, table_stride,
                      P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
                      BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
-                     LAST: tl.constexpr):
+                     LAST: tl.constexpr, CELLS: tl.constexpr):
     i = tl.arange(0, U_P2)                        # entry i: token i // TOPK, rank i % TOPK
     ok = (i < U) & (i // TOPK < ntok)
     row0 = (head.to(tl.int64) * n_tokens + tok0) * TOPK      # the tile's first entry in [Hkv, N, topk]
@@ -154,8 +154,8 @@ def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_c
     tl.store(tile_page_ptr + base + rank, page, mask=kept_first)
     tl.store(tile_page_ptr + base + i, tl.full([U_P2], -1, tl.int32), mask=(i >= count) & (i < U))
     # limits [U, P]: NO_KEY everywhere, then each kept entry's limit at (its slot, its token)
-    cell = tl.arange(0, U_P2 * P)
-    tl.store(tile_limit_ptr + base * P + cell, tl.full([U_P2 * P], _NO_KEY, tl.int32), mask=cell < U * P)
+    cell = tl.arange(0, CELLS)
+    tl.store(tile_limit_ptr + base * P + cell, tl.full([CELLS], _NO_KEY, tl.int32), mask=cell < U * P)
     tl.debug_barrier()
     token = entry // TOPK
     limit = tl.minimum(tl.load(q_limit_ptr + tok0 + token, mask=valid, other=0) - blk_s * BLOCK, BLOCK - 1)
@@ -200,7 +200,8 @@ class PackedSchedule:
                              f"{w.page_table.shape[-1]} and {u_p2}")
         self.consts = dict(P=tokens_per_tile, TOPK=s.topk, K_P2=triton.next_power_of_2(s.topk), U=u, U_P2=u_p2,
                            BLOCK=s.block, MIN_SHARE=min_share,
-                           RESIDUAL=self.residual_pages is not None, MAX_ID=MAX_BLOCK_ID, LAST=1 << 30)
+                           RESIDUAL=self.residual_pages is not None, MAX_ID=MAX_BLOCK_ID, LAST=1 << 30,
+                           CELLS=triton.next_power_of_2(u * tokens_per_tile))      # the [U, P] limits, P 12 too
 
     @property
     def num_tiles(self) -> int:
