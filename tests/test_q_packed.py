@@ -63,7 +63,7 @@ def oracle(w, P):
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), P=st.sampled_from([1, 8, 16]), causal=st.booleans(),
+@given(seed=st.integers(0, 10_000), P=st.sampled_from([1, 8, 12, 16]), causal=st.booleans(),
        pad=st.sampled_from([0.0, 0.5]), hot=st.sampled_from([0.0, 0.8]),
        reqs=st.lists(st.tuples(st.integers(20, 140), st.integers(1, 19)), min_size=1, max_size=3))
 def test_schedule_matches_oracle(seed, P, causal, pad, hot, reqs):
@@ -73,7 +73,7 @@ def test_schedule_matches_oracle(seed, P, causal, pad, hot, reqs):
     assert_schedule_matches_oracle(w, P)
 
 
-@pytest.mark.parametrize("P", [1, 8])
+@pytest.mark.parametrize("P", [1, 8, 12])
 def test_one_token_tiles_match_oracle(P):
     # decode tokens (one a request, the schedule's one-token path) beside a causal chunk (the general one)
     shape = AttnShape(hq=4, hkv=2, head_dim=16, block=16, topk=4)
