@@ -137,8 +137,14 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
             return None
         paged = bool(_info(plan_info).get("paged", False))           # the path the plan ran (kernels/dense_masked.py)
         return predict_dense(shape, n, blocks, keys, device, flops=get("useful_flops"), gathered=not paged)
+    union = union_ratio_for(stats, tile)
+    executed = union_ratio_for(stats, mma) if mma else None
+    recorded = _info(plan_info).get("executed_union_ratio")
+    if union is None and mma == tile and _usable(recorded):
+        # a tile size the statistics do not hold (scenarios.stats.UNION_TILES: q-packed-cute's 12-token
+        # tiles), each of whose warpgroups walks the whole union: the plan measured that ratio itself
+        union = executed = float(recorded)
     return predict_point(schedule, shape, get("n_tokens") or float("nan"), get("nsb"), device,
                          flops=get("useful_flops"), selected_per_query=get("selected_blocks_per_query"),
-                         union_ratio=union_ratio_for(stats, tile), tile=tile,
-                         executed_union_ratio=union_ratio_for(stats, mma) if mma else None,
+                         union_ratio=union, tile=tile, executed_union_ratio=executed,
                          shared_nsb=get("nsb_shared"))

@@ -207,3 +207,26 @@ def test_q_outer_rereads_inside_its_window_hit_the_l2():
     apart, _ = traffic("q-outer", shape, n, nsb, device=dev, union_ratio=Q_OUTER_WINDOW, tile_tokens=Q_OUTER_WINDOW)
     assert apart["kv_l2_miss_reread"] == pytest.approx(none["kv_l2_miss_reread"])
     assert alike["kv_l2_miss_reread"] < none["kv_l2_miss_reread"] / 10
+
+
+def test_a_wide_packed_plan_is_predicted_at_the_union_it_recorded():
+    """A q-packed plan of a tile size the workload statistics do not hold (q-packed-cute's 12-token tiles,
+    each warpgroup walking the whole union) is predicted at the executed union ratio its plan recorded; a
+    plan whose warpgroups skip (mma_tokens below the tile) gets no prediction without the statistics, and an
+    8-token plan keeps the statistics' ratios whatever its plan recorded."""
+    from msa_bench.harness.prediction import predict_stats
+    dev, shape = load_device("h200"), ModelShape(dtype="fp8")
+    n = 16384
+    stats = {"n_tokens": n, "nsb": n / 8, "useful_flops": 1.0e12, "selected_blocks_per_query": 16.0,
+             "nsb_shared": n / 8, "union_ratio_p8": 1.0, "executed_union_ratio_p8": 1.0,
+             "executed_union_ratio_p4": 1.0, "union_ratio_p16": 1.0, "executed_union_ratio_p16": 1.0}
+
+    def pred(tile, mma, recorded):
+        return predict_stats("q-packed", shape, stats, dev,
+                             {"tile_tokens": tile, "mma_tokens": mma, "executed_union_ratio": recorded})
+
+    low, high = pred(12, 12, 1.0), pred(12, 12, 1.5)
+    assert low is not None and high is not None and high.time_s > low.time_s
+    assert high.executed_flops == pytest.approx(1.5 * low.executed_flops)
+    assert pred(12, 4, 1.0) is None
+    assert pred(8, 4, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
