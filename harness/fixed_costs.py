@@ -15,7 +15,9 @@ with the PyTorch profiler on one eager run.
 Items: a backend with work items (a packed tile: `Backend.item_blocks`) is also timed on one request whose
 few tiles cannot fill the GPU (ITEM_POINTS: about 50 and 120 blocks a tile); the Theil-Sen line of module
 time against the blocks a tile walks (the latency point's 16 included) gives its fixed cost (the
-intercept) and one block's walk on one SM (block_s).
+intercept) and one block's walk on one SM (block_s). A stage those workloads run and the latency point
+does not (q-packed-cute's schedule: a one-token plan reads its pages itself) costs, on top, its own time on
+the least work that ran it.
 A candidate whose first plan would JIT-build a kernel (Backend.build_pending_reason), or whose plan and
 timing on one workload take over CANDIDATE_SECONDS, is skipped with its reason printed, so the step stays
 within its time; that dtype's entries then stay the profile's, named (merge_fixed_costs), never dropped.
@@ -181,12 +183,29 @@ def pick_dependent(name: str) -> bool:
         return False
 
 
-def fit_series(latency: dict, items: dict | None = None) -> dict:
+def fit_series(latency: dict, items: dict | None = None, beyond: dict | None = None) -> dict:
     """The profile's "stages" table: per backend, stage and dtype, the stage's share of the module's fixed
     cost. The module's fixed cost is its time on the latency point (LATENCY_POINT), less the walk of its
     one item where it has items (the intercept `items` holds); the stages share it as their own times there
     (each timed alone, one graph each). A stage the latency point did not run (a hybrid runs one side) takes
-    its time on the least-work row that ran it; a backend whose stages depend on its pick is skipped."""
+    its time on the least-work row that ran it; a backend whose stages depend on its pick is skipped.
+    `beyond` (the item series) adds, on top, each stage that no latency row ran at its own time on the
+    least-work row of it that did: q-packed-cute's schedule stage, which a one-token plan skips and every
+    plan of longer tiles runs."""
+    stages = _shared_stages(latency, items)
+    for (name, dtype), rows in (beyond or {}).items():
+        if not rows or pick_dependent(name):
+            continue
+        for roof, medians, launches, _ in sorted(rows, key=lambda r: r[0]):
+            for s, t in medians.items():
+                key = f"{name}/{s}/{dtype}"
+                if s != MODULE and key not in stages:
+                    stages[key] = {"s": t, "latency_s": t, "launches": int(launches.get(s, 0)), "module_s": medians[MODULE]}
+    return stages
+
+
+def _shared_stages(latency: dict, items: dict | None) -> dict:
+    """fit_series over the latency series alone: each stage's share of its module's fixed cost."""
     stages = {}
     for (name, dtype), rows in latency.items():
         if not rows or pick_dependent(name):
@@ -205,14 +224,15 @@ def fit_series(latency: dict, items: dict | None = None) -> dict:
 
 def fit_decode_achieved(series: dict, stages: dict) -> dict:
     """{"backend/dtype": the median over the decode batches of roofline time / (module time less the
-    backend's fixed cost from `stages`)}, where within (0, MAX_ACHIEVED]."""
+    fixed costs in `stages` of the stages that batch ran)}, where within (0, MAX_ACHIEVED]."""
     from ..roofline.devices import MAX_ACHIEVED
     out = {}
     for (name, dtype), rows in series.items():
         if pick_dependent(name):
             continue
-        fixed = sum(e["s"] for k, e in stages.items() if k.startswith(f"{name}/") and k.endswith(f"/{dtype}"))
-        fractions = [r[0] / (r[1][MODULE] - fixed) for r in rows if r[1][MODULE] > fixed and r[0] > 0]
+        # the fixed costs of the stages each batch ran (a one-token plan skips q-packed-cute's schedule)
+        fixed = [sum(stages.get(f"{name}/{s}/{dtype}", {}).get("s", 0.0) for s in r[1] if s != MODULE) for r in rows]
+        fractions = [r[0] / (r[1][MODULE] - f) for r, f in zip(rows, fixed) if r[1][MODULE] > f and r[0] > 0]
         if fractions and 0 < statistics.median(fractions) <= MAX_ACHIEVED:
             out[f"{name}/{dtype}"] = statistics.median(fractions)
     return out
@@ -249,7 +269,7 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None) -> dict:
     item_series = measure_series(profile, log=log, points=item_points, only=with_items,
                                  skipped=skipped) if with_items else {}
     items = fit_items({k: latency.get(k, []) + item_series.get(k, []) for k in set(latency) | set(item_series)})
-    stages = fit_series(latency, items)
+    stages = fit_series(latency, items, item_series)
     batches = measure_series(profile, log=log, only=only, skipped=skipped)
     generator, options = LATENCY_POINT
     fresh = {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,

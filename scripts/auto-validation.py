@@ -28,7 +28,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="h200", help="device profile: a preset name or PROFILE.json (default h200)")
     ap.add_argument("--within", type=float, default=0.05, help="auto's target, a fraction of the fastest (0.05)")
     args = ap.parse_args(argv)
-    dev = load_device(args.device)
+    try:
+        dev = load_device(args.device)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"{'run':<28} {'pts':>4} {'auto<=5%':>8} {'worst':>6} | {'pick<=5%':>8} {'worst':>6} | "
           f"{'fid<=25%':>8} {'units':>5}")
     total = dict(points=0, auto=0, within=0, units=0, worst=0.0)

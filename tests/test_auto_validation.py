@@ -37,6 +37,14 @@ def test_a_missing_run_is_refused_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "nothing" in err[0]
 
 
+def test_a_damaged_device_profile_is_refused_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    bad.write_text("{}")
+    assert script().main([*RUNS, "--device", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "profile.json" in err[0]
+
+
 def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(tmp_path, monkeypatch, capsys):
     """scripts/fit-achieved.py --backend: the other backends' fractions and sources stay (q-packed's fit
     leaves q-packed-cute's), and the source names the commit that measured the fitted units."""

@@ -479,3 +479,23 @@ def test_a_candidate_skipped_on_the_decode_batches_is_not_half_replaced():
     with pytest.raises(UserError, match="fixed costs of b were not measured"):
         merge_fixed_costs(OLD_FC, fresh, ["b"], {"b/bf16": "at N 264: out of memory"})
 
+
+
+def test_a_stage_only_longer_tiles_run_adds_its_own_time_and_one_token_batches_do_not_pay_it():
+    """q-packed-cute's one-token plans (the latency point, decode batches) run no schedule stage; its item
+    workloads (8-token tiles) do. The schedule then costs its own time on the least work that ran it, on top
+    of the shared module cost, and the decode fraction subtracts only the stages each batch ran."""
+    from msa_bench.harness.fixed_costs import fit_decode_achieved
+    latency = {("q-packed-cute", "bf16"): [(1e-6, {"module": 30e-6, "attention": 30e-6}, {"attention": 1}, 16)]}
+    items = {"q-packed-cute/bf16": {"s": 0.0, "block_s": 1.5e-6, "intercept_s": 5e-6}}
+    beyond = {("q-packed-cute", "bf16"): [(9e-6, {"module": 130e-6, "schedule": 12e-6, "attention": 118e-6}, {"schedule": 1}, 115),
+                                          (4e-6, {"module": 85e-6, "schedule": 9e-6, "attention": 76e-6}, {"schedule": 1}, 50)],
+              ("auto", "bf16"): [(4e-6, {"module": 85e-6, "schedule": 9e-6}, {}, 50)]}
+    got = fit_series(latency, items, beyond)
+    assert set(got) == {"q-packed-cute/attention/bf16", "q-packed-cute/schedule/bf16"}
+    assert got["q-packed-cute/attention/bf16"]["s"] == pytest.approx(5e-6)         # the shared cost, unchanged
+    assert got["q-packed-cute/schedule/bf16"]["s"] == pytest.approx(9e-6)          # the least work's own time
+    assert got["q-packed-cute/schedule/bf16"]["launches"] == 1
+    assert fit_series(latency, items) == {"q-packed-cute/attention/bf16": got["q-packed-cute/attention/bf16"]}
+    batches = [_row(r, 5e-6 + r / 0.9) for r in (1e-4, 2e-4, 3e-4)]                # attention alone
+    assert fit_decode_achieved({("q-packed-cute", "bf16"): batches}, got) == {"q-packed-cute/bf16": pytest.approx(0.9)}
