@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 UNIT_LOG_HOOK = "MSA_BENCH_UNIT_LOG"        # test hook: append "<worker> <unit>" to this file as a unit starts
-KILL_HOOK = "MSA_BENCH_KILL_WORKER"         # test hook: "<worker>:<k>" (that worker, in its k-th unit) or a unit id
-                                            # (any worker that runs it) SIGKILLs itself mid-unit
+KILL_HOOK = "MSA_BENCH_KILL_WORKER"         # test hook: a unit id (any worker that runs it) or "once:<path>" (the
+                                            # first worker to start a unit, which claims <path>) SIGKILLs itself mid-unit
 
 
 def main() -> int:
@@ -45,13 +45,11 @@ def main() -> int:
     runner = Runner(Path(config["run_dir"]), device, grid.timing, False, notes, where={"worker": name})
     send({"ready": name, "notes": notes})
     kill = os.environ.get(KILL_HOOK, "")
-    kill_name, _, kill_at = kill.partition(":")
     held_key, workload, wl_stats, why = None, None, {}, ""
-    count = nth = 0
+    nth = 0
     for line in iter(sys.stdin.readline, ""):
         uid = json.loads(line)["unit"]
         point, backend = units[uid]
-        count += 1
         start = time.monotonic()
         if os.environ.get(UNIT_LOG_HOOK):
             with open(os.environ[UNIT_LOG_HOOK], "a") as log:
@@ -64,12 +62,21 @@ def main() -> int:
             workload, wl_stats, why = build_workload(point, device)
             held_key, nth = point.key(), 0
         send({"state": f"{label(point)} · {backend}"})
-        if kill == uid or (kill_name == name and kill_at.isdigit() and count == int(kill_at)):
+        if kill == uid or (kill.startswith("once:") and _claim(kill.removeprefix("once:"))):
             os.kill(os.getpid(), signal.SIGKILL)
         status = runner.run_unit(point, backend, workload, wl_stats, why, nth)
         nth += 1
         send({"done": uid, "status": status["status"], "seconds": time.monotonic() - start, "notes": notes})
     return 0
+
+
+def _claim(path: str) -> bool:
+    """True for the one process that creates `path` (KILL_HOOK "once:"): the workers race for it."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 if __name__ == "__main__":
