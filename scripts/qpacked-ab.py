@@ -83,7 +83,8 @@ def run(args) -> None:
     out = open(args.out, "a")
     for spec, point in points(args.point, args.dtype):
         w = make_workload(point, device="cuda")
-        plan = get_backend("q-packed-cute").plan(w)
+        backend = get_backend("q-packed-cute")
+        plan = backend.plan(w)
         default = plan.stages["attention"]
         stages, schedules = {}, {}
         for name, cfg in variants:
@@ -126,11 +127,8 @@ def run(args) -> None:
                        rounds_module_us=[round(x, 1) for x in t["module"]],
                        equal_to_first=not t.get("unequal"), rel_err=t["rel_err"], passes=t["rel_err"] <= t["tol"])
             row["vs_first"] = round(row["module_us"] / base, 4)
-            sch = schedules[name]
             if "schedule" in plan.stages:            # the entries each token's warpgroup walks, over those selected
-                row["walked_ratio"] = (plan.info["executed_union_ratio"] if sch is default.sch else
-                                       float(sch.tile_count.double() @ sch.tile_ntok.double().repeat(w.shape.hkv))
-                                       / selected)
+                row["walked_ratio"] = backend.walked_ratio(w, schedules[name], selected)
             row["tiles"] = stages[name].num_tiles
             out.write(json.dumps(row) + "\n")
             out.flush()

@@ -239,6 +239,9 @@ def test_default_fp8_plan_takes_wide_tiles_only_where_the_rule_holds(monkeypatch
             cases[drift, dtype] = w, backend.walked_ratio(w, sch, selected), selected
         wide = b.wide_schedule(*cases[drift, dtype])
         assert wide is None or (wide[0].P == 12 and wide[0].num_tiles == 11 and wide[1] >= 1.0)
+        # each of its three warpgroups walks the whole union, every token of the tile (one KV head here)
+        assert wide is None or wide[1] == pytest.approx(
+            float(wide[0].tile_count.double() @ wide[0].tile_ntok.double()) / cases[drift, dtype][2])
         return wide is not None
 
     assert chosen(backend, 0.0) and chosen(p12, 0.0) and chosen(p12, 0.3)

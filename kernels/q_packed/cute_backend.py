@@ -141,6 +141,11 @@ class QPackedCuteBackend(Backend):
             raise ValueError(f"q-packed-cute: p{tile_size} runs neither pp nor sa (three consumer warpgroups)")
         self.tile_size = tile_size
 
+    @property
+    def wide_forced(self) -> bool:
+        """`@p12`: every plan (decode aside) runs the 12-token tiles, whatever the rule says."""
+        return self.tile_size == WIDE_TILE_TOKENS["fp8"]
+
     def config_for(self, dtype: str, walked_ratio: float = 1.0) -> QPackedConfig:
         """The library a plan runs: the named flags; else the dtype's SKIP_OPTIONS where its warpgroups walk
         more than SKIP_RATIO times the entries selected (walked_ratio), else its DEFAULT_OPTIONS."""
@@ -154,7 +159,7 @@ class QPackedCuteBackend(Backend):
 
     def configs_for(self, dtype: str) -> list[QPackedConfig]:
         """Every library a plan in `dtype` may run (decode pairs aside)."""
-        if self.tile_size == WIDE_TILE_TOKENS["fp8"]:
+        if self.wide_forced:
             return [wide_config(dtype)]
         wide = [wide_config(dtype)] if self.flags is None and self.tile_size is None and dtype in WIDE_TILE_TOKENS else []
         return list(dict.fromkeys([self.config_for(dtype, r) for r in (1.0, float("inf"))] + wide))
@@ -166,7 +171,7 @@ class QPackedCuteBackend(Backend):
         times their entries, and there are at least WIDE_MIN_TILES_PER_SM tiles an SM (manifest: where
         measured, fewer ran slower). Each of its three warpgroups walks the whole union."""
         from .schedule import PackedSchedule
-        forced = self.tile_size == WIDE_TILE_TOKENS["fp8"]
+        forced = self.wide_forced
         if not forced and (self.flags is not None or self.tile_size is not None or w.dtype not in WIDE_TILE_TOKENS
                            or walked > SKIP_RATIO or not selected):
             return None
@@ -174,18 +179,21 @@ class QPackedCuteBackend(Backend):
         if not forced and wide.num_tiles < WIDE_MIN_TILES_PER_SM * sm_count(w.device):
             return None
         wide()
-        walked_wide = float(wide.tile_count.double() @ wide.tile_ntok.double().repeat(w.shape.hkv))
-        ratio = walked_wide / selected if selected else 1.0
+        ratio = self.walked_ratio(w, wide, selected)
         return (wide, ratio) if forced or ratio <= WIDE_MAX_RATIO * walked else None
 
     def walked_ratio(self, w: Workload, schedule, selected: float) -> float:
-        """The entries the tiles' warpgroups walk (each its P / 2 tokens x the union slots of its half; the
-        schedule has run) over the `selected` entries they hold: 1 where each half's tokens select the same
-        blocks."""
+        """The entries the tiles' warpgroups walk (the schedule has run) over the `selected` entries they
+        hold: 1 where the tokens a warpgroup walks for select the same blocks. An 8-token tile's two warpgroups
+        each walk their P / 2 tokens x the union slots of their half; a 12-token tile's three walk the whole
+        union."""
         half = self.mma_tokens
         ntok = schedule.tile_ntok.double().repeat(w.shape.hkv)
-        lo, hi = schedule.half_slots()
-        walked = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
+        if schedule.P > 2 * half:
+            walked = float(schedule.tile_count.double() @ ntok)
+        else:
+            lo, hi = schedule.half_slots()
+            walked = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
         return walked / selected if selected else 1.0
 
     def unavailable_reason(self, dtype, device):
@@ -194,7 +202,7 @@ class QPackedCuteBackend(Backend):
         reason = super().unavailable_reason(dtype, device)
         if reason:
             return reason
-        if self.tile_size == WIDE_TILE_TOKENS["fp8"] and dtype not in WIDE_TILE_TOKENS:
+        if self.wide_forced and dtype not in WIDE_TILE_TOKENS:
             return (f"{self.name}@p{self.tile_size} runs {', '.join(WIDE_TILE_TOKENS)} only (bf16's Q and O staging "
                     f"for 192 rows leave shared memory no K/V stage)")
         arch = device_arch(device)
