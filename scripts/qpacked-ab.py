@@ -1,7 +1,7 @@
 """Interleaved A/B of q-packed-cute's attention libraries: the same plans, each variant's kernel in turn.
 
 A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, kvN (K/V stages), pN (N tokens a
-tile: p12 is three consumer warpgroups, fp8; its plan's schedule stage cuts 12-token tiles); `plain` is none
+tile: p12 is three consumer warpgroups; its plan's schedule stage cuts 12-token tiles); `plain` is none
 of them, `default` the plan's own library (build/cute).
 
   build (CPU or GPU host; no GPU needed):

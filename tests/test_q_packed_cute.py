@@ -52,14 +52,15 @@ def test_options_name_their_libraries():
         get_backend("q-packed-cute@p12+pp")
     wide = get_backend("q-packed-cute@p12")
     assert wide.configs_for("fp8") == [mf.wide_config("fp8")] and wide.flags is None
-    assert wide.unavailable_reason("bf16", "cpu") is not None
+    assert wide.configs_for("bf16") == [mf.wide_config("bf16")]
     names = [c.name for c in ALL]
-    assert len(set(names)) == 11 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
+    assert len(set(names)) == 12 and all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
     assert {c.option for c in ALL} == {"", "pp", "sa", "pp+sa"}
     assert {(c.option, c.dtype, c.pairs, c.tile_tokens) for c in mf.q_packed_configs("default")} == {
         ("", "bf16", False, 8), ("pp+sa", "fp8", False, 8), ("sa", "fp8", False, 8), ("", "bf16", True, 8),
-        ("", "fp8", True, 8), ("", "fp8", False, 12)}
+        ("", "fp8", True, 8), ("", "bf16", False, 12), ("", "fp8", False, 12)}
     assert mf.wide_config("fp8").name == "qpk_attn_fp8_p12g16d128b128"
+    assert mf.wide_config("bf16").name == "qpk_attn_bf16_p12g16d128b128"
     # a default plan may run the wide library, named options keep theirs
     assert mf.wide_config("fp8") in get_backend("q-packed-cute").configs_for("fp8")
     assert mf.wide_config("fp8") not in get_backend("q-packed-cute@pp+sa").configs_for("fp8")
@@ -217,10 +218,10 @@ def test_default_plan_runs_the_skip_library_where_warpgroups_skip():
     assert named.configs_for("fp8") == [mf.QPackedConfig("fp8", True, True)]
 
 
-def test_default_fp8_plan_takes_wide_tiles_only_where_the_rule_holds(monkeypatch):
+def test_default_plan_takes_wide_tiles_only_where_the_rule_holds(monkeypatch):
     """12-token tiles where the 8-token warpgroups skip nothing, the 12-token union walks at most
-    WIDE_MAX_RATIO times their entries and there are WIDE_MIN_TILES_PER_SM tiles an SM; never in bf16, for a
-    named option or p8; always for p12."""
+    WIDE_MAX_RATIO times their entries and there are WIDE_MIN_TILES_PER_SM tiles an SM, in either dtype; never
+    for a named option or p8; always for p12."""
     from msa_bench.scenarios.serving import serving_workload
     shape = AttnShape(hq=16, hkv=1, head_dim=16, block=128, topk=4)        # small: the interpreter runs the schedules
     backend, named, p8, p12 = (get_backend(n) for n in ("q-packed-cute", "q-packed-cute@pp+sa", "q-packed-cute@p8",
@@ -245,7 +246,7 @@ def test_default_fp8_plan_takes_wide_tiles_only_where_the_rule_holds(monkeypatch
         return wide is not None
 
     assert chosen(backend, 0.0) and chosen(p12, 0.0) and chosen(p12, 0.3)
-    assert not chosen(backend, 0.3) and not chosen(backend, 0.0, "bf16")
+    assert not chosen(backend, 0.3) and chosen(backend, 0.0, "bf16") and not chosen(backend, 0.3, "bf16")
     assert not chosen(named, 0.0) and not chosen(p8, 0.0)
     monkeypatch.setattr(cb, "sm_count", lambda device: sms * 1.1)          # a tile short
     assert not chosen(backend, 0.0) and chosen(p12, 0.0)

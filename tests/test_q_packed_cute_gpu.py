@@ -89,8 +89,7 @@ def test_matches_the_float64_reference(dtype, option, case):
     assert err <= tol, (case, details["out_rel_err"], details.get("lse_rel_err"))
     attention = details["info"]["attention"]
     # 12-token tiles: named, or a default fp8 plan of many tiles whose warpgroups skip nothing (real prefill's N 16384)
-    wide = case not in DIRECT and (option == "p12" or (option == "" and dtype == "fp8" and case in ("prefill-47k",
-                                                                                                  "prefill-27k")))
+    wide = case not in DIRECT and (option == "p12" or (option == "" and case in ("prefill-47k", "prefill-27k")))
     assert (attention["tile_tokens"] == 12) == wide, details["info"]
     if option == "p12" and not wide:      # decode keeps its own tiles and the default flags
         flags = DEFAULT_OPTIONS[dtype]

@@ -54,11 +54,14 @@ With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
   order the pairs one warpgroup after the other) and s_ahead (two held stages per warpgroup: all four of
   fp8's pairs ring, none left to read ahead).
 
-* 12-token tiles (tile_tokens 12, fp8; neither flag): three consumer warpgroups of 64 rows (512 threads,
+* 12-token tiles (tile_tokens 12; neither flag): three consumer warpgroups of 64 rows (512 threads,
   registers 128 x 32 + 384 x 160), each walking the whole union (warps past 8 hold tokens 8-11; a token's
-  unselected blocks are masked by its -1 limit), four K/V stages: Q 2 x 24 KiB + K, V 4 x 16 KiB each + O
-  staging 12 x 4 KiB = 224 KiB. Three softmax chains per SM sub-partition instead of two: at u 1 the
-  attention stage is about 10 % faster (docs/perf-log.md, 2026-12-03); where tokens drift its union grows.
+  unselected blocks are masked by its -1 limit). fp8: four K/V stages, Q 2 x 24 KiB + K, V 4 x 16 KiB each +
+  O staging 12 x 4 KiB = 224 KiB. bf16: Q 2 x 48 KiB + K, V 2 x 32 KiB each = 224 KiB, and each warp stages
+  its token's O in its own rows of the tile's Q stage (o_in_q: no S reads them after the tile's last block;
+  the warps release the Q stage once their O stores have read it). Three softmax chains per SM
+  sub-partition instead of two: at u 1 the attention stage is 7-10 % faster (docs/perf-log.md, 2026-12-03
+  and 2026-12-04); where tokens drift its union grows.
 
 Shared memory (one CTA per SM): bf16 Q 2 x 32 KiB + K, V 2 x 32 KiB each + O staging 8 x 4 KiB = 224 KiB;
 fp8 Q 2 x 16 KiB + K, V 5 x 16 KiB each + 32 KiB = 224 KiB (pingpong, pairs: 4 stages, 192 KiB).
@@ -94,7 +97,8 @@ REGS = {2: (56, 224), 3: (32, 160)}
 Q_STAGES = 2                 # the tile's Q and the next tile's
 META = 5                     # per Q stage: the tile's count, ntok, tok0, lo_end, hi_start
 KV_STAGES = {"bf16": 2, "fp8": 5}      # as many K/V stages as shared memory holds next to Q and O staging
-THREE_WG_KV_STAGES = 4                 # fp8 12-token tiles: Q 2 x 24 KiB, O staging 12 x 4 KiB
+# 12-token tiles: fp8 Q 2 x 24 KiB + O staging 12 x 4 KiB; bf16 Q 2 x 48 KiB, O staged in the tile's own Q rows
+THREE_WG_KV_STAGES = {"bf16": 2, "fp8": 4}
 # pingpong and decode pairs keep four (H200, 2026-12-02; outputs bitwise equal): with pingpong a fifth was
 # within 0.7 % on 12 prefill, drift and decode points (the turns order the warpgroups), and every fp8 pairs
 # point of the decode scenario ran 0.5-3.3 % slower with it
@@ -153,9 +157,12 @@ class QPackedSm90:
                              f"per consumer warp), got P {tile_tokens}, G {group}, D {head_dim}, block {block}")
         # a consumer warpgroup per 4 tokens (64 rows); three walk the whole union (no halves to skip by)
         self.consumer_wgs = tile_tokens // 4
-        if self.consumer_wgs == 3 and (dtype != "fp8" or pingpong or pairs):
-            raise ValueError("QPackedSm90: 12-token tiles (three consumer warpgroups) are fp8 only (bf16's Q and O "
-                             "staging leave no K/V stages), without pingpong (two warpgroups' turns) or pairs")
+        if self.consumer_wgs == 3 and (pingpong or pairs):
+            raise ValueError("QPackedSm90: 12-token tiles (three consumer warpgroups) run without pingpong (two "
+                             "warpgroups' turns) or pairs")
+        # bf16's 12-token Q stage (48 KiB) leaves no room for O staging beside two K/V stages: each warp stages
+        # its token's O in its own Q rows, which no S reads after the tile's last block
+        self.o_in_q = self.consumer_wgs == 3 and dtype == "bf16"
         self.num_threads = self.wg_threads * (1 + self.consumer_wgs)
         self.num_consumer_warps = 4 * self.consumer_wgs
         self.producer_regs, self.consumer_regs = REGS[self.consumer_wgs]
@@ -173,7 +180,7 @@ class QPackedSm90:
         self.q_stages = Q_STAGES
         turns = pingpong or pairs
         self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else
-                                       THREE_WG_KV_STAGES if self.consumer_wgs == 3 else KV_STAGES[dtype])
+                                       THREE_WG_KV_STAGES[dtype] if self.consumer_wgs == 3 else KV_STAGES[dtype])
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
@@ -207,8 +214,13 @@ class QPackedSm90:
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(tma_op, mK, cute.slice_(sK_layout, (None, None, 0)), (BLK, D))
         tma_v, gV_tma = cpasync.make_tiled_tma_atom(tma_op, mV, cute.slice_(sV_layout, (None, None, 0)), v_tile)
-        # O staging: one (G, D) slot per consumer warp (= tile token), stored by TMA slot by slot
-        sO_layout = staged_smem_layout(cutlass.BFloat16, self.group, D, self.num_consumer_warps)
+        # O staging: one (G, D) slot per consumer warp (= tile token), stored by TMA slot by slot; o_in_q: slot
+        # (w, stage) is Q rows w G .. w G + G - 1 of that Q stage
+        if const_expr(self.o_in_q):
+            sO_layout = cute.composition(sQ_layout, cute.make_layout(
+                (self.group, D, (self.tile_tokens, self.q_stages)), stride=(1, ROWS, (self.group, ROWS * D))))
+        else:
+            sO_layout = staged_smem_layout(cutlass.BFloat16, self.group, D, self.num_consumer_warps)
         tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
         storage = self._storage_struct(sQ_layout, sK_layout, sV_layout, sO_layout)
@@ -231,8 +243,9 @@ class QPackedSm90:
                   "sLim": mem[Int32, self.tile_tokens * self.kv_stages],
                   "sQ": align[mem[dt, cute.cosize(sQ_layout)], 1024],
                   "sK": align[mem[dt, cute.cosize(sK_layout)], 1024],
-                  "sV": align[mem[dt, cute.cosize(sV_layout)], 1024],
-                  "sO": align[mem[cutlass.BFloat16, cute.cosize(sO_layout)], 1024]}
+                  "sV": align[mem[dt, cute.cosize(sV_layout)], 1024]}
+        if not self.o_in_q:
+            fields["sO"] = align[mem[cutlass.BFloat16, cute.cosize(sO_layout)], 1024]
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         return self.shared_storage
 
@@ -258,7 +271,10 @@ class QPackedSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)          # (ROWS, D, QS)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (BLK, D, KS)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)          # (BLK, D or D, BLK, KS)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)          # (G, D, 8)
+        if const_expr(self.o_in_q):
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)      # (G, D, (P, QS))
+        else:
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)      # (G, D, 8)
 
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -507,7 +523,10 @@ class QPackedSm90:
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
         tScS = rows_cols_view(thr_qk.partition_C(cute.make_identity_tensor((ROWS, BLK))))
         # O staging: the (ROWS, D) view of the slot-staged buffer (row = slot * G + g), written by stmatrix
-        sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_tokens), D), stride=((1, G * D), G)))
+        if const_expr(self.o_in_q):
+            sO_tile = sQ                                                         # (ROWS, D, QS)
+        else:
+            sO_tile = cute.composition(sO, cute.make_layout(((G, self.tile_tokens), D), stride=((1, G * D), G)))
         st_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), pv_mma)
         tRsO = st_copy.get_slice(ctid).partition_D(sO_tile)
@@ -574,9 +593,12 @@ class QPackedSm90:
                                                 walk if const_expr(self.pairs) else hi - lo,
                                                 both if const_expr(self.pairs) else None, warp, cwg, lane, scale_log2)
             kv_idx, kv_phase = self._pass(kv_full, kv_empty, kv_idx, kv_phase, count - hi, cwg, lane)
-            release(q_empty + q_idx, lane)                # every S of the tile has completed
+            if const_expr(not self.o_in_q):
+                release(q_empty + q_idx, lane)            # every S of the tile has completed
             self._store(st_copy, tRsO, tma_o, tOsO, tOgO, mLse, v, tok0, ntok, head, hkv, warp, lane, ctid,
-                        out_scale, scale_log2)
+                        out_scale, scale_log2, q_idx)
+            if const_expr(self.o_in_q):
+                release(q_empty + q_idx, lane)            # and the O store has read the warp's Q rows
             q_idx, q_phase = advance(q_idx, q_phase, self.q_stages)
         if const_expr(self.pingpong):
             if cwg == 0:
@@ -723,10 +745,11 @@ class QPackedSm90:
     @cute.jit
     def _store(self, st_copy: cute.TiledCopy, tRsO: cute.Tensor, tma_o: cute.CopyAtom, tOsO: cute.Tensor,
                tOgO: cute.Tensor, mLse: cute.Tensor, v, tok0: Int32, ntok: Int32, head: Int32, hkv: Int32,
-               warp: Int32, lane: Int32, ctid: Int32, out_scale: Float32, scale_log2: Float32):
+               warp: Int32, lane: Int32, ctid: Int32, out_scale: Float32, scale_log2: Float32, q_idx: Int32):
         """The warp's token: l reduced over each row's quad, O * out_scale / l as bf16 by stmatrix into the
         warp's own staging slot and one TMA store of its (G, D) rows; the LSE of its rows. A token past
-        ntok stores nothing; a row with no visible key gets O = 0 and LSE -inf."""
+        ntok stores nothing; a row with no visible key gets O = 0 and LSE -inf. o_in_q: the slot is the warp's
+        rows of Q stage q_idx, and lane 0 waits until the store has read them."""
         G = self.group
         acc_o, m_run, l_run, alpha, tScS = v["acc_o"], v["m_run"], v["l_run"], v["alpha"], v["tScS"]
         n_rows = const_expr(cute.size(tScS, mode=[0]))
@@ -756,10 +779,17 @@ class QPackedSm90:
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.sync_warp()
-        cute.copy(st_copy, st_copy.retile(r_o), tRsO)
+        slot = warp
+        if const_expr(self.o_in_q):
+            cute.copy(st_copy, st_copy.retile(r_o), tRsO[None, None, None, q_idx])
+            slot = q_idx * self.tile_tokens + warp
+        else:
+            cute.copy(st_copy, st_copy.retile(r_o), tRsO)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
         if lane == 0:
             if live:
-                cute.copy(tma_o, tOsO[None, warp], tOgO[None, token * hkv + head])
+                cute.copy(tma_o, tOsO[None, slot], tOgO[None, token * hkv + head])
             cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.o_in_q):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

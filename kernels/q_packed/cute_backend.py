@@ -6,11 +6,11 @@ those tiles outnumber the SMs a default plan runs each dtype's pairs library, tw
 
 Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing their MMAs) and `sa` (block
 j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither; `p8` or
-`p12` the tokens a tile (p12: three consumer warpgroups, fp8, neither pp nor sa; decode keeps its own). Without
+`p12` the tokens a tile (p12: three consumer warpgroups, neither pp nor sa; decode keeps its own). Without
 an option each dtype takes the set measured fastest (DEFAULT_OPTIONS), or where its warpgroups skip blocks
-(neighbours drift) the set measured fastest there (SKIP_OPTIONS); a default fp8 plan whose warpgroups skip
-nothing runs 12-token tiles on three consumer warpgroups where they pay (wide_schedule). Built for P 8 (fp8
-also 12), G 16, D 128, block 128 in bf16 and fp8.
+(neighbours drift) the set measured fastest there (SKIP_OPTIONS); a default plan whose warpgroups skip
+nothing runs 12-token tiles on three consumer warpgroups where they pay (wide_schedule). Built for P 8 and 12,
+G 16, D 128, block 128 in bf16 and fp8.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SKI
 from ..options import Choice, Number
 
 TILE_TOKENS = 8
+WIDE_TOKENS = 12          # every dtype's wide tile (WIDE_TILE_TOKENS)
 
 
 def cute_shape_reason(w: Workload, name: str) -> str | None:
@@ -130,21 +131,21 @@ class QPackedCuteBackend(Backend):
     # the words are manifest.OPTION_FLAGS's, which name the libraries
     options = {"pingpong": Choice("pingpong consumer warpgroups", {"pp": True, "plain": False}),
                "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False}),
-               "tile_size": Number("tokens a tile", "p", (TILE_TOKENS, WIDE_TILE_TOKENS["fp8"]))}
+               "tile_size": Number("tokens a tile", "p", (TILE_TOKENS, WIDE_TOKENS))}
 
     def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None, tile_size: int | None = None):
         """All None: each dtype's DEFAULT_OPTIONS; naming one flag turns the others off (`@pp` is pingpong
         alone). tile_size: None the rule (wide_schedule), 8 never wide, 12 always (neither flag)."""
         flags = (pingpong, s_ahead)
         self.flags = None if all(f is None for f in flags) else tuple(bool(f) for f in flags)
-        if tile_size == WIDE_TILE_TOKENS["fp8"] and any(f for f in flags):
+        if tile_size == WIDE_TOKENS and any(f for f in flags):
             raise ValueError(f"q-packed-cute: p{tile_size} runs neither pp nor sa (three consumer warpgroups)")
         self.tile_size = tile_size
 
     @property
     def wide_forced(self) -> bool:
         """`@p12`: every plan (decode aside) runs the 12-token tiles, whatever the rule says."""
-        return self.tile_size == WIDE_TILE_TOKENS["fp8"]
+        return self.tile_size == WIDE_TOKENS
 
     def config_for(self, dtype: str, walked_ratio: float = 1.0) -> QPackedConfig:
         """The library a plan runs: the named flags; else the dtype's SKIP_OPTIONS where its warpgroups walk
@@ -166,8 +167,7 @@ class QPackedCuteBackend(Backend):
 
     def wide_schedule(self, w: Workload, walked: float, selected: float):
         """(the 12-token schedule, run; the entries its warpgroups walk over those selected) that a default plan
-        takes instead of its 8-token one, or None: fp8 where the
-        8-token warpgroups skip nothing (walked <= SKIP_RATIO), the 12-token union walks at most WIDE_MAX_RATIO
+        takes instead of its 8-token one, or None: where the 8-token warpgroups skip nothing (walked <= SKIP_RATIO), the 12-token union walks at most WIDE_MAX_RATIO
         times their entries, and there are at least WIDE_MIN_TILES_PER_SM tiles an SM (manifest: where
         measured, fewer ran slower). Each of its three warpgroups walks the whole union."""
         from .schedule import PackedSchedule
@@ -175,7 +175,7 @@ class QPackedCuteBackend(Backend):
         if not forced and (self.flags is not None or self.tile_size is not None or w.dtype not in WIDE_TILE_TOKENS
                            or walked > SKIP_RATIO or not selected):
             return None
-        wide = PackedSchedule(w, WIDE_TILE_TOKENS["fp8"])
+        wide = PackedSchedule(w, WIDE_TILE_TOKENS[w.dtype])
         if not forced and wide.num_tiles < WIDE_MIN_TILES_PER_SM * sm_count(w.device):
             return None
         wide()
@@ -203,8 +203,7 @@ class QPackedCuteBackend(Backend):
         if reason:
             return reason
         if self.wide_forced and dtype not in WIDE_TILE_TOKENS:
-            return (f"{self.name}@p{self.tile_size} runs {', '.join(WIDE_TILE_TOKENS)} only (bf16's Q and O staging "
-                    f"for 192 rows leave shared memory no K/V stage)")
+            return f"{self.name}@p{self.tile_size} runs {', '.join(WIDE_TILE_TOKENS)} only"
         arch = device_arch(device)
         if arch not in SUPPORTED_ARCHS:
             return f"{self.name} is built for {', '.join(SUPPORTED_ARCHS)}; this GPU is {arch}"
