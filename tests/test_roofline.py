@@ -209,11 +209,12 @@ def test_q_outer_rereads_inside_its_window_hit_the_l2():
     assert alike["kv_l2_miss_reread"] < none["kv_l2_miss_reread"] / 10
 
 
-def test_a_wide_packed_plan_is_predicted_at_the_union_it_recorded():
+def test_a_wide_packed_plan_is_predicted_as_the_8_token_plan_or_at_the_union_it_recorded():
     """A q-packed plan of a tile size the workload statistics do not hold (q-packed-cute's 12-token tiles,
-    each warpgroup walking the whole union) is predicted at the executed union ratio its plan recorded; a
-    plan whose warpgroups skip (mma_tokens below the tile) gets no prediction without the statistics, and an
-    8-token plan keeps the statistics' ratios whatever its plan recorded."""
+    each warpgroup walking the whole union) is predicted as the 8-token plan where the statistics hold its
+    ratios, else at the executed union ratio its plan recorded; a plan whose warpgroups skip (mma_tokens
+    below the tile) gets no prediction without the statistics, and an 8-token plan keeps the statistics'
+    ratios whatever its plan recorded."""
     from msa_bench.harness.prediction import predict_stats
     dev, shape = load_device("h200"), ModelShape(dtype="fp8")
     n = 16384
@@ -225,8 +226,13 @@ def test_a_wide_packed_plan_is_predicted_at_the_union_it_recorded():
         return predict_stats("q-packed", shape, stats, dev,
                              {"tile_tokens": tile, "mma_tokens": mma, "executed_union_ratio": recorded})
 
+    assert pred(12, 12, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
+    assert pred(8, 4, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
+    eight = {k: v for k, v in stats.items() if not k.endswith(("_p8", "_p4"))}
+    stats.clear()
+    stats.update(eight)                     # statistics without the 8-token tile's ratios
     low, high = pred(12, 12, 1.0), pred(12, 12, 1.5)
     assert low is not None and high is not None and high.time_s > low.time_s
     assert high.executed_flops == pytest.approx(1.5 * low.executed_flops)
     assert pred(12, 4, 1.0) is None
-    assert pred(8, 4, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
+    assert pred(8, 4, 1.5) is None
