@@ -39,8 +39,9 @@ def test_token_tiles_follow_positions_and_requests():
 
 def oracle(w, P):
     """Per (head, tile): the union (blocks only the first P // 2 tokens select, then those both halves do,
-    then the second half's own, each ascending), its pages, each token's limit per union block, and the
-    halves' ranges (lo_end, hi_start), by Python loops."""
+    then the second half's own, each ascending; 12-token tiles by the (first, last) third of the tokens
+    that select a block), its pages, each token's limit per union block, and the groups' ranges (lo_end,
+    hi_start; thirds (e0, s1, e1, s2)), by Python loops."""
     tok0, ntok = token_tiles(w.q_request, w.q_limit, P, w.causal)
     sel, lim, table, req = w.selection.cpu(), w.q_limit.cpu(), w.page_table.cpu(), w.q_request.cpu()
     out = []
@@ -53,11 +54,21 @@ def oracle(w, P):
                     if b >= 0:
                         halves.setdefault(b, set()).add(k >= P // 2)
             cls = {b: 1 if len(hs) == 2 else (2 if True in hs else 0) for b, hs in halves.items()}
-            union = sorted(halves, key=lambda b: (cls[b], b))
+            if P == 12:
+                thirds = {}
+                for k, q in enumerate(toks):
+                    for b in sel[h, q].tolist():
+                        if b >= 0:
+                            thirds.setdefault(b, set()).add(k // 4)
+                order = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2)]
+                cls = {b: order.index((min(g), max(g))) for b, g in thirds.items()}
+            union = sorted(cls, key=lambda b: (cls[b], b))
             limits = [[(min(int(lim[q]) - b * w.shape.block, w.shape.block - 1) if b in sel[h, q].tolist()
                         else NO_KEY) for q in toks] + [NO_KEY] * (P - n) for b in union]
-            n_lo, n_both = sum(c == 0 for c in cls.values()), sum(c == 1 for c in cls.values())
-            out.append((union, [int(table[int(req[t0]), b]) for b in union], limits, (n_lo + n_both, n_lo)))
+            per = [sum(c == k for c in cls.values()) for k in range(6)]
+            split = ((per[0] + per[1], per[0]) if P != 12 else
+                     (sum(per[:3]), per[0], sum(per[:5]), per[0] + per[1]))
+            out.append((union, [int(table[int(req[t0]), b]) for b in union], limits, split))
     return out
 
 
@@ -92,7 +103,7 @@ def assert_schedule_matches_oracle(w, P):
     limit = sch.tile_limit.view(-1, U, P)
     for i, (union, pages, limits, split) in enumerate(oracle(w, P)):
         c = len(union)
-        assert int(sch.tile_count[i]) == c and tuple(sch.tile_split.view(-1, 2)[i].tolist()) == split
+        assert int(sch.tile_count[i]) == c and tuple(sch.tile_split.view(-1, len(split))[i].tolist()) == split
         assert sch.tile_page[i, :c].tolist() == pages and (sch.tile_page[i, c:] == -1).all()
         assert limit[i, :c].tolist() == limits
         assert (limit[i, c:] == NO_KEY).all()

@@ -55,8 +55,9 @@ With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
   fp8's pairs ring, none left to read ahead).
 
 * 12-token tiles (tile_tokens 12; neither flag): three consumer warpgroups of 64 rows (512 threads,
-  registers 128 x 32 + 384 x 160), each walking the whole union (warps past 8 hold tokens 8-11; a token's
-  unselected blocks are masked by its -1 limit). fp8: four K/V stages, Q 2 x 24 KiB + K, V 4 x 16 KiB each +
+  registers 128 x 32 + 384 x 160), warpgroup c holding tokens 4c .. 4c + 3 and walking its third's range
+  of the union (the schedule orders it by thirds: [0, e0), [s1, e1), [s2, count); a token's unselected
+  blocks in that range are masked by its -1 limit). fp8: four K/V stages, Q 2 x 24 KiB + K, V 4 x 16 KiB each +
   O staging 12 x 4 KiB = 224 KiB. bf16: Q 2 x 48 KiB + K, V 2 x 32 KiB each = 224 KiB, and each warp stages
   its token's O in its own rows of the tile's Q stage (o_in_q: no S reads them after the tile's last block;
   the warps release the Q stage once their O stores have read it). Three softmax chains per SM
@@ -95,7 +96,8 @@ from .softmax import _row, mask_keys, pairwise
 # 128 x 32 + 384 x 160 = 512 x 128, each launch's allocation
 REGS = {2: (56, 224), 3: (32, 160)}
 Q_STAGES = 2                 # the tile's Q and the next tile's
-META = 5                     # per Q stage: the tile's count, ntok, tok0, lo_end, hi_start
+# per Q stage: the tile's count, ntok, tok0, lo_end, hi_start; three warpgroups: count, ntok, tok0, e0, s1, e1, s2
+META = {2: 5, 3: 7}
 KV_STAGES = {"bf16": 2, "fp8": 5}      # as many K/V stages as shared memory holds next to Q and O staging
 # 12-token tiles: fp8 Q 2 x 24 KiB + O staging 12 x 4 KiB; bf16 Q 2 x 48 KiB, O staged in the tile's own Q rows
 THREE_WG_KV_STAGES = {"bf16": 2, "fp8": 4}
@@ -155,7 +157,7 @@ class QPackedSm90:
         if tile_tokens not in (8, 12) or (group, head_dim, block) != (16, 128, 128):
             raise ValueError(f"the q-packed CuTe stage is written for P 8 or 12, G 16, D 128, block 128 (one token "
                              f"per consumer warp), got P {tile_tokens}, G {group}, D {head_dim}, block {block}")
-        # a consumer warpgroup per 4 tokens (64 rows); three walk the whole union (no halves to skip by)
+        # a consumer warpgroup per 4 tokens (64 rows): the union's halves for two, its thirds for three
         self.consumer_wgs = tile_tokens // 4
         if self.consumer_wgs == 3 and (pingpong or pairs):
             raise ValueError("QPackedSm90: 12-token tiles (three consumer warpgroups) run without pingpong (two "
@@ -239,7 +241,7 @@ class QPackedSm90:
         # field types as objects, not annotations (this module's `from __future__ import annotations`)
         fields = {"q_full": mem[cutlass.Int64, self.q_stages], "q_empty": mem[cutlass.Int64, self.q_stages],
                   "kv_full": mem[cutlass.Int64, self.kv_stages], "kv_empty": mem[cutlass.Int64, self.kv_stages],
-                  "sMeta": mem[Int32, META * self.q_stages],
+                  "sMeta": mem[Int32, META[self.consumer_wgs] * self.q_stages],
                   "sLim": mem[Int32, self.tile_tokens * self.kv_stages],
                   "sQ": align[mem[dt, cute.cosize(sQ_layout)], 1024],
                   "sK": align[mem[dt, cute.cosize(sK_layout)], 1024],
@@ -266,7 +268,7 @@ class QPackedSm90:
         storage = cutlass_utils.SmemAllocator().allocate(self.shared_storage)
         q_full, q_empty = storage.q_full.data_ptr(), storage.q_empty.data_ptr()
         kv_full, kv_empty = storage.kv_full.data_ptr(), storage.kv_empty.data_ptr()
-        sMeta = storage.sMeta.get_tensor(cute.make_layout((META, self.q_stages)))
+        sMeta = storage.sMeta.get_tensor(cute.make_layout((META[self.consumer_wgs], self.q_stages)))
         sLim = storage.sLim.get_tensor(cute.make_layout((self.tile_tokens, self.kv_stages)))
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)          # (ROWS, D, QS)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (BLK, D, KS)
@@ -453,6 +455,9 @@ class QPackedSm90:
             count = Int32(0)
             lo_end = Int32(0)
             hi_start = Int32(0)
+            if const_expr(self.consumer_wgs == 3):
+                hi_end = Int32(0)
+                lo_third = Int32(0)
             if const_expr(self.pairs):
                 tok0 = 2 * tt
                 ntok = cutlass.min(n_tokens - tok0, 2)
@@ -478,11 +483,20 @@ class QPackedSm90:
                     count = cute.arch.popc(cute.arch.vote_ballot_sync(pg >= 0))
                     lo_end = count
                     hi_start = count
+                    if const_expr(self.consumer_wgs == 3):
+                        hi_end = count
+                        lo_third = count
             else:
                 if qtid == 0:
                     count = mTileCount[tile]
-                    lo_end = mTileSplit[2 * tile]
-                    hi_start = mTileSplit[2 * tile + 1]
+                    if const_expr(self.consumer_wgs == 3):       # the thirds' (e0, s1, e1, s2)
+                        lo_end = mTileSplit[4 * tile]
+                        hi_start = mTileSplit[4 * tile + 1]
+                        hi_end = mTileSplit[4 * tile + 2]
+                        lo_third = mTileSplit[4 * tile + 3]
+                    else:
+                        lo_end = mTileSplit[2 * tile]
+                        hi_start = mTileSplit[2 * tile + 1]
             last = cutlass.max(ntok - 1, 0)
             wait(q_empty + q_idx, q_phase)
             gather_q(g2s, thr_q, tQcQ, sQ[None, None, q_idx], mQ, hq, head, G, D,
@@ -495,6 +509,9 @@ class QPackedSm90:
                 sMeta[2, q_idx] = tok0
                 sMeta[3, q_idx] = lo_end
                 sMeta[4, q_idx] = hi_start
+                if const_expr(self.consumer_wgs == 3):
+                    sMeta[5, q_idx] = hi_end
+                    sMeta[6, q_idx] = lo_third
                 cute.arch.mbarrier_arrive(q_full + q_idx)
             q_idx, q_phase = advance(q_idx, q_phase, self.q_stages)
         cute.arch.cp_async_wait_group(0)
@@ -565,9 +582,11 @@ class QPackedSm90:
             # the warpgroup's blocks are union slots [lo, hi) (schedule.py orders the union by halves)
             lo = Int32(cutlass.select_(cwg == 0, Int32(0), sMeta[4, q_idx]))
             hi = Int32(cutlass.select_(cwg == 0, sMeta[3, q_idx], count))
-            if const_expr(self.consumer_wgs == 3):
-                lo = Int32(0)
-                hi = count
+            if const_expr(self.consumer_wgs == 3):        # the thirds: [0, e0), [s1, e1), [s2, count)
+                lo = Int32(cutlass.select_(cwg == 0, Int32(0), cutlass.select_(cwg == 1, sMeta[4, q_idx],
+                                                                                 sMeta[6, q_idx])))
+                hi = Int32(cutlass.select_(cwg == 0, sMeta[3, q_idx], cutlass.select_(cwg == 1, sMeta[5, q_idx],
+                                                                                        count)))
             if const_expr(self.pairs):
                 # token a's n_a blocks (warpgroup 0) and b's n_b (1) in the order a0 b0 a1 b1 ... then the
                 # longer's rest: warpgroup 1 passes a0 first; each passes the other's block after its own

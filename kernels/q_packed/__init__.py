@@ -18,7 +18,8 @@ schedule   (selection -> tiles, their unions and per-token key limits; schedule.
                                 the block (block - 1 when every key is visible, -1 when the token did
                                 not select the block)
   tile_split [T, 2] int32       (lo_end, hi_start): the first half's blocks are slots [0, lo_end),
-                                the second half's [hi_start, count)
+                                the second half's [hi_start, count); 12-token tiles [T, 4] (e0, s1,
+                                e1, s2): the thirds' [0, e0), [s1, e1), [s2, count)
 
 attention  (one program per tile; attention.py)
   out [N, Hq, D] bf16 (fp32 for fp32 inputs), lse [N, Hq] fp32 (natural log)

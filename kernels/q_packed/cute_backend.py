@@ -8,8 +8,8 @@ Options, joined by '+': `pp` (the two consumer warpgroups take turns issuing the
 j + 1's S issued with block j's P V); `q-packed-cute@pp+sa` is FA3's schedule, `@plain` neither; `p8` or
 `p12` the tokens a tile (p12: three consumer warpgroups, neither pp nor sa; decode keeps its own). Without
 an option each dtype takes the set measured fastest (DEFAULT_OPTIONS), or where its warpgroups skip blocks
-(neighbours drift) the set measured fastest there (SKIP_OPTIONS); a default plan whose warpgroups skip
-nothing runs 12-token tiles on three consumer warpgroups where they pay (wide_schedule). Built for P 8 and 12,
+(neighbours drift) the set measured fastest there (SKIP_OPTIONS); a default plan runs
+12-token tiles on three consumer warpgroups where they pay (wide_schedule). Built for P 8 and 12,
 G 16, D 128, block 128 in bf16 and fp8.
 """
 from __future__ import annotations
@@ -165,35 +165,33 @@ class QPackedCuteBackend(Backend):
         wide = [wide_config(dtype)] if self.flags is None and self.tile_size is None and dtype in WIDE_TILE_TOKENS else []
         return list(dict.fromkeys([self.config_for(dtype, r) for r in (1.0, float("inf"))] + wide))
 
-    def wide_schedule(self, w: Workload, walked: float, selected: float):
+    def wide_schedule(self, w: Workload, schedule, walked: float, selected: float):
         """(the 12-token schedule, run; the entries its warpgroups walk over those selected) that a default plan
-        takes instead of its 8-token one, or None: where the 8-token warpgroups skip nothing (walked <= SKIP_RATIO), the 12-token union walks at most WIDE_MAX_RATIO
-        times their entries, and there are at least WIDE_MIN_TILES_PER_SM tiles an SM (manifest: where
-        measured, fewer ran slower). Each of its three warpgroups walks the whole union."""
+        takes instead of its 8-token `schedule` (run; its warpgroups walk `walked`), or None. It takes them
+        where their warpgroups walk at most WIDE_MAX_RATIO times the 8-token warpgroups' entries, their
+        tiles load no more union blocks than the 8-token tiles do, there are at least WIDE_MIN_TILES_PER_SM
+        tiles an SM and no request of one token (a decode token's tile: manifest, where each was measured)."""
         from .schedule import PackedSchedule
         forced = self.wide_forced
         if not forced and (self.flags is not None or self.tile_size is not None or w.dtype not in WIDE_TILE_TOKENS
-                           or walked > SKIP_RATIO or not selected):
+                           or not selected or bool((torch.bincount(w.q_request) == 1).any())):
             return None
         wide = PackedSchedule(w, WIDE_TILE_TOKENS[w.dtype])
         if not forced and wide.num_tiles < WIDE_MIN_TILES_PER_SM * sm_count(w.device):
             return None
         wide()
         ratio = self.walked_ratio(w, wide, selected)
-        return (wide, ratio) if forced or ratio <= WIDE_MAX_RATIO * walked else None
+        loads = int(wide.tile_count.sum()) <= int(schedule.tile_count.sum())
+        return (wide, ratio) if forced or (ratio <= WIDE_MAX_RATIO * walked and loads) else None
 
     def walked_ratio(self, w: Workload, schedule, selected: float) -> float:
         """The entries the tiles' warpgroups walk (the schedule has run) over the `selected` entries they
-        hold: 1 where the tokens a warpgroup walks for select the same blocks. An 8-token tile's two warpgroups
-        each walk their P / 2 tokens x the union slots of their half; a 12-token tile's three walk the whole
-        union."""
-        half = self.mma_tokens
+        hold: 1 where the tokens a warpgroup walks for select the same blocks. Each of a tile's warpgroups
+        walks its 4 tokens x the union slots of its group (schedule.group_slots: an 8-token tile's halves,
+        a 12-token tile's thirds)."""
+        group = self.mma_tokens
         ntok = schedule.tile_ntok.double().repeat(w.shape.hkv)
-        if schedule.P > 2 * half:
-            walked = float(schedule.tile_count.double() @ ntok)
-        else:
-            lo, hi = schedule.half_slots()
-            walked = float(lo @ ntok.clamp(max=half) + hi @ (ntok - half).clamp(min=0))
+        walked = sum(float(slots @ (ntok - g * group).clamp(0, group)) for g, slots in enumerate(schedule.group_slots()))
         return walked / selected if selected else 1.0
 
     def unavailable_reason(self, dtype, device):
@@ -234,12 +232,12 @@ class QPackedCuteBackend(Backend):
         # a default plan's decode tiles in pairs; named options keep their library (one token a tile)
         pairs = self.flags is None and self.tile_size is None and pairs_path(w, direct)
         cfg = QPackedConfig(w.dtype, pairs=True) if pairs else self.config_for(w.dtype, walked)
-        wide = None if direct else self.wide_schedule(w, walked, selected)
+        wide = None if direct else self.wide_schedule(w, schedule, walked, selected)
         if wide is not None:
             (schedule, walked), cfg = wide, wide_config(w.dtype)
         attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
         info = dict(schedule=Schedule.Q_PACKED, tile_tokens=schedule.P,
-                    mma_tokens=self.mma_tokens if wide is None else schedule.P,
+                    mma_tokens=self.mma_tokens,
                     tiles=attention.num_tiles,                  # as launched: a pair of decode tokens is one
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=walked,                # each token's warpgroup's

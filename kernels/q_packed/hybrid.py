@@ -114,7 +114,7 @@ class HybridBackend(Backend):
         executed = float(sch.tile_count.double().sum()) * self.tokens_per_tile     # P x G rows per union block
         half = get_backend(packed_kernel).mma_tokens
         # traffic: the tiles' unions; MMAs: the slots each warpgroup walks, P / 2 tokens' rows each
-        walked = float(sum(part.sum() for part in sch.half_slots())) * half if half else None
+        walked = float(sum(part.sum() for part in sch.group_slots())) * half if half else None
         head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
         # each part's decode share (achieved()): its entries that decode tokens hold; a decode token alone in
         # its tile packs nothing, so a chunked-prefill step's decode tokens are mostly the residual's

@@ -11,7 +11,11 @@ The union's order: first the blocks only the tile's first half of tokens selecte
 halves did, then those only the second half did, ascending within each. A CuTe consumer warpgroup holds
 one half (4 tokens x 16 heads, one 64-row wgmma), so each half's blocks are one contiguous range of the
 union, [0, lo_end) and [hi_start, count) (tile_split), and a warpgroup skips the rest without a branch
-per block.
+per block. A 12-token tile has three warpgroups (thirds of 4 tokens): a block's class is the (first,
+last) third of the tokens that select it, in the order (0, 0) (0, 1) (0, 2) (1, 1) (1, 2) (2, 2), so the
+thirds walk [0, e0), [s1, e1) and [s2, count) (tile_split, four a tile). The third third's range holds
+the (1, 1) blocks, which its tokens did not select (their limits mask them): where tokens drift, a block
+the middle tokens alone select is the rare one.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import triton.language as tl
 NO_KEY = -1                      # a token's limit for a union block it did not select
 _NO_KEY = tl.constexpr(NO_KEY)   # the same, where a Triton kernel reads it
 MAX_BLOCK_ID = 1 << 20           # the union's order key packs (half class, block id, entry) in 30 bits
+MAX_BLOCK_ID_THIRDS = 1 << 19    # the same with six classes (12-token tiles)
+THIRDS_TOKENS = 12               # the tile whose union is ordered by thirds
 
 
 def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile: int,
@@ -42,7 +48,7 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
                      n_token_tiles,
                      table_stride, P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
                      BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
-                     LAST: tl.constexpr, K_P2: tl.constexpr, CELLS: tl.constexpr):
+                     LAST: tl.constexpr, K_P2: tl.constexpr, CELLS: tl.constexpr, THIRDS: tl.constexpr):
     tile = tl.program_id(0)                       # head * n_token_tiles + token tile
     head = tile // n_token_tiles
     tt = tile % n_token_tiles
@@ -51,11 +57,11 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
     if ntok == 1:
         _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                         tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, n_tokens, table_stride,
-                        P, TOPK, K_P2, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, CELLS)
+                        P, TOPK, K_P2, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, CELLS, THIRDS)
     else:
         _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                          tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, ntok, n_tokens,
-                         table_stride, P, TOPK, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, MAX_ID, LAST, CELLS)
+                         table_stride, P, TOPK, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, MAX_ID, LAST, CELLS, THIRDS)
 
 
 @triton.jit
@@ -74,7 +80,8 @@ def _id_runs(blk, i, N: tl.constexpr):
 def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                     tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, n_tokens, table_stride,
                     P: tl.constexpr, TOPK: tl.constexpr, K_P2: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
-                    BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, CELLS: tl.constexpr):
+                    BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, CELLS: tl.constexpr,
+                    THIRDS: tl.constexpr):
     """A tile of one token (every decode token): its union is its own selection in ascending order, all of
     it the first half's, so the general path's sorts over P x topk entries reduce to one over topk."""
     j = tl.arange(0, K_P2)
@@ -91,8 +98,12 @@ def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_co
     lo_end = count
     if P == 1:                  # a tile one token wide has no first half: the token is its second
         lo_end = count * 0
-    tl.store(tile_split_ptr + 2 * tile, lo_end)
-    tl.store(tile_split_ptr + 2 * tile + 1, lo_end)
+    if THIRDS:                  # all of it the first third's: (e0, s1, e1, s2) all count
+        for k in tl.static_range(4):
+            tl.store(tile_split_ptr + 4 * tile + k, count)
+    else:
+        tl.store(tile_split_ptr + 2 * tile, lo_end)
+        tl.store(tile_split_ptr + 2 * tile + 1, lo_end)
     req = tl.load(q_request_ptr + tok0)
     page = tl.load(page_table_ptr + req.to(tl.int64) * table_stride + blk_s, mask=valid, other=-1)
     base = tile.to(tl.int64) * U
@@ -115,7 +126,7 @@ def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_c
                      tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, ntok, n_tokens, table_stride,
                      P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
                      BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
-                     LAST: tl.constexpr, CELLS: tl.constexpr):
+                     LAST: tl.constexpr, CELLS: tl.constexpr, THIRDS: tl.constexpr):
     i = tl.arange(0, U_P2)                        # entry i: token i // TOPK, rank i % TOPK
     ok = (i < U) & (i // TOPK < ntok)
     row0 = (head.to(tl.int64) * n_tokens + tok0) * TOPK      # the tile's first entry in [Hkv, N, topk]
@@ -139,15 +150,29 @@ def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_c
     run_last = tl.maximum(tl.minimum(nxt, n_valid) - 1, 0)
     tok_lo = tl.gather(entry, run_first, 0) // TOPK
     tok_hi = tl.gather(entry, run_last, 0) // TOPK
-    cls = tl.where(tok_hi < P // 2, 0, tl.where(tok_lo >= P // 2, 2, 1))
+    if THIRDS:      # (first, last) third: (0, 0) (0, 1) (0, 2) (1, 1) (1, 2) (2, 2) -> 0 .. 5
+        g_lo = tok_lo // (P // 3)
+        g_hi = tok_hi // (P // 3)
+        cls = tl.where(g_lo == 0, g_hi, tl.where(g_hi == 1, 3, tl.where(g_lo == 1, 4, 5)))
+    else:
+        cls = tl.where(tok_hi < P // 2, 0, tl.where(tok_lo >= P // 2, 2, 1))
     # slot of each kept id in (class, id) order: sort, then invert the permutation by a second sort
     order = tl.sort(tl.where(kept_first, (cls * MAX_ID + blk_s) * U_P2 + i, LAST + i)) % U_P2
     inv = tl.sort(order * U_P2 + i) % U_P2
     rank = tl.gather(inv, run_first, 0)
     n_lo = tl.sum((kept_first & (cls == 0)).to(tl.int32), 0)
     n_both = tl.sum((kept_first & (cls == 1)).to(tl.int32), 0)
-    tl.store(tile_split_ptr + 2 * tile, n_lo + n_both)
-    tl.store(tile_split_ptr + 2 * tile + 1, n_lo)
+    if THIRDS:
+        n_02 = tl.sum((kept_first & (cls == 2)).to(tl.int32), 0)
+        n_11 = tl.sum((kept_first & (cls == 3)).to(tl.int32), 0)
+        n_12 = tl.sum((kept_first & (cls == 4)).to(tl.int32), 0)
+        tl.store(tile_split_ptr + 4 * tile, n_lo + n_both + n_02)
+        tl.store(tile_split_ptr + 4 * tile + 1, n_lo)
+        tl.store(tile_split_ptr + 4 * tile + 2, n_lo + n_both + n_02 + n_11 + n_12)
+        tl.store(tile_split_ptr + 4 * tile + 3, n_lo + n_both)
+    else:
+        tl.store(tile_split_ptr + 2 * tile, n_lo + n_both)
+        tl.store(tile_split_ptr + 2 * tile + 1, n_lo)
     req = tl.load(q_request_ptr + tok0)
     page = tl.load(page_table_ptr + req.to(tl.int64) * table_stride + blk_s, mask=valid, other=-1)
     base = tile.to(tl.int64) * U
@@ -186,7 +211,9 @@ class PackedSchedule:
         self.tile_count = torch.zeros(tiles, dtype=torch.int32, device=dev)
         self.tile_page = torch.full((tiles, u), -1, dtype=torch.int32, device=dev)
         self.tile_limit = torch.full((tiles * u * tokens_per_tile,), NO_KEY, dtype=torch.int32, device=dev)
-        self.tile_split = torch.zeros(tiles * 2, dtype=torch.int32, device=dev)      # (lo_end, hi_start)
+        self.thirds = tokens_per_tile == THIRDS_TOKENS
+        # (lo_end, hi_start); thirds (e0, s1, e1, s2)
+        self.tile_split = torch.zeros(tiles * (4 if self.thirds else 2), dtype=torch.int32, device=dev)
         self.buffers = dict(tile_tok0=self.tile_tok0, tile_ntok=self.tile_ntok, tile_count=self.tile_count,
                             tile_page=self.tile_page, tile_limit=self.tile_limit, tile_split=self.tile_split)
         # with a share threshold, the pages of the entries it leaves out: a KV-outer stack takes them
@@ -194,24 +221,30 @@ class PackedSchedule:
         if self.residual_pages is not None:
             self.buffers["residual_pages"] = self.residual_pages
         u_p2 = triton.next_power_of_2(u)
-        if w.page_table.shape[-1] > MAX_BLOCK_ID or 3 * MAX_BLOCK_ID * u_p2 + u_p2 > 1 << 30:
+        max_id, classes = (MAX_BLOCK_ID_THIRDS, 6) if self.thirds else (MAX_BLOCK_ID, 3)
+        if w.page_table.shape[-1] > max_id or classes * max_id * u_p2 + u_p2 > 1 << 30:
             raise ValueError(f"the q-packed schedule orders a tile's union by (class, block id) in 31 bits: at most "
-                             f"{MAX_BLOCK_ID} blocks a request and {u_p2} entries a tile, got "
+                             f"{max_id} blocks a request and {u_p2} entries a tile, got "
                              f"{w.page_table.shape[-1]} and {u_p2}")
         self.consts = dict(P=tokens_per_tile, TOPK=s.topk, K_P2=triton.next_power_of_2(s.topk), U=u, U_P2=u_p2,
                            BLOCK=s.block, MIN_SHARE=min_share,
-                           RESIDUAL=self.residual_pages is not None, MAX_ID=MAX_BLOCK_ID, LAST=1 << 30,
+                           RESIDUAL=self.residual_pages is not None, MAX_ID=max_id, LAST=1 << 30, THIRDS=self.thirds,
                            CELLS=triton.next_power_of_2(u * tokens_per_tile))      # the [U, P] limits, P 12 too
 
     @property
     def num_tiles(self) -> int:
         return self.w.shape.hkv * self.n_token_tiles
 
-    def half_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per tile (float64), the union slots each half's tokens walk after the stage ran: [0, lo_end)
-        and [hi_start, count) (a CuTe consumer warpgroup per half)."""
+    def group_slots(self) -> tuple[torch.Tensor, ...]:
+        """Per tile (float64), the union slots each group of tokens walks after the stage ran (a CuTe
+        consumer warpgroup per group): the halves' [0, lo_end) and [hi_start, count), or the thirds'
+        [0, e0), [s1, e1) and [s2, count)."""
+        count = self.tile_count.double()
+        if self.thirds:
+            split = self.tile_split.view(-1, 4).double()
+            return split[:, 0], split[:, 2] - split[:, 1], count - split[:, 3]
         split = self.tile_split.view(-1, 2).double()
-        return split[:, 0], self.tile_count.double() - split[:, 1]
+        return split[:, 0], count - split[:, 1]
 
     def __call__(self) -> None:
         if self.num_tiles == 0:
