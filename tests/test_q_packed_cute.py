@@ -264,13 +264,11 @@ def test_wide_tiles_decline_more_loads_and_decode_tokens(monkeypatch):
     monkeypatch.setattr(cb, "sm_count", lambda device: 1e-3)               # tiles enough
 
     def wide(w):
-        sch = PackedSchedule(w, 8)
-        sch()
-        selected = float((w.selection >= 0).sum())
+        sch, selected = ran_schedule(w, 8), float((w.selection >= 0).sum())
         return backend.wide_schedule(w, sch, backend.walked_ratio(w, sch, selected), selected)
 
     groups = coselected_workload(shape, "fp8", 96, 8192, 0.25, 1.0, group=8, seed=1, with_tensors=False)
-    assert backend.walked_ratio(groups, wide_forced(groups), float((groups.selection >= 0).sum())) == pytest.approx(1.0)
+    assert backend.walked_ratio(groups, ran_schedule(groups, 12), float((groups.selection >= 0).sum())) == pytest.approx(1.0)
     assert wide(groups) is None
     chunk = serving_workload(shape, "fp8", "drift", 120, 8192, drift=0.0, seed=3, with_tensors=False)
     step = serving_workload(shape, "fp8", "mixed", 120, 8192, requests=4, chunks=1, drift=0.0, seed=3,
@@ -278,8 +276,9 @@ def test_wide_tiles_decline_more_loads_and_decode_tokens(monkeypatch):
     assert wide(chunk) is not None and wide(step) is None
 
 
-def wide_forced(w):
-    sch = PackedSchedule(w, 12)
+def ran_schedule(w, tokens_per_tile):
+    """The q-packed schedule of `w` at that tile size, after its stage ran."""
+    sch = PackedSchedule(w, tokens_per_tile)
     sch()
     return sch
 

@@ -213,7 +213,8 @@ SKIP_RATIO = 1.05
 # (2026-12-04: 2-8 % faster at 1.000-1.012, 2-3 % slower at 1.043 in fp8) and held out on indexer (1.082,
 # declined, 0.7-0.9 % slower); the loads on co-selection in groups of 8 (walk 1.000, 16 % slower); the one-token
 # requests on mixed steps (1.3-5 % slower).
-WIDE_TILE_TOKENS = {"bf16": 12, "fp8": 12}
+WIDE_TOKENS = 12                      # three consumer warpgroups of 4 tokens; the schedule orders its union by thirds
+WIDE_TILE_TOKENS = {"bf16": WIDE_TOKENS, "fp8": WIDE_TOKENS}
 WIDE_MAX_RATIO = 1.02
 WIDE_MIN_TILES_PER_SM = 12
 

@@ -21,12 +21,12 @@ from ..triton_common import partial_dtype, triton_unavailable_reason
 from ...roofline.schedules import Schedule
 from ...scenarios.workload import Workload
 from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SKIP_OPTIONS, SKIP_RATIO,
-                             SUPPORTED_ARCHS, WIDE_MAX_RATIO, WIDE_MIN_TILES_PER_SM, WIDE_TILE_TOKENS, QPackedConfig,
+                             SUPPORTED_ARCHS, WIDE_MAX_RATIO, WIDE_MIN_TILES_PER_SM, WIDE_TILE_TOKENS, WIDE_TOKENS,
+                             QPackedConfig,
                              device_arch, fp8_v_key_order, wide_config)
 from ..options import Choice, Number
 
 TILE_TOKENS = 8
-WIDE_TOKENS = 12          # every dtype's wide tile (WIDE_TILE_TOKENS)
 
 
 def cute_shape_reason(w: Workload, name: str) -> str | None:

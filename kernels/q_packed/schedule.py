@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ...scenarios.tiling import query_tiles
+from ..cute.manifest import WIDE_TOKENS
 from .. import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
 import triton
 import triton.language as tl
@@ -30,7 +31,6 @@ NO_KEY = -1                      # a token's limit for a union block it did not 
 _NO_KEY = tl.constexpr(NO_KEY)   # the same, where a Triton kernel reads it
 MAX_BLOCK_ID = 1 << 20           # the union's order key packs (half class, block id, entry) in 30 bits
 MAX_BLOCK_ID_THIRDS = 1 << 19    # the same with six classes (12-token tiles)
-THIRDS_TOKENS = 12               # the tile whose union is ordered by thirds
 
 
 def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile: int,
@@ -211,7 +211,7 @@ class PackedSchedule:
         self.tile_count = torch.zeros(tiles, dtype=torch.int32, device=dev)
         self.tile_page = torch.full((tiles, u), -1, dtype=torch.int32, device=dev)
         self.tile_limit = torch.full((tiles * u * tokens_per_tile,), NO_KEY, dtype=torch.int32, device=dev)
-        self.thirds = tokens_per_tile == THIRDS_TOKENS
+        self.thirds = tokens_per_tile == WIDE_TOKENS            # the CuTe wide tile's three warpgroups
         # (lo_end, hi_start); thirds (e0, s1, e1, s2)
         self.tile_split = torch.zeros(tiles * (4 if self.thirds else 2), dtype=torch.int32, device=dev)
         self.buffers = dict(tile_tok0=self.tile_tok0, tile_ntok=self.tile_ntok, tile_count=self.tile_count,
