@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from msa_bench.harness.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
-from msa_bench.kernels.base import get_backend
+from msa_bench.kernels.base import BackendUnavailable, get_backend
 from msa_bench.kernels.q_packed.schedule import NO_KEY, PackedSchedule
 from msa_bench.roofline.devices import load_device
 from msa_bench.roofline.hybrid import kv_outer_token_seconds, min_shared_tokens, packed_block_seconds
@@ -39,7 +39,7 @@ def split_pairs(w, sch):
 
 @pytest.mark.slow
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), P=st.sampled_from([8, 16]), share=st.integers(2, 16), causal=st.booleans(),
+@given(seed=st.integers(0, 10_000), P=st.sampled_from([8, 12, 16]), share=st.integers(2, 16), causal=st.booleans(),
        hot=st.sampled_from([0.0, 0.5, 0.95]), pad=st.sampled_from([0.0, 0.4]),
        reqs=st.lists(st.tuples(st.integers(40, 160), st.integers(1, 30)), min_size=1, max_size=3))
 def test_split_covers_every_pair_once(seed, P, share, causal, hot, pad, reqs):
@@ -117,22 +117,40 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poison
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("option", ["", "@p12"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_cuda_study_shape_on_both_cute_stages(dtype, graph_replay_equals_eager):
+def test_cuda_study_shape_on_both_cute_stages(dtype, option, graph_replay_equals_eager):
     """At the study shape the split runs q-packed-cute and kv-outer-cute where both are built; the combine
-    merges into the packed output in place, so a graph replay must still equal eager bitwise."""
+    merges into the packed output in place, so a graph replay must still equal eager bitwise. `@p12`: the
+    packed part on the wide tile, its warpgroups walking their thirds of what the threshold keeps."""
     from msa_bench.harness.check import check_backend, sample_rows
     w = coselected(0.5, tokens=512, context=65536, reuse=2.0, with_tensors=True, dtype=dtype)
     for name in ("q-packed-cute", "kv-outer-cute"):
         reason = get_backend(name).workload_unavailable_reason(w)
         if reason:
             pytest.skip(reason)
-    err, tol, details = check_backend("hybrid", w, rows=sample_rows(w.n_tokens))
+    name = f"hybrid{option}"
+    err, tol, details = check_backend(name, w, rows=sample_rows(w.n_tokens))
     assert err <= tol
     info = details["info"]
     assert info["kv_outer"] == "kv-outer-cute" and info["attention"]["kernel"].startswith("qpk")
+    assert info["attention"]["tile_tokens"] == (12 if option else 8) == info["tile_tokens"]
     assert 0.0 < info["packed_entry_share"] < 1.0
-    graph_replay_equals_eager(get_backend("hybrid").plan(w))
+    graph_replay_equals_eager(get_backend(name).plan(w))
+
+
+def test_wide_tiles_run_only_on_q_packed_cute():
+    """`@p12` has no Triton packed kernel to fall back on: where q-packed-cute cannot take the workload the
+    hybrid says so, and it refuses the dtypes the wide library is not built for."""
+    wide = get_backend("hybrid@p12")
+    assert wide.unavailable_reason("fp32", "cpu") == "hybrid@p12 runs bf16, fp8 only"
+    w = edge_case_workload(SHAPE, "fp8", [300], [29], True, 0.6, 0.2, seed=1, device=DEVICE)
+    cute = get_backend("q-packed-cute").workload_unavailable_reason(w)
+    if cute is None:
+        pytest.skip("q-packed-cute runs this workload here")
+    assert wide.workload_unavailable_reason(w) == f"hybrid@p12: its packed part runs on q-packed-cute: {cute}"
+    with pytest.raises(BackendUnavailable):
+        wide.plan(w)
 
 
 def test_small_shapes_take_the_triton_parts_where_cute_is_built(monkeypatch):

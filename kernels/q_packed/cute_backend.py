@@ -201,7 +201,7 @@ class QPackedCuteBackend(Backend):
         if reason:
             return reason
         if self.wide_forced and dtype not in WIDE_TILE_TOKENS:
-            return f"{self.name}@p{self.tile_size} runs {', '.join(WIDE_TILE_TOKENS)} only"
+            return f"{self.name} runs {', '.join(WIDE_TILE_TOKENS)} only"
         arch = device_arch(device)
         if arch not in SUPPORTED_ARCHS:
             return f"{self.name} is built for {', '.join(SUPPORTED_ARCHS)}; this GPU is {arch}"

@@ -8,8 +8,9 @@ KV-outer partials with the packed output as one more partial, in place. With eve
 blocks this is pure packed; with no sharing, pure KV-outer.
 
 `hybrid` runs the KV-outer part on the CuTe stage where its libraries are built, else on Triton.
-Options, joined by '+': `p8` / `p16` tokens per tile, `m1` .. `m16` the share threshold instead of the
-model's, `triton` / `cute` the KV-outer attention stage.
+Options, joined by '+': `p8` / `p16` tokens per tile (`p12`: q-packed-cute's wide tile, three warpgroups
+walking their thirds of the union), `m1` .. `m16` the share threshold instead of the model's, `triton` /
+`cute` the KV-outer attention stage.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
+from ..cute.manifest import WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
 from ..kv_outer.combine import Combine
 from ..options import Choice, Number
 from ..triton_common import partial_dtype, triton_dtype_reason
@@ -43,7 +45,7 @@ class HybridBackend(Backend):
     schedule = Schedule.HYBRID
     candidate = True
     stage_names = ("schedule", "attention", "combine")
-    options = {"tokens_per_tile": Number("tile size", "p", TILE_TOKENS),
+    options = {"tokens_per_tile": Number("tile size", "p", tuple(sorted(TILE_TOKENS + (WIDE_TOKENS,)))),
                "min_share": Number("share threshold", "m", tuple(range(1, max(TILE_TOKENS) + 1))),
                "kv_stage": Choice("KV-outer attention", tuple(KV_STAGES))}
 
@@ -65,6 +67,20 @@ class HybridBackend(Backend):
             kv = self.kv_backend(dtype, device)
             inner = kv.unavailable_reason(dtype, device)
             reason = f"{self.name}: its KV-outer part ({kv.name}): {inner}" if inner else None
+        if reason is None and self.wide and dtype not in WIDE_TILE_TOKENS:
+            reason = f"{self.name} runs {', '.join(WIDE_TILE_TOKENS)} only"
+        return reason
+
+    @property
+    def wide(self) -> bool:
+        """12-token tiles: only q-packed-cute's wide library runs them."""
+        return self.tokens_per_tile == WIDE_TOKENS
+
+    def workload_unavailable_reason(self, w: Workload) -> str | None:
+        reason = self.unavailable_reason(w.dtype, w.device)
+        if reason is None and self.wide:
+            inner = get_backend("q-packed-cute").workload_unavailable_reason(w)
+            reason = f"{self.name}: its packed part runs on q-packed-cute: {inner}" if inner else None
         return reason
 
     @staticmethod
@@ -79,7 +95,8 @@ class HybridBackend(Backend):
         if kernel == "q-packed-cute":
             from .cute_backend import QPackedCuteAttention
             cute = get_backend("q-packed-cute")
-            cfg = cute.config_for(w.dtype, cute.walked_ratio(w, packed, entries))
+            cfg = (wide_config(w.dtype) if packed.P == WIDE_TOKENS
+                   else cute.config_for(w.dtype, cute.walked_ratio(w, packed, entries)))
             return QPackedCuteAttention(w, packed, out, lse, cfg)
         return PackedAttention(w, packed, out, lse)
 
@@ -149,6 +166,8 @@ class HybridBackend(Backend):
         s, dev = w.shape, w.device
         kv = self.kv_backend(w.dtype, dev, w)
         packed_kernel = self.packed_backend(w)
+        if self.wide and packed_kernel != "q-packed-cute":
+            raise BackendUnavailable(self.workload_unavailable_reason(w) or f"{self.name}: needs q-packed-cute")
         share, source = self.threshold(w, kv, packed_kernel)
         packed = PackedSchedule(w, self.tokens_per_tile, min_share=share, residual=True)
         packed()                                            # the residual selection KV-outer plans from
