@@ -279,6 +279,24 @@ def test_closed_form_schedule_equals_the_sorted_one(case, order, num_ctas):
         assert torch.equal(getattr(fast, name), getattr(general, name)), name
 
 
+@pytest.mark.parametrize("case", ["random-padded-2req", "causal-local"])
+def test_index_map_keys_narrow_where_they_fit(case, monkeypatch):
+    """int16 sort keys (every key and the sentinel fit) give the index map int32 keys give, buffer for
+    buffer; the width follows the key count."""
+    from msa_bench.kernels.kv_outer import index_map
+    assert index_map.key_dtype(32766) == torch.int16 and index_map.key_dtype(32767) == torch.int32
+    w = workload(case, "fp32")
+    narrow = index_map.IndexMap(w.pages, w.num_pages, 2)
+    monkeypatch.setattr(index_map, "key_dtype", lambda num_keys: torch.int32)
+    wide = index_map.IndexMap(w.pages, w.num_pages, 2)
+    assert narrow.sorted_key.dtype == torch.int16 and wide.sorted_key.dtype == torch.int32
+    narrow()
+    wide()
+    for name in ("csr_ptr", "csr_query", "tile_ptr", "combine_index", "perm"):
+        assert torch.equal(getattr(narrow, name), getattr(wide, name)), name
+    assert torch.equal(narrow.sorted_key.int(), wide.sorted_key)
+
+
 @pytest.mark.slow
 def test_closed_form_schedules_fuzzed_against_the_sorted_path():
     """Random small selections (1-3 KV heads, padding, every third with a KV head that has no tiles,
