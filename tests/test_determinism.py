@@ -1,4 +1,4 @@
-"""Bitwise determinism on a CPU: a plan run twice, a fresh plan of the same workload, and a separate
+"""Bitwise determinism (on the GPU where there is one, else the CPU): a plan run twice, a fresh plan of the same workload, and a separate
 process give the same output and LSE, bit for bit (the schedules are atomic-free)."""
 import subprocess
 import sys
@@ -11,7 +11,8 @@ from msa_bench.kernels.base import get_backend
 from msa_bench.scenarios.workload import AttnShape
 
 SHAPE = dict(hq=8, hkv=2, head_dim=32, block=16, topk=4)
-CASE = dict(kv_lens=[200, 120], tokens=[21, 16], causal=False, hot=0.5, pad=0.3, empty=2, seed=5)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CASE = dict(kv_lens=[200, 120], tokens=[21, 16], causal=False, hot=0.5, pad=0.3, empty=2, seed=5, device=DEVICE)
 
 SCRIPT = """
 import sys, torch

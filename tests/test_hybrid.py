@@ -61,7 +61,7 @@ def test_split_covers_every_pair_once(seed, P, share, causal, hot, pad, reqs):
 
 def test_one_token_tiles_leave_every_pair_to_the_residual_above_share_one():
     shape = AttnShape(hq=4, hkv=2, head_dim=16, block=16, topk=4)
-    w = edge_case_workload(shape, "fp32", [90, 40, 130], [1, 1, 11], True, 0.0, 0.3, seed=5)
+    w = edge_case_workload(shape, "fp32", [90, 40, 130], [1, 1, 11], True, 0.0, 0.3, seed=5, device=DEVICE)
     sel = w.selection.cpu()
     selected = {(h, q, int(sel[h, q, k])) for h, q, k in (sel >= 0).nonzero().tolist()}
     for share in (1, 2):
@@ -143,7 +143,7 @@ def test_wide_tiles_run_only_on_q_packed_cute():
     """`@p12` has no Triton packed kernel to fall back on: where q-packed-cute cannot take the workload the
     hybrid says so, and it refuses the dtypes the wide library is not built for."""
     wide = get_backend("hybrid@p12")
-    assert wide.unavailable_reason("fp32", "cpu") == "hybrid@p12 runs bf16, fp8 only"
+    assert wide.unavailable_reason("fp32", DEVICE) == "hybrid@p12 runs bf16, fp8 only"
     w = edge_case_workload(SHAPE, "fp8", [300], [29], True, 0.6, 0.2, seed=1, device=DEVICE)
     cute = get_backend("q-packed-cute").workload_unavailable_reason(w)
     if cute is None:
@@ -226,7 +226,7 @@ def test_each_part_blends_its_own_decode_share():
     from msa_bench.kernels.base import ModelInputs
     from msa_bench.scenarios.serving import serving_workload
     w = serving_workload(SHAPE, "bf16", "mixed", tokens=64, context=512, context_min=256, requests=16, chunks=1,
-                         drift=0.05, with_tensors=False)
+                         drift=0.05, device=DEVICE, with_tensors=False)
     inputs = ModelInputs(w)
     _, used = get_backend("hybrid@m2").roofline(w, inputs, load_device("h200"))
     assert used["packed_decode_share"] == 0.0 and inputs.decode == pytest.approx(16 / 80)
