@@ -55,7 +55,7 @@ def test_build_writes_every_library_the_sweep_can_select_and_the_manifest(built)
     assert data["arch"] == "sm_90a" and data["source_hash"] == mf.source_hash()
     assert data["dsl_version"] == "4.8.1" and data["cuda_version"].startswith("13.") and data["cxx_version"]
     configs = mf.library_configs() + mf.q_packed_configs()
-    assert {e["name"] for e in data["configs"]} == {c.name for c in configs} and len(configs) <= 11
+    assert {e["name"] for e in data["configs"]} == {c.name for c in configs} and len(configs) <= 16
     for cfg in configs:
         path, reason = mf.find_library(cfg, out, "sm_90a")
         assert reason is None and path.stat().st_size > 10_000
@@ -65,7 +65,7 @@ def test_build_writes_every_library_the_sweep_can_select_and_the_manifest(built)
             assert e["class"] == k.cls and e["options"] == k.options and e["ctas_per_sm"] == k.ctas_per_sm
         else:
             assert e["class"] == mf.QPackedConfig.kernel_class and e["kernel_version"].startswith("qp2-")
-            assert e["options"] == {flag: e[flag] for flag in (*mf.OPTION_FLAGS.values(), "pairs")}
+            assert e["options"] == {flag: e[flag] for flag in (*mf.OPTION_FLAGS.values(), "pairs", "residual")}
 
 
 # sha256 of the device code of every library build-kernels makes by default: the sm_90a cubin the DSL
@@ -212,10 +212,12 @@ def test_built_library_exports_the_shim(built):
         assert getattr(lib, f"{cfg.name}_load") and getattr(lib, f"{cfg.name}_launch")
 
 
-@pytest.mark.parametrize("cfg", [mf.CuteConfig("v23", "bf16"), mf.QPackedConfig("fp8")], ids=lambda c: c.kind)
+@pytest.mark.parametrize("cfg", [mf.CuteConfig("v23", "bf16"), mf.QPackedConfig("fp8"),
+                                 mf.QPackedConfig("fp8", residual=True)], ids=lambda c: c.name)
 def test_library_abi_follows_the_kernel_signature_and_the_shim(cfg):
     """Each kind's Abi is its kernel's __call__ signature (read from the source: importing the module needs
-    the DSL), and its shim packs the tensors and passes the scalars in that order with those C types."""
+    the DSL), and its shim packs the tensors and passes the scalars in that order with those C types; the
+    tensors a configuration leaves out (compiled as None) are in neither its shim's packing nor its call."""
     import ast
     from msa_bench.kernels.cute.shim_template import shim_source
     module, _, cls = cfg.kernel_class.rpartition(".")
@@ -225,11 +227,13 @@ def test_library_abi_follows_the_kernel_signature_and_the_shim(cfg):
     params = [a.arg for a in call.args.args[1:]]
     tensors, scalars = cfg.abi.tensor_names, [name for name, _ in cfg.abi.scalars]
     assert params == [*tensors, *scalars, "stream"]
-    shim = shim_source(cfg.kind, cfg.name)
-    assert [(a, int(i)) for a, i in re.findall(r"_TENSOR\((\w+), (\d+)\)", shim)] == \
-        [(a, i) for i, a in enumerate(tensors)]
+    shim = shim_source(cfg.kind, cfg.name, cfg.omitted)
+    kept = [(a, i) for i, a in enumerate(tensors) if a not in cfg.omitted]
+    assert len(kept) == len(tensors) - (4 if cfg.kind == "q-packed" and not cfg.residual else 0)
+    assert [(a, int(i)) for a, i in re.findall(r"_TENSOR\((\w+), (\d+)\)", shim)] == kept
     wrapper = re.search(r"wrapper\(&\w+_module, (.*?)\);", shim, re.S).group(1)
-    assert [a.strip().lstrip("&") for a in wrapper.split(",")] == [*tensors, *scalars, "(cudaStream_t)stream"]
+    assert [a.strip().lstrip("&") for a in wrapper.split(",")] == [a for a, _ in kept] + [*scalars,
+                                                                                           "(cudaStream_t)stream"]
     launch = re.search(rf"{cfg.name}_launch\(void \*const \*ptrs, const int32_t \*rows, (.*?)\)", shim, re.S)
     ctype = {"i32": "int32_t", "f32": "float"}
     assert [" ".join(p.split()) for p in launch.group(1).split(",")] == \

@@ -117,12 +117,13 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poison
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("option", ["", "@p12"])
+@pytest.mark.parametrize("option", ["", "@p12", "@fused", "@p12+fused"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_cuda_study_shape_on_both_cute_stages(dtype, option, graph_replay_equals_eager):
     """At the study shape the split runs q-packed-cute and kv-outer-cute where both are built; the combine
     merges into the packed output in place, so a graph replay must still equal eager bitwise. `@p12`: the
-    packed part on the wide tile, its warpgroups walking their thirds of what the threshold keeps."""
+    packed part on the wide tile, its warpgroups walking their thirds of what the threshold keeps; `@fused`:
+    no combine stage, the packed epilogue merges the partials (a graph replay still reads them fresh)."""
     from msa_bench.harness.check import check_backend, sample_rows
     w = coselected(0.5, tokens=512, context=65536, reuse=2.0, with_tensors=True, dtype=dtype)
     for name in ("q-packed-cute", "kv-outer-cute"):
@@ -134,7 +135,9 @@ def test_cuda_study_shape_on_both_cute_stages(dtype, option, graph_replay_equals
     assert err <= tol
     info = details["info"]
     assert info["kv_outer"] == "kv-outer-cute" and info["attention"]["kernel"].startswith("qpk")
-    assert info["attention"]["tile_tokens"] == (12 if option else 8) == info["tile_tokens"]
+    assert info["attention"]["tile_tokens"] == (12 if "p12" in option else 8) == info["tile_tokens"]
+    assert info["residual_merge"] == ("packed epilogue" if "fused" in option else "combine")
+    assert info["attention"]["kernel"].endswith("_res") == ("fused" in option)
     assert 0.0 < info["packed_entry_share"] < 1.0
     graph_replay_equals_eager(get_backend(name).plan(w))
 

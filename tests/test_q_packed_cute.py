@@ -80,11 +80,11 @@ def test_pack_checks_the_tensors():
     """(The ABI against the kernel's signature and the shim: tests/test_cute_build.py.)"""
     meta = torch.device("meta")
     cfg = mf.QPackedConfig("bf16")
-    with pytest.raises(ValueError, match="expected 14 tensors"):
+    with pytest.raises(ValueError, match="expected 18 tensors"):
         pack_arguments(cfg, [torch.empty(1, device=meta)] * 13, meta)
     with pytest.raises(ValueError, match="int32"):
         pack_arguments(cfg, [torch.empty(1, device=meta)] * 3 + [torch.empty(2 ** 31, device=meta)]
-                       + [torch.empty(1, device=meta)] * 10, meta)
+                       + [torch.empty(1, device=meta)] * 14, meta)
 
 
 def test_source_hash_covers_the_kernel_and_what_it_imports():
@@ -162,11 +162,13 @@ def test_stage_hands_the_schedule_buffers_to_the_library(dtype, monkeypatch):
     v = stage.v
     expect = [w.q, w.k_cache, v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"], b["tile_limit"],
               b["tile_split"], w.pages, w.selection, w.q_limit, out, lse]
-    assert lib.ptrs == [t.data_ptr() for t in expect]
+    assert lib.ptrs[:14] == [t.data_ptr() for t in expect]
+    assert all(t.numel() == 0 for t in stage.keep[14:])      # no residual: empty placeholders the shim drops
     pages, sel = w.num_pages, 4 * w.n_tokens * 16
     assert lib.rows == [w.n_tokens * 64, pages * 4 * 128, pages * 4 * 128, sch.n_token_tiles, sch.n_token_tiles,
                         4 * sch.n_token_tiles, 4 * sch.n_token_tiles * 128, 4 * sch.n_token_tiles * 128 * 8,
-                        4 * sch.n_token_tiles * 2, sel, sel, w.n_tokens, w.n_tokens * 64, w.n_tokens * 64]
+                        4 * sch.n_token_tiles * 2, sel, sel, w.n_tokens, w.n_tokens * 64, w.n_tokens * 64,
+                        0, 0, 0, 0]
     assert stage.scalars == (4, sch.n_token_tiles, 128, 4 * sch.n_token_tiles, w.n_tokens, 16, 0,
                              w.sm_scale * w.q_scale * w.k_scale, w.v_scale)
     assert not stage.describe()["direct"]

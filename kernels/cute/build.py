@@ -90,7 +90,10 @@ def _fake_args(cfg: LibraryConfig):
 
     from .layouts import DSL_DTYPES
     args = []
-    for (_, element, _), cols in zip(cfg.abi.tensors, cfg.abi.columns(cfg)):
+    for (name, element, _), cols in zip(cfg.abi.tensors, cfg.abi.columns(cfg)):
+        if name in cfg.omitted:
+            args.append(None)
+            continue
         dtype = DSL_DTYPES[cfg.dtype] if element == "data" else getattr(cutlass, ELEMENTS[element])
         if cols == 1:
             args.append(fake(dtype, (cute.SymInt(),), assumed_align=dtype.width // 8))
@@ -103,7 +106,7 @@ def _fake_args(cfg: LibraryConfig):
 
 def _check_header(header: Path, cfg: LibraryConfig) -> None:
     text = header.read_text()
-    for arg in cfg.abi.tensor_names:
+    for arg in (a for a in cfg.abi.tensor_names if a not in cfg.omitted):
         body = re.search(r"typedef struct \{([^}]*)\}\s*" + re.escape(f"{cfg.name}_Tensor_{arg}_t;"), text)
         if body is None or "dynamic_strides" in body.group(1) or "dynamic_shapes[1]" not in body.group(1):
             raise BuildError(f"{header.name}: tensor {arg} is not exported as data + one dynamic extent; "
@@ -113,7 +116,7 @@ def _check_header(header: Path, cfg: LibraryConfig) -> None:
 def _link(cfg: LibraryConfig, obj_dir: Path, out: Path) -> None:
     from .shim_template import shim_source
     shim = obj_dir / f"{cfg.name}_shim.cpp"
-    shim.write_text(shim_source(cfg.kind, cfg.name))
+    shim.write_text(shim_source(cfg.kind, cfg.name, cfg.omitted))
     cuda = cuda_home()
     cmd = [cxx(), "-shared", "-fPIC", "-O2", "-o", str(out), str(shim), str(obj_dir / f"{cfg.name}.o"),
            str(dsl_runtime_lib()), f"-I{obj_dir}", f"-I{cuda / 'include'}", f"-L{cuda / 'lib64'}",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -50,6 +50,8 @@ class Abi:
     its leading extent. scalars: (name, "i32" or "f32")."""
     tensors: tuple
     scalars: tuple
+    optional: tuple = ()        # tensors a configuration may leave out (LibraryConfig.omitted): compiled as None
+
 
     @property
     def tensor_names(self) -> tuple:
@@ -72,9 +74,13 @@ Q_PACKED_ABI = Abi(
     tensors=(("mQ", "data", "D"), ("mK", "data", "D"), ("mV", "data", "V"), ("mTileTok0", "i32", 1),
              ("mTileNtok", "i32", 1), ("mTileCount", "i32", 1), ("mTilePage", "i32", 1), ("mTileLimit", "i32", 1),
              ("mTileSplit", "i32", 1), ("mPages", "i32", 1), ("mSel", "i32", 1), ("mQLimit", "i32", 1),
-             ("mO", "bf16", "D"), ("mLse", "f32", 1)),
+             ("mO", "bf16", "D"), ("mLse", "f32", 1), ("mResIdx", "i32", 1), ("mResO", "bf16", "D"),
+             ("mResM", "f32", 1), ("mResL", "f32", 1)),
     scalars=(("hkv", "i32"), ("n_token_tiles", "i32"), ("union_cap", "i32"), ("num_ctas", "i32"),
-             ("n_tokens", "i32"), ("topk", "i32"), ("direct", "i32"), ("scale", "f32"), ("out_scale", "f32")))
+             ("n_tokens", "i32"), ("topk", "i32"), ("direct", "i32"), ("scale", "f32"), ("out_scale", "f32")),
+    # the hybrid's KV-outer partials, which only a residual library reads: left out of the others, whose
+    # kernels (and cubins) are then those of the ABI without them
+    optional=("mResIdx", "mResO", "mResM", "mResL"))
 
 
 class LibraryConfig:
@@ -88,6 +94,12 @@ class LibraryConfig:
     @property
     def library(self) -> str:
         return f"lib{self.name}.so"
+
+    @property
+    def omitted(self) -> tuple:
+        """The ABI's optional tensors this configuration leaves out (its launch still passes them; the shim
+        drops them)."""
+        return ()
 
     def entry(self) -> dict:
         """The configuration's manifest fields (without the library's checksum)."""
@@ -230,6 +242,7 @@ class QPackedConfig(LibraryConfig):
     s_ahead: bool = False
     pairs: bool = False
     tile_tokens: int = 8
+    residual: bool = False      # the hybrid's KV-outer partials merged in the epilogue (QPackedSm90's residual)
     group: int = 16
     head_dim: int = 128
     block: int = 128
@@ -244,11 +257,16 @@ class QPackedConfig(LibraryConfig):
     def name(self) -> str:
         tags = "".join(f"_{tag}" for tag in self.option.split("+") if tag) + ("_pairs" if self.pairs else "")
         tags += f"_kv{self.kv_stages}" if self.kv_stages else ""
+        tags += "_res" if self.residual else ""
         return f"qpk_attn_{self.dtype}_p{self.tile_tokens}g{self.group}d{self.head_dim}b{self.block}{tags}"
 
     @property
     def options(self) -> dict:
-        return {flag: getattr(self, flag) for flag in (*OPTION_FLAGS.values(), "pairs")}
+        return {flag: getattr(self, flag) for flag in (*OPTION_FLAGS.values(), "pairs", "residual")}
+
+    @property
+    def omitted(self) -> tuple:
+        return () if self.residual else self.abi.optional
 
     @property
     def geometry(self) -> tuple:
@@ -266,8 +284,9 @@ class QPackedConfig(LibraryConfig):
 
 def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfig]:
     """The libraries `msa-bench build-kernels --q-packed WHICH` builds: default = each dtype's default options
-    (DEFAULT_OPTIONS), those it runs where its warpgroups skip (SKIP_OPTIONS) and its wide tiles
-    (WIDE_TILE_TOKENS), all = every option set and the wide tiles, none = nothing."""
+    (DEFAULT_OPTIONS), those it runs where its warpgroups skip (SKIP_OPTIONS), its wide tiles
+    (WIDE_TILE_TOKENS) and each of those with the hybrid's residual merged (residual), all = every option set
+    and the wide tiles, none = nothing."""
     if which not in Q_PACKED_SETS:
         raise ValueError(f"--q-packed must be one of {', '.join(Q_PACKED_SETS)}, got {which!r}")
     # each dtype's decode library: two tokens a tile (QPackedSm90's pairs)
@@ -275,7 +294,9 @@ def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfi
     wide = [wide_config(d) for d in dtypes if d in WIDE_TILE_TOKENS] if which != "none" else []
     if which == "default":
         skip = [QPackedConfig(d, *SKIP_OPTIONS[d]) for d in dtypes if d in SKIP_OPTIONS]
-        return [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes] + skip + pairs + wide
+        plans = [QPackedConfig(d, *DEFAULT_OPTIONS[d]) for d in dtypes] + skip
+        # and each prefill library with the hybrid's residual merged in its epilogue (`hybrid@fused`)
+        return plans + pairs + wide + [replace(c, residual=True) for c in plans + wide]
     flag_sets = list(itertools.product((False, True), repeat=len(OPTION_FLAGS))) if which == "all" else []
     return [QPackedConfig(d, *flags) for flags in flag_sets for d in dtypes] + pairs + wide
 

@@ -151,7 +151,8 @@ class QPackedSm90:
     kernel_version = "qp2-ws-online-halves"
 
     def __init__(self, dtype: str, tile_tokens: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
-                 pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, kv_stages: int | None = None):
+                 pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, residual: bool = False,
+                 kv_stages: int | None = None):
         if dtype not in DSL_DTYPES:
             raise ValueError(f"the q-packed CuTe stage supports {', '.join(DSL_DTYPES)}, not {dtype}")
         if tile_tokens not in (8, 12) or (group, head_dim, block) != (16, 128, 128):
@@ -179,6 +180,10 @@ class QPackedSm90:
             # holds two stages per warpgroup, all four of fp8's pairs ring
             raise ValueError("QPackedSm90: pairs runs without pingpong and s_ahead")
         self.pingpong, self.s_ahead, self.pairs = pingpong, s_ahead, pairs
+        if residual and pairs:
+            raise ValueError("QPackedSm90: residual merges the hybrid's KV-outer partials into prefill tiles; "
+                             "pairs runs decode tokens")
+        self.residual = residual
         self.q_stages = Q_STAGES
         turns = pingpong or pairs
         self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else
@@ -186,20 +191,22 @@ class QPackedSm90:
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
-                               + ("-pairs" if pairs else "") + ("-3wg" if self.consumer_wgs == 3 else ""))
+                               + ("-pairs" if pairs else "") + ("-3wg" if self.consumer_wgs == 3 else "")
+                               + ("-residual" if residual else ""))
 
     def __repr__(self) -> str:
         # the DSL names the compiled functions (and ncu shows the kernel) after str(self)
         return (f"QPackedSm90_{self.dtype_name}" + ("_pingpong" if self.pingpong else "")
                 + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else "")
-                + ("_3wg" if self.consumer_wgs == 3 else ""))
+                + ("_3wg" if self.consumer_wgs == 3 else "") + ("_res" if self.residual else ""))
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mTileTok0: cute.Tensor,
                  mTileNtok: cute.Tensor, mTileCount: cute.Tensor, mTilePage: cute.Tensor, mTileLimit: cute.Tensor,
                  mTileSplit: cute.Tensor, mPages: cute.Tensor, mSel: cute.Tensor, mQLimit: cute.Tensor,
-                 mO: cute.Tensor, mLse: cute.Tensor, hkv: Int32, n_token_tiles: Int32, union_cap: Int32,
+                 mO: cute.Tensor, mLse: cute.Tensor, mResIdx: cute.Tensor, mResO: cute.Tensor, mResM: cute.Tensor,
+                 mResL: cute.Tensor, hkv: Int32, n_token_tiles: Int32, union_cap: Int32,
                  num_ctas: Int32, n_tokens: Int32, topk: Int32, direct: Int32, scale: Float32, out_scale: Float32,
                  stream: cuda.CUstream):
         dt = self.dtype
@@ -228,8 +235,8 @@ class QPackedSm90:
         storage = self._storage_struct(sQ_layout, sK_layout, sV_layout, sO_layout)
         self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mTileTok0, mTileNtok,
                     mTileCount, mTilePage, mTileLimit, mTileSplit, (mPages, mSel, mQLimit, n_tokens, topk, direct),
-                    mLse, hkv, n_token_tiles, union_cap, scale * LOG2E, out_scale, sQ_layout, sK_layout, sV_layout,
-                    sO_layout).launch(
+                    mLse, (mResIdx, mResO, mResM, mResL, topk) if const_expr(self.residual) else None, hkv, n_token_tiles, union_cap, scale * LOG2E,
+                    out_scale, sQ_layout, sK_layout, sV_layout, sO_layout).launch(
             grid=(num_ctas, 1, 1), block=(self.num_threads, 1, 1), smem=storage.size_in_bytes(),
             min_blocks_per_mp=1, preferred_smem_carveout=100, stream=stream)
 
@@ -257,7 +264,7 @@ class QPackedSm90:
                tma_v: cute.CopyAtom, gV_tma: cute.Tensor, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
                mQ: cute.Tensor, mTileTok0: cute.Tensor, mTileNtok: cute.Tensor, mTileCount: cute.Tensor,
                mTilePage: cute.Tensor, mTileLimit: cute.Tensor, mTileSplit: cute.Tensor, direct_args,
-               mLse: cute.Tensor, hkv: Int32,
+               mLse: cute.Tensor, res_args, hkv: Int32,
                n_token_tiles: Int32, union_cap: Int32, scale_log2: Float32, out_scale: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout):
@@ -302,7 +309,7 @@ class QPackedSm90:
                               q_empty, hkv, n_token_tiles, num_tiles, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sQ, sK, sV, sO, sMeta, sLim, mLse,
+            self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sQ, sK, sV, sO, sMeta, sLim, mLse, res_args,
                           (q_full, q_empty, kv_full, kv_empty), hkv, n_token_tiles, num_tiles, scale_log2,
                           out_scale, tidx - self.wg_threads)
 
@@ -520,8 +527,8 @@ class QPackedSm90:
     @cute.jit
     def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
                  sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor, sMeta: cute.Tensor,
-                 sLim: cute.Tensor, mLse: cute.Tensor, bars, hkv: Int32, n_token_tiles: Int32, num_tiles: Int32,
-                 scale_log2: Float32, out_scale: Float32, ctid: Int32):
+                 sLim: cute.Tensor, mLse: cute.Tensor, res_args, bars, hkv: Int32, n_token_tiles: Int32,
+                 num_tiles: Int32, scale_log2: Float32, out_scale: Float32, ctid: Int32):
         """Consumer thread ctid (0..255; warp ctid // 32 is tile token w): the CTA's tiles in order, each
         one's union blocks with the online softmax, then O and LSE of the warp's token."""
         q_full, q_empty, kv_full, kv_empty = bars
@@ -563,6 +570,8 @@ class QPackedSm90:
         alpha = cute.make_rmem_tensor((n_rows,), Float32)
         v = dict(tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tScS=tScS, acc_s=acc_s, acc_o=acc_o, r_p=r_p, m_run=m_run,
                  l_run=l_run, alpha=alpha)
+        if const_expr(self.residual):      # (row, column) of each value of acc_o: where its partials' values lie
+            v["tOcO"] = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((ROWS, D))))
 
         if const_expr(self.pingpong):
             if cwg == 1:
@@ -614,8 +623,8 @@ class QPackedSm90:
             kv_idx, kv_phase = self._pass(kv_full, kv_empty, kv_idx, kv_phase, count - hi, cwg, lane)
             if const_expr(not self.o_in_q):
                 release(q_empty + q_idx, lane)            # every S of the tile has completed
-            self._store(st_copy, tRsO, tma_o, tOsO, tOgO, mLse, v, tok0, ntok, head, hkv, warp, lane, ctid,
-                        out_scale, scale_log2, q_idx)
+            self._store(st_copy, tRsO, tma_o, tOsO, tOgO, mLse, res_args, v, tok0, ntok, head, hkv, warp, lane,
+                        ctid, out_scale, scale_log2, q_idx)
             if const_expr(self.o_in_q):
                 release(q_empty + q_idx, lane)            # and the O store has read the warp's Q rows
             q_idx, q_phase = advance(q_idx, q_phase, self.q_stages)
@@ -762,8 +771,47 @@ class QPackedSm90:
         return kv_idx, kv_phase
 
     @cute.jit
+    def _merge_residual(self, res_args, v, lse: cute.Tensor, token: Int32, head: Int32, hkv: Int32):
+        """The hybrid's residual (residual): the warp's token's KV-outer partials of this KV head merged into
+        its rows in registers, instead of a combine pass that reads and rewrites the output. acc_o holds the
+        tile's normalized O and lse its LSE (natural log); each partial (combine index: its G rows, -1 for a
+        rank the tile packed) is (m, l, unnormalized O), merged by log-sum-exp as the combine merges it."""
+        mIdx, mO, mM, mL, topk = res_args
+        G = self.group
+        rc, tOcO = rows_cols_view(v["acc_o"]), v["tOcO"]
+        n_rows = const_expr(cute.size(rc, mode=[0]))
+        n_cols = const_expr(cute.size(rc, mode=[1]))
+        big_m = cute.make_rmem_tensor((n_rows,), Float32)
+        big_l = cute.make_rmem_tensor((n_rows,), Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            big_m[r] = lse[r]
+            big_l[r] = Float32(cutlass.select_(lse[r] != -Float32.inf, Float32(1.0), Float32(0.0)))
+        base = (token * hkv + head) * topk
+        for k in cutlass.range(topk, unroll=1):
+            idx = mIdx[base + k]
+            if idx >= 0:
+                for r in cutlass.range_constexpr(n_rows):
+                    row = idx * G + tOcO[r, 0][0] % G
+                    m_k = mM[row]
+                    m_new = cute.arch.fmax(big_m[r], m_k)
+                    safe = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
+                    a = cute.arch.exp2((big_m[r] - safe) * LOG2E)
+                    b = cute.arch.exp2((m_k - safe) * LOG2E)
+                    big_l[r] = big_l[r] * a + b * mL[row]
+                    big_m[r] = m_new
+                    for c in cutlass.range_constexpr(n_cols):
+                        rc[r, c] = rc[r, c] * a + b * Float32(mO[row, tOcO[r, c][1]])
+        for r in cutlass.range_constexpr(n_rows):
+            seen = big_l[r] > Float32(0.0)
+            safe = Float32(cutlass.select_(seen, big_l[r], Float32(1.0)))
+            inv = Float32(cutlass.select_(seen, Float32(1.0) / safe, Float32(0.0)))
+            lse[r] = Float32(cutlass.select_(seen, big_m[r] + cute.math.log2(safe) * LN2, -Float32.inf))
+            for c in cutlass.range_constexpr(n_cols):
+                rc[r, c] = rc[r, c] * inv
+
+    @cute.jit
     def _store(self, st_copy: cute.TiledCopy, tRsO: cute.Tensor, tma_o: cute.CopyAtom, tOsO: cute.Tensor,
-               tOgO: cute.Tensor, mLse: cute.Tensor, v, tok0: Int32, ntok: Int32, head: Int32, hkv: Int32,
+               tOgO: cute.Tensor, mLse: cute.Tensor, res_args, v, tok0: Int32, ntok: Int32, head: Int32, hkv: Int32,
                warp: Int32, lane: Int32, ctid: Int32, out_scale: Float32, scale_log2: Float32, q_idx: Int32):
         """The warp's token: l reduced over each row's quad, O * out_scale / l as bf16 by stmatrix into the
         warp's own staging slot and one TMA store of its (G, D) rows; the LSE of its rows. A token past
@@ -783,13 +831,16 @@ class QPackedSm90:
             lse[r] = Float32(cutlass.select_(seen, (m_run[r] * scale_log2 + cute.math.log2(safe) - self.p_shift) * LN2,
                                              -Float32.inf))
         _scale_rows(acc_o, alpha)
-        r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
-        r_o.store(acc_o.load().to(cutlass.BFloat16))
         live = warp < ntok
         token = tok0 + warp
         if const_expr(self.pairs):                         # slot 0: token tok0, slot P / 2: tok0 + 1
             live = (warp % (self.tile_tokens // 2) == 0) & (warp // (self.tile_tokens // 2) < ntok)
             token = tok0 + warp // (self.tile_tokens // 2)
+        if const_expr(self.residual):
+            if live:
+                self._merge_residual(res_args, v, lse, token, head, hkv)
+        r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
+        r_o.store(acc_o.load().to(cutlass.BFloat16))
         if live:
             if ctid % 4 == 0:
                 for r in cutlass.range_constexpr(n_rows):

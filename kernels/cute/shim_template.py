@@ -87,9 +87,11 @@ extern "C" int QPK_NAME_launch(void *const *ptrs, const int32_t *rows, int32_t h
   QPK_TENSOR(mQ, 0) QPK_TENSOR(mK, 1) QPK_TENSOR(mV, 2) QPK_TENSOR(mTileTok0, 3) QPK_TENSOR(mTileNtok, 4)
   QPK_TENSOR(mTileCount, 5) QPK_TENSOR(mTilePage, 6) QPK_TENSOR(mTileLimit, 7) QPK_TENSOR(mTileSplit, 8)
   QPK_TENSOR(mPages, 9) QPK_TENSOR(mSel, 10) QPK_TENSOR(mQLimit, 11) QPK_TENSOR(mO, 12) QPK_TENSOR(mLse, 13)
+  QPK_TENSOR(mResIdx, 14) QPK_TENSOR(mResO, 15) QPK_TENSOR(mResM, 16) QPK_TENSOR(mResL, 17)
   int32_t ret = cute_dsl_QPK_NAME_wrapper(&qpk_module, &mQ, &mK, &mV, &mTileTok0, &mTileNtok, &mTileCount,
                                           &mTilePage, &mTileLimit, &mTileSplit, &mPages, &mSel, &mQLimit, &mO,
-                                          &mLse, hkv, n_token_tiles, union_cap, num_ctas, n_tokens, topk, direct,
+                                          &mLse, &mResIdx, &mResO, &mResM, &mResL, hkv, n_token_tiles,
+                                          union_cap, num_ctas, n_tokens, topk, direct,
                                           scale, out_scale, (cudaStream_t)stream);
   cudaError_t err = cudaGetLastError();   // the launch's own error (consumed: it is reported here)
   if (ret != 0) return (int)ret;
@@ -97,10 +99,16 @@ extern "C" int QPK_NAME_launch(void *const *ptrs, const int32_t *rows, int32_t h
 }
 """
 
+import re
+
 SHIMS = {"kv-outer": (KV_OUTER_SHIM, "KVO_NAME"), "q-packed": (Q_PACKED_SHIM, "QPK_NAME")}
 
 
-def shim_source(kind: str, name: str) -> str:
-    """The C++ shim of configuration `name` of library kind `kind`."""
+def shim_source(kind: str, name: str, omitted: tuple = ()) -> str:
+    """The C++ shim of configuration `name` of library kind `kind`, without the tensors it leaves out
+    (LibraryConfig.omitted: their pointers are passed and not read)."""
     template, placeholder = SHIMS[kind]
-    return template.replace(placeholder, name)
+    text = template.replace(placeholder, name)
+    for arg in omitted:
+        text = re.sub(rf" ?QPK_TENSOR\({arg}, \d+\)", "", text.replace(f" &{arg},", ""))
+    return "\n".join(line for line in text.split("\n") if line.strip() or not line)

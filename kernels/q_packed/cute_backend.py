@@ -85,7 +85,9 @@ class QPackedCuteAttention:
     launches one persistent grid on the current CUDA stream (no host sync, no allocation)."""
 
     def __init__(self, workload: Workload, schedule, out: torch.Tensor, lse: torch.Tensor, cfg: QPackedConfig,
-                 library=None, direct: bool = False):
+                 library=None, direct: bool = False, residual: tuple | None = None):
+        """residual: the hybrid's KV-outer (combine_index, o_part, m_part, l_part), which a cfg.residual
+        library merges into each token's output in its epilogue; None elsewhere (empty placeholders)."""
         from ..cute.loader import resolve_library
         w, s = workload, workload.shape
         self.w, self.sch, self.cfg = w, schedule, cfg
@@ -95,8 +97,15 @@ class QPackedCuteAttention:
         self.library.load_module()                 # before any capture: module load, smem attribute
         self.v = fp8_v_operand(w.v_cache) if w.dtype == "fp8" else w.v_cache
         b = schedule.buffers
+        if (residual is None) == cfg.residual:
+            raise ValueError(f"{cfg.name}: residual partials {'missing' if cfg.residual else 'given'}")
+        if residual is None:
+            residual = (torch.empty(0, dtype=torch.int32, device=w.device),
+                        torch.empty(0, s.head_dim, dtype=torch.bfloat16, device=w.device),
+                        torch.empty(0, dtype=torch.float32, device=w.device),
+                        torch.empty(0, dtype=torch.float32, device=w.device))
         tensors = [w.q, w.k_cache, self.v, b["tile_tok0"], b["tile_ntok"], b["tile_count"], b["tile_page"],
-                   b["tile_limit"], b["tile_split"], w.pages, w.selection, w.q_limit, out, lse]
+                   b["tile_limit"], b["tile_split"], w.pages, w.selection, w.q_limit, out, lse, *residual]
         self.direct = direct
         self.keep = tensors                        # the pointers stay valid while the stage lives
         self.packed = self.library.pack(tensors, w.device)

@@ -10,7 +10,9 @@ blocks this is pure packed; with no sharing, pure KV-outer.
 `hybrid` runs the KV-outer part on the CuTe stage where its libraries are built, else on Triton.
 Options, joined by '+': `p8` / `p16` tokens per tile (`p12`: q-packed-cute's wide tile, three warpgroups
 walking their thirds of the union), `m1` .. `m16` the share threshold instead of the model's, `triton` /
-`cute` the KV-outer attention stage.
+`cute` the KV-outer attention stage, `fused` / `combine` where the residual's partials merge: `fused` runs
+KV-outer's attention first and q-packed-cute's epilogue merges each token's partials into its output (no
+combine stage, no second pass over the output).
 """
 from __future__ import annotations
 
@@ -47,10 +49,16 @@ class HybridBackend(Backend):
     stage_names = ("schedule", "attention", "combine")
     options = {"tokens_per_tile": Number("tile size", "p", tuple(sorted(TILE_TOKENS + (WIDE_TOKENS,)))),
                "min_share": Number("share threshold", "m", tuple(range(1, max(TILE_TOKENS) + 1))),
-               "kv_stage": Choice("KV-outer attention", tuple(KV_STAGES))}
+               "kv_stage": Choice("KV-outer attention", tuple(KV_STAGES)),
+               "fused": Choice("residual merged in the packed epilogue", {"fused": True, "combine": False})}
 
-    def __init__(self, tokens_per_tile: int = 8, min_share: int | None = None, kv_stage: str | None = None):
+    def __init__(self, tokens_per_tile: int = 8, min_share: int | None = None, kv_stage: str | None = None,
+                 fused: bool = False):
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
+        self.fused = fused
+
+    def stages_for(self, w: Workload) -> tuple[str, ...]:
+        return ("schedule", "attention") if self.fused else self.stage_names
 
     def kv_backend(self, dtype: str, device, w: Workload | None = None) -> Backend:
         """The KV-outer backend of the residual: the asked one, else CuTe where it can run (and, given the
@@ -67,7 +75,7 @@ class HybridBackend(Backend):
             kv = self.kv_backend(dtype, device)
             inner = kv.unavailable_reason(dtype, device)
             reason = f"{self.name}: its KV-outer part ({kv.name}): {inner}" if inner else None
-        if reason is None and self.wide and dtype not in WIDE_TILE_TOKENS:
+        if reason is None and (self.wide or self.fused) and dtype not in WIDE_TILE_TOKENS:
             reason = f"{self.name} runs {', '.join(WIDE_TILE_TOKENS)} only"
         return reason
 
@@ -78,7 +86,7 @@ class HybridBackend(Backend):
 
     def workload_unavailable_reason(self, w: Workload) -> str | None:
         reason = self.unavailable_reason(w.dtype, w.device)
-        if reason is None and self.wide:
+        if reason is None and (self.wide or self.fused):
             inner = get_backend("q-packed-cute").workload_unavailable_reason(w)
             reason = f"{self.name}: its packed part runs on q-packed-cute: {inner}" if inner else None
         return reason
@@ -90,14 +98,16 @@ class HybridBackend(Backend):
 
     @staticmethod
     def packed_attention(w: Workload, kernel: str, packed: PackedSchedule, out: torch.Tensor, lse: torch.Tensor,
-                         entries: float):
-        """The packed part's stage over the schedule's tiles (run), which hold `entries` selected entries."""
+                         entries: float, residual: tuple | None = None):
+        """The packed part's stage over the schedule's tiles (run), which hold `entries` selected entries;
+        with `residual` (KV-outer's combine index and partials), merging them in its epilogue."""
         if kernel == "q-packed-cute":
             from .cute_backend import QPackedCuteAttention
             cute = get_backend("q-packed-cute")
             cfg = (wide_config(w.dtype) if packed.P == WIDE_TOKENS
                    else cute.config_for(w.dtype, cute.walked_ratio(w, packed, entries)))
-            return QPackedCuteAttention(w, packed, out, lse, cfg)
+            return QPackedCuteAttention(w, packed, out, lse, replace(cfg, residual=residual is not None),
+                                        residual=residual)
         return PackedAttention(w, packed, out, lse)
 
     def threshold(self, w: Workload, kv: Backend, packed: str, dev=None) -> tuple[int, str]:
@@ -166,7 +176,7 @@ class HybridBackend(Backend):
         s, dev = w.shape, w.device
         kv = self.kv_backend(w.dtype, dev, w)
         packed_kernel = self.packed_backend(w)
-        if self.wide and packed_kernel != "q-packed-cute":
+        if (self.wide or self.fused) and packed_kernel != "q-packed-cute":
             raise BackendUnavailable(self.workload_unavailable_reason(w) or f"{self.name}: needs q-packed-cute")
         share, source = self.threshold(w, kv, packed_kernel)
         packed = PackedSchedule(w, self.tokens_per_tile, min_share=share, residual=True)
@@ -181,10 +191,12 @@ class HybridBackend(Backend):
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         selected = float((w.selection >= 0).sum())
         residual = float((packed.residual_pages >= 0).sum())
-        attention = self.packed_attention(w, packed_kernel, packed, out, lse, selected - residual)
+        kvb = kv_plan.buffers
+        parts = (kvb["combine_index"], kvb["o_part"], kvb["m_part"], kvb["l_part"]) if self.fused else None
+        attention = self.packed_attention(w, packed_kernel, packed, out, lse, selected - residual, parts)
         cfg = kv_plan.info.get("config", {})
-        combine = Combine(w_res, kv_plan.buffers, out, lse, cfg.get("combine_pairs", 4),
-                          cfg.get("combine_num_warps", 4), merge_into_output=True)
+        combine = None if self.fused else Combine(w_res, kvb, out, lse, cfg.get("combine_pairs", 4),
+                                                  cfg.get("combine_num_warps", 4), merge_into_output=True)
         kvs = kv_plan.stages
 
         def schedule():
@@ -193,19 +205,25 @@ class HybridBackend(Backend):
             kvs["schedule"]()
 
         def attend():
-            attention()
-            kvs["attention"]()
+            if self.fused:              # the partials the packed epilogue reads
+                kvs["attention"]()
+                attention()
+            else:
+                attention()
+                kvs["attention"]()
 
         executed = float(packed.tile_count.double() @ packed.tile_ntok.double().repeat(s.hkv))
         info = dict(schedule=Schedule.HYBRID, tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
                     packed_entry_share=1.0 - residual / selected if selected else 0.0,
                     packed_executed_blocks_per_selected=executed / selected if selected else 0.0,
                     kv_outer=kv.name, kv_outer_info=kv_plan.info, attention=attention.describe(),
+                    residual_merge="packed epilogue" if self.fused else "combine",
                     quantization=f"packed part: {packed_quantization(w)}; KV-outer part: "
                                  f"{kv_plan.info.get('quantization', '')}")
         # the KV-outer part's buffers under "kv." names: its stage checks hold for the full selection only
         buffers = {**{f"kv.{k}": v for k, v in kv_plan.buffers.items()}, **packed.buffers}
-        plan = Plan(backend=self.name, stages={"schedule": schedule, "attention": attend, "combine": combine},
+        stages = {"schedule": schedule, "attention": attend} | ({} if self.fused else {"combine": combine})
+        plan = Plan(backend=self.name, stages=stages,
                     output=out, lse=lse, buffers=buffers, info=info)
         plan._parts = (kv_plan, packed)          # keep the KV-outer plan's state alive with this one
         return plan
