@@ -606,6 +606,13 @@ class QPackedSm90:
                 lo = Int32(cutlass.select_(cwg == 0, Int32(0), cutlass.min(both, 1)))
                 hi = Int32(cutlass.select_(cwg == 0, n_a, n_b)) + both
                 walk = Int32(cutlass.select_(cwg == 0, n_a, n_b))
+            res_idx = Int32(-1)
+            if const_expr(self.residual):
+                # lane k: the warp's token's rank-k partial (its combine index), loaded now and used in the
+                # epilogue, so that the load's latency passes under the tile's blocks
+                mIdx, _, _, _, topk = res_args
+                if (lane < topk) & (warp < ntok):
+                    res_idx = mIdx[((tok0 + warp) * hkv + head) * topk + lane]
             # the Q rows arrived by cp.async (generic proxy); the wgmma reads them through the async proxy
             cute.arch.fence_view_async_shared()
             acc_o.fill(0.0)
@@ -623,8 +630,8 @@ class QPackedSm90:
             kv_idx, kv_phase = self._pass(kv_full, kv_empty, kv_idx, kv_phase, count - hi, cwg, lane)
             if const_expr(not self.o_in_q):
                 release(q_empty + q_idx, lane)            # every S of the tile has completed
-            self._store(st_copy, tRsO, tma_o, tOsO, tOgO, mLse, res_args, v, tok0, ntok, head, hkv, warp, lane,
-                        ctid, out_scale, scale_log2, q_idx)
+            self._store(st_copy, tRsO, tma_o, tOsO, tOgO, mLse, res_args, res_idx, v, tok0, ntok, head, hkv, warp,
+                        lane, ctid, out_scale, scale_log2, q_idx)
             if const_expr(self.o_in_q):
                 release(q_empty + q_idx, lane)            # and the O store has read the warp's Q rows
             q_idx, q_phase = advance(q_idx, q_phase, self.q_stages)
@@ -771,12 +778,13 @@ class QPackedSm90:
         return kv_idx, kv_phase
 
     @cute.jit
-    def _merge_residual(self, res_args, v, lse: cute.Tensor, token: Int32, head: Int32, hkv: Int32):
+    def _merge_residual(self, res_args, res_idx: Int32, v, lse: cute.Tensor):
         """The hybrid's residual (residual): the warp's token's KV-outer partials of this KV head merged into
         its rows in registers, instead of a combine pass that reads and rewrites the output. acc_o holds the
-        tile's normalized O and lse its LSE (natural log); each partial (combine index: its G rows, -1 for a
-        rank the tile packed) is (m, l, unnormalized O), merged by log-sum-exp as the combine merges it."""
-        mIdx, mO, mM, mL, topk = res_args
+        tile's normalized O and lse its LSE (natural log); lane k's res_idx is the token's rank-k partial (its
+        G rows; -1 for a rank the tile packed), (m, l, unnormalized O), merged by log-sum-exp as the combine
+        merges it."""
+        _, mO, mM, mL, topk = res_args
         G = self.group
         rc, tOcO = rows_cols_view(v["acc_o"]), v["tOcO"]
         n_rows = const_expr(cute.size(rc, mode=[0]))
@@ -786,9 +794,8 @@ class QPackedSm90:
         for r in cutlass.range_constexpr(n_rows):
             big_m[r] = lse[r]
             big_l[r] = Float32(cutlass.select_(lse[r] != -Float32.inf, Float32(1.0), Float32(0.0)))
-        base = (token * hkv + head) * topk
         for k in cutlass.range(topk, unroll=1):
-            idx = mIdx[base + k]
+            idx = cute.arch.shuffle_sync(res_idx, k)
             if idx >= 0:
                 for r in cutlass.range_constexpr(n_rows):
                     row = idx * G + tOcO[r, 0][0] % G
@@ -811,7 +818,7 @@ class QPackedSm90:
 
     @cute.jit
     def _store(self, st_copy: cute.TiledCopy, tRsO: cute.Tensor, tma_o: cute.CopyAtom, tOsO: cute.Tensor,
-               tOgO: cute.Tensor, mLse: cute.Tensor, res_args, v, tok0: Int32, ntok: Int32, head: Int32, hkv: Int32,
+               tOgO: cute.Tensor, mLse: cute.Tensor, res_args, res_idx: Int32, v, tok0: Int32, ntok: Int32, head: Int32, hkv: Int32,
                warp: Int32, lane: Int32, ctid: Int32, out_scale: Float32, scale_log2: Float32, q_idx: Int32):
         """The warp's token: l reduced over each row's quad, O * out_scale / l as bf16 by stmatrix into the
         warp's own staging slot and one TMA store of its (G, D) rows; the LSE of its rows. A token past
@@ -838,7 +845,7 @@ class QPackedSm90:
             token = tok0 + warp // (self.tile_tokens // 2)
         if const_expr(self.residual):
             if live:
-                self._merge_residual(res_args, v, lse, token, head, hkv)
+                self._merge_residual(res_args, res_idx, v, lse)
         r_o = cute.make_rmem_tensor_like(acc_o, cutlass.BFloat16)
         r_o.store(acc_o.load().to(cutlass.BFloat16))
         if live:

@@ -89,6 +89,8 @@ class HybridBackend(Backend):
         if reason is None and (self.wide or self.fused):
             inner = get_backend("q-packed-cute").workload_unavailable_reason(w)
             reason = f"{self.name}: its packed part runs on q-packed-cute: {inner}" if inner else None
+        if reason is None and self.fused and w.shape.topk > 32:
+            reason = f"{self.name}: the epilogue reads a token's partials a lane each, top-k at most 32"
         return reason
 
     @staticmethod
