@@ -143,10 +143,14 @@ def test_cuda_study_shape_on_both_cute_stages(dtype, option, graph_replay_equals
 
 
 def test_wide_tiles_run_only_on_q_packed_cute():
-    """`@p12` has no Triton packed kernel to fall back on: where q-packed-cute cannot take the workload the
-    hybrid says so, and it refuses the dtypes the wide library is not built for."""
+    """`@p12` and `@fused` have no Triton packed kernel to fall back on: where q-packed-cute cannot take the
+    workload the hybrid says so, and it refuses the dtypes the wide library is not built for; `@fused`
+    has no combine stage."""
     wide = get_backend("hybrid@p12")
     assert wide.unavailable_reason("fp32", DEVICE) == "hybrid@p12 runs bf16, fp8 only"
+    fused = get_backend("hybrid@fused")                  # its epilogue merge is q-packed-cute's too
+    assert fused.unavailable_reason("fp32", DEVICE) == "hybrid@fused runs bf16, fp8 only"
+    assert fused.stages_for(None) == ("schedule", "attention") and "combine" in get_backend("hybrid").stages_for(None)
     w = edge_case_workload(SHAPE, "fp8", [300], [29], True, 0.6, 0.2, seed=1, device=DEVICE)
     cute = get_backend("q-packed-cute").workload_unavailable_reason(w)
     if cute is None:
