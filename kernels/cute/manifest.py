@@ -52,7 +52,6 @@ class Abi:
     scalars: tuple
     optional: tuple = ()        # tensors a configuration may leave out (LibraryConfig.omitted): compiled as None
 
-
     @property
     def tensor_names(self) -> tuple:
         return tuple(name for name, _, _ in self.tensors)

@@ -233,10 +233,11 @@ class QPackedSm90:
         tma_o, gO_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
         storage = self._storage_struct(sQ_layout, sK_layout, sV_layout, sO_layout)
+        res_args = (mResIdx, mResO, mResM, mResL, topk) if const_expr(self.residual) else None
         self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mTileTok0, mTileNtok,
                     mTileCount, mTilePage, mTileLimit, mTileSplit, (mPages, mSel, mQLimit, n_tokens, topk, direct),
-                    mLse, (mResIdx, mResO, mResM, mResL, topk) if const_expr(self.residual) else None, hkv, n_token_tiles, union_cap, scale * LOG2E,
-                    out_scale, sQ_layout, sK_layout, sV_layout, sO_layout).launch(
+                    mLse, res_args, hkv, n_token_tiles, union_cap, scale * LOG2E, out_scale, sQ_layout, sK_layout,
+                    sV_layout, sO_layout).launch(
             grid=(num_ctas, 1, 1), block=(self.num_threads, 1, 1), smem=storage.size_in_bytes(),
             min_blocks_per_mp=1, preferred_smem_carveout=100, stream=stream)
 
@@ -818,8 +819,9 @@ class QPackedSm90:
 
     @cute.jit
     def _store(self, st_copy: cute.TiledCopy, tRsO: cute.Tensor, tma_o: cute.CopyAtom, tOsO: cute.Tensor,
-               tOgO: cute.Tensor, mLse: cute.Tensor, res_args, res_idx: Int32, v, tok0: Int32, ntok: Int32, head: Int32, hkv: Int32,
-               warp: Int32, lane: Int32, ctid: Int32, out_scale: Float32, scale_log2: Float32, q_idx: Int32):
+               tOgO: cute.Tensor, mLse: cute.Tensor, res_args, res_idx: Int32, v, tok0: Int32, ntok: Int32,
+               head: Int32, hkv: Int32, warp: Int32, lane: Int32, ctid: Int32, out_scale: Float32,
+               scale_log2: Float32, q_idx: Int32):
         """The warp's token: l reduced over each row's quad, O * out_scale / l as bf16 by stmatrix into the
         warp's own staging slot and one TMA store of its (G, D) rows; the LSE of its rows. A token past
         ntok stores nothing; a row with no visible key gets O = 0 and LSE -inf. o_in_q: the slot is the warp's
