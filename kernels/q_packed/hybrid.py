@@ -75,8 +75,10 @@ class HybridBackend(Backend):
             kv = self.kv_backend(dtype, device)
             inner = kv.unavailable_reason(dtype, device)
             reason = f"{self.name}: its KV-outer part ({kv.name}): {inner}" if inner else None
-        if reason is None and (self.wide or self.fused) and dtype not in WIDE_TILE_TOKENS:
-            reason = f"{self.name} runs {', '.join(WIDE_TILE_TOKENS)} only"
+        # the wide tile and the epilogue merge exist only as q-packed-cute libraries
+        runs = WIDE_TILE_TOKENS if self.wide else get_backend("q-packed-cute").dtypes if self.fused else None
+        if reason is None and runs is not None and dtype not in runs:
+            reason = f"{self.name} runs {', '.join(runs)} only"
         return reason
 
     @property
@@ -206,13 +208,12 @@ class HybridBackend(Backend):
             kvs["index_map"]()
             kvs["schedule"]()
 
+        # fused: KV-outer first, its partials the packed epilogue reads
+        parts_in_order = (kvs["attention"], attention) if self.fused else (attention, kvs["attention"])
+
         def attend():
-            if self.fused:              # the partials the packed epilogue reads
-                kvs["attention"]()
-                attention()
-            else:
-                attention()
-                kvs["attention"]()
+            for part in parts_in_order:
+                part()
 
         executed = float(packed.tile_count.double() @ packed.tile_ntok.double().repeat(s.hkv))
         info = dict(schedule=Schedule.HYBRID, tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
