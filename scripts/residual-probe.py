@@ -1,7 +1,7 @@
 """Probes of the hybrid's residual path on drift points, on the GPU: what KV-outer's index map spends
-where, and what merging the residual in q-packed-cute's epilogue costs (knock-outs). Each time is the
-median of 7 replays of a CUDA graph of 10-20 calls (L2 warm: these compare parts, the harness's cold-L2
-timer gives the module).
+where, and what merging the residual in q-packed-cute's epilogue costs (knock-outs). Each part is
+timed alone by the harness timer (harness/timing.py: its CUDA graph replayed after a cold-L2 flush),
+median in us.
 
   index-map  the index map of drift p 0.15 (every selection and the hybrid's residual), a decode batch
              and two mixed steps: whole, and its parts (edge keys, the sort at int16 / int32 / int64
@@ -19,34 +19,18 @@ import json
 import torch
 import triton
 
-from msa_bench.kernels.base import get_backend
+from msa_bench.harness.timing import TimingConfig, summarize, time_plan
+from msa_bench.kernels.base import Plan, get_backend
 from msa_bench.kernels.kv_outer.index_map import PLACE_BLOCK, IndexMap, edge_keys_kernel, place_edges_kernel
 from msa_bench.kernels.q_packed.hybrid import HybridBackend
 from msa_bench.scenarios.grid import load_scenario, make_workload
 
 
-def graph_us(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(reps):
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return round(sorted(times)[3], 1)
+def part_us(fn) -> float:
+    """The harness timer's median of one part, run as the only stage of a plan, in us."""
+    plan = Plan(backend="residual-probe", stages={"part": fn}, output=torch.empty(0))
+    samples = time_plan(plan, TimingConfig(), "cuda")
+    return round(summarize(samples["part"].seconds)["median_s"] * 1e6, 1)
 
 
 def workload(scenario: str, dtype: str, text: str):
@@ -58,23 +42,23 @@ def workload(scenario: str, dtype: str, text: str):
 
 def index_map_parts(pages: torch.Tensor, num_pages: int) -> dict:
     im = IndexMap(pages, num_pages, 8)
-    r = {"edges": pages.numel(), "keys": im.num_keys, "key_dtype": str(im.keys.dtype), "whole_us": graph_us(im, 20)}
+    r = {"edges": pages.numel(), "keys": im.num_keys, "key_dtype": str(im.keys.dtype), "whole_us": part_us(im)}
     im.sort_and_count()
     n = pages.numel()
     keys = im.keys.int()
-    r["edge_keys_us"] = graph_us(lambda: edge_keys_kernel[(triton.cdiv(n, PLACE_BLOCK),)](
-        pages, im.keys, n, im.n_tokens * im.topk, num_pages, BLOCK=PLACE_BLOCK), 20)
-    r["sort_int32_us"] = graph_us(lambda: torch.sort(keys, stable=True), 20)
+    r["edge_keys_us"] = part_us(lambda: edge_keys_kernel[(triton.cdiv(n, PLACE_BLOCK),)](
+        pages, im.keys, n, im.n_tokens * im.topk, num_pages, BLOCK=PLACE_BLOCK))
+    r["sort_int32_us"] = part_us(lambda: torch.sort(keys, stable=True))
     if im.num_keys < torch.iinfo(torch.int16).max:
         k16 = keys.to(torch.int16)
-        r["sort_int16_us"] = graph_us(lambda: torch.sort(k16, stable=True), 20)
+        r["sort_int16_us"] = part_us(lambda: torch.sort(k16, stable=True))
     unique = keys.long() * n + torch.arange(n, device=keys.device)
-    r["sort_int64_unique_us"] = graph_us(lambda: torch.sort(unique), 20)
-    r["searchsorted_us"] = graph_us(lambda: torch.searchsorted(im.sorted_key, im._key_ids, out_int32=True,
-                                                               out=im.csr_ptr), 20)
-    r["place_us"] = graph_us(lambda: place_edges_kernel[(triton.cdiv(n, PLACE_BLOCK),)](
+    r["sort_int64_unique_us"] = part_us(lambda: torch.sort(unique))
+    r["searchsorted_us"] = part_us(lambda: torch.searchsorted(im.sorted_key, im._key_ids, out_int32=True,
+                                                               out=im.csr_ptr))
+    r["place_us"] = part_us(lambda: place_edges_kernel[(triton.cdiv(n, PLACE_BLOCK),)](
         im.sorted_key, im.perm, im.csr_ptr, im.tile_ptr, im.csr_query, im.combine_index, n, im.num_keys,
-        im.n_tokens, HKV=im.hkv, TOPK=im.topk, TILE_Q=8, BLOCK=PLACE_BLOCK), 20)
+        im.n_tokens, HKV=im.hkv, TOPK=im.topk, TILE_Q=8, BLOCK=PLACE_BLOCK))
     return r
 
 
@@ -106,8 +90,8 @@ def merge(args) -> dict:
     def stage(residual):
         return HybridBackend.packed_attention(w, "q-packed-cute", packed, out, lse, entries, residual)
     return {"option": args.option, "dtype": args.dtype, "point": args.point,
-            "packed_plain_us": graph_us(stage(None)), "packed_index_only_us": graph_us(stage(no_ranks)),
-            "packed_merged_us": graph_us(stage(parts)), "kv_outer_attention_us": graph_us(kv_plan.stages["attention"]),
+            "packed_plain_us": part_us(stage(None)), "packed_index_only_us": part_us(stage(no_ranks)),
+            "packed_merged_us": part_us(stage(parts)), "kv_outer_attention_us": part_us(kv_plan.stages["attention"]),
             "residual_partials": int((kvb["combine_index"] >= 0).sum()),
             "pairs_with_residual": int((kvb["combine_index"] >= 0).any(-1).sum())}
 
