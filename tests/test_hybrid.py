@@ -83,6 +83,31 @@ def test_threshold_from_the_roofline_by_hand():
            + 16 * 128 * 2 / h200.l2_bytes_per_s)
     assert kv_outer_token_seconds(s, h200) == pytest.approx(one)
     assert min_shared_tokens(s, h200, 8) == math.ceil(packed_block_seconds(s, h200, 8) / one) == 3
+    # warpgroups that walk only their own tokens' blocks: a block near the threshold costs two groups' rows
+    assert min_shared_tokens(s, h200, 12, group_tokens=4) == min_shared_tokens(s, h200, 8) == 3
+    assert min_shared_tokens(s, h200, 12) == math.ceil(packed_block_seconds(s, h200, 12) / one) == 5
+
+
+def test_default_layout_is_the_wide_fused_tile_in_fp8_where_the_wide_rule_holds(monkeypatch):
+    """fp8's default hybrid runs 12-token tiles with the epilogue merge where q-packed-cute runs the
+    workload, no request holds one token and there are WIDE_MIN_TILES_PER_SM tiles an SM; elsewhere, and in
+    bf16, 8 tokens and the combine. Named options keep what they name."""
+    from msa_bench.kernels.q_packed import cute_backend
+    from msa_bench.kernels.q_packed.cute_backend import QPackedCuteBackend
+    monkeypatch.setattr(QPackedCuteBackend, "workload_unavailable_reason", lambda self, w: None)
+    monkeypatch.setattr(cute_backend, "sm_count", lambda device: 2)
+    layout = lambda name, w: get_backend(name).layout(w)      # noqa: E731
+    fp8 = edge_case_workload(SHAPE, "fp8", [400, 300], [200, 180], True, 0.6, 0.2, seed=1, device="cpu")
+    assert layout("hybrid", fp8) == (12, True) and get_backend("hybrid").stages_for(fp8) == ("schedule", "attention")
+    assert layout("hybrid@p8", fp8) == (8, False) and layout("hybrid@combine", fp8) == (8, False)
+    assert layout("hybrid@p12+combine", fp8) == (12, False) and layout("hybrid@fused", fp8) == (12, True)
+    bf16 = edge_case_workload(SHAPE, "bf16", [400, 300], [200, 180], True, 0.6, 0.2, seed=1, device="cpu")
+    assert layout("hybrid", bf16) == (8, False) and "combine" in get_backend("hybrid").stages_for(bf16)
+    assert layout("hybrid@p12", bf16) == (12, False) and layout("hybrid@fused", bf16) == (8, True)
+    one = edge_case_workload(SHAPE, "fp8", [400, 300], [200, 1], True, 0.6, 0.2, seed=1, device="cpu")
+    assert layout("hybrid", one) == (8, False)                       # a decode token's request
+    monkeypatch.setattr(cute_backend, "sm_count", lambda device: 1000)
+    assert layout("hybrid", fp8) == (8, False)                       # too few tiles an SM
 
 
 # each option and each dtype in the default run; every pair in the slow one

@@ -7,12 +7,14 @@ pages as the residual selection; KV-outer's index map and scheduler then plan th
 KV-outer partials with the packed output as one more partial, in place. With every token of a tile sharing its
 blocks this is pure packed; with no sharing, pure KV-outer.
 
-`hybrid` runs the KV-outer part on the CuTe stage where its libraries are built, else on Triton.
-Options, joined by '+': `p8` / `p16` tokens per tile (`p12`: q-packed-cute's wide tile, three warpgroups
-walking their thirds of the union), `m1` .. `m16` the share threshold instead of the model's, `triton` /
-`cute` the KV-outer attention stage, `fused` / `combine` where the residual's partials merge: `fused` runs
-KV-outer's attention first and q-packed-cute's epilogue merges each token's partials into its output (no
-combine stage, no second pass over the output).
+`hybrid` runs the KV-outer part on the CuTe stage where its libraries are built, else on Triton. Its
+default layout: in fp8, where q-packed-cute's wide tile may run (WIDE_FUSED_DTYPES, `layout()`), 12-token
+tiles whose three warpgroups walk their thirds of the union, with the residual merged in their epilogue;
+elsewhere 8-token tiles and the combine stage.
+Options, joined by '+': `p8` / `p16` tokens per tile (`p12`: q-packed-cute's wide tile), `m1` .. `m16`
+the share threshold instead of the model's, `triton` / `cute` the KV-outer attention stage, `fused` /
+`combine` where the residual's partials merge: `fused` runs KV-outer's attention first and q-packed-cute's
+epilogue merges each token's partials into its output (no combine stage, no second pass over the output).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
-from ..cute.manifest import WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
+from ..cute.manifest import WIDE_MIN_TILES_PER_SM, WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
 from ..kv_outer.combine import Combine
 from ..options import Choice, Number
 from ..triton_common import partial_dtype, triton_dtype_reason
@@ -33,9 +35,13 @@ from ...scenarios.stats import decode_tokens
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 from .attention import PackedAttention, packed_quantization
-from .schedule import PackedSchedule
+from .schedule import PackedSchedule, token_tiles
 
 KV_STAGES = {"triton": "kv-outer", "cute": "kv-outer-cute"}
+# The dtypes whose default layout is the wide tile with the epilogue merge: on drift p 0.07-0.3 fp8 ran
+# 0.90-0.98 of the 8-token hybrid's module time, bf16 0.98-1.04 (docs/perf-log.md, 2026-12-04)
+WIDE_FUSED_DTYPES = ("fp8",)
+FUSED_MAX_TOPK = 32                 # the epilogue reads a token's partials a lane each
 
 
 @register("hybrid")
@@ -52,13 +58,35 @@ class HybridBackend(Backend):
                "kv_stage": Choice("KV-outer attention", tuple(KV_STAGES)),
                "fused": Choice("residual merged in the packed epilogue", {"fused": True, "combine": False})}
 
-    def __init__(self, tokens_per_tile: int = 8, min_share: int | None = None, kv_stage: str | None = None,
-                 fused: bool = False):
+    def __init__(self, tokens_per_tile: int | None = None, min_share: int | None = None, kv_stage: str | None = None,
+                 fused: bool | None = None):
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
         self.fused = fused
 
+    def layout(self, w: Workload) -> tuple[int, bool]:
+        """(tokens a tile, residual merged in the packed epilogue) of a plan of `w`: the named options, else
+        the wide tile with the merge in WIDE_FUSED_DTYPES where q-packed-cute's wide rule lets a tile hold 12
+        tokens (no request of one token, at least WIDE_MIN_TILES_PER_SM tiles an SM) and the epilogue can
+        read a token's partials, else 8 tokens and the combine stage."""
+        wide = self.tokens_per_tile in (None, WIDE_TOKENS) and self.fused in (None, True) and self.wide_fits(w)
+        tokens = self.tokens_per_tile or (WIDE_TOKENS if wide else 8)
+        return tokens, self.fused if self.fused is not None else (wide and tokens == WIDE_TOKENS)
+
+    @staticmethod
+    def wide_fits(w: Workload) -> bool:
+        if w.dtype not in WIDE_FUSED_DTYPES or w.shape.topk > FUSED_MAX_TOPK or w.n_tokens == 0:
+            return False
+        if get_backend("q-packed-cute").workload_unavailable_reason(w) is not None:
+            return False
+        if bool((torch.bincount(w.q_request) == 1).any()):
+            return False
+        from .cute_backend import sm_count
+        tok0, _ = token_tiles(w.q_request, w.q_limit, WIDE_TOKENS, w.causal)
+        return tok0.numel() * w.shape.hkv >= WIDE_MIN_TILES_PER_SM * sm_count(w.device)
+
     def stages_for(self, w: Workload) -> tuple[str, ...]:
-        return ("schedule", "attention") if self.fused else self.stage_names
+        fused = self.fused if w is None or self.fused is not None else self.layout(w)[1]
+        return ("schedule", "attention") if fused else self.stage_names
 
     def kv_backend(self, dtype: str, device, w: Workload | None = None) -> Backend:
         """The KV-outer backend of the residual: the asked one, else CuTe where it can run (and, given the
@@ -91,8 +119,8 @@ class HybridBackend(Backend):
         if reason is None and (self.wide or self.fused):
             inner = get_backend("q-packed-cute").workload_unavailable_reason(w)
             reason = f"{self.name}: its packed part runs on q-packed-cute: {inner}" if inner else None
-        if reason is None and self.fused and w.shape.topk > 32:
-            reason = f"{self.name}: the epilogue reads a token's partials a lane each, top-k at most 32"
+        if reason is None and self.fused and w.shape.topk > FUSED_MAX_TOPK:
+            reason = f"{self.name}: the epilogue reads a token's partials a lane each, top-k at most {FUSED_MAX_TOPK}"
         return reason
 
     @staticmethod
@@ -114,14 +142,15 @@ class HybridBackend(Backend):
                                         residual=residual)
         return PackedAttention(w, packed, out, lse)
 
-    def threshold(self, w: Workload, kv: Backend, packed: str, dev=None) -> tuple[int, str]:
+    def threshold(self, w: Workload, kv: Backend, packed: str, tokens: int, dev=None) -> tuple[int, str]:
+        """(fewest of a `tokens`-token tile's tokens that must select a block to pack it, where it came from)."""
         if self.min_share is not None:
             return self.min_share, "option"
         dev = dev or device_profile(w.device)
         dtype = model_dtype(w.dtype)
         shape = ModelShape.of(w.shape, dtype=dtype)
-        share = min_shared_tokens(shape, dev, self.tokens_per_tile, achieved(dev, packed, dtype),
-                                  achieved(dev, kv.name, dtype))
+        share = min_shared_tokens(shape, dev, tokens, achieved(dev, packed, dtype), achieved(dev, kv.name, dtype),
+                                  group_tokens=get_backend(packed).mma_tokens)
         return share, f"roofline ({dev.name})"
 
     def model_unfit_reason(self, w: Workload, inputs: ModelInputs) -> str | None:
@@ -135,14 +164,15 @@ class HybridBackend(Backend):
         each over its kernel's achieved fraction."""
         s, n, dtype = w.shape, w.n_tokens, model_dtype(w.dtype)
         kv, packed_kernel = self.kv_backend(w.dtype, w.device, w), self.packed_backend(w)
-        threshold, _ = self.threshold(w, kv, packed_kernel, profile)
-        sch = PackedSchedule(w, self.tokens_per_tile, min_share=threshold, residual=True)
+        P, _ = self.layout(w)
+        threshold, _ = self.threshold(w, kv, packed_kernel, P, profile)
+        sch = PackedSchedule(w, P, min_share=threshold, residual=True)
         sch()
         res = sch.residual_pages
         selected, flops = inputs.selected, inputs.flops
         residual = float((res >= 0).sum())
         packed = selected - residual
-        executed = float(sch.tile_count.double().sum()) * self.tokens_per_tile     # P x G rows per union block
+        executed = float(sch.tile_count.double().sum()) * P     # P x G rows per union block
         half = get_backend(packed_kernel).mma_tokens
         # traffic: the tiles' unions; MMAs: the slots each warpgroup walks, P / 2 tokens' rows each
         walked = float(sum(part.sum() for part in sch.group_slots())) * half if half else None
@@ -160,7 +190,7 @@ class HybridBackend(Backend):
             nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
             shape = ModelShape.of(s, dtype=w.dtype)
             p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
-                        union_ratio=executed / packed, tile_tokens=self.tokens_per_tile,
+                        union_ratio=executed / packed, tile_tokens=P,
                         executed_union_ratio=walked / packed if walked is not None else None)
             frac = achieved(profile, packed_kernel, dtype, share["packed"])
             parts["packed_s"] = p.time_s / frac
@@ -173,17 +203,18 @@ class HybridBackend(Backend):
             parts["kv_outer_s"] = p.time_s / frac
             record.update(kv_outer_binding=p.binding, kv_outer_achieved=frac, kv_outer_decode_share=share["kv_outer"])
         t = sum(parts.values())
-        return t, {**parts, **record, "min_share": threshold, "packed_entry_share": packed / selected if selected else 0.0,
+        return t, {**parts, **record, "tile_tokens": P, "min_share": threshold, "packed_entry_share": packed / selected if selected else 0.0,
                    "packed": packed_kernel, "kv_outer": kv.name}
 
     def _plan(self, w: Workload) -> Plan:
         s, dev = w.shape, w.device
         kv = self.kv_backend(w.dtype, dev, w)
         packed_kernel = self.packed_backend(w)
-        if (self.wide or self.fused) and packed_kernel != "q-packed-cute":
+        P, fused = self.layout(w)
+        if (P == WIDE_TOKENS or fused) and packed_kernel != "q-packed-cute":
             raise BackendUnavailable(self.workload_unavailable_reason(w) or f"{self.name}: needs q-packed-cute")
-        share, source = self.threshold(w, kv, packed_kernel)
-        packed = PackedSchedule(w, self.tokens_per_tile, min_share=share, residual=True)
+        share, source = self.threshold(w, kv, packed_kernel, P)
+        packed = PackedSchedule(w, P, min_share=share, residual=True)
         packed()                                            # the residual selection KV-outer plans from
         w_res = replace(w, pages=packed.residual_pages)
         kv_plan = kv.plan(w_res)
@@ -196,10 +227,10 @@ class HybridBackend(Backend):
         selected = float((w.selection >= 0).sum())
         residual = float((packed.residual_pages >= 0).sum())
         kvb = kv_plan.buffers
-        parts = (kvb["combine_index"], kvb["o_part"], kvb["m_part"], kvb["l_part"]) if self.fused else None
+        parts = (kvb["combine_index"], kvb["o_part"], kvb["m_part"], kvb["l_part"]) if fused else None
         attention = self.packed_attention(w, packed_kernel, packed, out, lse, selected - residual, parts)
         cfg = kv_plan.info.get("config", {})
-        combine = None if self.fused else Combine(w_res, kvb, out, lse, cfg.get("combine_pairs", 4),
+        combine = None if fused else Combine(w_res, kvb, out, lse, cfg.get("combine_pairs", 4),
                                                   cfg.get("combine_num_warps", 4), merge_into_output=True)
         kvs = kv_plan.stages
 
@@ -209,23 +240,23 @@ class HybridBackend(Backend):
             kvs["schedule"]()
 
         # fused: KV-outer first, its partials the packed epilogue reads
-        parts_in_order = (kvs["attention"], attention) if self.fused else (attention, kvs["attention"])
+        parts_in_order = (kvs["attention"], attention) if fused else (attention, kvs["attention"])
 
         def attend():
             for part in parts_in_order:
                 part()
 
         executed = float(packed.tile_count.double() @ packed.tile_ntok.double().repeat(s.hkv))
-        info = dict(schedule=Schedule.HYBRID, tile_tokens=self.tokens_per_tile, min_share=share, min_share_from=source,
+        info = dict(schedule=Schedule.HYBRID, tile_tokens=P, min_share=share, min_share_from=source,
                     packed_entry_share=1.0 - residual / selected if selected else 0.0,
                     packed_executed_blocks_per_selected=executed / selected if selected else 0.0,
                     kv_outer=kv.name, kv_outer_info=kv_plan.info, attention=attention.describe(),
-                    residual_merge="packed epilogue" if self.fused else "combine",
+                    residual_merge="packed epilogue" if fused else "combine",
                     quantization=f"packed part: {packed_quantization(w)}; KV-outer part: "
                                  f"{kv_plan.info.get('quantization', '')}")
         # the KV-outer part's buffers under "kv." names: its stage checks hold for the full selection only
         buffers = {**{f"kv.{k}": v for k, v in kv_plan.buffers.items()}, **packed.buffers}
-        stages = {"schedule": schedule, "attention": attend} | ({} if self.fused else {"combine": combine})
+        stages = {"schedule": schedule, "attention": attend} | ({} if fused else {"combine": combine})
         plan = Plan(backend=self.name, stages=stages,
                     output=out, lse=lse, buffers=buffers, info=info)
         plan._parts = (kv_plan, packed)          # keep the KV-outer plan's state alive with this one
