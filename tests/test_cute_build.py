@@ -91,12 +91,12 @@ DEFAULT_DEVICE_CODE_SHA256 = {
     "qpk_attn_fp8_p8g16d128b128_pairs": "dd474e2c5a1b42e5c35f98e6c3e720936907347d3078d29643581073d7abce5e",
     "qpk_attn_fp8_p12g16d128b128": "d5383ea194b29b17699d9584378b59ec0394dd286eed948f88555c2db92828c6",
     "qpk_attn_bf16_p12g16d128b128": "9eed9d2f777b6a4efed9096fe186904ecfa993d285824ed05fa5f2a0ddae7e1f",
-    # the hybrid's residual merged in the epilogue (hybrid@fused; H200, 2026-12-04)
-    "qpk_attn_bf16_p12g16d128b128_res": "9d12ea2e4ebec0937eaecc40c1cf99f9462588a5b6bad93ab50a4dfee350f1ba",
-    "qpk_attn_bf16_p8g16d128b128_res": "c8e5a4081df51ff88cc4deee633d5736f658140fce8bb775bebd989884b3259a",
-    "qpk_attn_fp8_p12g16d128b128_res": "24e92911a9377badb7505c3e9bc23b053a87bfcc7e7b2bcfeca77433392a0d0e",
-    "qpk_attn_fp8_p8g16d128b128_pp_sa_res": "ddb36c5e2690efc4e231d076a2f8cea201b3dfa1caa263d9a9dcb8e38470e460",
-    "qpk_attn_fp8_p8g16d128b128_sa_res": "c30e9d5ee7614a1dd451c3dd60c6dd5d53115a5c325bba39f36afaebdbd6bd45",
+    # the hybrid's residual merged in the epilogue, its partials' rows at 64-bit offsets (H200, 2026-12-04)
+    "qpk_attn_bf16_p12g16d128b128_res": "a3334be3489d56d351920aa432348c5324aeb437cc70a7d45f8dfba12355e139",
+    "qpk_attn_bf16_p8g16d128b128_res": "fa0918ac91c506c1d6aa2308e2ec116bef50b1f81b72c61e1ff237873d4c44ce",
+    "qpk_attn_fp8_p12g16d128b128_res": "2c628d05e193a1b05e073ba806a40ed6bcf74f0939be68a1d340815e9d3e1b9a",
+    "qpk_attn_fp8_p8g16d128b128_pp_sa_res": "cdd910e411161fb3a610776b194b355e369886de35576a7aa223280b705b2b0e",
+    "qpk_attn_fp8_p8g16d128b128_sa_res": "001e38661356b2253d4858acf8b1e41e895b5722e1030daf33be7882f7870d51",
 }
 DEVICE_CODE_DSL_VERSION = "4.8.1"      # the DSL's own NVVM and ptxas compile the device code
 EM_CUDA = 190

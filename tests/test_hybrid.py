@@ -167,6 +167,24 @@ def test_cuda_study_shape_on_both_cute_stages(dtype, option, graph_replay_equals
     graph_replay_equals_eager(get_backend(name).plan(w))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_epilogue_merge_reads_partials_past_2_31_elements():
+    """With no co-selection at N 16384 nearly every entry is KV-outer's: its partials' rows x D pass 2^31
+    elements, and the packed epilogue must address them with 64-bit offsets (32-bit ones read out of bounds)."""
+    from msa_bench.harness.check import check_backend, sample_rows
+    w = coselected(0.0, tokens=16384, context=131072, reuse=0.25, with_tensors=True, dtype="fp8")
+    for name in ("q-packed-cute", "kv-outer-cute"):
+        reason = get_backend(name).workload_unavailable_reason(w)
+        if reason:
+            pytest.skip(reason)
+    plan = get_backend("hybrid@p12+fused").plan(w)
+    assert plan.buffers["kv.o_part"].numel() > 2 ** 31
+    del plan
+    err, tol, details = check_backend("hybrid@p12+fused", w, rows=sample_rows(w.n_tokens))
+    assert err <= tol and details["info"]["residual_merge"] == "packed epilogue"
+
+
 def test_wide_tiles_run_only_on_q_packed_cute():
     """`@p12` and `@fused` have no Triton packed kernel to fall back on: where q-packed-cute cannot take the
     workload the hybrid says so, and it refuses the dtypes the wide library is not built for; `@fused`

@@ -84,7 +84,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .barriers import advance, release, wait
-from .layouts import DSL_DTYPES, LOG2E, acc_to_frg_a, rows_cols_view, staged_smem_layout
+from .layouts import DSL_DTYPES, LOG2E, acc_to_frg_a, gmem_tile, rows_cols_view, staged_smem_layout
 from .manifest import P_SHIFT
 from .mma import _fresh, fp8_p_regs
 from .producer import gather_q, q_row_copy
@@ -800,6 +800,8 @@ class QPackedSm90:
             if idx >= 0:
                 for r in cutlass.range_constexpr(n_rows):
                     row = idx * G + tOcO[r, 0][0] % G
+                    # the partials' rows x D pass 2^31 elements (N 16384 with every entry KV-outer's)
+                    o_row = gmem_tile(mO, cutlass.Int64(row) * self.head_dim, (self.head_dim,))
                     m_k = mM[row]
                     m_new = cute.arch.fmax(big_m[r], m_k)
                     safe = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
@@ -808,7 +810,7 @@ class QPackedSm90:
                     big_l[r] = big_l[r] * a + b * mL[row]
                     big_m[r] = m_new
                     for c in cutlass.range_constexpr(n_cols):
-                        rc[r, c] = rc[r, c] * a + b * Float32(mO[row, tOcO[r, c][1]])
+                        rc[r, c] = rc[r, c] * a + b * Float32(o_row[tOcO[r, c][1]])
         for r in cutlass.range_constexpr(n_rows):
             seen = big_l[r] > Float32(0.0)
             safe = Float32(cutlass.select_(seen, big_l[r], Float32(1.0)))
