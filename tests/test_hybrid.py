@@ -88,26 +88,37 @@ def test_threshold_from_the_roofline_by_hand():
     assert min_shared_tokens(s, h200, 12) == math.ceil(packed_block_seconds(s, h200, 12) / one) == 5
 
 
-def test_default_layout_is_the_wide_fused_tile_in_fp8_where_the_wide_rule_holds(monkeypatch):
-    """fp8's default hybrid runs 12-token tiles with the epilogue merge where q-packed-cute runs the
-    workload, no request holds one token and there are WIDE_MIN_TILES_PER_SM tiles an SM; elsewhere, and in
-    bf16, 8 tokens and the combine. Named options keep what they name."""
+@pytest.mark.slow
+def test_default_layout_is_the_wide_fused_tile_in_fp8_where_selections_drift(monkeypatch):
+    """fp8's default hybrid runs 12-token tiles with the epilogue merge where q-packed-cute runs the workload,
+    no request holds one token, there are WIDE_MIN_TILES_PER_SM tiles an SM, the 12-token tiles load at most
+    WIDE_MAX_LOADS times the 8-token tiles' union blocks and pack at least WIDE_MIN_PACKED of the entries:
+    where tokens drift, not where groups of 8 share (a 12-token tile spans two groups) nor where nothing is
+    shared. Elsewhere, and in bf16, 8 tokens and the combine. Named options keep what they name."""
     from msa_bench.kernels.q_packed import cute_backend
     from msa_bench.kernels.q_packed.cute_backend import QPackedCuteBackend
+    from msa_bench.scenarios.serving import serving_workload
     monkeypatch.setattr(QPackedCuteBackend, "workload_unavailable_reason", lambda self, w: None)
     monkeypatch.setattr(cute_backend, "sm_count", lambda device: 2)
     layout = lambda name, w: get_backend(name).layout(w)      # noqa: E731
-    fp8 = edge_case_workload(SHAPE, "fp8", [400, 300], [200, 180], True, 0.6, 0.2, seed=1, device="cpu")
+
+    def drift(dtype, tokens=240):
+        return serving_workload(SHAPE, dtype, "drift", tokens=tokens, context=2048, context_min=None, requests=None,
+                                chunks=None, drift=0.05, device="cpu", with_tensors=False)
+    fp8 = drift("fp8")
     assert layout("hybrid", fp8) == (12, True) and get_backend("hybrid").stages_for(fp8) == ("schedule", "attention")
     assert layout("hybrid@p8", fp8) == (8, False) and layout("hybrid@combine", fp8) == (8, False)
-    assert layout("hybrid@p12+combine", fp8) == (12, False) and layout("hybrid@fused", fp8) == (12, True)
-    bf16 = edge_case_workload(SHAPE, "bf16", [400, 300], [200, 180], True, 0.6, 0.2, seed=1, device="cpu")
+    assert layout("hybrid@p12+combine", fp8) == (12, False) and layout("hybrid@p8+fused", fp8) == (8, True)
+    bf16 = drift("bf16")
     assert layout("hybrid", bf16) == (8, False) and "combine" in get_backend("hybrid").stages_for(bf16)
-    assert layout("hybrid@p12", bf16) == (12, False) and layout("hybrid@fused", bf16) == (8, True)
+    assert layout("hybrid@p12", bf16) == (12, False)
+    for share in (1.0, 0.0):                     # two groups' blocks a 12-token tile; nothing to pack
+        grouped = coselected_workload(SHAPE, "fp8", 240, 8192, 0.3, share, group=8, seed=3, with_tensors=False)
+        assert layout("hybrid", grouped) == (8, False)
     one = edge_case_workload(SHAPE, "fp8", [400, 300], [200, 1], True, 0.6, 0.2, seed=1, device="cpu")
     assert layout("hybrid", one) == (8, False)                       # a decode token's request
     monkeypatch.setattr(cute_backend, "sm_count", lambda device: 1000)
-    assert layout("hybrid", fp8) == (8, False)                       # too few tiles an SM
+    assert layout("hybrid", drift("fp8")) == (8, False)              # too few tiles an SM
 
 
 # each option and each dtype in the default run; every pair in the slow one

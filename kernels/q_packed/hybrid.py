@@ -8,9 +8,9 @@ KV-outer partials with the packed output as one more partial, in place. With eve
 blocks this is pure packed; with no sharing, pure KV-outer.
 
 `hybrid` runs the KV-outer part on the CuTe stage where its libraries are built, else on Triton. Its
-default layout: in fp8, where q-packed-cute's wide tile may run (WIDE_FUSED_DTYPES, `layout()`), 12-token
-tiles whose three warpgroups walk their thirds of the union, with the residual merged in their epilogue;
-elsewhere 8-token tiles and the combine stage.
+default layout: in fp8, where the wide tile packs selections that drift (`wide_fits`), 12-token tiles whose
+three warpgroups walk their thirds of the union, with the residual merged in their epilogue; elsewhere
+8-token tiles and the combine stage.
 Options, joined by '+': `p8` / `p16` tokens per tile (`p12`: q-packed-cute's wide tile), `m1` .. `m16`
 the share threshold instead of the model's, `triton` / `cute` the KV-outer attention stage, `fused` /
 `combine` where the residual's partials merge: `fused` runs KV-outer's attention first and q-packed-cute's
@@ -18,6 +18,7 @@ epilogue merges each token's partials into its output (no combine stage, no seco
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -38,9 +39,15 @@ from .attention import PackedAttention, packed_quantization
 from .schedule import PackedSchedule, token_tiles
 
 KV_STAGES = {"triton": "kv-outer", "cute": "kv-outer-cute"}
-# The dtypes whose default layout is the wide tile with the epilogue merge: on drift p 0.07-0.3 fp8 ran
-# 0.90-0.98 of the 8-token hybrid's module time, bf16 0.98-1.04 (docs/perf-log.md, 2026-12-04)
+# The default wide tile with the epilogue merge (docs/perf-log.md, 2026-12-04): fp8 only (drift p 0.07-0.3:
+# fp8 0.90-0.98 of the 8-token hybrid's module time, bf16 0.98-1.04). The loads bound sits between drift p 0.3
+# (12-token tiles load 1.01x the 8-token tiles' union blocks, module 0.97) and co-selection in groups of 8
+# (1.32x, 1.03-1.13); the packed floor below the least packed share measured faster (0.59; co-selection
+# share 0, nothing packed, ran 1.03). Held out: indexer (0.89x, 0.92), sparsity's N 8192 chunks (0.77x,
+# 0.87), real prefill (0.69x, 0.79-0.94).
 WIDE_FUSED_DTYPES = ("fp8",)
+WIDE_MAX_LOADS = 1.1
+WIDE_MIN_PACKED = 0.5
 FUSED_MAX_TOPK = 32                 # the epilogue reads a token's partials a lane each
 
 
@@ -62,18 +69,26 @@ class HybridBackend(Backend):
                  fused: bool | None = None):
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
         self.fused = fused
+        self._layout = None                 # (weakref to the workload, its layout): plan and model ask twice
 
-    def layout(self, w: Workload) -> tuple[int, bool]:
+    def layout(self, w: Workload, profile=None) -> tuple[int, bool]:
         """(tokens a tile, residual merged in the packed epilogue) of a plan of `w`: the named options, else
-        the wide tile with the merge in WIDE_FUSED_DTYPES where q-packed-cute's wide rule lets a tile hold 12
-        tokens (no request of one token, at least WIDE_MIN_TILES_PER_SM tiles an SM) and the epilogue can
-        read a token's partials, else 8 tokens and the combine stage."""
-        wide = self.tokens_per_tile in (None, WIDE_TOKENS) and self.fused in (None, True) and self.wide_fits(w)
+        the wide tile with the merge where `wide_fits`, else 8 tokens and the combine stage."""
+        cached = self._layout
+        if cached is not None and cached[0]() is w:
+            return cached[1]
+        wide = self.tokens_per_tile in (None, WIDE_TOKENS) and self.fused in (None, True) and self.wide_fits(w, profile)
         tokens = self.tokens_per_tile or (WIDE_TOKENS if wide else 8)
-        return tokens, self.fused if self.fused is not None else (wide and tokens == WIDE_TOKENS)
+        out = tokens, self.fused if self.fused is not None else (wide and tokens == WIDE_TOKENS)
+        self._layout = (weakref.ref(w), out)
+        return out
 
-    @staticmethod
-    def wide_fits(w: Workload) -> bool:
+    def wide_fits(self, w: Workload, profile=None) -> bool:
+        """Whether the wide tile with the epilogue merge may run `w` by default: in WIDE_FUSED_DTYPES, where
+        q-packed-cute's wide rule lets a tile hold 12 tokens (no request of one token, at least
+        WIDE_MIN_TILES_PER_SM tiles an SM), the epilogue can read a token's partials, the 12-token tiles
+        (each tile size at its own threshold) load at most WIDE_MAX_LOADS times the union blocks the
+        8-token tiles load, and they pack at least WIDE_MIN_PACKED of the entries."""
         if w.dtype not in WIDE_FUSED_DTYPES or w.shape.topk > FUSED_MAX_TOPK or w.n_tokens == 0:
             return False
         if get_backend("q-packed-cute").workload_unavailable_reason(w) is not None:
@@ -82,7 +97,17 @@ class HybridBackend(Backend):
             return False
         from .cute_backend import sm_count
         tok0, _ = token_tiles(w.q_request, w.q_limit, WIDE_TOKENS, w.causal)
-        return tok0.numel() * w.shape.hkv >= WIDE_MIN_TILES_PER_SM * sm_count(w.device)
+        if tok0.numel() * w.shape.hkv < WIDE_MIN_TILES_PER_SM * sm_count(w.device):
+            return False
+        kv, loads = self.kv_backend(w.dtype, w.device, w), {}
+        for tokens in (8, WIDE_TOKENS):
+            share, _ = self.threshold(w, kv, "q-packed-cute", tokens, profile)
+            sch = PackedSchedule(w, tokens, min_share=share, residual=True)
+            sch()
+            loads[tokens] = int(sch.tile_count.sum())
+        selected = float((w.selection >= 0).sum())
+        packed = 1.0 - float((sch.residual_pages >= 0).sum()) / selected if selected else 0.0
+        return 0 < loads[WIDE_TOKENS] <= WIDE_MAX_LOADS * loads[8] and packed >= WIDE_MIN_PACKED
 
     def stages_for(self, w: Workload) -> tuple[str, ...]:
         fused = self.fused if w is None or self.fused is not None else self.layout(w)[1]
@@ -164,7 +189,7 @@ class HybridBackend(Backend):
         each over its kernel's achieved fraction."""
         s, n, dtype = w.shape, w.n_tokens, model_dtype(w.dtype)
         kv, packed_kernel = self.kv_backend(w.dtype, w.device, w), self.packed_backend(w)
-        P, _ = self.layout(w)
+        P, _ = self.layout(w, profile)
         threshold, _ = self.threshold(w, kv, packed_kernel, P, profile)
         sch = PackedSchedule(w, P, min_share=threshold, residual=True)
         sch()
