@@ -41,10 +41,10 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:+.0%}"
 
 
-def markdown_table(df: pd.DataFrame, max_rows: int = 200) -> str:
+def markdown_table(df: pd.DataFrame) -> str:
+    """Every row: a reader judges each unit's number, so none is left out."""
     if df is None or df.empty:
         return "_(none)_\n"
-    df = df.head(max_rows)
     lines = ["| " + " | ".join(str(c) for c in df.columns) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines) + "\n"

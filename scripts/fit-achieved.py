@@ -57,13 +57,18 @@ def main(argv=None) -> int:
         path = PACKAGE_ROOT / CALIBRATION_FILES[args.device]
         data = json.loads(path.read_text())
         fitted = {f"{r.backend}/{r.dtype}": round(float(r.achieved), 4) for r in table.itertuples()}
-        # the commit that measured the fitted units: the run's, or the last update that re-ran the backend
-        commit = (run.meta.get("provenance") or {}).get("git_commit") or "?"
+        # the commits that measured the fitted units: the run's, or the last update that re-ran the backend;
+        # a whole-run fit names the run's and every update's that re-ran a fitted backend
+        commits = [(run.meta.get("provenance") or {}).get("git_commit") or "?"]
         for update in run.meta.get("updated_from") or []:
-            if args.backend and args.backend in (update.get("backends") or []):
-                commit = update.get("commit") or commit
+            ran = set(update.get("backends") or [])
+            if args.backend and args.backend in ran:
+                commits = [update.get("commit") or commits[0]]
+            elif not args.backend and ran & set(table["backend"]):
+                commits.append(update.get("commit") or "?")
+        commit = ", ".join(dict.fromkeys(c[:7] for c in commits))
         source = (f"scripts/fit-achieved.py {args.run.rstrip('/')}{f' --backend {args.backend}' if args.backend else ''}"
-                  f" (commit {commit[:7]})")
+                  f" (commit{'s' if ',' in commit else ''} {commit})")
         if args.backend:
             kept = {k: v for k, v in (data.get("achieved") or {}).items() if k.split("/")[0] != args.backend}
             data["achieved"] = {**kept, **fitted}

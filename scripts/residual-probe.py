@@ -54,7 +54,7 @@ def index_map_parts(pages: torch.Tensor, num_pages: int) -> dict:
         r["sort_int16_us"] = part_us(lambda: torch.sort(k16, stable=True))
     unique = keys.long() * n + torch.arange(n, device=keys.device)
     r["sort_int64_unique_us"] = part_us(lambda: torch.sort(unique))
-    r["searchsorted_us"] = part_us(lambda: torch.searchsorted(im.sorted_key, im._key_ids, out_int32=True,
+    r["searchsorted_us"] = part_us(lambda: torch.searchsorted(im.sorted_key, im.key_ids, out_int32=True,
                                                                out=im.csr_ptr))
     r["place_us"] = part_us(lambda: place_edges_kernel[(triton.cdiv(n, PLACE_BLOCK),)](
         im.sorted_key, im.perm, im.csr_ptr, im.tile_ptr, im.csr_query, im.combine_index, n, im.num_keys,

@@ -80,7 +80,7 @@ class CSRBuilder:
         self.keys = torch.empty(n_edges, dtype=keys, device=dev)
         self.sorted_key = torch.empty(n_edges, dtype=keys, device=dev)
         self.perm = torch.empty(n_edges, dtype=torch.int64, device=dev)
-        self._key_ids = torch.arange(self.num_keys + 1, dtype=keys, device=dev)
+        self.key_ids = torch.arange(self.num_keys + 1, dtype=keys, device=dev)     # searchsorted's targets
 
     @property
     def num_tiles_max(self) -> int:
@@ -94,7 +94,7 @@ class CSRBuilder:
             edge_keys_kernel[(triton.cdiv(n_edges, PLACE_BLOCK),)](
                 self.pages, self.keys, n_edges, self.n_tokens * self.topk, self.num_pages, BLOCK=PLACE_BLOCK)
         torch.sort(self.keys, stable=True, out=(self.sorted_key, self.perm))
-        torch.searchsorted(self.sorted_key, self._key_ids, out_int32=True, out=self.csr_ptr)
+        torch.searchsorted(self.sorted_key, self.key_ids, out_int32=True, out=self.csr_ptr)
         counts = self.csr_ptr[1:] - self.csr_ptr[:-1]
         tiles = torch.div(counts + (self.tile_q - 1), self.tile_q, rounding_mode="floor")
         self.tile_ptr[:1].zero_()
