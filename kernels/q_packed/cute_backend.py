@@ -64,6 +64,16 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def wide_tiles_fit(w: Workload) -> bool:
+    """The wide rule's conditions on the workload's shape (manifest, where each was measured): no request
+    of one token (a decode token's tile) and at least WIDE_MIN_TILES_PER_SM 12-token tiles an SM."""
+    from .schedule import token_tiles
+    if bool((torch.bincount(w.q_request) == 1).any()):
+        return False
+    tok0, _ = token_tiles(w.q_request, w.q_limit, WIDE_TOKENS, w.causal)
+    return tok0.numel() * w.shape.hkv >= WIDE_MIN_TILES_PER_SM * sm_count(w.device)
+
+
 def pairs_path(w: Workload, one_token: bool | None = None) -> bool:
     """Whether a decode plan of `w` runs the pairs library: two tokens per tile, one per consumer warpgroup,
     where the one-token tiles are more than the SMs. With fewer, pairs would leave SMs idle, and one SM's
@@ -183,11 +193,9 @@ class QPackedCuteBackend(Backend):
         from .schedule import PackedSchedule
         forced = self.wide_forced
         if not forced and (self.flags is not None or self.tile_size is not None or w.dtype not in WIDE_TILE_TOKENS
-                           or not selected or bool((torch.bincount(w.q_request) == 1).any())):
+                           or not selected or not wide_tiles_fit(w)):
             return None
         wide = PackedSchedule(w, WIDE_TILE_TOKENS[w.dtype])
-        if not forced and wide.num_tiles < WIDE_MIN_TILES_PER_SM * sm_count(w.device):
-            return None
         wide()
         ratio = self.walked_ratio(w, wide, selected)
         loads = int(wide.tile_count.sum()) <= int(schedule.tile_count.sum())

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
-from ..cute.manifest import WIDE_MIN_TILES_PER_SM, WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
+from ..cute.manifest import WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
 from ..kv_outer.combine import Combine
 from ..options import Choice, Number
 from ..triton_common import partial_dtype, triton_dtype_reason
@@ -36,7 +36,7 @@ from ...scenarios.stats import decode_tokens
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 from .attention import PackedAttention, packed_quantization
-from .schedule import PackedSchedule, token_tiles
+from .schedule import PackedSchedule
 
 KV_STAGES = {"triton": "kv-outer", "cute": "kv-outer-cute"}
 # The default wide tile with the epilogue merge (docs/perf-log.md, 2026-12-04): fp8 only (drift p 0.07-0.3:
@@ -85,28 +85,23 @@ class HybridBackend(Backend):
 
     def wide_fits(self, w: Workload, profile=None) -> bool:
         """Whether the wide tile with the epilogue merge may run `w` by default: in WIDE_FUSED_DTYPES, where
-        q-packed-cute's wide rule lets a tile hold 12 tokens (no request of one token, at least
-        WIDE_MIN_TILES_PER_SM tiles an SM), the epilogue can read a token's partials, the 12-token tiles
+        q-packed-cute's wide rule lets a tile hold 12 tokens (`wide_tiles_fit`), the epilogue can read a token's partials, the 12-token tiles
         (each tile size at its own threshold) load at most WIDE_MAX_LOADS times the union blocks the
         8-token tiles load, and they pack at least WIDE_MIN_PACKED of the entries."""
         if w.dtype not in WIDE_FUSED_DTYPES or w.shape.topk > FUSED_MAX_TOPK or w.n_tokens == 0:
             return False
-        if get_backend("q-packed-cute").workload_unavailable_reason(w) is not None:
+        from .cute_backend import wide_tiles_fit
+        if get_backend("q-packed-cute").workload_unavailable_reason(w) is not None or not wide_tiles_fit(w):
             return False
-        if bool((torch.bincount(w.q_request) == 1).any()):
-            return False
-        from .cute_backend import sm_count
-        tok0, _ = token_tiles(w.q_request, w.q_limit, WIDE_TOKENS, w.causal)
-        if tok0.numel() * w.shape.hkv < WIDE_MIN_TILES_PER_SM * sm_count(w.device):
-            return False
-        kv, loads = self.kv_backend(w.dtype, w.device, w), {}
+        kv, schedules = self.kv_backend(w.dtype, w.device, w), {}
         for tokens in (8, WIDE_TOKENS):
             share, _ = self.threshold(w, kv, "q-packed-cute", tokens, profile)
-            sch = PackedSchedule(w, tokens, min_share=share, residual=True)
-            sch()
-            loads[tokens] = int(sch.tile_count.sum())
+            schedules[tokens] = PackedSchedule(w, tokens, min_share=share, residual=True)
+            schedules[tokens]()
+        loads = {tokens: int(sch.tile_count.sum()) for tokens, sch in schedules.items()}
         selected = float((w.selection >= 0).sum())
-        packed = 1.0 - float((sch.residual_pages >= 0).sum()) / selected if selected else 0.0
+        residual = float((schedules[WIDE_TOKENS].residual_pages >= 0).sum())
+        packed = 1.0 - residual / selected if selected else 0.0
         return 0 < loads[WIDE_TOKENS] <= WIDE_MAX_LOADS * loads[8] and packed >= WIDE_MIN_PACKED
 
     def stages_for(self, w: Workload) -> tuple[str, ...]:
