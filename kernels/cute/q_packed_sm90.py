@@ -105,7 +105,7 @@ THREE_WG_KV_STAGES = {"bf16": 2, "fp8": 4}
 # within 0.7 % on 12 prefill, drift and decode points (the turns order the warpgroups), and every fp8 pairs
 # point of the decode scenario ran 0.5-3.3 % slower with it
 TURNS_KV_STAGES = 4
-PINGPONG_BARRIER = 1         # named barriers 1 .. consumer_wgs: consumer warpgroup c waits on 1 + c for its turn
+PINGPONG_BARRIER = 1         # named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn
 LN2 = math.log(2.0)
 
 
@@ -160,8 +160,9 @@ class QPackedSm90:
                              f"per consumer warp), got P {tile_tokens}, G {group}, D {head_dim}, block {block}")
         # a consumer warpgroup per 4 tokens (64 rows): the union's halves for two, its thirds for three
         self.consumer_wgs = tile_tokens // 4
-        if self.consumer_wgs == 3 and pairs:
-            raise ValueError("QPackedSm90: 12-token tiles (three consumer warpgroups) run without pairs")
+        if self.consumer_wgs == 3 and (pingpong or pairs):
+            raise ValueError("QPackedSm90: 12-token tiles (three consumer warpgroups) run without pingpong (two "
+                             "warpgroups' turns) or pairs")
         # bf16's 12-token Q stage (48 KiB) leaves no room for O staging beside two K/V stages: each warp stages
         # its token's O in its own Q rows, which no S reads after the tile's last block
         self.o_in_q = self.consumer_wgs == 3 and dtype == "bf16"
@@ -185,8 +186,8 @@ class QPackedSm90:
         self.residual = residual
         self.q_stages = Q_STAGES
         turns = pingpong or pairs
-        self.kv_stages = kv_stages or (THREE_WG_KV_STAGES[dtype] if self.consumer_wgs == 3 else
-                                       min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else KV_STAGES[dtype])
+        self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else
+                                       THREE_WG_KV_STAGES[dtype] if self.consumer_wgs == 3 else KV_STAGES[dtype])
         self.kv_tx_bytes = 2 * block * head_dim * self.dtype.width // 8     # K box + V box
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
@@ -574,8 +575,8 @@ class QPackedSm90:
             v["tOcO"] = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((ROWS, D))))
 
         if const_expr(self.pingpong):
-            if cwg == self.consumer_wgs - 1:
-                self._turn_end(cwg)            # consumer warpgroup 0 takes the first turn
+            if cwg == 1:
+                self._turn_end(1)              # consumer warpgroup 0 takes the first turn
         cta, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         q_idx = Int32(0)
@@ -637,20 +638,19 @@ class QPackedSm90:
             q_idx, q_phase = advance(q_idx, q_phase, self.q_stages)
         if const_expr(self.pingpong):
             if cwg == 0:
-                self._turn_begin(0)            # takes the last warpgroup's last arrival: every barrier ends idle
+                self._turn_begin(0)            # takes warpgroup 1's last arrival: both barriers end idle
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)          # O stores complete before the CTA exits
 
     def _turn_begin(self, cwg):
-        """pingpong: wait until the previous consumer warpgroup has issued its MMAs (no-op otherwise)."""
+        """pingpong: wait until the other consumer warpgroup has issued its MMAs (no-op otherwise)."""
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=PINGPONG_BARRIER + cwg, number_of_threads=2 * self.wg_threads)
 
     def _turn_end(self, cwg):
-        """pingpong: hand the turn to the next consumer warpgroup, in a ring (no-op otherwise)."""
+        """pingpong: hand the turn to the other consumer warpgroup (no-op otherwise)."""
         if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + (cwg + 1) % self.consumer_wgs,
-                                     number_of_threads=2 * self.wg_threads)
+            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - cwg, number_of_threads=2 * self.wg_threads)
 
     @cute.jit
     def _pass(self, kv_full: cute.Pointer, kv_empty: cute.Pointer, kv_idx: Int32, kv_phase: Int32, n: Int32,
