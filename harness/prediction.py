@@ -141,14 +141,16 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
     executed = union_ratio_for(stats, mma) if mma else None
     recorded = _info(plan_info).get("executed_union_ratio")
     if union is None and schedule == Schedule.Q_PACKED:
-        # a tile size the statistics do not hold (scenarios.stats.UNION_TILES): q-packed-cute's 12-token tiles.
-        # Their rule takes them only where the 8-token plan ran slower (measured in A/B, held out on bf16),
-        # and the achieved fraction is the 8-token tile's, so the plan is predicted as the 8-token plan it
-        # replaced, as `auto` predicts it live; without those statistics, a plan whose warpgroups each walk
-        # the whole union (mma_tokens the tile: units before 2026-12-04) at the ratio it measured itself
+        # a tile size the statistics do not hold (scenarios.stats.UNION_TILES): q-packed-cute's 12-token tiles,
+        # predicted as `auto` predicts them live (QPackedCuteBackend.roofline): the traffic of the 8-token tiles,
+        # which their rule lets them load no more than, and the MMAs of the entries their warpgroups walked
+        # (recorded; where a plan's warpgroups skip, mma_tokens below the tile); without the 8-token
+        # statistics, a plan whose warpgroups each walk the whole union (mma_tokens the tile: units before
+        # 2026-12-04) at the ratio it measured itself
         p8, half = union_ratio_for(stats, DEFAULT_TILE_TOKENS), union_ratio_for(stats, DEFAULT_TILE_TOKENS // 2)
         if p8 is not None and half is not None:
-            tile, union, executed = DEFAULT_TILE_TOKENS, p8, half
+            skips = mma is not None and mma < tile and _usable(recorded)
+            tile, union, executed = DEFAULT_TILE_TOKENS, p8, float(recorded) if skips else half
         elif mma == tile and _usable(recorded):
             union = executed = float(recorded)
     return predict_point(schedule, shape, get("n_tokens") or float("nan"), get("nsb"), device,

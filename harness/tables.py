@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile, achieved
-from ..kernels.base import get_backend, model_dtype
+from ..kernels.base import get_backend, model_dtype, registered_names
 from ..roofline.model import crossover, crossover_at, decode_work_share, fixed_cost, is_decode, module_time
 from ..roofline.schedules import Schedule
 from ..roofline.shape import AttnShape
@@ -236,11 +236,18 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     parts = _model_parts(row, device)
     if parts is None:
         return float("nan")
-    _, pred, stages, blocks = parts
+    backend, pred, stages, blocks = parts
     decode = row_decode_share(row, pred)
     dtype = model_dtype(row["dtype"])
-    return module_time(device, row["backend"], dtype, pred.time_s / achieved(device, row["backend"], dtype, decode),
-                       stages, blocks)[0]
+    fraction = achieved(device, fraction_name(backend, row), dtype, decode)
+    return module_time(device, row["backend"], dtype, pred.time_s / fraction, stages, blocks)[0]
+
+
+def fraction_name(backend, row) -> str:
+    """The name a unit's achieved fraction is kept under: its backend's for the plan it recorded
+    (Backend.fraction_name), with the row's own option where it named one."""
+    name = backend.fraction_name(_info(row.get("plan_info")))
+    return row["backend"] if name == backend.name and "@" in str(row["backend"]) else name
 
 
 def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
@@ -258,7 +265,8 @@ def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
         dtype = model_dtype(r["dtype"])
         fixed = fixed_cost(device, r["backend"], parts[2], dtype)[0]
         if r["module.median_s"] > fixed:
-            rows.append({"backend": r["backend"], "dtype": dtype, "f": parts[1].time_s / (r["module.median_s"] - fixed)})
+            rows.append({"backend": fraction_name(parts[0], r), "dtype": dtype,
+                         "f": parts[1].time_s / (r["module.median_s"] - fixed)})
     if not rows:
         return pd.DataFrame(columns=["backend", "dtype", "units", "achieved", "min", "max"])
     f = pd.DataFrame(rows).groupby(["backend", "dtype"])["f"]
@@ -281,7 +289,10 @@ def _replayed_hybrid(record: dict, device: DeviceProfile, dtype: str, row) -> fl
             decode = hybrid.get(f"{part}_decode_share", row_decode_share(row))
             ran = float(hybrid.get(f"{part}_achieved") or (used.get(kernel) or {}).get("achieved")
                         or achieved(device, kernel, dtype, decode))
-            total += float(hybrid[f"{part}_s"]) * ran / achieved(device, kernel, dtype, decode)
+            name = kernel
+            if part == "packed" and kernel in registered_names():       # its tile size's fraction
+                name = get_backend(kernel).fraction_name({"tile_tokens": hybrid.get("tile_tokens")})
+            total += float(hybrid[f"{part}_s"]) * ran / achieved(device, name, dtype, decode)
     return total + fixed_cost(device, "hybrid", ("schedule", "attention", "combine"), dtype)[0]
 
 

@@ -106,21 +106,29 @@ class Backend:
         """The backends whose achieved fractions this backend's prediction divides by."""
         return (self.name,)
 
-    def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
+    def fraction_name(self, info: dict) -> str:
+        """The name the achieved fraction of a plan that recorded `info` (its plan.info) is kept under
+        (roofline.devices.achieved): this backend's, unless a plan runs a kernel measured on its own."""
+        return self.name
+
+    def roofline(self, w: Workload, inputs: ModelInputs, profile, executed: float | None = None,
+                 fraction: str | None = None) -> tuple[float, dict]:
         """(seconds, what the prediction used): the roofline time of this backend's schedule on `w` over
         the fraction of it the backend reaches on this device (on decode work, the decode one). Fixed costs
-        are not in it."""
+        are not in it. `executed` (the executed union ratio its plan walks) and `fraction` (the name its
+        fraction is kept under) where the plan knows better than the workload's statistics."""
         from ..roofline.devices import achieved
         from ..roofline.model import predict, union_tokens
         # a packed tile runs P x G rows per union block however few tokens it holds (decode: one); Q-outer's
         # re-reads hit the L2 inside its window of tokens
         tile = union_tokens(self.schedule, self.tile_tokens)
         union = inputs.union_ratio(tile, padded=True) if tile else None
-        executed = inputs.union_ratio(self.mma_tokens, padded=True) if union and self.mma_tokens else None
+        if executed is None:
+            executed = inputs.union_ratio(self.mma_tokens, padded=True) if union and self.mma_tokens else None
         p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
                     inputs.flops, union_ratio=union, tile_tokens=tile or self.tile_tokens,
                     executed_union_ratio=executed, shared_nsb=inputs.nsb_shared)
-        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p))
+        frac = achieved(profile, fraction or self.name, model_dtype(w.dtype), inputs.decode_for(p))
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         if union is not None:
             used["union_ratio"] = union

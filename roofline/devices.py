@@ -107,9 +107,12 @@ def achieved(profile: DeviceProfile, backend: str, dtype: str, decode: float = 0
     the fraction calibrated on decode batches, where there is one: the `achieved` table was measured on
     prefill (co-selection), and a kernel's efficiency there says little about a request of one token
     (KV-outer: one query per block pair; FlashInfer: no re-reads for the L2 term to over-count). A step
-    that mixes both runs each share at its own rate: the harmonic blend, share / decode + rest / prefill."""
+    that mixes both runs each share at its own rate: the harmonic blend, share / decode + rest / prefill.
+    BASE@OPTION takes its own prefill fraction where the profile holds one (a kernel of its own, such as
+    q-packed-cute's 12-token tile, `q-packed-cute@p12`), else BASE's."""
+    table = profile.achieved or {}
     key = f"{backend.partition('@')[0]}/{dtype}"
-    prefill = float((profile.achieved or {}).get(key, 1.0))
+    prefill = float(table.get(f"{backend}/{dtype}", table.get(key, 1.0)))
     share = min(max(float(decode), 0.0), 1.0)
     dec = ((profile.fixed_costs or {}).get("decode_achieved") or {}).get(key)
     if share == 0.0 or dec is None:

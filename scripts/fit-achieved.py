@@ -2,9 +2,10 @@
 
 Per backend and dtype, the median over the run's prefill units of today's roofline / (measured module time
 less the profile's fixed costs of the stages the unit ran) (harness.tables.fit_achieved; units the model
-does not predict left out). The H200's are fitted on results/h200/co-selection, after its fixed costs were
-measured (`msa-bench calibrate --fixed-costs-only`); every other run is out of sample
-(scripts/auto-validation.py).
+does not predict left out; a q-packed-cute unit of 12-token tiles counts as `q-packed-cute@p12`, the wide
+kernel's own fraction). The H200's are fitted on results/h200/co-selection, after its fixed costs were
+measured (`msa-bench calibrate --fixed-costs-only`), the wide kernel's on results/h200/real-prefill (`--backend
+q-packed-cute@p12`: co-selection runs none); every other run is out of sample (scripts/auto-validation.py).
 
     python scripts/fit-achieved.py results/h200/co-selection [--device h200] [--write]
 """
@@ -57,14 +58,12 @@ def main(argv=None) -> int:
         path = PACKAGE_ROOT / CALIBRATION_FILES[args.device]
         data = json.loads(path.read_text())
         fitted = {f"{r.backend}/{r.dtype}": round(float(r.achieved), 4) for r in table.itertuples()}
-        # the commits that measured the fitted units: the run's, or the last update that re-ran the backend;
-        # a whole-run fit names the run's and every update's that re-ran a fitted backend
+        # the commits that may have measured the fitted units: the run's and every update's that re-ran a
+        # fitted backend (BASE@OPTION: BASE's units; an update's record does not say which units it replaced)
         commits = [(run.meta.get("provenance") or {}).get("git_commit") or "?"]
+        bases = {b.partition("@")[0] for b in table["backend"]}
         for update in run.meta.get("updated_from") or []:
-            ran = set(update.get("backends") or [])
-            if args.backend and args.backend in ran:
-                commits = [update.get("commit") or commits[0]]
-            elif not args.backend and ran & set(table["backend"]):
+            if set(update.get("backends") or []) & bases:
                 commits.append(update.get("commit") or "?")
         commit = ", ".join(dict.fromkeys(c[:7] for c in commits))
         source = (f"scripts/fit-achieved.py {args.run.rstrip('/')}{f' --backend {args.backend}' if args.backend else ''}"
@@ -75,8 +74,14 @@ def main(argv=None) -> int:
             others = [s for s in str(data.get("achieved_source", "")).split("; ") if s and _fitted(s) != args.backend]
             data["achieved_source"] = "; ".join([*others, source])
         else:
-            data["achieved"] = fitted
-            data["achieved_source"] = source
+            # a whole-run fit keeps what `--backend` fits of backends this run does not hold wrote (dense-masked's
+            # on sparsity, the 12-token tile's on real prefill)
+            others = [s for s in str(data.get("achieved_source", "")).split("; ")
+                      if s and _fitted(s) and _fitted(s) not in set(table["backend"])]
+            kept = {_fitted(s) for s in others}
+            data["achieved"] = {**{k: v for k, v in (data.get("achieved") or {}).items() if k.split("/")[0] in kept},
+                                **fitted}
+            data["achieved_source"] = "; ".join([*others, source])
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(data['achieved'])} achieved fractions into {path}")
     return 0

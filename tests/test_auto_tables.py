@@ -108,3 +108,43 @@ def test_the_replayed_hybrid_divides_each_part_by_todays_fraction():
                                                     "kv-outer-cute": {"achieved": 0.5}}}
     step = 1 / (0.5 / 0.4 + 0.5 / 0.8)                                     # achieved()'s blend at share 0.5
     assert tables._replayed_hybrid(old, dev, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / step + 1e-5)
+    # a packed part of 12-token tiles: the wide kernel's own fraction
+    wide = replace(dev, achieved={**dev.achieved, "q-packed-cute@p12/bf16": 0.8})
+    twelve = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": {**hybrid, "tile_tokens": 12}}}
+    assert tables._replayed_hybrid(twelve, wide, "bf16", row) == pytest.approx(1e-3 / 0.8 + 2e-3 * 0.5 / 0.4 + 1e-5)
+    assert tables._replayed_hybrid(record, wide, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / 0.4 + 1e-5)
+
+
+def test_an_option_with_its_own_fraction_takes_it_and_others_their_backends():
+    from dataclasses import replace
+    from msa_bench.roofline.devices import achieved
+    dev = replace(H200, achieved={"q-packed-cute/fp8": 0.5, "q-packed-cute@p12/fp8": 0.6},
+                  fixed_costs={"decode_achieved": {"q-packed-cute/fp8": 0.9}})
+    assert achieved(dev, "q-packed-cute@p12", "fp8") == 0.6
+    assert achieved(dev, "q-packed-cute@pp+sa", "fp8") == achieved(dev, "q-packed-cute", "fp8") == 0.5
+    assert achieved(dev, "q-packed-cute@p12", "fp8", decode=1.0) == 0.9          # decode: the backend's
+    assert achieved(dev, "q-packed-cute@p12", "bf16") == 1.0                      # nothing measured
+
+
+def test_the_wide_tiles_units_fit_and_replay_under_their_own_fraction():
+    """Real prefill's q-packed-cute units of 12-token tiles are the wide kernel's (`q-packed-cute@p12`), fitted
+    there and committed as fitted; its 8-token units stay q-packed-cute's."""
+    from dataclasses import replace
+    from msa_bench.harness.prediction import _info
+    from msa_bench.kernels.base import get_backend
+    run = load_run(RESULTS / "real-prefill")
+    fit = tables.fit_achieved(run, replace(H200, achieved={})).set_index(["backend", "dtype"])
+    t = tables.ok_units(run)
+    t = t[t["backend"] == "q-packed-cute"]
+    wide = [_info(p).get("tile_tokens") == 12 for p in t["plan_info"]]
+    for dtype in ("bf16", "fp8"):
+        assert fit.loc[("q-packed-cute@p12", dtype), "units"] == sum(w for w, d in zip(wide, t["dtype"]) if d == dtype) > 0
+        assert fit.loc[("q-packed-cute", dtype), "units"] == sum(not w for w, d in zip(wide, t["dtype"]) if d == dtype)
+        assert H200.achieved[f"q-packed-cute@p12/{dtype}"] == pytest.approx(fit.loc[("q-packed-cute@p12", dtype), "achieved"],
+                                                                            abs=1e-4)
+    row = t[wide].iloc[0]
+    cute = get_backend("q-packed-cute")
+    assert tables.fraction_name(cute, row) == "q-packed-cute@p12"
+    slow = replace(H200, achieved={**H200.achieved, f"q-packed-cute@p12/{row['dtype']}": 0.01})
+    assert tables.predicted_module_s(row, slow) > 10 * tables.predicted_module_s(row, H200)
+    assert tables.fraction_name(cute, {**row, "backend": "q-packed-cute@pp", "plan_info": "{}"}) == "q-packed-cute@pp"

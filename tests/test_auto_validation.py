@@ -47,7 +47,8 @@ def test_a_damaged_device_profile_is_refused_in_one_line(tmp_path, capsys):
 
 def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(tmp_path, monkeypatch, capsys):
     """scripts/fit-achieved.py --backend: the other backends' fractions and sources stay (q-packed's fit
-    leaves q-packed-cute's), and the source names the commit that measured the fitted units."""
+    leaves q-packed-cute's), and the source names the run's commit and every update's that re-ran the
+    backend."""
     import json
     import shutil
     from msa_bench.roofline.devices import CALIBRATION_FILES
@@ -75,5 +76,14 @@ def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(t
     sources = after["achieved_source"].split("; ")
     fitted = [s for s in sources if mod._fitted(s) == "q-packed"]
     assert len(fitted) == 1 and fitted[0].endswith(f"--backend q-packed (commit {measured})")
-    assert [s for s in sources if mod._fitted(s) == "q-packed-cute"][0].endswith("(commit abcdef0)")
+    assert [s for s in sources if mod._fitted(s) == "q-packed-cute"][0].endswith(f"(commits {measured}, abcdef0)")
+    capsys.readouterr()
+    # a whole-run fit replaces what the run holds and keeps the `--backend` fits of backends it lacks
+    assert mod.main([run, "--write"]) == 0
+    whole = json.loads(profile.read_text())
+    lacked = {k: v for k, v in before["achieved"].items() if k.split("/")[0] in ("dense-masked", "q-packed-cute@p12")}
+    assert len(lacked) == 4 and lacked.items() <= whole["achieved"].items()
+    sources = whole["achieved_source"].split("; ")
+    assert sorted(mod._fitted(s) for s in sources if mod._fitted(s)) == ["dense-masked", "q-packed-cute@p12"]
+    assert sources[-1].startswith(f"scripts/fit-achieved.py {run} (commits {measured}, abcdef0)")
     capsys.readouterr()

@@ -175,3 +175,22 @@ def test_options_agree_with_each_other(dtype):
             outs.append((plan.output.float().clone(), plan.lse.clone()))
         for option, (out, lse) in zip(SAME_MMAS[1:], outs[1:]):
             assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1]), (case, option)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_model_predicts_the_tiles_the_plan_runs(dtype):
+    """`auto`'s prediction of a default plan: where it runs the 12-token tiles, the entries their warpgroups
+    walk (as the plan records) over the wide kernel's own fraction; elsewhere the 8-token model."""
+    from msa_bench.kernels.base import ModelInputs
+    from msa_bench.roofline.devices import achieved, device_profile
+    _skip_unavailable("q-packed-cute", dtype)
+    backend, profile = get_backend("q-packed-cute"), device_profile("cuda")
+    for case, tokens in (("prefill-47k", 12), ("drift-causal", 8)):
+        w = workload(case, dtype)
+        plan = backend.plan(w)
+        _, used = backend.roofline(w, ModelInputs(w), profile)
+        assert plan.info["tile_tokens"] == tokens, case
+        name = "q-packed-cute@p12" if tokens == 12 else "q-packed-cute"
+        assert used["achieved"] == achieved(profile, name, dtype), case
+        if tokens == 12:
+            assert used["executed_union_ratio"] == pytest.approx(plan.info["executed_union_ratio"])

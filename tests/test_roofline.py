@@ -209,12 +209,13 @@ def test_q_outer_rereads_inside_its_window_hit_the_l2():
     assert alike["kv_l2_miss_reread"] < none["kv_l2_miss_reread"] / 10
 
 
-def test_a_wide_packed_plan_is_predicted_as_the_8_token_plan_or_at_the_union_it_recorded():
+def test_a_wide_packed_plan_is_predicted_at_the_8_token_traffic_and_the_entries_it_walked():
     """A q-packed plan of a tile size the workload statistics do not hold (q-packed-cute's 12-token tiles)
-    is predicted as the 8-token plan where the statistics hold its ratios, whatever its warpgroups walked;
-    without them, a plan whose warpgroups each walked the whole union (mma_tokens the tile: the units
-    before 2026-12-04) at the executed union ratio it recorded, and one whose warpgroups skip (mma_tokens
-    below the tile) not at all; an 8-token plan keeps the statistics' ratios whatever its plan recorded."""
+    is predicted with the 8-token tiles' traffic where the statistics hold it, and the MMAs of the entries
+    its warpgroups walked (the executed union ratio it recorded); without those statistics, a plan whose
+    warpgroups each walked the whole union (mma_tokens the tile: the units before 2026-12-04) at the ratio
+    it recorded, and one whose warpgroups skip (mma_tokens below the tile) not at all; an 8-token plan keeps
+    the statistics' ratios whatever its plan recorded."""
     from msa_bench.harness.prediction import predict_stats
     dev, shape = load_device("h200"), ModelShape(dtype="fp8")
     n = 16384
@@ -227,7 +228,9 @@ def test_a_wide_packed_plan_is_predicted_as_the_8_token_plan_or_at_the_union_it_
                              {"tile_tokens": tile, "mma_tokens": mma, "executed_union_ratio": recorded})
 
     assert pred(12, 12, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
-    assert pred(12, 4, 1.2).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
+    walked = pred(12, 4, 1.2)
+    assert walked.executed_flops == pytest.approx(1.2 * pred(8, 4, 1.0).executed_flops)
+    assert walked.l2_bytes == pytest.approx(pred(8, 4, 1.0).l2_bytes) and walked.time_s > pred(8, 4, 1.0).time_s
     assert pred(8, 4, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
     eight = {k: v for k, v in stats.items() if not k.endswith(("_p8", "_p4"))}
     stats.clear()

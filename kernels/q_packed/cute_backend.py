@@ -234,11 +234,26 @@ class QPackedCuteBackend(Backend):
     def stages_for(self, w: Workload) -> tuple[str, ...]:
         return ("attention",) if one_token_tiles(w) else self.stage_names
 
-    def _plan(self, w: Workload) -> Plan:
+    def fraction_name(self, info: dict) -> str:
+        """The 12-token tile is its own kernel (three consumer warpgroups), measured on its own:
+        `q-packed-cute@p12`, the option that forces it."""
+        return f"{self.name}@p{WIDE_TOKENS}" if info.get("tile_tokens") == WIDE_TOKENS else self.name
+
+    def roofline(self, w: Workload, inputs, profile, executed: float | None = None,
+                 fraction: str | None = None) -> tuple[float, dict]:
+        """Where a plan of `w` runs the 12-token tiles (wide_schedule), its MMAs at the entries their
+        warpgroups walk (each its third of the union, from the schedule) over the wide kernel's own fraction;
+        their traffic stays the 8-token tiles', which the rule lets them load no more than."""
+        if executed is None and fraction is None and not one_token_tiles(w):
+            schedule, walked, _ = self._layout(w)
+            if schedule.P == WIDE_TOKENS:
+                executed, fraction = walked, self.fraction_name({"tile_tokens": schedule.P})
+        return super().roofline(w, inputs, profile, executed, fraction)
+
+    def _layout(self, w: Workload):
+        """(the schedule a plan of `w` runs, run unless every tile holds one token; the entries its
+        warpgroups walk over those selected; its library)."""
         from .schedule import PackedSchedule
-        s, dev = w.shape, w.device
-        out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
-        lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         schedule = PackedSchedule(w, TILE_TOKENS)
         # every tile one token (decode): the attention stage reads the tokens' pages itself, no schedule stage
         direct = one_token_tiles(w)
@@ -252,6 +267,14 @@ class QPackedCuteBackend(Backend):
         wide = None if direct else self.wide_schedule(w, schedule, walked, selected)
         if wide is not None:
             (schedule, walked), cfg = wide, wide_config(w.dtype)
+        return schedule, walked, cfg
+
+    def _plan(self, w: Workload) -> Plan:
+        s, dev = w.shape, w.device
+        out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
+        lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
+        direct = one_token_tiles(w)
+        schedule, walked, cfg = self._layout(w)
         attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
         info = dict(schedule=Schedule.Q_PACKED, tile_tokens=schedule.P,
                     mma_tokens=self.mma_tokens,

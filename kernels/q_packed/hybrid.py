@@ -212,7 +212,10 @@ class HybridBackend(Backend):
             p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
                         union_ratio=executed / packed, tile_tokens=P,
                         executed_union_ratio=walked / packed if walked is not None else None)
-            frac = achieved(profile, packed_kernel, dtype, share["packed"])
+            # the packed kernel's fraction at this tile size (the threshold above keeps the 8-token one, with
+            # which the drift scan measured it)
+            frac = achieved(profile, get_backend(packed_kernel).fraction_name({"tile_tokens": P}), dtype,
+                            share["packed"])
             parts["packed_s"] = p.time_s / frac
             record.update(packed_binding=p.binding, packed_achieved=frac, packed_decode_share=share["packed"])
         if residual > 0:
