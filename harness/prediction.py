@@ -125,7 +125,8 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
     """predict_point() from a workload's statistics: workload_stats() keys or a result row's wl_ columns;
     q-packed at the tile size the plan records (plan_info "tile_tokens", default 8), its MMAs at the tokens
     they cover where the plan records fewer ("mma_tokens": q-packed-cute since 2026-12-02; its earlier
-    units ran whole tiles), Q-outer at its L2 window."""
+    units ran whole tiles), or at its critical walk where it records one ("critical_union_ratio":
+    q-packed-cute since 2026-12-04), Q-outer at its L2 window."""
     def get(key):
         value = stats.get(key) if key in stats else stats.get(f"wl_{key}")
         return value if _usable(value) or value == 0 else None
@@ -153,6 +154,9 @@ def predict_stats(schedule: str, shape: ModelShape, stats, device: DeviceProfile
             tile, union, executed = DEFAULT_TILE_TOKENS, p8, float(recorded) if skips else half
         elif mma == tile and _usable(recorded):
             union = executed = float(recorded)
+    critical = _info(plan_info).get("critical_union_ratio")
+    if schedule == Schedule.Q_PACKED and union is not None and _usable(critical):
+        executed = float(critical)           # the plan's critical walk (cute_backend.critical_ratio), where recorded
     return predict_point(schedule, shape, get("n_tokens") or float("nan"), get("nsb"), device,
                          flops=get("useful_flops"), selected_per_query=get("selected_blocks_per_query"),
                          union_ratio=union, tile=tile, executed_union_ratio=executed,

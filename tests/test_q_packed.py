@@ -158,3 +158,27 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poison
     matches_reference(plan, w, tolerance(dtype))
     graph_replay_equals_eager(plan)
     assert math.isfinite(plan.output.float().abs().sum().item())
+
+
+def test_critical_walk_is_the_mean_walk_where_groups_walk_alike_and_more_where_they_drift():
+    """cute_backend.critical_ratio: each tile at its longest group walk. Tokens that select the same blocks
+    (one group of 8 sharing all) walk alike; drifting neighbours walk different blocks, so the longest walk
+    is above the mean and below the union."""
+    from msa_bench.kernels.q_packed.cute_backend import critical_ratio
+    from msa_bench.scenarios.coselection import coselected_workload
+    from msa_bench.scenarios.serving import serving_workload
+    shape = AttnShape(hq=16, hkv=1, head_dim=32, block=16, topk=4)
+    alike = coselected_workload(shape, "fp32", 64, 2048, 0.25, 1.0, 8, seed=1, device="cpu", with_tensors=False)
+    drift = serving_workload(shape, "fp32", "drift", 96, 2048, drift=0.3, seed=2, device="cpu", with_tensors=False)
+    for w, P in ((alike, 8), (drift, 8), (drift, 12)):
+        sch = PackedSchedule(w, P)
+        sch()
+        selected = float((w.selection >= 0).sum())
+        slots = torch.stack(sch.group_slots())
+        mean = float(slots.sum()) * 4 / selected
+        assert critical_ratio(sch, selected) == pytest.approx(float(slots.max(0).values.sum()) * P / selected)
+        union = float(sch.tile_count.double().sum()) * P / selected
+        if w is alike:
+            assert critical_ratio(sch, selected) == pytest.approx(mean)
+        else:
+            assert mean < critical_ratio(sch, selected) <= union

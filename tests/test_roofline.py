@@ -232,6 +232,11 @@ def test_a_wide_packed_plan_is_predicted_at_the_8_token_traffic_and_the_entries_
     assert walked.executed_flops == pytest.approx(1.2 * pred(8, 4, 1.0).executed_flops)
     assert walked.l2_bytes == pytest.approx(pred(8, 4, 1.0).l2_bytes) and walked.time_s > pred(8, 4, 1.0).time_s
     assert pred(8, 4, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
+    # a plan that records its critical walk (cute_backend.critical_ratio) runs its MMAs at it, either tile size
+    for tile in (8, 12):
+        crit = predict_stats("q-packed", shape, stats, dev, {"tile_tokens": tile, "mma_tokens": 4,
+                                                             "executed_union_ratio": 1.2, "critical_union_ratio": 1.3})
+        assert crit.executed_flops == pytest.approx(1.3 * pred(8, 4, 1.0).executed_flops)
     eight = {k: v for k, v in stats.items() if not k.endswith(("_p8", "_p4"))}
     stats.clear()
     stats.update(eight)                     # statistics without the 8-token tile's ratios

@@ -84,6 +84,16 @@ def pairs_path(w: Workload, one_token: bool | None = None) -> bool:
     return w.shape.topk <= PAIRS_MAX_TOPK and one_token and w.shape.hkv * w.n_tokens > sm_count(w.device)
 
 
+def critical_ratio(schedule, selected: float) -> float:
+    """The MMA rows a packed plan runs (the schedule has run) where each tile lasts as long as its longest
+    group walk (PackedSchedule.critical_slots), every group P / groups tokens' rows, over the `selected`
+    entries: 1 at u 1, the mean walk where a tile's groups walk as many blocks (co-selection in groups of
+    its size), above it where they walk different ones (neighbours drift). Fitted nothing: it replaced the
+    mean walk where held out on drift, indexer, sparsity and mixed steps (docs/perf-log.md, 2026-12-04)."""
+    rows = float(schedule.critical_slots().sum()) * schedule.P
+    return rows / selected if selected else 1.0
+
+
 def num_ctas(device, num_tiles: int) -> int:
     """The persistent grid: one CTA per SM (384 threads and 192-224 KiB of shared memory each), no more
     than there are tiles."""
@@ -241,13 +251,13 @@ class QPackedCuteBackend(Backend):
 
     def roofline(self, w: Workload, inputs, profile, executed: float | None = None,
                  fraction: str | None = None) -> tuple[float, dict]:
-        """Where a plan of `w` runs the 12-token tiles (wide_schedule), its MMAs at the entries their
-        warpgroups walk (each its third of the union, from the schedule) over the wide kernel's own fraction;
-        their traffic stays the 8-token tiles', which the rule lets them load no more than."""
+        """The plan's own tiles (`_layout`): its MMAs at the critical walk (critical_ratio), over the fraction
+        of its kernel (the 12-token tiles' own, wide_schedule); the traffic stays the 8-token tiles', which
+        the wide rule lets the 12-token tiles load no more than."""
         if executed is None and fraction is None and not one_token_tiles(w):
-            schedule, walked, _ = self._layout(w)
-            if schedule.P == WIDE_TOKENS:
-                executed, fraction = walked, self.fraction_name({"tile_tokens": schedule.P})
+            schedule, _, _ = self._layout(w)
+            executed = critical_ratio(schedule, float((w.selection >= 0).sum()))
+            fraction = self.fraction_name({"tile_tokens": schedule.P})
         return super().roofline(w, inputs, profile, executed, fraction)
 
     def _layout(self, w: Workload):
@@ -281,6 +291,7 @@ class QPackedCuteBackend(Backend):
                     tiles=attention.num_tiles,                  # as launched: a pair of decode tokens is one
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=walked,                # each token's warpgroup's
+                    critical_union_ratio=None if direct else critical_ratio(schedule, float((w.selection >= 0).sum())),
                     attention=attention.describe(),
                     quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major, keys permuted, copy made in plan)"
                                   if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))

@@ -246,6 +246,12 @@ class PackedSchedule:
         split = self.tile_split.view(-1, 2).double()
         return split[:, 0], count - split[:, 1]
 
+    def critical_slots(self) -> torch.Tensor:
+        """Per tile (float64), the most union slots any of its groups walks after the stage ran: where the
+        groups walk different blocks, the tile lasts as long as its longest walk (docs/perf-log.md,
+        2026-12-04)."""
+        return torch.stack(self.group_slots()).max(0).values
+
     def __call__(self) -> None:
         if self.num_tiles == 0:
             return
