@@ -1,9 +1,11 @@
 """Shared test helpers, and the hypothesis profiles: `ci` (the default: a few hundred examples per
 property) and `slow` (2,000 and more). Pick one with HYPOTHESIS_PROFILE=slow or --hypothesis-profile=slow."""
 import contextlib
+import importlib.util
 import io
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -11,6 +13,21 @@ from hypothesis import settings
 settings.register_profile("ci", max_examples=300, deadline=None)
 settings.register_profile("slow", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load_script(name: str):
+    """scripts/NAME.py as a module (its main() to call in-process)."""
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def load_script():
+    return _load_script
 
 
 def _run_cli(*args, env=None):

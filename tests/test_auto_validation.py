@@ -1,5 +1,4 @@
 """scripts/auto-validation.py: one line per run, the calibrated profile's replay, bad input refused."""
-import importlib.util
 import re
 from pathlib import Path
 
@@ -7,15 +6,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = [str(ROOT / "results" / "h200" / name) for name in ("decode", "co-selection")]
 
 
-def script():
-    spec = importlib.util.spec_from_file_location("auto_validation", ROOT / "scripts" / "auto-validation.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-def test_one_line_per_run_with_the_shares_it_measured(capsys):
-    assert script().main(RUNS) == 0
+def test_one_line_per_run_with_the_shares_it_measured(capsys, load_script):
+    assert load_script("auto-validation").main(RUNS) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["run", "pts", "auto<=5%"] and len(lines) == 4
     decode, cosel = lines[1].split(), lines[2].split()
@@ -31,30 +25,29 @@ def test_one_line_per_run_with_the_shares_it_measured(capsys):
         assert float(cols[3]) >= 1 and float(cols[6]) >= 1
 
 
-def test_a_missing_run_is_refused_in_one_line(tmp_path, capsys):
-    assert script().main([str(tmp_path / "nothing")]) == 2
+def test_a_missing_run_is_refused_in_one_line(tmp_path, capsys, load_script):
+    assert load_script("auto-validation").main([str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing" in err[0]
 
 
-def test_a_damaged_device_profile_is_refused_in_one_line(tmp_path, capsys):
+def test_a_damaged_device_profile_is_refused_in_one_line(tmp_path, capsys, load_script):
     bad = tmp_path / "profile.json"
     bad.write_text("{}")
-    assert script().main([*RUNS, "--device", str(bad)]) == 2
+    assert load_script("auto-validation").main([*RUNS, "--device", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "profile.json" in err[0]
 
 
-def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(tmp_path, monkeypatch, capsys):
+def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(tmp_path, monkeypatch, capsys,
+                                                                               load_script):
     """scripts/fit-achieved.py --backend: the other backends' fractions and sources stay (q-packed's fit
     leaves q-packed-cute's), and the source names the run's commit and every update's that re-ran the
     backend."""
     import json
     import shutil
     from msa_bench.roofline.devices import CALIBRATION_FILES
-    spec = importlib.util.spec_from_file_location("fit_achieved", ROOT / "scripts" / "fit-achieved.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("fit-achieved")
     profile = tmp_path / CALIBRATION_FILES["h200"]
     profile.parent.mkdir(parents=True)
     shutil.copy(ROOT / CALIBRATION_FILES["h200"], profile)

@@ -1,6 +1,5 @@
 """scripts/gate-power.py on synthetic protocol runs with known medians: false regressions among clean
 backends, catches of planted `X@delayP` units judged as `X`, per clock mode."""
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +8,6 @@ import pytest
 from msa_bench.harness.gate_power import gate_power, planted
 from msa_bench.harness.results import load_run
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gate-power.py"
 RNG = np.random.default_rng(1)
 
 
@@ -44,11 +42,9 @@ def test_gate_power_counts(tmp_path, fake_run):
     assert result.caught == {5.0: [2, 2], 10.0: [2, 2]}
 
 
-def test_script_writes_one_table_per_mode(tmp_path, fake_run):
+def test_script_writes_one_table_per_mode(tmp_path, fake_run, load_script):
     root = protocol_runs(tmp_path / "out", fake_run)
-    spec = importlib.util.spec_from_file_location("gate_power_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("gate-power")
     assert mod.main([str(root), "--baseline-runs", "3"]) == 0
     text = (root / "gate-power.md").read_text()
     for mode in ("raw", "normalize", "floor"):
@@ -57,10 +53,8 @@ def test_script_writes_one_table_per_mode(tmp_path, fake_run):
     assert mod.main([str(root), "--baseline-runs", "5"]) == 2        # nothing left to judge
 
 
-def test_script_refuses_an_empty_folder(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("gate_power_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_script_refuses_an_empty_folder(tmp_path, capsys, load_script):
+    mod = load_script("gate-power")
     assert mod.main([str(tmp_path), "--baseline-runs", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: no run-* folders")
 

@@ -1,20 +1,12 @@
 """scripts/qpacked-ab.py's variant grammar: constructor flags joined by '+', each a library of its own."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from msa_bench.kernels.cute.manifest import QPackedConfig
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "qpacked-ab.py"
 
-
-@pytest.fixture(scope="module")
-def ab():
-    spec = importlib.util.spec_from_file_location("qpacked_ab", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def ab(load_script):
+    return load_script("qpacked-ab")
 
 
 def test_variants_name_the_kernels_flags(ab):
