@@ -85,11 +85,11 @@ def pairs_path(w: Workload, one_token: bool | None = None) -> bool:
 
 
 def critical_ratio(schedule, selected: float) -> float:
-    """The MMA rows a packed plan runs (the schedule has run) where each tile lasts as long as its longest
-    group walk (PackedSchedule.critical_slots), every group P / groups tokens' rows, over the `selected`
+    """The executed union ratio of a packed plan (its schedule has run) where each tile lasts as long as its
+    longest group walk (PackedSchedule.critical_slots), at P rows a union slot, over the `selected`
     entries: 1 at u 1, the mean walk where a tile's groups walk as many blocks (co-selection in groups of
-    its size), above it where they walk different ones (neighbours drift). Fitted nothing: it replaced the
-    mean walk where held out on drift, indexer, sparsity and mixed steps (docs/perf-log.md, 2026-12-04)."""
+    its size), above it where they walk different ones (neighbours drift). Nothing fitted: it replaced the
+    mean walk, held out on drift, indexer, sparsity and mixed steps (docs/perf-log.md, 2026-12-04)."""
     rows = float(schedule.critical_slots().sum()) * schedule.P
     return rows / selected if selected else 1.0
 
@@ -285,13 +285,14 @@ class QPackedCuteBackend(Backend):
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         direct = one_token_tiles(w)
         schedule, walked, cfg = self._layout(w)
+        selected = float((w.selection >= 0).sum())
         attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
         info = dict(schedule=Schedule.Q_PACKED, tile_tokens=schedule.P,
                     mma_tokens=self.mma_tokens,
                     tiles=attention.num_tiles,                  # as launched: a pair of decode tokens is one
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=walked,                # each token's warpgroup's
-                    critical_union_ratio=None if direct else critical_ratio(schedule, float((w.selection >= 0).sum())),
+                    critical_union_ratio=None if direct else critical_ratio(schedule, selected),
                     attention=attention.describe(),
                     quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major, keys permuted, copy made in plan)"
                                   if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))

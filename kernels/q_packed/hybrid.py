@@ -193,9 +193,9 @@ class HybridBackend(Backend):
         residual = float((res >= 0).sum())
         packed = selected - residual
         executed = float(sch.tile_count.double().sum()) * P     # P x G rows per union block
-        half = get_backend(packed_kernel).mma_tokens
-        # traffic: the tiles' unions; MMAs: each tile's longest group walk, P tokens' rows (critical_ratio)
-        critical = float(sch.critical_slots().sum()) * P if half else None
+        from .cute_backend import critical_ratio
+        # traffic: the tiles' unions; MMAs: each tile's longest group walk where its groups skip (mma_tokens)
+        critical = critical_ratio(sch, packed) if get_backend(packed_kernel).mma_tokens else None
         head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
         # each part's decode share (achieved()): its entries that decode tokens hold; a decode token alone in
         # its tile packs nothing, so a chunked-prefill step's decode tokens are mostly the residual's
@@ -211,7 +211,7 @@ class HybridBackend(Backend):
             shape = ModelShape.of(s, dtype=w.dtype)
             p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
                         union_ratio=executed / packed, tile_tokens=P,
-                        executed_union_ratio=critical / packed if critical is not None else None)
+                        executed_union_ratio=critical)
             # the packed kernel's fraction at this tile size (the threshold above keeps the 8-token one, with
             # which the drift scan measured it)
             frac = achieved(profile, get_backend(packed_kernel).fraction_name({"tile_tokens": P}), dtype,
