@@ -78,9 +78,9 @@ def main(argv=None) -> int:
             # on sparsity, the 12-token tile's on real prefill)
             others = [s for s in str(data.get("achieved_source", "")).split("; ")
                       if s and _fitted(s) and _fitted(s) not in set(table["backend"])]
-            kept = {_fitted(s) for s in others}
-            data["achieved"] = {**{k: v for k, v in (data.get("achieved") or {}).items() if k.split("/")[0] in kept},
-                                **fitted}
+            lacked = {_fitted(s) for s in others}
+            held = data.get("achieved") or {}
+            data["achieved"] = {**{k: v for k, v in held.items() if k.split("/")[0] in lacked}, **fitted}
             data["achieved_source"] = "; ".join([*others, source])
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(data['achieved'])} achieved fractions into {path}")

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
                 if w.n_tokens == 0 or one_token_tiles(w):
                     continue
                 selected = float((w.selection >= 0).sum())
-                plan, _, _ = cute._layout(w)
+                plan, _, _, _ = cute.layout(w)
                 row = dict(scenario=name, key=p.key(), dtype=p.dtype, plan_tokens=plan.P)
                 for tokens in (8, 12):
                     sch = PackedSchedule(w, tokens)

@@ -182,3 +182,20 @@ def test_critical_walk_is_the_mean_walk_where_groups_walk_alike_and_more_where_t
             assert critical_ratio(sch, selected) == pytest.approx(mean)
         else:
             assert mean < critical_ratio(sch, selected) <= union
+
+
+def test_cute_backends_model_takes_its_plans_critical_walk():
+    """q-packed-cute's layout (the plan's own schedule, its walk, its critical walk) is what its roofline
+    prices: the MMAs at the critical walk, over the fraction of the kernel the plan runs. `@p8` keeps the
+    8-token tiles, so the layout needs no GPU to count SMs (the schedule runs in the interpreter)."""
+    from msa_bench.kernels.base import ModelInputs
+    from msa_bench.kernels.q_packed.cute_backend import critical_ratio
+    from msa_bench.roofline.devices import achieved, load_device
+    from msa_bench.scenarios.serving import serving_workload
+    shape = AttnShape(hq=16, hkv=1, head_dim=32, block=16, topk=4)
+    w = serving_workload(shape, "bf16", "drift", 96, 2048, drift=0.3, seed=2, device="cpu", with_tensors=False)
+    backend, dev = get_backend("q-packed-cute@p8"), load_device("h200")
+    schedule, walked, critical, _ = backend.layout(w)
+    assert schedule.P == 8 and critical == critical_ratio(schedule, float((w.selection >= 0).sum())) > walked
+    _, used = backend.roofline(w, ModelInputs(w), dev)
+    assert used["executed_union_ratio"] == critical and used["achieved"] == achieved(dev, "q-packed-cute", "bf16")

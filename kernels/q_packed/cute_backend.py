@@ -251,18 +251,18 @@ class QPackedCuteBackend(Backend):
 
     def roofline(self, w: Workload, inputs, profile, executed: float | None = None,
                  fraction: str | None = None) -> tuple[float, dict]:
-        """The plan's own tiles (`_layout`): its MMAs at the critical walk (critical_ratio), over the fraction
+        """The plan's own tiles (`layout`): its MMAs at the critical walk (critical_ratio), over the fraction
         of its kernel (the 12-token tiles' own, wide_schedule); the traffic stays the 8-token tiles', which
         the wide rule lets the 12-token tiles load no more than."""
         if executed is None and fraction is None and not one_token_tiles(w):
-            schedule, _, _ = self._layout(w)
-            executed = critical_ratio(schedule, float((w.selection >= 0).sum()))
+            schedule, _, executed, _ = self.layout(w)
             fraction = self.fraction_name({"tile_tokens": schedule.P})
         return super().roofline(w, inputs, profile, executed, fraction)
 
-    def _layout(self, w: Workload):
+    def layout(self, w: Workload):
         """(the schedule a plan of `w` runs, run unless every tile holds one token; the entries its
-        warpgroups walk over those selected; its library)."""
+        warpgroups walk over those selected; its critical walk, critical_ratio, None without a schedule
+        stage; its library)."""
         from .schedule import PackedSchedule
         schedule = PackedSchedule(w, TILE_TOKENS)
         # every tile one token (decode): the attention stage reads the tokens' pages itself, no schedule stage
@@ -277,22 +277,21 @@ class QPackedCuteBackend(Backend):
         wide = None if direct else self.wide_schedule(w, schedule, walked, selected)
         if wide is not None:
             (schedule, walked), cfg = wide, wide_config(w.dtype)
-        return schedule, walked, cfg
+        return schedule, walked, None if direct else critical_ratio(schedule, selected), cfg
 
     def _plan(self, w: Workload) -> Plan:
         s, dev = w.shape, w.device
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         direct = one_token_tiles(w)
-        schedule, walked, cfg = self._layout(w)
-        selected = float((w.selection >= 0).sum())
+        schedule, walked, critical, cfg = self.layout(w)
         attention = QPackedCuteAttention(w, schedule, out, lse, cfg, direct=direct)
         info = dict(schedule=Schedule.Q_PACKED, tile_tokens=schedule.P,
                     mma_tokens=self.mma_tokens,
                     tiles=attention.num_tiles,                  # as launched: a pair of decode tokens is one
                     union_capacity=schedule.union_cap,
                     executed_union_ratio=walked,                # each token's warpgroup's
-                    critical_union_ratio=None if direct else critical_ratio(schedule, selected),
+                    critical_union_ratio=critical,
                     attention=attention.describe(),
                     quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major, keys permuted, copy made in plan)"
                                   if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))

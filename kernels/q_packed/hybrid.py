@@ -85,9 +85,10 @@ class HybridBackend(Backend):
 
     def wide_fits(self, w: Workload, profile=None) -> bool:
         """Whether the wide tile with the epilogue merge may run `w` by default: in WIDE_FUSED_DTYPES, where
-        q-packed-cute's wide rule lets a tile hold 12 tokens (`wide_tiles_fit`), the epilogue can read a token's partials, the 12-token tiles
-        (each tile size at its own threshold) load at most WIDE_MAX_LOADS times the union blocks the
-        8-token tiles load, and they pack at least WIDE_MIN_PACKED of the entries."""
+        q-packed-cute's wide rule lets a tile hold 12 tokens (`wide_tiles_fit`), the epilogue can read a
+        token's partials, the 12-token tiles (each tile size at its own threshold) load at most
+        WIDE_MAX_LOADS times the union blocks the 8-token tiles load, and they pack at least
+        WIDE_MIN_PACKED of the entries."""
         if w.dtype not in WIDE_FUSED_DTYPES or w.shape.topk > FUSED_MAX_TOPK or w.n_tokens == 0:
             return False
         from .cute_backend import wide_tiles_fit
