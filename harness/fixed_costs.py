@@ -183,6 +183,16 @@ def pick_dependent(name: str) -> bool:
         return False
 
 
+def scales_hbm(name: str) -> bool:
+    """Whether a backend's achieved fraction scales its HBM term (Backend.fraction_terms); one that does
+    not has no decode fraction: its prefill fraction prices its decode work too."""
+    from ..kernels.base import get_backend
+    try:
+        return "hbm" in get_backend(name).fraction_terms
+    except KeyError:
+        return True
+
+
 def fit_series(latency: dict, items: dict | None = None, beyond: dict | None = None) -> dict:
     """The profile's "stages" table: per backend, stage and dtype, the stage's share of the module's fixed
     cost. The module's fixed cost is its time on the latency point (LATENCY_POINT), less the walk of its
@@ -224,11 +234,12 @@ def _shared_stages(latency: dict, items: dict | None) -> dict:
 
 def fit_decode_achieved(series: dict, stages: dict) -> dict:
     """{"backend/dtype": the median over the decode batches of roofline time / (module time less the
-    fixed costs in `stages` of the stages that batch ran)}, where within (0, MAX_ACHIEVED]."""
+    fixed costs in `stages` of the stages that batch ran)}, where within (0, MAX_ACHIEVED], for each
+    backend whose fraction scales its HBM term (scales_hbm)."""
     from ..roofline.devices import MAX_ACHIEVED
     out = {}
     for (name, dtype), rows in series.items():
-        if pick_dependent(name):
+        if pick_dependent(name) or not scales_hbm(name):
             continue
         # the fixed costs of the stages each batch ran (a one-token plan skips q-packed-cute's schedule)
         fixed = [sum(stages.get(f"{name}/{s}/{dtype}", {}).get("s", 0.0) for s in r[1] if s != MODULE) for r in rows]

@@ -10,7 +10,8 @@ import pandas as pd
 
 from ..roofline.devices import DeviceProfile, achieved
 from ..kernels.base import get_backend, model_dtype, registered_names
-from ..roofline.model import crossover, crossover_at, decode_work_share, fixed_cost, is_decode, module_time
+from ..roofline.model import (crossover, crossover_at, decode_work_share, fixed_cost, fraction_roofline, is_decode,
+                              module_time, scaled_time)
 from ..roofline.schedules import Schedule
 from ..roofline.shape import AttnShape
 from .axes import UNION, group_label, varying_fields
@@ -240,7 +241,8 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     decode = row_decode_share(row, pred)
     dtype = model_dtype(row["dtype"])
     fraction = achieved(device, fraction_name(backend, row), dtype, decode)
-    return module_time(device, row["backend"], dtype, pred.time_s / fraction, stages, blocks)[0]
+    return module_time(device, row["backend"], dtype, scaled_time(pred, fraction, backend.fraction_terms), stages,
+                       blocks)[0]
 
 
 def fraction_name(backend, row) -> str:
@@ -266,7 +268,7 @@ def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
         fixed = fixed_cost(device, r["backend"], parts[2], dtype)[0]
         if r["module.median_s"] > fixed:
             rows.append({"backend": fraction_name(parts[0], r), "dtype": dtype,
-                         "f": parts[1].time_s / (r["module.median_s"] - fixed)})
+                         "f": fraction_roofline(parts[1], parts[0].fraction_terms) / (r["module.median_s"] - fixed)})
     if not rows:
         return pd.DataFrame(columns=["backend", "dtype", "units", "achieved", "min", "max"])
     f = pd.DataFrame(rows).groupby(["backend", "dtype"])["f"]

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
+from ..roofline.model import RESOURCES
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .options import Option, parse_options
@@ -78,6 +79,9 @@ class Backend:
     stage_names: tuple[str, ...] = ()        # the stages its plans run, in order (their fixed costs)
     tile_tokens: int = 8                     # P of a token-packed schedule
     mma_tokens: int | None = None            # tokens an MMA covers where fewer than the tile (model.predict)
+    # the roofline terms its achieved fraction scales (model.scaled_time); a term left out runs at the
+    # device's rate, and such a backend has one fraction for prefill and decode (fit_decode_achieved)
+    fraction_terms: tuple[str, ...] = RESOURCES
     options: dict[str, Option] = {}          # constructor flags NAME@WORD+WORD sets (kernels/options.py)
 
     @classmethod
@@ -118,7 +122,7 @@ class Backend:
         are not in it. `executed` (the executed union ratio its plan walks) and `fraction` (the name its
         fraction is kept under) where the plan knows better than the workload's statistics."""
         from ..roofline.devices import achieved
-        from ..roofline.model import predict, union_tokens
+        from ..roofline.model import predict, scaled_time, union_tokens
         # a packed tile runs P x G rows per union block however few tokens it holds (decode: one); Q-outer's
         # re-reads hit the L2 inside its window of tokens
         tile = union_tokens(self.schedule, self.tile_tokens)
@@ -134,7 +138,7 @@ class Backend:
             used["union_ratio"] = union
         if executed is not None:
             used["executed_union_ratio"] = executed
-        return p.time_s / frac, used
+        return scaled_time(p, frac, self.fraction_terms), used
 
     def item_blocks(self, w: Workload, inputs: ModelInputs) -> float | None:
         """K/V blocks of this backend's typical work item (one SM's share that cannot be split), None where

@@ -132,6 +132,11 @@ class FlashInferQOuter(Backend):
         self.name = name
         self.fold = fold or FOLD_OF_VARIANT[variant]
         self.dtypes = ("bf16", "fp8")
+        if variant == "prefill-fa2":
+            # FA2 runs bf16 MMAs (fp8 K/V widened in the kernel) at one rate per re-read, decode or prefill,
+            # while its unique K/V stream keeps the HBM's rate: its fp8 time stayed flat as its HBM term
+            # grew past the L2 term (the reuse sweep; docs/perf-log.md, 2026-12-04)
+            self.fraction_terms = ("l2", "mma")
 
     def unavailable_reason(self, dtype: str, device) -> str | None:
         # what the machine lacks first (no GPU, no FlashInfer): it holds for every dtype, so it is the reason

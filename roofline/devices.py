@@ -106,7 +106,8 @@ def achieved(profile: DeviceProfile, backend: str, dtype: str, decode: float = 0
     `decode`: the share of the work that is decode (model.decode_share; True counts as 1). On decode work
     the fraction calibrated on decode batches, where there is one: the `achieved` table was measured on
     prefill (co-selection), and a kernel's efficiency there says little about a request of one token
-    (KV-outer: one query per block pair; FlashInfer: no re-reads for the L2 term to over-count). A step
+    (KV-outer: one query per block pair); a backend without one (FlashInfer's FA2, whose fraction leaves
+    its HBM term out: Backend.fraction_terms) takes its prefill fraction. A step
     that mixes both runs each share at its own rate: the harmonic blend, share / decode + rest / prefill.
     BASE@OPTION takes its own prefill fraction where the profile holds one (a kernel of its own, such as
     q-packed-cute's 12-token tile, `q-packed-cute@p12`), else BASE's."""

@@ -96,6 +96,21 @@ class Prediction:
     executed_flops: float | None = None   # what the MMAs run (q-packed: flops x union_ratio); flops is useful work
 
 
+RESOURCES = ("hbm", "l2", "mma")
+
+
+def fraction_roofline(p: Prediction, terms=RESOURCES) -> float:
+    """The roofline of the terms a backend's achieved fraction scales (Backend.fraction_terms): what the
+    fraction is fitted against."""
+    return max(getattr(p, f"{t}_s") for t in terms)
+
+
+def scaled_time(p: Prediction, fraction: float, terms=RESOURCES) -> float:
+    """The roofline time a backend reaches: each term in `terms` over its achieved fraction, the others at
+    the device's rate (p.time_s / fraction where `terms` holds all three)."""
+    return max(getattr(p, f"{t}_s") / (fraction if t in terms else 1.0) for t in RESOURCES)
+
+
 def fixed_cost(device: DeviceProfile, backend: str, stages, dtype: str | None = None) -> tuple[float, dict]:
     """(seconds, per stage) a module of `backend` (BASE@OPTION counts as BASE) running `stages` costs
     whatever its size: each stage's calibrated cost ("backend/stage/dtype", else "backend/stage"), at

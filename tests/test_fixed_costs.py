@@ -346,6 +346,16 @@ def test_the_decode_fraction_is_the_median_roofline_over_the_time_less_the_fixed
     assert got == {"q-packed/bf16": pytest.approx(0.8, rel=0.02)}      # auto: its pick's
 
 
+def test_a_backend_whose_fraction_leaves_its_hbm_term_out_gets_no_decode_fraction():
+    """FlashInfer's FA2 fraction scales its L2 and MMA terms only (Backend.fraction_terms): its prefill
+    fraction prices its decode work, so a calibration writes it no decode fraction."""
+    from msa_bench.harness.fixed_costs import fit_decode_achieved, scales_hbm
+    rows = [_row(r, r / 0.6) for r in (1e-4, 2e-4, 3e-4)]
+    assert not scales_hbm("flashinfer") and scales_hbm("flashinfer-fa3") and scales_hbm("kv-outer-cute")
+    got = fit_decode_achieved({("flashinfer", "fp8"): rows, ("kv-outer-cute", "fp8"): rows}, {})
+    assert got == {"kv-outer-cute/fp8": pytest.approx(0.6)}
+
+
 def test_an_item_is_the_slope_of_module_time_against_its_blocks_and_the_intercept_its_fixed_cost():
     from msa_bench.harness.fixed_costs import fit_items
     rows = [_row(1e-6, 35e-6 + b * 1e-6, blocks=b) for b in (16, 50, 115)]

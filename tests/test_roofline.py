@@ -245,3 +245,18 @@ def test_a_wide_packed_plan_is_predicted_at_the_8_token_traffic_and_the_entries_
     assert high.executed_flops == pytest.approx(1.5 * low.executed_flops)
     assert pred(12, 4, 1.0) is None
     assert pred(8, 4, 1.5) is None
+
+
+def test_a_fraction_scales_only_the_terms_its_backend_names():
+    """scaled_time: every term over the fraction is the roofline over it; a term left out (FlashInfer's HBM
+    stream) runs at the device's rate, so where it binds the time is its bytes alone, not bytes / fraction."""
+    from msa_bench.kernels.base import get_backend
+    from msa_bench.roofline.model import fraction_roofline, scaled_time
+    dev = PRESETS["h200"]
+    unique = predict("q-outer", ModelShape(dtype="fp8"), 2048, 2048 * 64, dev)     # no block read twice
+    assert unique.binding == "hbm" and unique.hbm_s > unique.l2_s
+    assert scaled_time(unique, 0.34) == pytest.approx(unique.time_s / 0.34)
+    terms = get_backend("flashinfer").fraction_terms
+    assert "hbm" not in terms and fraction_roofline(unique, terms) == unique.l2_s
+    assert scaled_time(unique, 0.34, terms) == pytest.approx(max(unique.hbm_s, unique.l2_s / 0.34))
+    assert scaled_time(unique, 0.9, terms) == unique.hbm_s
