@@ -290,13 +290,13 @@ class DenseMasked(Backend):
         """predict_dense over the achieved fraction: the paged path's bytes where it is a candidate (the least
         the dense work moves; its MMAs are the same on every path)."""
         from ..roofline.devices import achieved
-        from ..roofline.model import predict_dense
+        from ..roofline.model import predict_dense, scaled_time
         from ..scenarios.stats import dense_extent
         blocks, keys = dense_extent(w)
         paged = self.candidates(w.device)[0] == PAGED
         p = predict_dense(self.model_shape(w), w.n_tokens, blocks, keys, profile, inputs.flops, gathered=not paged)
         frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p))
-        return p.time_s / frac, {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding, "paged": paged}
+        return scaled_time(p, frac, self.fraction_terms), {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding, "paged": paged}
 
     def _sizes(self, w: Workload, buckets, layout: str) -> dict:
         return paged_sizes(w) if layout == "paged" else dense_sizes(w, buckets, layout)

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                     sch()
                     slots = torch.stack(sch.group_slots())
                     row[f"p{tokens}"] = dict(union=float(sch.tile_count.double().sum()) * tokens / selected,
-                                             mean=float(slots.sum()) * 4 / selected,
+                                             mean=float(slots.sum()) * cute.mma_tokens / selected,
                                              critical=critical_ratio(sch, selected))
                 out.write(json.dumps(row) + "\n")
                 out.flush()

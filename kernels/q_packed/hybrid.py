@@ -30,7 +30,7 @@ from ..options import Choice, Number
 from ..triton_common import partial_dtype, triton_dtype_reason
 from ...roofline.devices import achieved, device_profile
 from ...roofline.hybrid import min_shared_tokens
-from ...roofline.model import ModelShape, predict
+from ...roofline.model import ModelShape, predict, scaled_time
 from ...roofline.schedules import Schedule
 from ...scenarios.stats import decode_tokens
 from ...scenarios.workload import Workload
@@ -185,6 +185,7 @@ class HybridBackend(Backend):
         each over its kernel's achieved fraction."""
         s, n, dtype = w.shape, w.n_tokens, model_dtype(w.dtype)
         kv, packed_kernel = self.kv_backend(w.dtype, w.device, w), self.packed_backend(w)
+        packer = get_backend(packed_kernel)
         P, _ = self.layout(w, profile)
         threshold, _ = self.threshold(w, kv, packed_kernel, P, profile)
         sch = PackedSchedule(w, P, min_share=threshold, residual=True)
@@ -196,7 +197,7 @@ class HybridBackend(Backend):
         executed = float(sch.tile_count.double().sum()) * P     # P x G rows per union block
         from .cute_backend import critical_ratio
         # traffic: the tiles' unions; MMAs: each tile's longest group walk where its groups skip (mma_tokens)
-        critical = critical_ratio(sch, packed) if get_backend(packed_kernel).mma_tokens else None
+        critical = critical_ratio(sch, packed) if packer.mma_tokens else None
         head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
         # each part's decode share (achieved()): its entries that decode tokens hold; a decode token alone in
         # its tile packs nothing, so a chunked-prefill step's decode tokens are mostly the residual's
@@ -215,16 +216,15 @@ class HybridBackend(Backend):
                         executed_union_ratio=critical)
             # the packed kernel's fraction at this tile size (the threshold above keeps the 8-token one, with
             # which the drift scan measured it)
-            frac = achieved(profile, get_backend(packed_kernel).fraction_name({"tile_tokens": P}), dtype,
-                            share["packed"])
-            parts["packed_s"] = p.time_s / frac
+            frac = achieved(profile, packer.fraction_name({"tile_tokens": P}), dtype, share["packed"])
+            parts["packed_s"] = scaled_time(p, frac, packer.fraction_terms)
             record.update(packed_binding=p.binding, packed_achieved=frac, packed_decode_share=share["packed"])
         if residual > 0:
             nsb_res = float(torch.unique((res + head)[res >= 0]).numel())
             p = predict(Schedule.KV_OUTER, kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
                         flops * residual / selected)
             frac = achieved(profile, kv.name, dtype, share["kv_outer"])
-            parts["kv_outer_s"] = p.time_s / frac
+            parts["kv_outer_s"] = scaled_time(p, frac, kv.fraction_terms)
             record.update(kv_outer_binding=p.binding, kv_outer_achieved=frac, kv_outer_decode_share=share["kv_outer"])
         t = sum(parts.values())
         return t, {**parts, **record, "tile_tokens": P, "min_share": threshold, "packed_entry_share": packed / selected if selected else 0.0,
