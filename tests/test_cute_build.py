@@ -65,7 +65,7 @@ def test_build_writes_every_library_the_sweep_can_select_and_the_manifest(built)
             assert e["class"] == k.cls and e["options"] == k.options and e["ctas_per_sm"] == k.ctas_per_sm
         else:
             assert e["class"] == mf.QPackedConfig.kernel_class and e["kernel_version"].startswith("qp2-")
-            assert e["options"] == {flag: e[flag] for flag in (*mf.OPTION_FLAGS.values(), "pairs", "residual")}
+            assert e["options"] == {flag: e[flag] for flag in (*mf.OPTION_FLAGS.values(), "pairs", "residual", "mma_sum")}
 
 
 # sha256 of the device code of every library build-kernels makes by default: the sm_90a cubin the DSL

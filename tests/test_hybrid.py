@@ -173,7 +173,7 @@ def test_cuda_study_shape_on_both_cute_stages(dtype, option, graph_replay_equals
     assert info["kv_outer"] == "kv-outer-cute" and info["attention"]["kernel"].startswith("qpk")
     assert info["attention"]["tile_tokens"] == (12 if "p12" in option else 8) == info["tile_tokens"]
     assert info["residual_merge"] == ("packed epilogue" if "fused" in option else "combine")
-    assert info["attention"]["kernel"].endswith("_res") == ("fused" in option)
+    assert ("_res" in info["attention"]["kernel"]) == ("fused" in option)
     assert 0.0 < info["packed_entry_share"] < 1.0
     graph_replay_equals_eager(get_backend(name).plan(w))
 

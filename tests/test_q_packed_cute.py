@@ -59,7 +59,7 @@ def test_options_name_their_libraries():
     assert {(c.option, c.dtype, c.pairs, c.tile_tokens) for c in mf.q_packed_configs("default")} == {
         ("", "bf16", False, 8), ("pp+sa", "fp8", False, 8), ("sa", "fp8", False, 8), ("", "bf16", True, 8),
         ("", "fp8", True, 8), ("", "bf16", False, 12), ("", "fp8", False, 12)}
-    assert mf.wide_config("fp8").name == "qpk_attn_fp8_p12g16d128b128"
+    assert mf.wide_config("fp8").name == "qpk_attn_fp8_p12g16d128b128_ms"       # its row sums by wgmma
     assert mf.wide_config("bf16").name == "qpk_attn_bf16_p12g16d128b128"
     # a default plan may run the wide library, named options keep theirs
     assert mf.wide_config("fp8") in get_backend("q-packed-cute").configs_for("fp8")
@@ -335,7 +335,7 @@ def built(tmp_path_factory):
 
 def _artifact(dump: Path, cfg: mf.QPackedConfig, ext: str) -> Path:
     tag = (f"QPackedSm90_{cfg.dtype}" + ("_pingpong" if cfg.pingpong else "") + ("_sahead" if cfg.s_ahead else "")
-           + ("_pairs" if cfg.pairs else "") + ("_3wg" if cfg.tile_tokens == 12 else ""))
+           + ("_pairs" if cfg.pairs else "") + ("_3wg" if cfg.tile_tokens == 12 else "") + ("_msum" if cfg.mma_sum else ""))
     paths = [p for p in glob.glob(str(dump / f"*{tag}_FakeTensor*.{ext}"))]
     assert len(paths) == 1, (tag, ext, paths)
     return Path(paths[0])
@@ -381,7 +381,9 @@ def test_ptx_holds_the_pipeline_of_each_option(built, cfg):
     assert "stmatrix.sync.aligned" in ptx and "trap;" in ptx
     groups = 4 if cfg.s_ahead else 2
     k_steps = 8 if cfg.dtype == "bf16" else 4
-    assert ptx.count("wgmma.commit_group") == groups and ptx.count("wgmma.mma_async") == groups * k_steps
+    # mma_sum: each P V group also multiplies P by the ones, one N 8 wgmma per k step
+    mmas = groups * k_steps + (groups // 2 * k_steps if cfg.mma_sum else 0)
+    assert ptx.count("wgmma.commit_group") == groups and ptx.count("wgmma.mma_async") == mmas
     assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == cfg.s_ahead
     assert ptx.count("ex2.approx") == (2 if cfg.s_ahead else 1) * 66   # 64 P and 2 alpha per softmax site
     named = re.findall(r"\b(?:bar|barrier)(?:\.cta)?\.(sync|arrive)(?:\.aligned)?\s+(\S+),\s*(\d+);", ptx)
@@ -417,5 +419,5 @@ def test_sass_keeps_the_wgmma_groups_asynchronous(built, cfg):
     gmma = [line for line in sass.splitlines() if re.search(r"\b[HQ]GMMA\.", line)]
     k_steps = 8 if cfg.dtype == "bf16" else 4
     groups = 4 if cfg.s_ahead else 2
-    assert len(gmma) == groups * k_steps
+    assert len(gmma) == groups * k_steps + (groups // 2 * k_steps if cfg.mma_sum else 0)
     assert sum("gsb0" in line for line in gmma) == groups

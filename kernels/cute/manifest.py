@@ -226,6 +226,9 @@ SKIP_RATIO = 1.05
 # requests on mixed steps (1.3-5 % slower).
 WIDE_TOKENS = 12                      # three consumer warpgroups of 4 tokens; the schedule orders its union by thirds
 WIDE_TILE_TOKENS = {"bf16": WIDE_TOKENS, "fp8": WIDE_TOKENS}
+# The wide tiles' row sums by wgmma (QPackedSm90's mma_sum): 62 adds a thread and block fewer in the
+# softmax, where three consumer warpgroups' instructions bound the tile (docs/perf-log.md, 2026-12-04).
+WIDE_MMA_SUM = ("fp8",)
 WIDE_MAX_RATIO = 1.02
 WIDE_MIN_TILES_PER_SM = 12
 
@@ -246,6 +249,7 @@ class QPackedConfig(LibraryConfig):
     head_dim: int = 128
     block: int = 128
     kv_stages: int = 0          # QPackedSm90's K/V ring; 0: the kernel's own count for the dtype and flags
+    mma_sum: bool = False       # P's row sums by a wgmma against ones (QPackedSm90's mma_sum)
 
     @property
     def option(self) -> str:
@@ -257,11 +261,12 @@ class QPackedConfig(LibraryConfig):
         tags = "".join(f"_{tag}" for tag in self.option.split("+") if tag) + ("_pairs" if self.pairs else "")
         tags += f"_kv{self.kv_stages}" if self.kv_stages else ""
         tags += "_res" if self.residual else ""
+        tags += "_ms" if self.mma_sum else ""
         return f"qpk_attn_{self.dtype}_p{self.tile_tokens}g{self.group}d{self.head_dim}b{self.block}{tags}"
 
     @property
     def options(self) -> dict:
-        return {flag: getattr(self, flag) for flag in (*OPTION_FLAGS.values(), "pairs", "residual")}
+        return {flag: getattr(self, flag) for flag in (*OPTION_FLAGS.values(), "pairs", "residual", "mma_sum")}
 
     @property
     def omitted(self) -> tuple:
@@ -302,8 +307,9 @@ def q_packed_configs(which: str = "default", dtypes=DTYPES) -> list[QPackedConfi
 
 def wide_config(dtype: str) -> QPackedConfig:
     """The dtype's wide-tile library: WIDE_TILE_TOKENS tokens a tile, neither schedule flag (pingpong's turns
-    are two warpgroups'; s_ahead's second S makes ptxas serialize every wgmma at 160 registers a thread)."""
-    return QPackedConfig(dtype, tile_tokens=WIDE_TILE_TOKENS[dtype])
+    are two warpgroups'; s_ahead's second S makes ptxas serialize every wgmma at 160 registers a thread), its
+    row sums by wgmma where WIDE_MMA_SUM names the dtype."""
+    return QPackedConfig(dtype, tile_tokens=WIDE_TILE_TOKENS[dtype], mma_sum=dtype in WIDE_MMA_SUM)
 
 
 # ---- both: data layout, sources, manifest ----------------------------------------------------------------

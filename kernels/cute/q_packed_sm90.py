@@ -105,17 +105,21 @@ THREE_WG_KV_STAGES = {"bf16": 2, "fp8": 4}
 # within 0.7 % on 12 prefill, drift and decode points (the turns order the warpgroups), and every fp8 pairs
 # point of the decode scenario ran 0.5-3.3 % slower with it
 TURNS_KV_STAGES = 4
+SUM_N = 8                    # mma_sum: the narrowest wgmma N; every column of P x ones is the row sum
+ONES_BYTES = SUM_N * 32       # one k block of B: 8 x 32 fp8 or 8 x 16 bf16
+ONES_WORD = {"bf16": 0x3F803F80, "fp8": 0x38383838}      # 1.0 in every element of a 32-bit word
 PINGPONG_BARRIER = 1         # named barriers 1 and 2: consumer warpgroup c waits on 1 + c for its turn
 LN2 = math.log(2.0)
 
 
 def _online_softmax_step(s_rc: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, alpha: cute.Tensor,
-                         scale_log2: Float32, p_bias):
+                         scale_log2: Float32, p_bias, sum_p: bool = True):
     """One online softmax step over a thread's rows of S (masked, raw scores), in place: the row max over
     the quad that holds each row, m_new = max(m_run, that), alpha = 2^((m_run - m_new) scale_log2) (1 while
     the row has seen no key), P = 2^(S scale_log2 - m_new scale_log2 + p_bias) (0 for masked keys), and
     l_run = l_run alpha + this thread's sum of P (the quad's partial sums share m, so they are reduced once,
-    at the end). Plain Python, traced inline: the rows' trees and shuffles interleave."""
+    at the end; not with sum_p False, where an MMA sums P). Plain Python, traced inline: the rows' trees and
+    shuffles interleave."""
     n_r = cute.size(s_rc, mode=[0])
     maxes = [pairwise(_row(s_rc, r), cute.arch.fmax) for r in range(n_r)]
     for offset in (1, 2):
@@ -131,8 +135,9 @@ def _online_softmax_step(s_rc: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tens
     for r in range(n_r):
         for c in range(cute.size(s_rc, mode=[1])):
             s_rc[r, c] = cute.arch.exp2(s_rc[r, c] * scale_log2 - shifts[r])
-    for r in range(n_r):
-        l_run[r] = l_run[r] * alpha[r] + pairwise(_row(s_rc, r), lambda a, b: a + b)
+    if sum_p:
+        for r in range(n_r):
+            l_run[r] = l_run[r] * alpha[r] + pairwise(_row(s_rc, r), lambda a, b: a + b)
 
 
 def _scale_rows(acc: cute.Tensor, factor: cute.Tensor) -> None:
@@ -152,7 +157,7 @@ class QPackedSm90:
 
     def __init__(self, dtype: str, tile_tokens: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, residual: bool = False,
-                 kv_stages: int | None = None):
+                 kv_stages: int | None = None, mma_sum: bool = False):
         if dtype not in DSL_DTYPES:
             raise ValueError(f"the q-packed CuTe stage supports {', '.join(DSL_DTYPES)}, not {dtype}")
         if tile_tokens not in (8, 12) or (group, head_dim, block) != (16, 128, 128):
@@ -184,6 +189,7 @@ class QPackedSm90:
             raise ValueError("QPackedSm90: residual merges the hybrid's KV-outer partials into prefill tiles; "
                              "pairs runs decode tokens")
         self.residual = residual
+        self.mma_sum = mma_sum
         self.q_stages = Q_STAGES
         turns = pingpong or pairs
         self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else
@@ -192,13 +198,14 @@ class QPackedSm90:
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
                                + ("-pairs" if pairs else "") + ("-3wg" if self.consumer_wgs == 3 else "")
-                               + ("-residual" if residual else ""))
+                               + ("-residual" if residual else "") + ("-mma-sum" if mma_sum else ""))
 
     def __repr__(self) -> str:
         # the DSL names the compiled functions (and ncu shows the kernel) after str(self)
         return (f"QPackedSm90_{self.dtype_name}" + ("_pingpong" if self.pingpong else "")
                 + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else "")
-                + ("_3wg" if self.consumer_wgs == 3 else "") + ("_res" if self.residual else ""))
+                + ("_3wg" if self.consumer_wgs == 3 else "") + ("_res" if self.residual else "")
+                + ("_msum" if self.mma_sum else ""))
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
@@ -216,6 +223,10 @@ class QPackedSm90:
         qk_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, wgs, (64, BLK))
         pv_mma = sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj if const_expr(self.v_d_major) else mnmaj,
                                              Float32, wgs, (64, D), a_source=warpgroup.OperandSource.RMEM)
+        # mma_sum: l = P x ones (SUM_N columns, one k block of ones read for every k block of P)
+        sum_mma = (sm90.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, wgs, (64, SUM_N),
+                                               a_source=warpgroup.OperandSource.RMEM)
+                   if const_expr(self.mma_sum) else None)
         sQ_layout = staged_smem_layout(dt, ROWS, D, self.q_stages)
         sK_layout = staged_smem_layout(dt, BLK, D, self.kv_stages)
         v_tile = (D, BLK) if const_expr(self.v_d_major) else (BLK, D)
@@ -234,7 +245,7 @@ class QPackedSm90:
                                                     cute.slice_(sO_layout, (None, None, 0)), (self.group, D))
         storage = self._storage_struct(sQ_layout, sK_layout, sV_layout, sO_layout)
         res_args = (mResIdx, mResO, mResM, mResL, topk) if const_expr(self.residual) else None
-        self.kernel(qk_mma, pv_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mTileTok0, mTileNtok,
+        self.kernel(qk_mma, pv_mma, sum_mma, tma_k, gK_tma, tma_v, gV_tma, tma_o, gO_tma, mQ, mTileTok0, mTileNtok,
                     mTileCount, mTilePage, mTileLimit, mTileSplit, (mPages, mSel, mQLimit, n_tokens, topk, direct),
                     mLse, res_args, hkv, n_token_tiles, union_cap, scale * LOG2E, out_scale, sQ_layout, sK_layout,
                     sV_layout, sO_layout).launch(
@@ -251,6 +262,8 @@ class QPackedSm90:
                   "kv_full": mem[cutlass.Int64, self.kv_stages], "kv_empty": mem[cutlass.Int64, self.kv_stages],
                   "sMeta": mem[Int32, META[self.consumer_wgs] * self.q_stages],
                   "sLim": mem[Int32, self.tile_tokens * self.kv_stages],
+                  # mma_sum's ones: one k block of B (256 bytes, unswizzled), in the room before sQ's alignment
+                  **({"sOnes": align[mem[Int32, ONES_BYTES // 4], 128]} if self.mma_sum else {}),
                   "sQ": align[mem[dt, cute.cosize(sQ_layout)], 1024],
                   "sK": align[mem[dt, cute.cosize(sK_layout)], 1024],
                   "sV": align[mem[dt, cute.cosize(sV_layout)], 1024]}
@@ -261,7 +274,7 @@ class QPackedSm90:
 
     # ---- device side --------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_k: cute.CopyAtom, gK_tma: cute.Tensor,
+    def kernel(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sum_mma, tma_k: cute.CopyAtom, gK_tma: cute.Tensor,
                tma_v: cute.CopyAtom, gV_tma: cute.Tensor, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
                mQ: cute.Tensor, mTileTok0: cute.Tensor, mTileNtok: cute.Tensor, mTileCount: cute.Tensor,
                mTilePage: cute.Tensor, mTileLimit: cute.Tensor, mTileSplit: cute.Tensor, direct_args,
@@ -286,6 +299,16 @@ class QPackedSm90:
         else:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)      # (G, D, 8)
 
+        sOnes = None
+        if const_expr(self.mma_sum):
+            words = cute.make_tensor(cute.recast_ptr(storage.sOnes.data_ptr(), dtype=Int32),
+                                     cute.make_layout(ONES_BYTES // 4))
+            if tidx < ONES_BYTES // 4:
+                words[tidx] = Int32(ONES_WORD[self.dtype_name])
+            cute.arch.fence_view_async_shared()          # wgmma reads the ones through the async proxy
+            ones_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, self.dtype)
+            ones_layout = cute.tile_to_shape(ones_atom, (SUM_N, ONES_BYTES // SUM_N * 8 // self.dtype.width), order=(0, 1))
+            sOnes = cute.make_tensor(cute.recast_ptr(storage.sOnes.data_ptr(), dtype=self.dtype), ones_layout.outer)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(self.q_stages):
@@ -310,7 +333,7 @@ class QPackedSm90:
                               q_empty, hkv, n_token_tiles, num_tiles, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consumer(qk_mma, pv_mma, tma_o, gO_tma, sQ, sK, sV, sO, sMeta, sLim, mLse, res_args,
+            self.consumer(qk_mma, pv_mma, sum_mma, sOnes, tma_o, gO_tma, sQ, sK, sV, sO, sMeta, sLim, mLse, res_args,
                           (q_full, q_empty, kv_full, kv_empty), hkv, n_token_tiles, num_tiles, scale_log2,
                           out_scale, tidx - self.wg_threads)
 
@@ -526,7 +549,8 @@ class QPackedSm90:
 
     # ---- consumer warpgroups ----------------------------------------------------------------------
     @cute.jit
-    def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_o: cute.CopyAtom, gO_tma: cute.Tensor,
+    def consumer(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sum_mma, sOnes, tma_o: cute.CopyAtom,
+                 gO_tma: cute.Tensor,
                  sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor, sMeta: cute.Tensor,
                  sLim: cute.Tensor, mLse: cute.Tensor, res_args, bars, hkv: Int32, n_token_tiles: Int32,
                  num_tiles: Int32, scale_log2: Float32, out_scale: Float32, ctid: Int32):
@@ -571,6 +595,16 @@ class QPackedSm90:
         alpha = cute.make_rmem_tensor((n_rows,), Float32)
         v = dict(tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tScS=tScS, acc_s=acc_s, acc_o=acc_o, r_p=r_p, m_run=m_run,
                  l_run=l_run, alpha=alpha)
+        if const_expr(self.mma_sum):
+            # a block's row sums P x ones: a thread's ((2 columns, 2 rows)) of the 64 x SUM_N accumulator, each
+            # column its row's sum (value 2 r + c is row r, as rows_cols_view orders the rows of acc_s). Each
+            # block's sum starts afresh and is added to l_run in fp32: fp8 wgmma accumulates with truncated
+            # alignment, and l summed over a whole walk in the accumulator came out 1-2 % low (fp8 error
+            # 0.024 -> 0.032 against float64)
+            thr_sum = sum_mma.get_slice(ctid)
+            v["sum_mma"] = sum_mma
+            v["tLrOnes"] = thr_sum.make_fragment_B(thr_sum.partition_B(sOnes))
+            v["acc_l"] = cute.make_rmem_tensor(thr_sum.partition_shape_C((ROWS, SUM_N)), Float32)
         if const_expr(self.residual):      # (row, column) of each value of acc_o: where its partials' values lie
             v["tOcO"] = rows_cols_view(thr_pv.partition_C(cute.make_identity_tensor((ROWS, D))))
 
@@ -695,13 +729,32 @@ class QPackedSm90:
         pv.set(warpgroup.Field.ACCUMULATE, True)
         for kb in cutlass.range_constexpr(cute.size(r_p, mode=[2])):
             cute.gemm(pv, acc_o, r_p[None, None, kb], tOrV[None, None, kb, kv_idx], acc_o)
+        if const_expr(self.mma_sum):
+            ls = _fresh(v["sum_mma"])
+            for kb in cutlass.range_constexpr(cute.size(r_p, mode=[2])):
+                ls.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(ls, v["acc_l"], r_p[None, None, kb], v["tLrOnes"][None, None, 0], v["acc_l"])
         warpgroup.commit_group()
 
     def _softmax(self, v, limit: Int32, scale_log2: Float32):
         """Mask the keys past the warp's limit, then the online softmax step on the S accumulator."""
         s_rc = rows_cols_view(v["acc_s"])
         mask_keys(s_rc, v["tScS"], limit, self.block)
-        _online_softmax_step(s_rc, v["m_run"], v["l_run"], v["alpha"], scale_log2, self.p_shift)
+        _online_softmax_step(s_rc, v["m_run"], v["l_run"], v["alpha"], scale_log2, self.p_shift,
+                             sum_p=not self.mma_sum)
+
+    def _rescale(self, v):
+        """O (and mma_sum's l) times the rows' alpha."""
+        _scale_rows(v["acc_o"], v["alpha"])
+        if const_expr(self.mma_sum):
+            for r in range(cute.size(v["l_run"])):
+                v["l_run"][r] = v["l_run"][r] * v["alpha"][r]
+
+    def _add_sums(self, v):
+        """mma_sum: the block's row sums (its P V group has completed) into l_run."""
+        if const_expr(self.mma_sum):
+            for r in range(cute.size(v["l_run"])):
+                v["l_run"][r] = v["l_run"][r] + v["acc_l"][2 * r]
 
     def _p_to_regs(self, v):
         """P (the softmax'd S accumulator) as the A operand of P V: bf16 the accumulator's k16 slices,
@@ -727,10 +780,11 @@ class QPackedSm90:
             self._turn_end(cwg)
             warpgroup.wait_group(0)
             self._softmax(v, limit, scale_log2)
-            _scale_rows(v["acc_o"], v["alpha"])
+            self._rescale(v)
             self._p_to_regs(v)
             self._issue_pv(pv_mma, v, kv_idx)
             warpgroup.wait_group(0)
+            self._add_sums(v)
             release(kv_empty + kv_idx, lane)              # K and V of this stage have been read
             kv_idx, kv_phase = advance(kv_idx, kv_phase, self.kv_stages)
             if const_expr(self.pairs):
@@ -760,7 +814,7 @@ class QPackedSm90:
                 wait(kv_full + kv_idx, kv_phase)
                 limit = sLim[warp, kv_idx]
                 self._p_to_regs(v)                         # P(j - 1), before S(j) overwrites its accumulator
-                _scale_rows(v["acc_o"], v["alpha"])        # block j - 1's alpha, before its P V
+                self._rescale(v)                           # block j - 1's alpha, before its P V
                 self._turn_begin(cwg)
                 self._issue_s(qk_mma, v, q_idx, kv_idx)
                 self._issue_pv(pv_mma, v, cur)
@@ -768,13 +822,15 @@ class QPackedSm90:
                 warpgroup.wait_group(1)                    # S(j) done, P V(j - 1) may still run
                 self._softmax(v, limit, scale_log2)
                 warpgroup.wait_group(0)
+                self._add_sums(v)
                 release(kv_empty + cur, lane)
                 cur = kv_idx
                 kv_idx, kv_phase = advance(kv_idx, kv_phase, self.kv_stages)
             self._p_to_regs(v)
-            _scale_rows(v["acc_o"], v["alpha"])
+            self._rescale(v)
             self._issue_pv(pv_mma, v, cur)
             warpgroup.wait_group(0)
+            self._add_sums(v)
             release(kv_empty + cur, lane)
         return kv_idx, kv_phase
 
@@ -833,9 +889,12 @@ class QPackedSm90:
         n_rows = const_expr(cute.size(tScS, mode=[0]))
         lse = cute.make_rmem_tensor((n_rows,), Float32)
         for r in cutlass.range_constexpr(n_rows):
-            total = l_run[r]
-            total += cute.arch.shuffle_sync_bfly(total, offset=1)
-            total += cute.arch.shuffle_sync_bfly(total, offset=2)
+            if const_expr(self.mma_sum):
+                total = l_run[r]                          # whole rows already
+            else:
+                total = l_run[r]
+                total += cute.arch.shuffle_sync_bfly(total, offset=1)
+                total += cute.arch.shuffle_sync_bfly(total, offset=2)
             seen = total > Float32(0.0)
             safe = Float32(cutlass.select_(seen, total, Float32(1.0)))
             alpha[r] = Float32(cutlass.select_(seen, out_scale / safe, Float32(0.0)))
