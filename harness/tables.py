@@ -275,16 +275,20 @@ def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
     return pd.DataFrame({"units": f.size(), "achieved": f.median(), "min": f.min(), "max": f.max()}).reset_index()
 
 
-def _replayed_hybrid(record: dict, device: DeviceProfile, dtype: str, row) -> float:
+HYBRID_STAGES = ("schedule", "attention", "combine")
+
+
+def _replayed_hybrid(record: dict, device: DeviceProfile, dtype: str, row, stages=HYBRID_STAGES) -> float:
     """The hybrid's module time from an `auto` unit's record: each part's recorded time (its roofline over
     the fraction it was divided by) over today's fraction of its kernel at the part's decode share instead,
-    plus today's fixed costs. The parts' rooflines are the recorded ones: the split needs the workload's
-    selection. Records before the parts' own shares (2026-12-02) divided both by the step's."""
+    plus today's fixed costs of `stages` (the ones the hybrid ran: `@fused` has no combine). The parts'
+    rooflines are the recorded ones: the split needs the workload's selection. Records before the parts'
+    own shares (2026-12-02) divided both by the step's."""
     used = record.get("used") or {}
     hybrid = used.get("hybrid") or {}
     if "packed_s" not in hybrid and "kv_outer_s" not in hybrid:      # records without parts: as recorded
         return float(record["predicted_s"]["hybrid"]) - float(hybrid.get("fixed_s", 0.0)) + fixed_cost(
-            device, "hybrid", ("schedule", "attention", "combine"), dtype)[0]
+            device, "hybrid", stages, dtype)[0]
     total = 0.0
     for part, kernel in (("packed", hybrid.get("packed")), ("kv_outer", hybrid.get("kv_outer"))):
         if f"{part}_s" in hybrid:
@@ -295,7 +299,7 @@ def _replayed_hybrid(record: dict, device: DeviceProfile, dtype: str, row) -> fl
             if part == "packed" and kernel in registered_names():       # its tile size's fraction
                 name = get_backend(kernel).fraction_name({"tile_tokens": hybrid.get("tile_tokens")})
             total += float(hybrid[f"{part}_s"]) * ran / achieved(device, name, dtype, decode)
-    return total + fixed_cost(device, "hybrid", ("schedule", "attention", "combine"), dtype)[0]
+    return total + fixed_cost(device, "hybrid", stages, dtype)[0]
 
 
 def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
@@ -323,7 +327,9 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
             record = _info(a.get("plan_info")).get("auto") or {}
             recorded = record.get("predicted_s") or {}
             if "hybrid" in recorded and "hybrid" in measured.index and has_fixed_costs(device, "hybrid", dtype):
-                pred["hybrid"] = _replayed_hybrid(record, device, dtype, a)
+                ran = g[g["backend"] == "hybrid"].iloc[0]
+                stages = HYBRID_STAGES if pd.notna(ran.get("combine.median_s")) else HYBRID_STAGES[:2]
+                pred["hybrid"] = _replayed_hybrid(record, device, dtype, a, stages)
         pred = {b: v for b, v in pred.items() if math.isfinite(v)}
         if not pred:
             continue

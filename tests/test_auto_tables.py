@@ -94,25 +94,28 @@ def test_the_replayed_hybrid_divides_each_part_by_todays_fraction():
     """Each recorded part over the fraction it was divided by, times that over today's at its own share."""
     from dataclasses import replace
     dev = replace(H200, achieved={"q-packed-cute/bf16": 0.5, "kv-outer-cute/bf16": 0.8},
-                  fixed_costs={"stages": {"hybrid/attention": {"s": 1e-5}},
+                  fixed_costs={"stages": {"hybrid/attention": {"s": 1e-5}, "hybrid/combine": {"s": 3e-5}},
                                "decode_achieved": {"kv-outer-cute/bf16": 0.4}})
     hybrid = {"packed": "q-packed-cute", "kv_outer": "kv-outer-cute", "packed_s": 1e-3, "kv_outer_s": 2e-3,
               "packed_achieved": 1.0, "kv_outer_achieved": 0.5, "packed_decode_share": 0.0,
               "kv_outer_decode_share": 1.0}
     record = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": hybrid}}
     row = {"wl_decode_share": 0.5}
-    assert tables._replayed_hybrid(record, dev, "bf16", row) == pytest.approx(1e-3 * 1.0 / 0.5 + 2e-3 * 0.5 / 0.4 + 1e-5)
+    assert tables._replayed_hybrid(record, dev, "bf16", row) == pytest.approx(1e-3 * 1.0 / 0.5 + 2e-3 * 0.5 / 0.4 + 4e-5)
+    # `@fused` ran no combine stage: its fixed cost is not charged
+    fused = tables._replayed_hybrid(record, dev, "bf16", row, ("schedule", "attention"))
+    assert fused == pytest.approx(1e-3 * 1.0 / 0.5 + 2e-3 * 0.5 / 0.4 + 1e-5)
     # records before the parts' own shares: the step's share, and the fraction the candidate itself recorded
     parts = {k: hybrid[k] for k in ("packed", "kv_outer", "packed_s", "kv_outer_s")}
     old = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": parts, "q-packed-cute": {"achieved": 1.0},
                                                     "kv-outer-cute": {"achieved": 0.5}}}
     step = 1 / (0.5 / 0.4 + 0.5 / 0.8)                                     # achieved()'s blend at share 0.5
-    assert tables._replayed_hybrid(old, dev, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / step + 1e-5)
+    assert tables._replayed_hybrid(old, dev, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / step + 4e-5)
     # a packed part of 12-token tiles: the wide kernel's own fraction
     wide = replace(dev, achieved={**dev.achieved, "q-packed-cute@p12/bf16": 0.8})
     twelve = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": {**hybrid, "tile_tokens": 12}}}
-    assert tables._replayed_hybrid(twelve, wide, "bf16", row) == pytest.approx(1e-3 / 0.8 + 2e-3 * 0.5 / 0.4 + 1e-5)
-    assert tables._replayed_hybrid(record, wide, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / 0.4 + 1e-5)
+    assert tables._replayed_hybrid(twelve, wide, "bf16", row) == pytest.approx(1e-3 / 0.8 + 2e-3 * 0.5 / 0.4 + 4e-5)
+    assert tables._replayed_hybrid(record, wide, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / 0.4 + 4e-5)
 
 
 def test_an_option_with_its_own_fraction_takes_it_and_others_their_backends():

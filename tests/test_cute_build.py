@@ -89,12 +89,13 @@ DEFAULT_DEVICE_CODE_SHA256 = {
     "qpk_attn_fp8_p8g16d128b128_sa": "7f4e1b8a8706e8adb79b5111418161234680d4f9699bdb927e8c9096fa6ddb7f",
     "qpk_attn_bf16_p8g16d128b128_pairs": "e36fb44deb35a6dab0339a51e3c462b5f7191275c7670a63445c1f564d803ffe",
     "qpk_attn_fp8_p8g16d128b128_pairs": "dd474e2c5a1b42e5c35f98e6c3e720936907347d3078d29643581073d7abce5e",
-    "qpk_attn_fp8_p12g16d128b128": "d5383ea194b29b17699d9584378b59ec0394dd286eed948f88555c2db92828c6",
+    # fp8's wide tile with its row sums by wgmma (mma_sum), as measured on the H200 on 2026-12-04
+    "qpk_attn_fp8_p12g16d128b128_ms": "005cdb44bf359b46c78840f99bcce507b95b1cfa771fba975851dcfcf9847427",
     "qpk_attn_bf16_p12g16d128b128": "9eed9d2f777b6a4efed9096fe186904ecfa993d285824ed05fa5f2a0ddae7e1f",
     # the hybrid's residual merged in the epilogue, its partials' rows at 64-bit offsets (H200, 2026-12-04)
     "qpk_attn_bf16_p12g16d128b128_res": "a3334be3489d56d351920aa432348c5324aeb437cc70a7d45f8dfba12355e139",
     "qpk_attn_bf16_p8g16d128b128_res": "fa0918ac91c506c1d6aa2308e2ec116bef50b1f81b72c61e1ff237873d4c44ce",
-    "qpk_attn_fp8_p12g16d128b128_res": "2c628d05e193a1b05e073ba806a40ed6bcf74f0939be68a1d340815e9d3e1b9a",
+    "qpk_attn_fp8_p12g16d128b128_res_ms": "f3d6e92c0e2badb4dc94442b3c9cdb3ae670b084b2d5e40ff6ead889f0c38231",
     "qpk_attn_fp8_p8g16d128b128_pp_sa_res": "cdd910e411161fb3a610776b194b355e369886de35576a7aa223280b705b2b0e",
     "qpk_attn_fp8_p8g16d128b128_sa_res": "001e38661356b2253d4858acf8b1e41e895b5722e1030daf33be7882f7870d51",
 }
