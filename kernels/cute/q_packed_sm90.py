@@ -54,6 +54,11 @@ With both, a turn issues S(j + 1) and P V(j), as FA3 does for head dim 128.
   order the pairs one warpgroup after the other) and s_ahead (two held stages per warpgroup: all four of
   fp8's pairs ring, none left to read ahead).
 
+* mma_sum: P's row sums by wgmma instead of the softmax's adds: each P V group also multiplies P by an
+  8-column tile of ones (one k block, 256 bytes before sQ, read for every k step), and each block's sums
+  are added to l in fp32 after the group completes (l stays whole rows: no quad shuffles at the end).
+  The fp8 12-token tile's default (manifest.WIDE_MMA_SUM; docs/perf-log.md, 2026-12-04).
+
 * 12-token tiles (tile_tokens 12; neither flag): three consumer warpgroups of 64 rows (512 threads,
   registers 128 x 32 + 384 x 160), warpgroup c holding tokens 4c .. 4c + 3 and walking its third's range
   of the union (the schedule orders it by thirds: [0, e0), [s1, e1), [s2, count); a token's unselected
