@@ -203,10 +203,15 @@ def _model_parts(row, device: DeviceProfile):
     if pred is None:
         return None
     # `device`'s fixed costs, not the run's module.model_fixed_s: that one is the profile's at run time
-    stages = [s for s in backend.stage_names
-              if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
+    stages = ran_stages(backend, row)
     blocks = row["wl_topk"] * union if backend.schedule == Schedule.Q_PACKED and union else None
     return backend, pred, stages, blocks
+
+
+def ran_stages(backend, row) -> list[str]:
+    """The stages of `backend` (Backend.stage_names) a unit row timed: those with a finite median."""
+    return [s for s in backend.stage_names
+            if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
 
 
 def row_decode_share(row, prediction=None) -> float:
@@ -275,15 +280,13 @@ def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
     return pd.DataFrame({"units": f.size(), "achieved": f.median(), "min": f.min(), "max": f.max()}).reset_index()
 
 
-HYBRID_STAGES = ("schedule", "attention", "combine")
-
-
-def _replayed_hybrid(record: dict, device: DeviceProfile, dtype: str, row, stages=HYBRID_STAGES) -> float:
+def _replayed_hybrid(record: dict, device: DeviceProfile, dtype: str, row, stages=None) -> float:
     """The hybrid's module time from an `auto` unit's record: each part's recorded time (its roofline over
     the fraction it was divided by) over today's fraction of its kernel at the part's decode share instead,
     plus today's fixed costs of `stages` (the ones the hybrid ran: `@fused` has no combine). The parts'
     rooflines are the recorded ones: the split needs the workload's selection. Records before the parts'
-    own shares (2026-12-02) divided both by the step's."""
+    own shares (2026-12-02) divided both by the step's. `stages` None: every stage of the hybrid's."""
+    stages = get_backend("hybrid").stage_names if stages is None else stages
     used = record.get("used") or {}
     hybrid = used.get("hybrid") or {}
     if "packed_s" not in hybrid and "kv_outer_s" not in hybrid:      # records without parts: as recorded
@@ -328,8 +331,7 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
             recorded = record.get("predicted_s") or {}
             if "hybrid" in recorded and "hybrid" in measured.index and has_fixed_costs(device, "hybrid", dtype):
                 ran = g[g["backend"] == "hybrid"].iloc[0]
-                stages = HYBRID_STAGES if pd.notna(ran.get("combine.median_s")) else HYBRID_STAGES[:2]
-                pred["hybrid"] = _replayed_hybrid(record, device, dtype, a, stages)
+                pred["hybrid"] = _replayed_hybrid(record, device, dtype, a, ran_stages(get_backend("hybrid"), ran))
         pred = {b: v for b, v in pred.items() if math.isfinite(v)}
         if not pred:
             continue

@@ -296,7 +296,8 @@ class DenseMasked(Backend):
         paged = self.candidates(w.device)[0] == PAGED
         p = predict_dense(self.model_shape(w), w.n_tokens, blocks, keys, profile, inputs.flops, gathered=not paged)
         frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p))
-        return scaled_time(p, frac, self.fraction_terms), {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding, "paged": paged}
+        return scaled_time(p, frac, self.fraction_terms), {"roofline_s": p.time_s, "achieved": frac,
+                                                           "binding": p.binding, "paged": paged}
 
     def _sizes(self, w: Workload, buckets, layout: str) -> dict:
         return paged_sizes(w) if layout == "paged" else dense_sizes(w, buckets, layout)
