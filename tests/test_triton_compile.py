@@ -86,8 +86,9 @@ PACKED_CHILD = textwrap.dedent('''
     for P, share, residual in ((8, 1, False), (16, 3, True), (1, 1, False), (12, 1, False)):
         compile_for_sm90(pack_tile_kernel, {}, dict(P=P, TOPK=16, K_P2=16, U=16 * P,
                                                     U_P2=triton.next_power_of_2(16 * P), BLOCK=128,
-                                                    MIN_SHARE=share, RESIDUAL=residual, MAX_ID=1 << 20,
-                                                    LAST=1 << 30, CELLS=triton.next_power_of_2(16 * P * P)))
+                                                    MIN_SHARE=share, RESIDUAL=residual, THIRDS=P == 12,
+                                                    FIELD=triton.next_power_of_2(16 * P).bit_length(),
+                                                    CELLS=triton.next_power_of_2(16 * P * P)))
     for dt, vd, shift in (("bf16", False, 0), ("fp8e4nv", True, 8)):
         types = {"q_ptr": "*" + dt, "k_ptr": "*" + dt, "v_ptr": "*" + dt, "out_ptr": "*bf16", "lse_ptr": "*fp32",
                  "qk_scale_log2": "fp32", "out_scale": "fp32"}

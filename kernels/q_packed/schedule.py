@@ -29,8 +29,6 @@ import triton.language as tl
 
 NO_KEY = -1                      # a token's limit for a union block it did not select
 _NO_KEY = tl.constexpr(NO_KEY)   # the same, where a Triton kernel reads it
-MAX_BLOCK_ID = 1 << 20           # the union's order key packs (half class, block id, entry) in 30 bits
-MAX_BLOCK_ID_THIRDS = 1 << 19    # the same with six classes (12-token tiles)
 
 
 def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile: int,
@@ -47,8 +45,8 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
                      tile_count_ptr, tile_page_ptr, tile_limit_ptr, tile_split_ptr, residual_ptr, n_tokens,
                      n_token_tiles,
                      table_stride, P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
-                     BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
-                     LAST: tl.constexpr, K_P2: tl.constexpr, CELLS: tl.constexpr, THIRDS: tl.constexpr):
+                     BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, FIELD: tl.constexpr,
+                     K_P2: tl.constexpr, CELLS: tl.constexpr, THIRDS: tl.constexpr):
     tile = tl.program_id(0)                       # head * n_token_tiles + token tile
     head = tile // n_token_tiles
     tt = tile % n_token_tiles
@@ -61,7 +59,7 @@ def pack_tile_kernel(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_t
     else:
         _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                          tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, ntok, n_tokens,
-                         table_stride, P, TOPK, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, MAX_ID, LAST, CELLS, THIRDS)
+                         table_stride, P, TOPK, U, U_P2, BLOCK, MIN_SHARE, RESIDUAL, FIELD, CELLS, THIRDS)
 
 
 @triton.jit
@@ -122,50 +120,68 @@ def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_co
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _field(packed, c, FIELD: tl.constexpr):
+    """Class c's count in a word of per-class counts FIELD bits each."""
+    return ((packed >> (c * FIELD)) & ((1 << FIELD) - 1)).to(tl.int32)
+
+
+@triton.jit
 def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_count_ptr, tile_page_ptr,
                      tile_limit_ptr, tile_split_ptr, residual_ptr, tile, head, tok0, ntok, n_tokens, table_stride,
                      P: tl.constexpr, TOPK: tl.constexpr, U: tl.constexpr, U_P2: tl.constexpr,
-                     BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, MAX_ID: tl.constexpr,
-                     LAST: tl.constexpr, CELLS: tl.constexpr, THIRDS: tl.constexpr):
+                     BLOCK: tl.constexpr, MIN_SHARE: tl.constexpr, RESIDUAL: tl.constexpr, FIELD: tl.constexpr,
+                     CELLS: tl.constexpr, THIRDS: tl.constexpr):
+    # One sort; everything after it is scans and gathers (a bitonic sort of U_P2 costs log^2 steps, a
+    # scan log: the stage ran four sorts before 2026-12-04, docs/perf-log.md)
     i = tl.arange(0, U_P2)                        # entry i: token i // TOPK, rank i % TOPK
     ok = (i < U) & (i // TOPK < ntok)
     row0 = (head.to(tl.int64) * n_tokens + tok0) * TOPK      # the tile's first entry in [Hkv, N, topk]
     blk = tl.load(sel_ptr + row0 + i, mask=ok, other=-1)
     valid, blk_s, entry, first = _id_runs(blk, i, U_P2)
-    rank = tl.cumsum(first.to(tl.int32), 0) - 1
-    # tokens per id (the run's length): the next run's start minus this run's start
-    starts = tl.sort(tl.where(first, i, U_P2))
     n_valid = tl.sum(valid.to(tl.int32), 0)
-    slot = tl.maximum(rank, 0)
-    nxt = tl.where(slot + 1 < U_P2, tl.gather(starts, tl.minimum(slot + 1, U_P2 - 1), 0), U_P2)
-    shared = tl.minimum(nxt, n_valid) - tl.gather(starts, slot, 0)
-    keep = valid & (shared >= MIN_SHARE)           # ids fewer tokens select go to the KV-outer residual
+    # each sorted position's run (one id's entries): [run_first, run_end); its length is the tokens that
+    # select the id
+    run_first = tl.associative_scan(tl.where(first, i, 0), 0, _max)
+    opens_next = (tl.gather(first.to(tl.int32), tl.minimum(i + 1, U_P2 - 1), 0) != 0) & (i + 1 < U_P2)
+    run_end = tl.minimum(tl.associative_scan(tl.where(opens_next, i + 1, U_P2), 0, _min, reverse=True), n_valid)
+    keep = valid & (run_end - run_first >= MIN_SHARE)  # ids fewer tokens select go to the KV-outer residual
     kept_first = first & keep
-    rank = tl.cumsum(kept_first.to(tl.int32), 0) - 1
     count = tl.sum(kept_first.to(tl.int32), 0)
     tl.store(tile_count_ptr + tile, count)
-    # each id's halves: a run's entries are in token order, so its first and last entry hold its least
-    # and greatest token; class 0: first half only, 1: both, 2: second half only
-    run_first = tl.minimum(tl.gather(starts, slot, 0), U_P2 - 1)      # no id at all: starts are U_P2
-    run_last = tl.maximum(tl.minimum(nxt, n_valid) - 1, 0)
+    # a run's entries are in token order, so its first and last entry hold its least and greatest token;
+    # halves: 0 first half only, 1 both, 2 second half only
     tok_lo = tl.gather(entry, run_first, 0) // TOPK
-    tok_hi = tl.gather(entry, run_last, 0) // TOPK
+    tok_hi = tl.gather(entry, tl.maximum(run_end - 1, 0), 0) // TOPK
     if THIRDS:      # (first, last) third: (0, 0) (0, 1) (0, 2) (1, 1) (1, 2) (2, 2) -> 0 .. 5
         g_lo = tok_lo // (P // 3)
         g_hi = tok_hi // (P // 3)
         cls = tl.where(g_lo == 0, g_hi, tl.where(g_hi == 1, 3, tl.where(g_lo == 1, 4, 5)))
     else:
         cls = tl.where(tok_hi < P // 2, 0, tl.where(tok_lo >= P // 2, 2, 1))
-    # slot of each kept id in (class, id) order: sort, then invert the permutation by a second sort
-    order = tl.sort(tl.where(kept_first, (cls * MAX_ID + blk_s) * U_P2 + i, LAST + i)) % U_P2
-    inv = tl.sort(order * U_P2 + i) % U_P2
-    rank = tl.gather(inv, run_first, 0)
-    n_lo = tl.sum((kept_first & (cls == 0)).to(tl.int32), 0)
-    n_both = tl.sum((kept_first & (cls == 1)).to(tl.int32), 0)
+    # union slot in (class, id) order: the kept ids of lower classes, then those of its class at earlier
+    # sorted positions (ids ascend there); per-class counts travel as FIELD-bit fields of one int64 scan
+    one_hot = tl.where(kept_first, tl.full([U_P2], 1, tl.int64) << (cls.to(tl.int64) * FIELD), 0)
+    total = tl.sum(one_hot, 0)
+    slot = _field(tl.cumsum(one_hot, 0) - one_hot, cls.to(tl.int64), FIELD)
+    for c in tl.static_range(6):
+        slot += tl.where(cls > c, _field(total, c, FIELD), 0)
+    rank = tl.gather(slot, run_first, 0)
+    n_lo = _field(total, 0, FIELD)
+    n_both = _field(total, 1, FIELD)
     if THIRDS:
-        n_02 = tl.sum((kept_first & (cls == 2)).to(tl.int32), 0)
-        n_11 = tl.sum((kept_first & (cls == 3)).to(tl.int32), 0)
-        n_12 = tl.sum((kept_first & (cls == 4)).to(tl.int32), 0)
+        n_02 = _field(total, 2, FIELD)
+        n_11 = _field(total, 3, FIELD)
+        n_12 = _field(total, 4, FIELD)
         tl.store(tile_split_ptr + 4 * tile, n_lo + n_both + n_02)
         tl.store(tile_split_ptr + 4 * tile + 1, n_lo)
         tl.store(tile_split_ptr + 4 * tile + 2, n_lo + n_both + n_02 + n_11 + n_12)
@@ -221,15 +237,18 @@ class PackedSchedule:
         if self.residual_pages is not None:
             self.buffers["residual_pages"] = self.residual_pages
         u_p2 = triton.next_power_of_2(u)
-        max_id, classes = (MAX_BLOCK_ID_THIRDS, 6) if self.thirds else (MAX_BLOCK_ID, 3)
-        if w.page_table.shape[-1] > max_id or classes * max_id * u_p2 + u_p2 > 1 << 30:
-            raise ValueError(f"the q-packed schedule orders a tile's union by (class, block id) in 31 bits: at most "
-                             f"{max_id} blocks a request and {u_p2} entries a tile, got "
-                             f"{w.page_table.shape[-1]} and {u_p2}")
+        field = u_p2.bit_length()        # a class's count of union slots (at most u_p2); six in one int64
+        if w.page_table.shape[-1] * u_p2 >= (1 << 31) - 1 or 6 * field > 63:
+            raise ValueError(f"the q-packed schedule sorts a tile's entries by (block id, entry) in 31 bits and "
+                             f"counts its six classes in 63: at most {((1 << 31) - 2) // u_p2} blocks a request "
+                             f"and 512 entries a tile, got {w.page_table.shape[-1]} and {u_p2}")
         self.consts = dict(P=tokens_per_tile, TOPK=s.topk, K_P2=triton.next_power_of_2(s.topk), U=u, U_P2=u_p2,
                            BLOCK=s.block, MIN_SHARE=min_share,
-                           RESIDUAL=self.residual_pages is not None, MAX_ID=max_id, LAST=1 << 30, THIRDS=self.thirds,
+                           RESIDUAL=self.residual_pages is not None, FIELD=field, THIRDS=self.thirds,
                            CELLS=triton.next_power_of_2(u * tokens_per_tile))      # the [U, P] limits, P 12 too
+        # four entries a thread: of 1, 2, 4 and 8 warps the fastest at 128 entries (1) and 256 (2) on the
+        # H200 (docs/perf-log.md, 2026-12-04)
+        self.num_warps = max(1, u_p2 // 128)
 
     @property
     def num_tiles(self) -> int:
@@ -261,4 +280,4 @@ class PackedSchedule:
             self.tile_page, self.tile_limit, self.tile_split,
             self.tile_count if self.residual_pages is None else self.residual_pages,
             w.n_tokens, self.n_token_tiles, w.page_table.stride(0),
-            num_warps=4, **self.consts)
+            num_warps=self.num_warps, **self.consts)
