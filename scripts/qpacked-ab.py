@@ -1,6 +1,6 @@
 """Interleaved A/B of q-packed-cute's attention libraries: the same plans, each variant's kernel in turn.
 
-A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, ms (mma_sum), lr (lazy_rescale), kvN (K/V stages), pN (N tokens a
+A variant is QPackedSm90's constructor flags joined by '+': pp, sa, pairs, ms (mma_sum), kvN (K/V stages), pN (N tokens a
 tile: p12 is three consumer warpgroups; its plan's schedule stage cuts 12-token tiles); `plain` is none
 of them, `default` the plan's own library (build/cute).
 
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from statistics import median_high
 
-FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs", "ms": "mma_sum", "lr": "lazy_rescale"}
+FLAGS = {"pp": "pingpong", "sa": "s_ahead", "pairs": "pairs", "ms": "mma_sum"}
 
 
 def parse_variant(text: str, dtype: str):
@@ -40,7 +40,7 @@ def parse_variant(text: str, dtype: str):
         elif tag[:1] == "p" and tag[1:].isdigit():
             kw["tile_tokens"] = int(tag[1:])
         elif tag != "plain":
-            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, ms, lr, kvN, pN, plain)")
+            sys.exit(f"qpacked-ab: unknown variant tag {tag!r} in {text!r} (pp, sa, pairs, ms, kvN, pN, plain)")
     return QPackedConfig(dtype, **kw)
 
 

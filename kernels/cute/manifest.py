@@ -250,7 +250,6 @@ class QPackedConfig(LibraryConfig):
     block: int = 128
     kv_stages: int = 0          # QPackedSm90's K/V ring; 0: the kernel's own count for the dtype and flags
     mma_sum: bool = False       # P's row sums by a wgmma against ones (QPackedSm90's mma_sum)
-    lazy_rescale: bool = False  # O rescaled only where a warp's row max moved (QPackedSm90's lazy_rescale)
 
     @property
     def option(self) -> str:
@@ -263,13 +262,11 @@ class QPackedConfig(LibraryConfig):
         tags += f"_kv{self.kv_stages}" if self.kv_stages else ""
         tags += "_res" if self.residual else ""
         tags += "_ms" if self.mma_sum else ""
-        tags += "_lr" if self.lazy_rescale else ""
         return f"qpk_attn_{self.dtype}_p{self.tile_tokens}g{self.group}d{self.head_dim}b{self.block}{tags}"
 
     @property
     def options(self) -> dict:
-        return {flag: getattr(self, flag) for flag in (*OPTION_FLAGS.values(), "pairs", "residual", "mma_sum",
-                                                               "lazy_rescale")}
+        return {flag: getattr(self, flag) for flag in (*OPTION_FLAGS.values(), "pairs", "residual", "mma_sum")}
 
     @property
     def omitted(self) -> tuple:

@@ -162,7 +162,7 @@ class QPackedSm90:
 
     def __init__(self, dtype: str, tile_tokens: int = 8, group: int = 16, head_dim: int = 128, block: int = 128,
                  pingpong: bool = False, s_ahead: bool = False, pairs: bool = False, residual: bool = False,
-                 kv_stages: int | None = None, mma_sum: bool = False, lazy_rescale: bool = False):
+                 kv_stages: int | None = None, mma_sum: bool = False):
         if dtype not in DSL_DTYPES:
             raise ValueError(f"the q-packed CuTe stage supports {', '.join(DSL_DTYPES)}, not {dtype}")
         if tile_tokens not in (8, 12) or (group, head_dim, block) != (16, 128, 128):
@@ -195,9 +195,6 @@ class QPackedSm90:
                              "pairs runs decode tokens")
         self.residual = residual
         self.mma_sum = mma_sum
-        if lazy_rescale and (s_ahead or pairs):
-            raise ValueError("QPackedSm90: lazy_rescale runs on the plain block loop (no s_ahead, no pairs)")
-        self.lazy_rescale = lazy_rescale
         self.q_stages = Q_STAGES
         turns = pingpong or pairs
         self.kv_stages = kv_stages or (min(KV_STAGES[dtype], TURNS_KV_STAGES) if turns else
@@ -206,15 +203,14 @@ class QPackedSm90:
         self.q_threads = 2 * 32                                             # producer warps 1 and 2
         self.kernel_version = (self.kernel_version + ("-pingpong" if pingpong else "") + ("-s-ahead" if s_ahead else "")
                                + ("-pairs" if pairs else "") + ("-3wg" if self.consumer_wgs == 3 else "")
-                               + ("-residual" if residual else "") + ("-mma-sum" if mma_sum else "")
-                               + ("-lazy-rescale" if lazy_rescale else ""))
+                               + ("-residual" if residual else "") + ("-mma-sum" if mma_sum else ""))
 
     def __repr__(self) -> str:
         # the DSL names the compiled functions (and ncu shows the kernel) after str(self)
         return (f"QPackedSm90_{self.dtype_name}" + ("_pingpong" if self.pingpong else "")
                 + ("_sahead" if self.s_ahead else "") + ("_pairs" if self.pairs else "")
                 + ("_3wg" if self.consumer_wgs == 3 else "") + ("_res" if self.residual else "")
-                + ("_msum" if self.mma_sum else "") + ("_lazy" if self.lazy_rescale else ""))
+                + ("_msum" if self.mma_sum else ""))
 
     # ---- host side (traced once at compile time) --------------------------------------------
     @cute.jit
@@ -788,16 +784,7 @@ class QPackedSm90:
             self._turn_end(cwg)
             warpgroup.wait_group(0)
             self._softmax(v, limit, scale_log2)
-            if const_expr(self.lazy_rescale):
-                # alpha is exactly 1 where a row's max stayed: the warp skips O's multiplies when all its
-                # rows' did (a bitwise no-op)
-                moved = v["alpha"][0] != Float32(1.0)
-                for r in cutlass.range_constexpr(1, cute.size(v["alpha"])):
-                    moved = moved | (v["alpha"][r] != Float32(1.0))
-                if cute.arch.vote_any_sync(moved):
-                    self._rescale(v)
-            else:
-                self._rescale(v)
+            self._rescale(v)
             self._p_to_regs(v)
             self._issue_pv(pv_mma, v, kv_idx)
             warpgroup.wait_group(0)
