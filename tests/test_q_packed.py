@@ -106,7 +106,7 @@ def assert_schedule_matches_oracle(w, P):
         assert int(sch.tile_count[i]) == c and tuple(sch.tile_split.view(-1, len(split))[i].tolist()) == split
         assert sch.tile_page[i, :c].tolist() == pages and (sch.tile_page[i, c:] == -1).all()
         assert limit[i, :c].tolist() == limits
-        assert (limit[i, c:] == 99).all()          # no reader looks past the count: the stage writes none
+        assert (limit[i, c:] == NO_KEY).all()
 
 
 

@@ -16,7 +16,7 @@ schedule   (selection -> tiles, their unions and per-token key limits; schedule.
                                 each ascending
   tile_limit [T, U, P] int32    last visible key of the block for each tile token, as an offset in
                                 the block (block - 1 when every key is visible, -1 when the token did
-                                not select the block); written for the tile's count slots only
+                                not select the block)
   tile_split [T, 2] int32       (lo_end, hi_start): the first half's blocks are slots [0, lo_end),
                                 the second half's [hi_start, count); 12-token tiles [T, 4] (e0, s1,
                                 e1, s2): the thirds' [0, e0), [s1, e1), [s2, count)

@@ -108,11 +108,10 @@ def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_co
     i = tl.arange(0, U_P2)
     tl.store(tile_page_ptr + base + i, tl.full([U_P2], -1, tl.int32), mask=(i >= count) & (i < U))
     tl.store(tile_page_ptr + base + rank, page, mask=keep)
-    # limits [U, P] of the count slots: the token's own at (slot, 0), NO_KEY in its other cells (disjoint
-    # stores, no barrier)
+    # limits [U, P]: the token's own at (slot, 0), NO_KEY in every other cell (disjoint stores, no barrier)
     cell = tl.arange(0, CELLS)
     tl.store(tile_limit_ptr + base * P + cell, tl.full([CELLS], _NO_KEY, tl.int32),
-             mask=(cell < count * P) & (cell % P != 0))
+             mask=(cell < U * P) & ((cell % P != 0) | (cell // P >= count)))
     limit = tl.minimum(tl.load(q_limit_ptr + tok0) - blk_s * BLOCK, BLOCK - 1)
     tl.store(tile_limit_ptr + (base + rank) * P, limit, mask=keep)
     if RESIDUAL:
@@ -195,10 +194,9 @@ def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_c
     base = tile.to(tl.int64) * U
     tl.store(tile_page_ptr + base + rank, page, mask=kept_first)
     tl.store(tile_page_ptr + base + i, tl.full([U_P2], -1, tl.int32), mask=(i >= count) & (i < U))
-    # limits [U, P] of the count slots (no reader looks past them: at u 1 a tile's count is about a tenth
-    # of U): NO_KEY, then each kept entry's limit at (its slot, its token)
+    # limits [U, P]: NO_KEY everywhere, then each kept entry's limit at (its slot, its token)
     cell = tl.arange(0, CELLS)
-    tl.store(tile_limit_ptr + base * P + cell, tl.full([CELLS], _NO_KEY, tl.int32), mask=cell < count * P)
+    tl.store(tile_limit_ptr + base * P + cell, tl.full([CELLS], _NO_KEY, tl.int32), mask=cell < U * P)
     tl.debug_barrier()
     token = entry // TOPK
     limit = tl.minimum(tl.load(q_limit_ptr + tok0 + token, mask=valid, other=0) - blk_s * BLOCK, BLOCK - 1)
