@@ -5,7 +5,8 @@ median in us.
 
   index-map  the index map of drift p 0.15 (every selection and the hybrid's residual), a decode batch
              and two mixed steps: whole, and its parts (edge keys, the sort at int16 / int32 / int64
-             keys, searchsorted, counts, the placing pass)
+             keys, searchsorted, counts, the placing pass); the hybrid's schedule stage at drift p 0.15
+             in each dtype, part by part (its packed tiles, KV-outer's index map and schedule)
   merge      per option: the packed stage alone with its plain library, the residual library with every
              rank -1 (the index alone) and with the real combine index, and KV-outer's attention
 
@@ -68,6 +69,11 @@ def index_map(args) -> dict:
     out["drift0.15"] = index_map_parts(w.pages, w.num_pages)
     out["drift0.15 hybrid residual"] = index_map_parts(get_backend("hybrid").plan(w).buffers["residual_pages"],
                                                        w.num_pages)
+    for dtype in ("bf16", "fp8"):            # the hybrid's schedule stage, part by part
+        kv_plan, packed = get_backend("hybrid").plan(workload("drift", dtype, "drift0.15"))._parts
+        out[f"drift0.15 {dtype} hybrid schedule"] = {
+            "packed_tiles_us": part_us(packed), "kv_index_map_us": part_us(kv_plan.stages["index_map"]),
+            "kv_schedule_us": part_us(kv_plan.stages["schedule"])}
     for scenario in ("decode", "mixed"):
         points = [p for p in load_scenario(scenario).points if p.dtype == "bf16"]
         for p in points[:1] + points[-1:]:
