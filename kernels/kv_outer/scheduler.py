@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from .. import triton_common  # noqa: F401  (before triton: the interpreter on a CPU)
+from ..triton_scans import scan_min
 import triton
 import triton.language as tl
 
@@ -199,11 +200,6 @@ def schedule_tiles_kernel(tile_ptr, csr_ptr, csr_query, group_start, below, phas
 
 
 @triton.jit
-def _min2(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
 def run_ends_kernel(tile_key, tile_run_end, n, BLOCK: tl.constexpr):
     """tile_run_end[p] = one past the last position of the run of equal keys that holds p: the smallest
     q >= p that ends a run, plus one. A block's positions are walked backwards (a forward min-scan of the
@@ -213,7 +209,7 @@ def run_ends_kernel(tile_key, tile_run_end, n, BLOCK: tl.constexpr):
     live = p < n
     key = tl.load(tile_key + p, mask=live, other=0)
     ends_run = (p + 1 >= n) | (tl.load(tile_key + p + 1, mask=p + 1 < n, other=0) != key)
-    end = tl.associative_scan(tl.where(ends_run & live, p + 1, n + 1), 0, _min2)
+    end = tl.associative_scan(tl.where(ends_run & live, p + 1, n + 1), 0, scan_min)
     if tl.max(tl.where(live, end, 0), 0) > n:                             # the block's last run goes on
         q0 = (pid + 1) * BLOCK
         last_key = tl.load(tile_key + q0 - 1)

@@ -24,6 +24,7 @@ import torch
 from ...scenarios.tiling import query_tiles
 from ..cute.manifest import WIDE_TOKENS
 from .. import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
+from ..triton_scans import scan_max, scan_min
 import triton
 import triton.language as tl
 
@@ -120,16 +121,6 @@ def _one_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_co
 
 
 @triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _min(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
 def _field(packed, c, FIELD: tl.constexpr):
     """Class c's count in a word of per-class counts FIELD bits each."""
     return ((packed >> (c * FIELD)) & ((1 << FIELD) - 1)).to(tl.int32)
@@ -151,9 +142,9 @@ def _many_token_tile(sel_ptr, q_limit_ptr, q_request_ptr, page_table_ptr, tile_c
     n_valid = tl.sum(valid.to(tl.int32), 0)
     # each sorted position's run (one id's entries): [run_first, run_end); its length is the tokens that
     # select the id
-    run_first = tl.associative_scan(tl.where(first, i, 0), 0, _max)
+    run_first = tl.associative_scan(tl.where(first, i, 0), 0, scan_max)
     opens_next = (tl.gather(first.to(tl.int32), tl.minimum(i + 1, U_P2 - 1), 0) != 0) & (i + 1 < U_P2)
-    run_end = tl.minimum(tl.associative_scan(tl.where(opens_next, i + 1, U_P2), 0, _min, reverse=True), n_valid)
+    run_end = tl.minimum(tl.associative_scan(tl.where(opens_next, i + 1, U_P2), 0, scan_min, reverse=True), n_valid)
     keep = valid & (run_end - run_first >= MIN_SHARE)  # ids fewer tokens select go to the KV-outer residual
     kept_first = first & keep
     count = tl.sum(kept_first.to(tl.int32), 0)
