@@ -312,7 +312,8 @@ class QPackedSm90:
                 words[tidx] = Int32(ONES_WORD[self.dtype_name])
             cute.arch.fence_view_async_shared()          # wgmma reads the ones through the async proxy
             ones_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, self.dtype)
-            ones_layout = cute.tile_to_shape(ones_atom, (SUM_N, ONES_BYTES // SUM_N * 8 // self.dtype.width), order=(0, 1))
+            ones_k = ONES_BYTES // SUM_N * 8 // self.dtype.width          # one k block: 32 fp8 or 16 bf16
+            ones_layout = cute.tile_to_shape(ones_atom, (SUM_N, ones_k), order=(0, 1))
             sOnes = cute.make_tensor(cute.recast_ptr(storage.sOnes.data_ptr(), dtype=self.dtype), ones_layout.outer)
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -893,10 +894,8 @@ class QPackedSm90:
         n_rows = const_expr(cute.size(tScS, mode=[0]))
         lse = cute.make_rmem_tensor((n_rows,), Float32)
         for r in cutlass.range_constexpr(n_rows):
-            if const_expr(self.mma_sum):
-                total = l_run[r]                          # whole rows already
-            else:
-                total = l_run[r]
+            total = l_run[r]
+            if const_expr(not self.mma_sum):              # the quad's partial sums (mma_sum's: whole rows)
                 total += cute.arch.shuffle_sync_bfly(total, offset=1)
                 total += cute.arch.shuffle_sync_bfly(total, offset=2)
             seen = total > Float32(0.0)
