@@ -11,7 +11,10 @@ outer: 144 us against 80), which put every small decode batch 20-80 % over its m
 Decode fractions: on decode batches of FIXED_REQUESTS one-token requests (several packed tiles or KV-outer
 pairs per SM), the median of roofline time / (module time less its fixed cost) is the fraction of its
 roofline the backend reaches on decode work ("decode_achieved"). Kernel launches per stage are counted
-with the PyTorch profiler on one eager run.
+with the PyTorch profiler on one eager run. On each workload the first candidate timed times a dropped
+plan first (timing.warm_plan, as a sweep's first unit does). Before, a candidate measured alone
+(`--backend`) was first on every workload, and its decode fractions read 7-11 % under those of the
+whole calibration, the size of the order effect (docs/perf-log.md, 2026-12-04).
 Items: a backend with work items (a packed tile: `Backend.item_blocks`) is also timed on one request whose
 few tiles cannot fill the GPU (ITEM_POINTS: about 50 and 120 blocks a tile); the Theil-Sen line of module
 time against the blocks a tile walks (the latency point's 16 included) gives its fixed cost (the
@@ -31,7 +34,7 @@ import torch
 
 from ..roofline.calibrate import theil_sen
 from ..roofline.devices import DeviceProfile
-from .timing import MODULE, TimingConfig, time_plan
+from .timing import MODULE, TimingConfig, time_plan, warm_plan
 
 FIXED_REQUESTS = (264, 528, 792, 1056)      # 2 to 8 one-token requests per SM: 8 to 32 packed tiles per SM
 FIXED_CONTEXT = (8192, 16384)                # each request's context, uniform in this range
@@ -136,6 +139,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
             w = make_workload(point, device)
             inputs = ModelInputs(w)
             count += 1
+            first = True            # the first candidate timed on the workload times a dropped plan first
             for name in candidate_names():
                 backend = get_backend(name)
                 if (only is not None and name not in only) or (name, dtype) in dropped \
@@ -148,7 +152,8 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                     continue
                 start = time.perf_counter()
                 try:
-                    plan = backend.plan(w)
+                    plan = warm_plan(backend, w, timing, device) if first else backend.plan(w)
+                    first = False
                     roof, _ = backend.roofline(w, inputs, bare)
                     samples = time_plan(plan, timing, device)
                 except Exception as exc:    # one backend that fails here leaves the others' costs measured

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ from ..roofline.model import ALL_SCHEDULES, fixed_cost
 from ..roofline.schedules import Schedule
 from .prediction import model_shape, plan_config, predict_stats, schedule_of
 from .telemetry import Poller, open_telemetry, point_telemetry
-from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan
+from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan, warm_plan
 
 CHECK_ROWS = 512                                        # rows checked against the reference on big points
 TFLOPS_STAGES = (MODULE, "attention")
@@ -46,8 +45,6 @@ class Runner:
         self.run_dir = run_dir
         self.device = device
         self.timing = timing
-        # the dropped plan of a workload's first unit (unit()): the fewest samples the timer takes
-        self.warm_timing = replace(timing, warmup=0, reps=1, max_reps=1, cpu_warmup=0, cpu_reps=1, cpu_max_reps=1)
         self.timer = TIMER_GPU if device.type == "cuda" else TIMER_CPU
         self.telemetry = open_telemetry(device)
         if not self.telemetry.available:
@@ -89,10 +86,8 @@ class Runner:
         compared with the float64 reference: the numbers kept are those of a run that was checked, and a
         unit whose output disagrees is recorded as failed with its timings discarded.
 
-        The first unit on a workload (base's nth_on_workload 0) first builds a plan, times it (the fewest
-        samples) and drops it: on large decode points the unit timed first ran 10 % slower than those
-        after it, whichever backend it was (docs/perf-log.md, 2026-12-02); a plan dropped after one eager
-        run did not help at 1024 requests, a timed one did."""
+        The first unit on a workload (base's nth_on_workload 0) times its plan after a dropped one
+        (timing.warm_plan)."""
         from ..kernels.base import BackendUnavailable, get_backend
         from .check import compare_output, poison
         status = dict(base)
@@ -101,11 +96,9 @@ class Runner:
         if workload.n_tokens > 4 * CHECK_ROWS:
             rows = torch.linspace(0, workload.n_tokens - 1, CHECK_ROWS).round().long().unique()
         try:
-            plan = backend.plan(workload)          # BackendUnavailable when it cannot run this workload here
-            if base.get("nth_on_workload") == 0:
-                time_plan(plan, self.warm_timing, self.device)
-                del plan
-                plan = backend.plan(workload)
+            # BackendUnavailable when it cannot run this workload here
+            plan = (warm_plan(backend, workload, self.timing, self.device) if base.get("nth_on_workload") == 0
+                    else backend.plan(workload))
             poison(plan)
             before = self.telemetry.sample()
             poller = Poller(self.telemetry.sample).start() if self.telemetry.available else None

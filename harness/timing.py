@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 import numpy as np
@@ -215,6 +215,18 @@ def _time_host(plan, config: TimingConfig) -> dict[str, StageSamples]:
         rep(True)
     converged = coefficient_of_variation(seconds[MODULE]) <= config.cv_target
     return {name: StageSamples(name, s, TIMER_CPU, converged) for name, s in seconds.items()}
+
+
+def warm_plan(backend, workload, config: TimingConfig, device: torch.device | str):
+    """A fresh plan of `backend` for `workload`, after one plan of it was timed with the fewest samples and
+    dropped. Whoever times first on a built workload calls this: on large decode points the first plan
+    timed there ran 10 % slower than those after it, whichever backend it was, and a plan dropped after one
+    eager run did not help, a timed one did (docs/perf-log.md, 2026-12-02)."""
+    few = replace(config, warmup=0, reps=1, max_reps=1, cpu_warmup=0, cpu_reps=1, cpu_max_reps=1)
+    plan = backend.plan(workload)
+    time_plan(plan, few, device)
+    del plan
+    return backend.plan(workload)
 
 
 def time_plan(plan, config: TimingConfig, device: torch.device | str,

@@ -509,3 +509,24 @@ def test_a_stage_only_longer_tiles_run_adds_its_own_time_and_one_token_batches_d
     assert fit_series(latency, items) == {"q-packed-cute/attention/bf16": got["q-packed-cute/attention/bf16"]}
     batches = [_row(r, 5e-6 + r / 0.9) for r in (1e-4, 2e-4, 3e-4)]                # attention alone
     assert fit_decode_achieved({("q-packed-cute", "bf16"): batches}, got) == {"q-packed-cute/bf16": pytest.approx(0.9)}
+
+
+def test_the_first_candidate_on_each_calibration_workload_times_a_dropped_plan_first(monkeypatch):
+    """As a sweep's first unit does (timing.warm_plan): on each workload one plan of the first candidate is
+    timed with the fewest samples and dropped, then every candidate is timed with the calibration's own."""
+    from msa_bench.harness import fixed_costs, timing
+    from msa_bench.harness.timing import TimingConfig
+    monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["flashinfer", "kv-outer", "msa-scatter"])
+    real, calls = timing.time_plan, []
+
+    def record(plan, config, device, *rest):
+        calls.append((plan.backend, config.cpu_reps))
+        return real(plan, config, device, *rest)
+    monkeypatch.setattr(timing, "time_plan", record)
+    monkeypatch.setattr(fixed_costs, "time_plan", record)
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), (512, 1024))
+    series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu", points=points,
+                                        timing=TimingConfig(cpu_reps=2, cpu_max_reps=2))
+    assert set(series) == {("kv-outer", "fp32"), ("msa-scatter", "fp32")}      # flashinfer: no GPU here
+    per_workload = [("kv-outer", 1), ("kv-outer", 2), ("msa-scatter", 2)]
+    assert calls == per_workload * 2
