@@ -30,6 +30,8 @@ import triton.language as tl
 
 NO_KEY = -1                      # a token's limit for a union block it did not select
 _NO_KEY = tl.constexpr(NO_KEY)   # the same, where a Triton kernel reads it
+# six classes' counts of union slots, each u_p2.bit_length() bits, share one int64: u_p2 at most 2^9
+MAX_TILE_ENTRIES = 1 << (63 // 6 - 1)
 
 
 def token_tiles(q_request: torch.Tensor, q_limit: torch.Tensor, tokens_per_tile: int,
@@ -229,10 +231,10 @@ class PackedSchedule:
             self.buffers["residual_pages"] = self.residual_pages
         u_p2 = triton.next_power_of_2(u)
         field = u_p2.bit_length()        # a class's count of union slots (at most u_p2); six in one int64
-        if w.page_table.shape[-1] * u_p2 >= (1 << 31) - 1 or 6 * field > 63:
+        if w.page_table.shape[-1] * u_p2 >= (1 << 31) - 1 or u_p2 > MAX_TILE_ENTRIES:
             raise ValueError(f"the q-packed schedule sorts a tile's entries by (block id, entry) in 31 bits and "
                              f"counts its six classes in 63: at most {((1 << 31) - 2) // u_p2} blocks a request "
-                             f"and 512 entries a tile, got {w.page_table.shape[-1]} and {u_p2}")
+                             f"and {MAX_TILE_ENTRIES} entries a tile, got {w.page_table.shape[-1]} and {u_p2}")
         self.consts = dict(P=tokens_per_tile, TOPK=s.topk, K_P2=triton.next_power_of_2(s.topk), U=u, U_P2=u_p2,
                            BLOCK=s.block, MIN_SHARE=min_share,
                            RESIDUAL=self.residual_pages is not None, FIELD=field, THIRDS=self.thirds,
