@@ -15,7 +15,7 @@ with the PyTorch profiler on one eager run. On each workload the first candidate
 plan first (timing.warm_plan, as a sweep's first unit does). Before, a candidate measured alone
 (`--backend`) was first on every workload, and its decode fractions read 7-11 % under those of the
 whole calibration, the size of the order effect (docs/perf-log.md, 2026-12-04).
-Items: a backend with work items (a packed tile: `Backend.item_blocks`) is also timed on one request whose
+Items: a backend with work items (a packed tile: `roofline.predict.item_blocks`) is also timed on one request whose
 few tiles cannot fill the GPU (ITEM_POINTS: about 50 and 120 blocks a tile); the Theil-Sen line of module
 time against the blocks a tile walks (the latency point's 16 included) gives its fixed cost (the
 intercept) and one block's walk on one SM (block_s). A stage those workloads run and the latency point
@@ -120,7 +120,9 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     from dataclasses import replace
     from ..errors import one_line
     from ..kernels.auto import candidate_names
-    from ..kernels.base import ModelInputs, get_backend
+    from ..kernels.base import get_backend
+    from ..roofline.predict import item_blocks, predict_module
+    from ..scenarios.stats import ModelStats
     from ..scenarios.grid import make_workload
     device = torch.device(device)
     bare = replace(profile, achieved={}, fixed_costs={})
@@ -137,7 +139,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
         count = 0
         for point in points(dtype):
             w = make_workload(point, device)
-            inputs = ModelInputs(w)
+            stats = ModelStats(w)
             count += 1
             first = True            # the first candidate timed on the workload times a dropped plan first
             for name in candidate_names():
@@ -154,7 +156,8 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                 try:
                     plan = warm_plan(backend, w, timing, device) if first else backend.plan(w)
                     first = False
-                    roof, _ = backend.roofline(w, inputs, bare)
+                    # at fraction 1 with no fixed costs and no item floor: the roofline alone
+                    roof = predict_module(backend.facts, stats, plan.info["model"], bare, dtype).seconds
                     samples = time_plan(plan, timing, device)
                 except Exception as exc:    # one backend that fails here leaves the others' costs measured
                     skip(name, dtype, f" at N {w.n_tokens}: {one_line(exc)}")
@@ -170,7 +173,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
                     launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
                 series.setdefault((name, dtype), []).append(
-                    (roof, medians, launches[(name, dtype)], backend.item_blocks(w, inputs)))
+                    (roof, medians, launches[(name, dtype)], item_blocks(backend.facts, stats)))
                 del plan
             del w
             torch.cuda.empty_cache()

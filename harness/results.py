@@ -38,8 +38,9 @@ import pandas as pd
 
 from ..errors import UserError
 from .timing import TIMER_GPU, l2_flush_of
+from .migrate import MODEL_RECORD_SCHEMA, upgrade
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = MODEL_RECORD_SCHEMA    # harness/migrate.py upgrades rows of earlier ones where a run is loaded
 RUN_FILE = "run.json"
 UNITS_DIR = "units"
 SAMPLES_REMOVED = "samples_removed"    # run.json: why and where a committed run's raw samples went
@@ -505,7 +506,7 @@ def load_run(run_dir: str | Path) -> Run:
             damaged.append(f"corrupt results file {run_dir / UNITS_DIR / uid / 'status.json'}: timer "
                            f"{status.get('timer')!r} in a run timed by {meta.get('timer')!r}")
             continue
-        status_rows.append({"unit": uid, **status})
+        status_rows.append({"unit": uid, **upgrade(status, int(meta.get("schema") or 1))})
         stats += [st] if st is not None and len(st) else []
         samples += [sa] if sa is not None and len(sa) else []
     if damaged:

@@ -16,9 +16,9 @@ import torch
 from . import counters as ncu_counters
 from . import provenance, results
 from ..errors import UserError, one_line
-from ..roofline.model import ALL_SCHEDULES, fixed_cost
-from ..roofline.schedules import Schedule
-from .prediction import model_shape, plan_config, predict_stats, schedule_of
+from ..roofline.model import fixed_cost
+from ..roofline.predict import schedule_roofline
+from .prediction import schedule_of
 from .telemetry import Poller, open_telemetry, point_telemetry
 from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan, warm_plan
 
@@ -126,12 +126,12 @@ class Runner:
         if ref_clock:
             status["sm_clock_max_mhz"] = ref_clock
         status.update(plan_info=json.dumps(plan.info, default=str, sort_keys=True))
-        config, info = plan_config(plan.info), plan.info
+        info = plan.info
         status["schedule"] = schedule_of(backend_name, info) or "none"
         stage_names = list(plan.stages)
         del plan
         stats, sample_rows = self._timing_rows(point, backend_name, samples, wl_stats)
-        stats += self._model_rows(point, backend_name, wl_stats, config, info, stage_names)
+        stats += self._model_rows(point, backend_name, wl_stats, info, stage_names)
         if self.ncu is not None:
             status["counters"] = COUNTERS_PENDING
         return {**status, "status": results.STATUS_OK, "reason": ""}, stats, sample_rows
@@ -189,7 +189,7 @@ class Runner:
             raw += rows
         return stats, raw
 
-    def _model_rows(self, point, backend, wl_stats, config: dict | None = None, info: dict | None = None,
+    def _model_rows(self, point, backend, wl_stats, info: dict | None = None,
                     stage_names=()):
         """The roofline's time and bytes (model_time_s: the largest term, no fixed costs) and the fixed costs
         of the stages the plan ran (model_fixed_s; `auto`: its pick's)."""
@@ -199,11 +199,7 @@ class Runner:
         ran = ((info or {}).get("auto") or {}).get("backend") or backend
         fixed = [self._row(point, backend, MODULE, "model_fixed_s",
                            fixed_cost(self.profile, ran, stage_names, point.dtype)[0])]
-        if schedule not in (*ALL_SCHEDULES, Schedule.DENSE_MASKED):
-            return fixed
-        sh = point.shape
-        pred = predict_stats(schedule, model_shape(sh.hq, sh.hkv, sh.head_dim, sh.block, sh.topk, point.dtype, config),
-                             wl_stats, self.profile, info)
+        pred = schedule_roofline(schedule, wl_stats, (info or {}).get("model") or {}, self.profile, point.dtype)
         if pred is None:
             return fixed
         values = {"model_time_s": pred.time_s, "model_hbm_bytes": pred.hbm_bytes,

@@ -8,17 +8,20 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
-from ..roofline.devices import DeviceProfile, achieved
-from ..kernels.base import get_backend, model_dtype, registered_names
-from ..roofline.model import (crossover, crossover_at, decode_work_share, fixed_cost, fraction_roofline, is_decode,
-                              module_time, scaled_time)
+from ..roofline.devices import DeviceProfile, has_fixed_costs
+from ..kernels.auto import AutoBackend
+from ..kernels.base import get_backend, model_dtype
+from ..kernels.q_packed.hybrid import HybridBackend
+from ..roofline.model import crossover, crossover_at, is_decode
+from ..roofline.predict import fraction_fit, predict_module, schedule_roofline, shape_of, weigh_reason
 from ..roofline.schedules import Schedule
 from ..roofline.shape import AttnShape
 from .axes import UNION, group_label, varying_fields
-from .prediction import _info, launch_labels, model_shape, plan_config, predict_stats, quantization, schedule_of
+from .prediction import _info, launch_labels, plan_config, quantization, schedule_of
 from .results import STATUS_OK, Run
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
+AUTO, HYBRID = AutoBackend.name, HybridBackend.name
 SHAPE_DEFAULTS = asdict(AttnShape())
 
 
@@ -59,15 +62,19 @@ def attention_shape(row) -> dict:
     return out
 
 
+def row_record(row) -> dict:
+    """What a unit's plan recorded for the model (plan_info "model"; harness/migrate.py upgrades older rows)."""
+    return _info(row.get("plan_info")).get("model") or {}
+
+
 def row_model_shape(row):
-    """The model's shape for a unit row: its attention shape, dtype and launch configuration."""
-    return model_shape(**attention_shape(row), dtype=row["dtype"], config=plan_config(row.get("plan_info")))
+    """The model's shape for a unit row: its attention shape, dtype and launch terms."""
+    return shape_of(row, row["dtype"], row_record(row))
 
 
 def _predict_row(row, schedule: str, device: DeviceProfile):
-    """The roofline for a unit row: its workload's statistics (wl_ columns, union_ratio included) and, for
-    q-packed, the tile size its plan records."""
-    return predict_stats(schedule, row_model_shape(row), row, device, row.get("plan_info"))
+    """The roofline of `schedule` for a unit row: its workload's statistics (wl_ columns) and its plan's record."""
+    return schedule_roofline(schedule, row, row_record(row), device, row["dtype"])
 
 
 def status_table(run: Run) -> pd.DataFrame:
@@ -160,11 +167,11 @@ def auto_vs_fastest(run: Run) -> pd.DataFrame:
     """Per point and dtype where `auto` ran: its module time against the fastest other backend measured,
     and what it picked. ratio = auto / fastest (1 = auto is the fastest)."""
     t = ok_units(run)
-    if t.empty or "module.median_s" not in t or not (t["backend"] == "auto").any():
+    if t.empty or "module.median_s" not in t or not (t["backend"] == AUTO).any():
         return pd.DataFrame()
     rows = []
     for (key, dtype), g in t.groupby(["point_key", "dtype"], sort=True):
-        auto, rest = g[g["backend"] == "auto"], g[g["backend"] != "auto"]
+        auto, rest = g[g["backend"] == AUTO], g[g["backend"] != AUTO]
         if auto.empty or rest.empty:
             continue
         a = auto.iloc[0]
@@ -186,26 +193,12 @@ def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
             "worst": float(r.max()), "median": float(r.median())}
 
 
-def _model_parts(row, device: DeviceProfile):
-    """(backend, today's roofline Prediction, the stages the unit ran, its item blocks) for a
-    unit row the model predicts, else None (Backend.unmodelled_reason; hybrid; a backend not registered
-    here; a row without what the roofline needs, such as CPU runs)."""
+def _facts(row):
+    """The model's facts of a unit row's backend, None for one not registered here."""
     try:
-        backend = get_backend(row["backend"])
+        return get_backend(row["backend"]).facts
     except KeyError:
         return None
-    union = row.get(f"wl_union_ratio_p{backend.tile_tokens}", np.nan)
-    union = float(union) if isinstance(union, (int, float)) and math.isfinite(union) else None
-    if backend.unmodelled_reason(lambda: union):
-        return None
-    schedule = schedule_of(row["backend"], row.get("plan_info"))
-    pred = _predict_row(row, schedule, device) if schedule else None
-    if pred is None:
-        return None
-    # `device`'s fixed costs, not the run's module.model_fixed_s: that one is the profile's at run time
-    stages = ran_stages(backend, row)
-    blocks = row["wl_topk"] * union if backend.schedule == Schedule.Q_PACKED and union else None
-    return backend, pred, stages, blocks
 
 
 def ran_stages(backend, row) -> list[str]:
@@ -214,47 +207,16 @@ def ran_stages(backend, row) -> list[str]:
             if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
 
 
-def row_decode_share(row, prediction=None) -> float:
-    """A unit row's share of decode tokens (model.decode_share): its wl_decode_share (given the row's
-    `prediction`, the share of its work, model.decode_work_share); for rows written before that statistic,
-    a mixed step's from its point (every token outside its chunks is a decode token), else 1 or 0 by
-    model.is_decode."""
-    def num(key):
-        v = row.get(key)
-        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
-    share = num("wl_decode_share")
-    if share is not None:
-        return decode_work_share(prediction, share, num("wl_decode_kv_share")) if prediction else share
-    n, chunks, chunk_tokens = num("wl_n_tokens"), num("chunks"), num("chunk_tokens")
-    if row.get("generator") == "mixed" and n and chunks is not None and chunk_tokens is not None:
-        return max(0.0, 1.0 - chunks * chunk_tokens / n)
-    return float(is_decode(row.get("wl_n_tokens", 0), row.get("wl_requests", 0)))
-
-
 def predicted_module_s(row, device: DeviceProfile) -> float:
-    """The model's module time for a unit row: `auto` units carry their pick's prediction in plan_info;
-    others, roofline.model.module_time of today's roofline for the row's workload (its wl_ statistics) with
-    `device`'s achieved fraction, item floor and fixed costs of the stages the unit ran. NaN where the model
-    does not predict the unit (_model_parts)."""
-    if row["backend"] == "auto":
+    """The model's module time for a unit row (roofline.predict.predict_module of its workload's statistics
+    and its plan's record, `device`'s fractions and the fixed costs of the stages the unit ran); `auto` units
+    carry their pick's prediction. NaN where the model does not predict the unit."""
+    if row["backend"] == AUTO:
         a = _info(row.get("plan_info")).get("auto") or {}
         return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
-    parts = _model_parts(row, device)
-    if parts is None:
-        return float("nan")
-    backend, pred, stages, blocks = parts
-    decode = row_decode_share(row, pred)
-    dtype = model_dtype(row["dtype"])
-    fraction = achieved(device, fraction_name(backend, row), dtype, decode)
-    return module_time(device, row["backend"], dtype, scaled_time(pred, fraction, backend.fraction_terms), stages,
-                       blocks)[0]
-
-
-def fraction_name(backend, row) -> str:
-    """The name a unit's achieved fraction is kept under: its backend's for the plan it recorded
-    (Backend.fraction_name), with the row's own option where it named one."""
-    name = backend.fraction_name(_info(row.get("plan_info")))
-    return row["backend"] if name == backend.name and "@" in str(row["backend"]) else name
+    facts = _facts(row)
+    got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row)) if facts else None
+    return float("nan") if got is None else got.seconds
 
 
 def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
@@ -264,74 +226,44 @@ def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
     t = ok_units(run)
     rows = []
     for _, r in t.iterrows() if not t.empty and "module.median_s" in t else ():
-        if r["backend"] == "auto" or is_decode(r.get("wl_n_tokens", 0), r.get("wl_requests", 0)):
+        if r["backend"] == AUTO or is_decode(r.get("wl_n_tokens", 0), r.get("wl_requests", 0)):
             continue
-        parts = _model_parts(r, device)
-        if parts is None:
-            continue
-        dtype = model_dtype(r["dtype"])
-        fixed = fixed_cost(device, r["backend"], parts[2], dtype)[0]
-        if r["module.median_s"] > fixed:
-            rows.append({"backend": fraction_name(parts[0], r), "dtype": dtype,
-                         "f": fraction_roofline(parts[1], parts[0].fraction_terms) / (r["module.median_s"] - fixed)})
+        facts = _facts(r)
+        got = facts and fraction_fit(facts, r, row_record(r), device, r["dtype"], r["module.median_s"],
+                                     ran_stages(facts, r))
+        if got:
+            rows.append({"backend": got[0], "dtype": model_dtype(r["dtype"]), "f": got[1]})
     if not rows:
         return pd.DataFrame(columns=["backend", "dtype", "units", "achieved", "min", "max"])
     f = pd.DataFrame(rows).groupby(["backend", "dtype"])["f"]
     return pd.DataFrame({"units": f.size(), "achieved": f.median(), "min": f.min(), "max": f.max()}).reset_index()
 
 
-def _replayed_hybrid(record: dict, device: DeviceProfile, dtype: str, row, stages=None) -> float:
-    """The hybrid's module time from an `auto` unit's record: each part's recorded time (its roofline over
-    the fraction it was divided by) over today's fraction of its kernel at the part's decode share instead,
-    plus today's fixed costs of `stages` (the ones the hybrid ran: `@fused` has no combine). The parts'
-    rooflines are the recorded ones: the split needs the workload's selection. Records before the parts'
-    own shares (2026-12-02) divided both by the step's. `stages` None: every stage of the hybrid's."""
-    stages = get_backend("hybrid").stage_names if stages is None else stages
-    used = record.get("used") or {}
-    hybrid = used.get("hybrid") or {}
-    if "packed_s" not in hybrid and "kv_outer_s" not in hybrid:      # records without parts: as recorded
-        return float(record["predicted_s"]["hybrid"]) - float(hybrid.get("fixed_s", 0.0)) + fixed_cost(
-            device, "hybrid", stages, dtype)[0]
-    total = 0.0
-    for part, kernel in (("packed", hybrid.get("packed")), ("kv_outer", hybrid.get("kv_outer"))):
-        if f"{part}_s" in hybrid:
-            decode = hybrid.get(f"{part}_decode_share", row_decode_share(row))
-            ran = float(hybrid.get(f"{part}_achieved") or (used.get(kernel) or {}).get("achieved")
-                        or achieved(device, kernel, dtype, decode))
-            name = kernel
-            if part == "packed" and kernel in registered_names():       # its tile size's fraction
-                name = get_backend(kernel).fraction_name({"tile_tokens": hybrid.get("tile_tokens")})
-            total += float(hybrid[f"{part}_s"]) * ran / achieved(device, name, dtype, decode)
-    return total + fixed_cost(device, "hybrid", stages, dtype)[0]
-
-
 def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
-    """Per point and dtype: the backend the model predicts fastest among those measured there (hybrid's
-    prediction from an `auto` unit's plan, where one ran), against the fastest measured. Replays the pick
-    of today's model on a run made with any `auto`, or none."""
+    """Per point and dtype: the backend the model predicts fastest among those measured there that `auto`
+    would weigh (roofline.predict.weigh_reason; the hybrid's prediction from an `auto` unit's record, where
+    one ran), against the fastest measured. Replays the pick of today's model on a run made with any `auto`,
+    or none."""
     from ..kernels.auto import candidate_names
-    from ..roofline.devices import has_achieved, has_fixed_costs
     t = ok_units(run)
     if device is None or t.empty or "module.median_s" not in t:
         return pd.DataFrame()
     names = set(candidate_names())
     rows = []
     for (key, dtype), g in t.groupby(["point_key", "dtype"], sort=True):
-        measured = g[g["backend"] != "auto"].set_index("backend")["module.median_s"]
+        measured = g[g["backend"] != AUTO].set_index("backend")["module.median_s"]
         if len(measured) < 2:
             continue
-        # auto's rules: candidates only, with a measured fraction, flashinfer-packed at union_ratio 1 only
-        weighed = g[g["backend"].isin(names) & np.array([has_achieved(device, b, dtype)
-                                                           and has_fixed_costs(device, b, dtype) for b in g["backend"]])]
-        if UNION in weighed:
-            weighed = weighed[(weighed["backend"] != "flashinfer-packed") | (weighed[UNION] <= 1 + 1e-9)]
-        pred = {r["backend"]: predicted_module_s(r, device) for _, r in weighed.iterrows()}
-        for _, a in g[g["backend"] == "auto"].iterrows():
-            record = _info(a.get("plan_info")).get("auto") or {}
-            recorded = record.get("predicted_s") or {}
-            if "hybrid" in recorded and "hybrid" in measured.index and has_fixed_costs(device, "hybrid", dtype):
-                ran = g[g["backend"] == "hybrid"].iloc[0]
-                pred["hybrid"] = _replayed_hybrid(record, device, dtype, a, ran_stages(get_backend("hybrid"), ran))
+        pred = {r["backend"]: predicted_module_s(r, device) for _, r in g.iterrows()
+                if r["backend"] in names and weigh_reason(_facts(r), r, device, dtype) is None}
+        hybrid = get_backend(HYBRID)
+        for _, a in g[g["backend"] == AUTO].iterrows():
+            record = (((_info(a.get("plan_info")).get("auto") or {}).get("used") or {}).get(HYBRID) or {}).get("record")
+            if record and HYBRID in measured.index and has_fixed_costs(device, HYBRID, model_dtype(dtype)):
+                got = predict_module(hybrid.facts, a, record, device, dtype,
+                                     ran_stages(hybrid.facts, g[g["backend"] == HYBRID].iloc[0]))
+                if got is not None:
+                    pred[HYBRID] = got.seconds
         pred = {b: v for b, v in pred.items() if math.isfinite(v)}
         if not pred:
             continue
@@ -453,7 +385,7 @@ def _finite_or_none(v: float) -> float | None:
 def schedule_backends(table: pd.DataFrame, schedule: str) -> list[str]:
     """Backends that ran `schedule` at every unit (`auto` and the hybrid pick per point: never one)."""
     per = table.groupby("backend")["schedule"].agg(lambda s: set(s))
-    return sorted(b for b, s in per.items() if s == {schedule} and b != "auto")
+    return sorted(b for b, s in per.items() if s == {schedule} and b != AUTO)
 
 
 def reuse_groups(table: pd.DataFrame):

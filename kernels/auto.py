@@ -10,13 +10,11 @@ records every prediction, the skipped candidates and the pick under "auto", the 
 """
 from __future__ import annotations
 
-from ..roofline.devices import device_profile, has_achieved, has_fixed_costs
-from ..roofline.model import ALL_SCHEDULES
-from ..roofline.schedules import Schedule
+from ..roofline.devices import device_profile
+from ..roofline.predict import predict_module, weigh_reason
+from ..scenarios.stats import ModelStats
 from ..scenarios.workload import Workload
-from .base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register, registered_names
-
-MODELLED = (*ALL_SCHEDULES, Schedule.HYBRID, Schedule.DENSE_MASKED)
+from .base import Backend, BackendUnavailable, Plan, get_backend, register, registered_names
 
 
 def candidate_names() -> list[str]:
@@ -48,26 +46,20 @@ class AutoBackend(Backend):
     def candidates(self, w: Workload, profile=None) -> tuple[dict[str, tuple[Backend, float, dict]], dict[str, str]]:
         """({name: (backend, predicted seconds, what the prediction used)}, {skipped name: why})."""
         profile = profile or device_profile(w.device)
-        inputs = ModelInputs(w)
+        stats = ModelStats(w)
         out, skipped = {}, {}
         for name in candidate_names():
             backend = get_backend(name)
-            why = backend.workload_unavailable_reason(w)
-            if why is None and backend.schedule not in MODELLED:
-                why = f"{name}: the model has no schedule '{backend.schedule}'"
-            if why is None:
-                why = backend.model_unfit_reason(w, inputs)
-            if why is None:
-                missing = [b for b in backend.achieved_names(w) if not has_achieved(profile, b, model_dtype(w.dtype))]
-                if missing:
-                    why = f"{name}: profile {profile.name} has no achieved fraction of {missing[0]}/{model_dtype(w.dtype)}"
-                elif not has_fixed_costs(profile, name, model_dtype(w.dtype)):
-                    why = f"{name}: profile {profile.name} has no fixed costs for it in {model_dtype(w.dtype)}"
+            why = backend.workload_unavailable_reason(w) or weigh_reason(backend.facts, stats, profile, w.dtype,
+                                                                         backend.achieved_names(w))
             if why is None:
                 try:
-                    seconds, used = backend.predict_module(w, inputs, profile)
-                    out[name] = (backend, seconds, used)
-                    continue
+                    record = backend.model_record(w, profile)
+                    got = predict_module(backend.facts, stats, record, profile, w.dtype)
+                    if got is not None:
+                        out[name] = (backend, got.seconds, {**got.used, "record": record})
+                        continue
+                    why = f"{name}: the workload's statistics lack what its roofline needs"
                 except BackendUnavailable as exc:     # e.g. a launch configuration this shape cannot take
                     why = str(exc)
             skipped[name] = why

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
 from ..roofline.model import RESOURCES
+from ..roofline.predict import KernelFacts, model_dtype  # noqa: F401  (model_dtype re-exported)
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .options import Option, parse_options
@@ -27,47 +28,12 @@ class Plan:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)   # named intermediates for stage checks
     plan_seconds: float = 0.0                      # host time spent in plan()
     info: dict = field(default_factory=dict)       # path actually taken: kernel names, configs, grid sizes
+    model_record: dict | None = None               # what the model needs of it, where the plan knows it first
 
     def run(self) -> torch.Tensor:
         for stage in self.stages.values():
             stage()
         return self.output
-
-
-class ModelInputs:
-    """What the roofline needs of a workload, computed once for every backend `auto` weighs."""
-
-    def __init__(self, w: Workload):
-        from ..scenarios.stats import selected_pairs, useful_flops, workload_decode_kv_share, workload_decode_share
-        s, n = w.shape, w.n_tokens
-        self.w = w
-        self.selected = float((w.selection >= 0).sum())
-        self.per_query = self.selected / (n * s.hkv) if n else 0.0
-        fanin = selected_pairs(w)[1]
-        self.nsb = float(fanin.numel())
-        self.nsb_shared = float((fanin > 1).sum())             # model.traffic's re-read working set
-        self.flops = useful_flops(w)
-        self.decode = workload_decode_share(w)                  # achieved(): the decode shares it blends by
-        self.decode_kv = workload_decode_kv_share(w, fanin.numel())     # (model.decode_work_share)
-        self._union: dict[tuple, float] = {}
-
-    def decode_for(self, prediction) -> float:
-        """The decode share `prediction`'s fractions blend by (model.decode_work_share)."""
-        from ..roofline.model import decode_work_share
-        return decode_work_share(prediction, self.decode, self.decode_kv)
-
-    def union_ratio(self, tile: int, padded: bool = False) -> float:
-        """The workload's union_ratio at tiles of `tile` tokens (1 where nothing is selected); padded: with
-        every tile counted as `tile` tokens, what a token-packed kernel executes (scenarios/stats.py)."""
-        if (tile, padded) not in self._union:
-            from ..scenarios.stats import workload_union_ratio
-            self._union[(tile, padded)] = workload_union_ratio(self.w, tile, padded) or 1.0
-        return self._union[(tile, padded)]
-
-
-def model_dtype(dtype: str) -> str:
-    """The dtype a profile's achieved fractions are keyed by: fp16 and fp32 count as bf16."""
-    return dtype if dtype in ("bf16", "fp8") else "bf16"
 
 
 class Backend:
@@ -89,69 +55,29 @@ class Backend:
         """This backend with the flags `option` sets (NAME@OPTION); ValueError, one line, on a bad one."""
         return cls(**parse_options(cls.name, cls.options, option))
 
-    def model_shape(self, w: Workload):
-        from ..roofline.model import ModelShape
-        return ModelShape.of(w.shape, dtype=w.dtype)
+    # ---- what the model needs of it, as data (roofline/predict.py) ----
+    tile_fractions: tuple[tuple[int, str], ...] = ()    # (tile tokens, fraction name): tiles measured on their own
+    union_one_only: bool = False             # modelled only where a tile's tokens select alike
+    unmodelled: str | None = None            # why the model never predicts it
 
-    def model_unfit_reason(self, w: Workload, inputs: ModelInputs) -> str | None:
-        """None where the model predicts this backend on `w`, else why not."""
-        return self.unmodelled_reason(lambda: inputs.union_ratio(self.tile_tokens))
+    @property
+    def facts(self) -> KernelFacts:
+        return KernelFacts(name=self.name, schedule=self.schedule, stage_names=tuple(self.stage_names),
+                           tile_tokens=self.tile_tokens, mma_tokens=self.mma_tokens,
+                           fraction_terms=tuple(self.fraction_terms), tile_fractions=tuple(self.tile_fractions),
+                           union_one_only=self.union_one_only, unmodelled=self.unmodelled)
 
-    def unmodelled_reason(self, union_ratio) -> str | None:
-        """The rule behind model_unfit_reason, for a workload or a result row: None where the model predicts
-        this backend at the workload's union_ratio (at its tile_tokens; `union_ratio()` gives it, None if
-        unknown), else why not."""
-        from ..roofline.model import ALL_SCHEDULES
-        if self.schedule not in ALL_SCHEDULES:
-            return f"{self.name}: the model has no schedule '{self.schedule}'"
-        return None
+    def model_record(self, w: Workload, profile=None) -> dict:
+        """What a plan of `w` records for the model (plan.info["model"]), known before planning: the tile
+        it runs, its MMAs' tokens, the stages it runs; backends whose plans differ add theirs."""
+        record = {"tile_tokens": self.tile_tokens, "stages": list(self.stages_for(w))}
+        if self.mma_tokens:
+            record["mma_tokens"] = self.mma_tokens
+        return record
 
     def achieved_names(self, w: Workload) -> tuple[str, ...]:
         """The backends whose achieved fractions this backend's prediction divides by."""
         return (self.name,)
-
-    def fraction_name(self, info: dict) -> str:
-        """The name the achieved fraction of a plan that recorded `info` (its plan.info) is kept under
-        (roofline.devices.achieved): this backend's, unless a plan runs a kernel measured on its own."""
-        return self.name
-
-    def roofline(self, w: Workload, inputs: ModelInputs, profile, executed: float | None = None,
-                 fraction: str | None = None) -> tuple[float, dict]:
-        """(seconds, what the prediction used): the roofline time of this backend's schedule on `w` over
-        the fraction of it the backend reaches on this device (on decode work, the decode one). Fixed costs
-        are not in it. `executed` (the executed union ratio its plan walks) and `fraction` (the name its
-        fraction is kept under) where the plan knows better than the workload's statistics."""
-        from ..roofline.devices import achieved
-        from ..roofline.model import predict, scaled_time, union_tokens
-        # a packed tile runs P x G rows per union block however few tokens it holds (decode: one); Q-outer's
-        # re-reads hit the L2 inside its window of tokens
-        tile = union_tokens(self.schedule, self.tile_tokens)
-        union = inputs.union_ratio(tile, padded=True) if tile else None
-        if executed is None:
-            executed = inputs.union_ratio(self.mma_tokens, padded=True) if union and self.mma_tokens else None
-        p = predict(self.schedule, self.model_shape(w), w.n_tokens, inputs.nsb, profile, inputs.per_query,
-                    inputs.flops, union_ratio=union, tile_tokens=tile or self.tile_tokens,
-                    executed_union_ratio=executed, shared_nsb=inputs.nsb_shared)
-        frac = achieved(profile, fraction or self.name, model_dtype(w.dtype), inputs.decode_for(p))
-        used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
-        if union is not None:
-            used["union_ratio"] = union
-        if executed is not None:
-            used["executed_union_ratio"] = executed
-        return scaled_time(p, frac, self.fraction_terms), used
-
-    def item_blocks(self, w: Workload, inputs: ModelInputs) -> float | None:
-        """K/V blocks of this backend's typical work item (one SM's share that cannot be split), None where
-        its items are too small to matter: a packed tile walks its union, topk x union_ratio blocks."""
-        return w.shape.topk * inputs.union_ratio(self.tile_tokens) if self.schedule == Schedule.Q_PACKED else None
-
-    def predict_module(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
-        """(seconds, what the prediction used): roofline.model.module_time of this backend's roofline."""
-        from ..roofline.model import module_time
-        t, used = self.roofline(w, inputs, profile)
-        total, parts = module_time(profile, self.name, model_dtype(w.dtype), t, self.stages_for(w),
-                                   self.item_blocks(w, inputs))
-        return total, {**used, **parts}
 
     def stages_for(self, w: Workload) -> tuple[str, ...]:
         """The stages a plan of `w` runs (their fixed costs): all of stage_names unless a backend skips one."""
@@ -186,6 +112,8 @@ class Backend:
         start = time.perf_counter()
         plan = self._plan(workload)
         plan.plan_seconds = time.perf_counter() - start
+        plan.info.setdefault("model", plan.model_record if plan.model_record is not None
+                             else self.model_record(workload))
         return plan
 
     def _plan(self, workload: Workload) -> Plan:  # pragma: no cover - abstract

@@ -255,10 +255,9 @@ class DenseGather(Backend):
                 return str(exc)
         return reason
 
-    def unmodelled_reason(self, union_ratio) -> str | None:
-        # the schedule is q-packed's, but the gather copy (bf16 K/V written and read) and one SDPA call per
-        # run of query blocks are not in its model: 0.15-0.5 of the time measured on real-prefill
-        return f"{self.name}: a probe; its gather copy and per-run SDPA calls are not modelled"
+    # the schedule is q-packed's, but the gather copy (bf16 K/V written and read) and one SDPA call per
+    # run of query blocks are not in its model: 0.15-0.5 of the time measured on real-prefill
+    unmodelled = "a probe; its gather copy and per-run SDPA calls are not modelled"
 
     def _dense_plan(self, w: Workload) -> DensePlan:
         """dense_plan(w), packed once for the reason check and the plan that follows it (weakly held)."""

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload, free_memory_bytes
-from .base import Backend, BackendUnavailable, ModelInputs, Plan, model_dtype, register
+from .base import Backend, BackendUnavailable, Plan, register
 from .dense_paged import build_paged_stages, paged_sizes
 from .options import Choice
 
@@ -268,9 +268,6 @@ class DenseMasked(Backend):
             return list(CPU_CANDIDATES)
         return [PAGED, *SDPA_CANDIDATES] if _flashinfer_here(device) else list(SDPA_CANDIDATES)
 
-    def unmodelled_reason(self, union_ratio) -> str | None:
-        return None                       # predict_dense models every selection
-
     def build_pending_reason(self, w: Workload) -> str | None:
         # the paged path's FA2 prefill module (bf16 Q and output, K/V in the data's dtype) is not in
         # FlashInfer's prebuilt set: a first plan JIT-builds it (49 s bf16, 23 s fp8 on the H200, 2026-12-03)
@@ -286,18 +283,10 @@ class DenseMasked(Backend):
                 f"JIT-builds it (about a minute); build it ahead with `msa-bench check --backend {self.name} "
                 f"--dtype {w.dtype}`")
 
-    def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
-        """predict_dense over the achieved fraction: the paged path's bytes where it is a candidate (the least
-        the dense work moves; its MMAs are the same on every path)."""
-        from ..roofline.devices import achieved
-        from ..roofline.model import predict_dense, scaled_time
-        from ..scenarios.stats import dense_extent
-        blocks, keys = dense_extent(w)
-        paged = self.candidates(w.device)[0] == PAGED
-        p = predict_dense(self.model_shape(w), w.n_tokens, blocks, keys, profile, inputs.flops, gathered=not paged)
-        frac = achieved(profile, self.name, model_dtype(w.dtype), inputs.decode_for(p))
-        return scaled_time(p, frac, self.fraction_terms), {"roofline_s": p.time_s, "achieved": frac,
-                                                           "binding": p.binding, "paged": paged}
+    def model_record(self, w: Workload, profile=None) -> dict:
+        """With the path its bytes are counted on: the paged path's where it is a candidate (the least the
+        dense work moves; its MMAs are the same on every path)."""
+        return {**super().model_record(w, profile), "paged": self.candidates(w.device)[0] == PAGED}
 
     def _sizes(self, w: Workload, buckets, layout: str) -> dict:
         return paged_sizes(w) if layout == "paged" else dense_sizes(w, buckets, layout)

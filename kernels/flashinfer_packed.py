@@ -228,15 +228,10 @@ class FlashInferPacked(Backend):
     stage_names = ("attention", "output")
     options = {"route": Choice("route", ROUTES), "tile": Number("tile size", "p", TILE_SIZES)}
 
-    def unmodelled_reason(self, union_ratio) -> str | None:
-        """The packed model counts a tile's masked rows as MMA work; FlashInfer's per-token masks cost more
-        than that (its achieved fraction falls 2.3x from union_ratio 1 to 1.9, and 2-5x on the drift, mixed
-        and multi-token decode runs), so the model is exact only where every tile's tokens select alike."""
-        u = union_ratio()
-        if u is None or u > 1.0 + 1e-9:
-            return (f"{self.name}: modelled only at union_ratio 1 (per-token masks); this workload's is "
-                    f"{'unknown' if u is None else format(u, '.3g')}")
-        return super().unmodelled_reason(union_ratio)
+    # the packed model counts a tile's masked rows as MMA work; FlashInfer's per-token masks cost more than
+    # that (its achieved fraction falls 2.3x from union_ratio 1 to 1.9, and 2-5x on the drift, mixed and
+    # multi-token decode runs), so the model is exact only where every tile's tokens select alike
+    union_one_only = True
 
     def unavailable_reason(self, dtype: str, device) -> str | None:
         reason = gpu_reason(self.name, device) or super().unavailable_reason(dtype, device)

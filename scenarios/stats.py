@@ -123,6 +123,49 @@ def workload_decode_kv_share(w: Workload, nsb: int) -> float:
     return selected_pairs(w, decode_tokens(w))[0].numel() / nsb if nsb else 0.0
 
 
+class ModelStats:
+    """The statistics of a workload that a prediction asks for (roofline/predict.py), each computed once
+    on first use under workload_stats' key: `auto` weighs every candidate on one of these."""
+
+    def __init__(self, w: Workload):
+        self.w = w
+        s = w.shape
+        self._values = {"hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk,
+                        "n_tokens": w.n_tokens}
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None
+
+    def __getitem__(self, key):
+        return self.get(key)
+
+    def get(self, key, default=None):
+        if key not in self._values:
+            self._values[key] = self._compute(key)
+        value = self._values[key]
+        return default if value is None else value
+
+    def _compute(self, key: str):
+        w, s, n = self.w, self.w.shape, self.w.n_tokens
+        if key.startswith(("union_ratio_p", "executed_union_ratio_p")):
+            return workload_union_ratio(w, int(key.rpartition("_p")[2]), padded=key.startswith("executed"))
+        if key in ("nsb", "nsb_shared", "decode_kv_share"):
+            fanin = selected_pairs(w)[1]
+            self._values.update(nsb=int(fanin.numel()), nsb_shared=int((fanin > 1).sum()))
+            self._values["decode_kv_share"] = workload_decode_kv_share(w, int(fanin.numel()))
+            return self._values[key]
+        if key == "selected_blocks_per_query":
+            return int((w.selection >= 0).sum()) / (n * s.hkv) if n else 0.0
+        if key == "useful_flops":
+            return useful_flops(w)
+        if key == "decode_share":
+            return workload_decode_share(w)
+        if key in ("dense_kv_blocks", "dense_keys"):
+            self._values["dense_kv_blocks"], self._values["dense_keys"] = dense_extent(w)
+            return self._values[key]
+        return None
+
+
 def workload_stats(w: Workload, device_profile=None) -> dict:
     """Flat dict of statistics; with a device profile (roofline.devices.DeviceProfile or preset name)
     also the roofline's predicted time and binding resource per schedule."""

@@ -91,31 +91,39 @@ def test_fit_achieved_takes_the_fixed_costs_off_and_leaves_out_what_the_model_do
 
 
 def test_the_replayed_hybrid_divides_each_part_by_todays_fraction():
-    """Each recorded part over the fraction it was divided by, times that over today's at its own share."""
+    """A schema-1 record's parts (harness/migrate.py): each part's recorded time over the fraction it was
+    divided by, times that over today's at its own share, plus today's fixed costs of the stages it ran."""
+    import json
     from dataclasses import replace
+    from msa_bench.harness.migrate import upgrade
+    from msa_bench.kernels.base import get_backend
+    from msa_bench.roofline.predict import predict_module
     dev = replace(H200, achieved={"q-packed-cute/bf16": 0.5, "kv-outer-cute/bf16": 0.8},
                   fixed_costs={"stages": {"hybrid/attention": {"s": 1e-5}, "hybrid/combine": {"s": 3e-5}},
                                "decode_achieved": {"kv-outer-cute/bf16": 0.4}})
     hybrid = {"packed": "q-packed-cute", "kv_outer": "kv-outer-cute", "packed_s": 1e-3, "kv_outer_s": 2e-3,
               "packed_achieved": 1.0, "kv_outer_achieved": 0.5, "packed_decode_share": 0.0,
               "kv_outer_decode_share": 1.0}
-    record = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": hybrid}}
-    row = {"wl_decode_share": 0.5}
-    assert tables._replayed_hybrid(record, dev, "bf16", row) == pytest.approx(1e-3 * 1.0 / 0.5 + 2e-3 * 0.5 / 0.4 + 4e-5)
+    facts = get_backend("hybrid").facts
+
+    def replay(used, device, stages=None):
+        info = {"schedule": "hybrid", "auto": {"predicted_s": {"hybrid": 3e-3}, "used": used}}
+        up = json.loads(upgrade({"backend": "auto", "dtype": "bf16", "plan_info": json.dumps(info)}, 1)["plan_info"])
+        record = up["auto"]["used"]["hybrid"]["record"]
+        return predict_module(facts, {"wl_decode_share": 0.5}, record, device, "bf16", stages).seconds
+
+    assert replay({"hybrid": hybrid}, dev) == pytest.approx(1e-3 * 1.0 / 0.5 + 2e-3 * 0.5 / 0.4 + 4e-5)
     # `@fused` ran no combine stage: its fixed cost is not charged
-    fused = tables._replayed_hybrid(record, dev, "bf16", row, ("schedule", "attention"))
+    fused = replay({"hybrid": hybrid}, dev, ("schedule", "attention"))
     assert fused == pytest.approx(1e-3 * 1.0 / 0.5 + 2e-3 * 0.5 / 0.4 + 1e-5)
-    # records before the parts' own shares: the step's share, and the fraction the candidate itself recorded
-    parts = {k: hybrid[k] for k in ("packed", "kv_outer", "packed_s", "kv_outer_s")}
-    old = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": parts, "q-packed-cute": {"achieved": 1.0},
-                                                    "kv-outer-cute": {"achieved": 0.5}}}
-    step = 1 / (0.5 / 0.4 + 0.5 / 0.8)                                     # achieved()'s blend at share 0.5
-    assert tables._replayed_hybrid(old, dev, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / step + 4e-5)
+    # a record without its parts' fractions: the fraction the candidate itself recorded
+    parts = {k: v for k, v in hybrid.items() if not k.endswith("_achieved")}
+    old = {"hybrid": parts, "q-packed-cute": {"achieved": 1.0}, "kv-outer-cute": {"achieved": 0.5}}
+    assert replay(old, dev) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / 0.4 + 4e-5)
     # a packed part of 12-token tiles: the wide kernel's own fraction
     wide = replace(dev, achieved={**dev.achieved, "q-packed-cute@p12/bf16": 0.8})
-    twelve = {"predicted_s": {"hybrid": 3e-3}, "used": {"hybrid": {**hybrid, "tile_tokens": 12}}}
-    assert tables._replayed_hybrid(twelve, wide, "bf16", row) == pytest.approx(1e-3 / 0.8 + 2e-3 * 0.5 / 0.4 + 4e-5)
-    assert tables._replayed_hybrid(record, wide, "bf16", row) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / 0.4 + 4e-5)
+    assert replay({"hybrid": {**hybrid, "tile_tokens": 12}}, wide) == pytest.approx(1e-3 / 0.8 + 2e-3 * 0.5 / 0.4 + 4e-5)
+    assert replay({"hybrid": hybrid}, wide) == pytest.approx(1e-3 / 0.5 + 2e-3 * 0.5 / 0.4 + 4e-5)
 
 
 def test_an_option_with_its_own_fraction_takes_it_and_others_their_backends():
@@ -135,6 +143,7 @@ def test_the_wide_tiles_units_fit_and_replay_under_their_own_fraction():
     from dataclasses import replace
     from msa_bench.harness.prediction import _info
     from msa_bench.kernels.base import get_backend
+    from msa_bench.roofline.predict import fraction_name
     run = load_run(RESULTS / "real-prefill")
     fit = tables.fit_achieved(run, replace(H200, achieved={})).set_index(["backend", "dtype"])
     t = tables.ok_units(run)
@@ -146,8 +155,7 @@ def test_the_wide_tiles_units_fit_and_replay_under_their_own_fraction():
         assert H200.achieved[f"q-packed-cute@p12/{dtype}"] == pytest.approx(fit.loc[("q-packed-cute@p12", dtype), "achieved"],
                                                                             abs=1e-4)
     row = t[wide].iloc[0]
-    cute = get_backend("q-packed-cute")
-    assert tables.fraction_name(cute, row) == "q-packed-cute@p12"
+    assert fraction_name(get_backend("q-packed-cute").facts, tables.row_record(row)) == "q-packed-cute@p12"
     slow = replace(H200, achieved={**H200.achieved, f"q-packed-cute@p12/{row['dtype']}": 0.01})
     assert tables.predicted_module_s(row, slow) > 10 * tables.predicted_module_s(row, H200)
-    assert tables.fraction_name(cute, {**row, "backend": "q-packed-cute@pp", "plan_info": "{}"}) == "q-packed-cute@pp"
+    assert fraction_name(get_backend("q-packed-cute@pp").facts, {}) == "q-packed-cute@pp"

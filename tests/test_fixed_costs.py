@@ -181,12 +181,21 @@ def test_fixed_costs_move_the_pick(fakes, monkeypatch):
     assert auto_line(plan.info).startswith("auto picked fake-q-outer (predicted us: fake-q-outer ")
 
 
+def live(name, w, profile):
+    """A backend's live prediction: its facts and the record it computes before planning."""
+    from msa_bench.roofline.predict import predict_module
+    from msa_bench.scenarios.stats import ModelStats
+    b = get_backend(name)
+    return predict_module(b.facts, ModelStats(w), b.model_record(w, profile), profile, w.dtype)
+
+
 def test_flashinfer_packed_is_modelled_only_where_tiles_select_alike():
-    from msa_bench.kernels.base import ModelInputs
+    from msa_bench.roofline.predict import unmodelled_reason
+    from msa_bench.scenarios.stats import ModelStats
     fp = get_backend("flashinfer-packed")
     shared, scattered = workload(1.0), workload(0.0)
-    assert fp.model_unfit_reason(shared, ModelInputs(shared)) is None
-    assert "union_ratio 1" in fp.model_unfit_reason(scattered, ModelInputs(scattered))
+    assert unmodelled_reason(fp.facts, ModelStats(shared)) is None
+    assert "union_ratio 1" in unmodelled_reason(fp.facts, ModelStats(scattered))
 
 
 def test_check_prints_the_pick_and_every_prediction_on_one_line(cli):
@@ -208,10 +217,10 @@ def test_a_result_row_stores_the_fixed_costs_of_the_stages_the_plan_ran():
     point = point_from_options("synthetic", SMALL, "fp8", tokens=64, context=2048, reuse=2.0)
     wl = sweep.scalar_stats(workload_stats(make_workload(point, with_tensors=False)))
     stages = ["index_map", "schedule", "attention", "combine"]
-    rows = {r["statistic"]: r["value"] for r in runner._model_rows(point, "kv-outer", wl, None, {}, stages)}
+    rows = {r["statistic"]: r["value"] for r in runner._model_rows(point, "kv-outer", wl, {}, stages)}
     assert rows["model_fixed_s"] == pytest.approx(34e-6) and rows["model_time_s"] > 0
     picked = {"schedule": "hybrid", "auto": {"backend": "kv-outer"}}
-    rows = {r["statistic"]: r["value"] for r in runner._model_rows(point, "auto", wl, None, picked, stages)}
+    rows = {r["statistic"]: r["value"] for r in runner._model_rows(point, "auto", wl, picked, stages)}
     assert rows == {"model_fixed_s": pytest.approx(34e-6)}      # hybrid: no one closed form, its fixed costs kept
 
 
@@ -236,16 +245,17 @@ def test_the_calibration_series_times_every_candidate_stage_and_fits_it(monkeypa
 def test_a_packed_candidate_pays_full_tiles_on_decode():
     """One token per request: each tile holds one token, yet the packed kernel runs P x G rows per block."""
     from msa_bench.harness.check import edge_case_workload
-    from msa_bench.kernels.base import ModelInputs
     from msa_bench.roofline.model import predict
+    from msa_bench.scenarios.stats import ModelStats
     w = edge_case_workload(SMALL, "fp32", [256] * 16, [1] * 16, False, seed=2)
-    inputs = ModelInputs(w)
-    assert inputs.union_ratio(8) == pytest.approx(1.0)
-    assert inputs.union_ratio(8, padded=True) == pytest.approx(8.0)
-    t, used = get_backend("q-packed").roofline(w, inputs, replace(PRESETS["h200"], achieved={}))
-    full = predict("q-packed", get_backend("q-packed").model_shape(w), w.n_tokens, inputs.nsb, PRESETS["h200"],
-                   inputs.per_query, inputs.flops, union_ratio=8.0)
-    assert used["union_ratio"] == pytest.approx(8.0) and t == pytest.approx(full.time_s)
+    stats = ModelStats(w)
+    assert stats["union_ratio_p8"] == pytest.approx(1.0)
+    assert stats["executed_union_ratio_p8"] == pytest.approx(8.0)
+    bare = replace(PRESETS["h200"], achieved={}, fixed_costs={})
+    got = live("q-packed", w, bare)
+    full = predict("q-packed", ModelShape.of(w.shape, dtype=w.dtype), w.n_tokens, stats["nsb"], PRESETS["h200"],
+                   stats["selected_blocks_per_query"], stats["useful_flops"], union_ratio=8.0)
+    assert got.used["union_ratio"] == pytest.approx(8.0) and got.seconds == pytest.approx(full.time_s)
 
 
 def test_a_candidate_without_measured_fixed_costs_is_skipped_where_others_have_some(fakes, monkeypatch):
@@ -385,19 +395,17 @@ def test_a_module_is_floored_by_its_item_alone_and_decode_work_takes_the_decode_
 
 def test_a_decode_workload_is_predicted_with_the_decode_fraction():
     from msa_bench.harness.check import edge_case_workload
-    from msa_bench.kernels.base import ModelInputs
+    from msa_bench.scenarios.stats import ModelStats
     w = edge_case_workload(SMALL, "fp32", [256] * 16, [1] * 16, False, seed=2)
     dev = replace(PRESETS["h200"], achieved={"q-packed/bf16": 0.5},
                   fixed_costs={"decode_achieved": {"q-packed/bf16": 0.25}})
-    inputs = ModelInputs(w)
-    assert inputs.decode == 1.0
-    t, used = get_backend("q-packed").roofline(w, inputs, dev)
-    assert used["achieved"] == 0.25 and t == pytest.approx(used["roofline_s"] / 0.25)
+    assert ModelStats(w)["decode_share"] == 1.0
+    used = live("q-packed", w, dev).used
+    assert used["achieved"] == 0.25
     # a step of 16 decode tokens and a 64-token chunk: a fifth of its tokens are decode work
     step = edge_case_workload(SMALL, "fp32", [256] * 16 + [512], [1] * 16 + [64], False, seed=2)
-    inputs = ModelInputs(step)
-    assert inputs.decode == pytest.approx(0.2)
-    _, used = get_backend("q-packed").roofline(step, inputs, dev)
+    assert ModelStats(step)["decode_share"] == pytest.approx(0.2)
+    used = live("q-packed", step, dev).used
     assert used["achieved"] == pytest.approx(1 / (0.2 / 0.25 + 0.8 / 0.5))
 
 
@@ -415,10 +423,11 @@ def test_the_replay_floors_a_packed_unit_by_its_item_and_uses_the_decode_fractio
     fc = {"decode_achieved": {"q-packed/bf16": 0.5}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
     dev = replace(PRESETS["h200"], achieved={}, fixed_costs=fc)
     row = {"backend": "q-packed", "dtype": "bf16", "module.model_time_s": 1.0, "wl_topk": 16,
-           "wl_n_tokens": 8, "wl_requests": 8, "wl_nsb": 8 * 4 * 16, "wl_union_ratio_p8": 2.0}
+           "wl_n_tokens": 8, "wl_requests": 8, "wl_nsb": 8 * 4 * 16, "wl_union_ratio_p8": 2.0,
+           "wl_decode_share": 1.0}
     roof = predict("q-packed", ModelShape(), 8, 8 * 4 * 16, dev, union_ratio=2.0).time_s
     assert roof / 0.5 < 52e-6 and predicted_module_s(row, dev) == pytest.approx(20e-6 + 32e-6)
-    prefill = {**row, "wl_n_tokens": 65536, "wl_requests": 1, "wl_nsb": 65536}
+    prefill = {**row, "wl_n_tokens": 65536, "wl_requests": 1, "wl_nsb": 65536, "wl_decode_share": 0.0}
     roof = predict("q-packed", ModelShape(), 65536, 65536, dev, union_ratio=2.0).time_s
     assert roof > 52e-6 and predicted_module_s(prefill, dev) == pytest.approx(roof)       # prefill: fraction 1
     assert math.isnan(predicted_module_s({**row, "backend": "dense-gather"}, dev))       # a probe: not modelled

@@ -284,12 +284,13 @@ def test_auto_records_its_pick_and_matches_the_reference(poisoned_run):
 def test_each_part_blends_its_own_decode_share():
     """A decode token alone in its tile packs nothing: a chunked-prefill step's packed part is prefill work
     and its residual mostly decode, so each part's fraction blends by its own decode share, not the step's."""
-    from msa_bench.kernels.base import ModelInputs
+    from msa_bench.roofline.predict import predict_module
     from msa_bench.scenarios.serving import serving_workload
+    from msa_bench.scenarios.stats import ModelStats
     w = serving_workload(SHAPE, "bf16", "mixed", tokens=64, context=512, context_min=256, requests=16, chunks=1,
                          drift=0.05, device=DEVICE, with_tensors=False)
-    inputs = ModelInputs(w)
-    _, used = get_backend("hybrid@m2").roofline(w, inputs, load_device("h200"))
-    assert used["packed_decode_share"] == 0.0 and inputs.decode == pytest.approx(16 / 80)
-    assert inputs.decode < used["kv_outer_decode_share"] <= 1.0
+    stats, hybrid, dev = ModelStats(w), get_backend("hybrid@m2"), load_device("h200")
+    used = predict_module(hybrid.facts, stats, hybrid.model_record(w, dev), dev, w.dtype).used
+    assert used["packed_decode_share"] == 0.0 and stats["decode_share"] == pytest.approx(16 / 80)
+    assert stats["decode_share"] < used["kv_outer_decode_share"] <= 1.0
     assert {used["packed_binding"], used["kv_outer_binding"]} <= {"hbm", "l2", "mma"}

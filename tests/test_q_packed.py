@@ -188,8 +188,9 @@ def test_cute_backends_model_takes_its_plans_critical_walk():
     """q-packed-cute's layout (the plan's own schedule, its walk, its critical walk) is what its roofline
     prices: the MMAs at the critical walk, over the fraction of the kernel the plan runs. `@p8` keeps the
     8-token tiles, so the layout needs no GPU to count SMs (the schedule runs in the interpreter)."""
-    from msa_bench.kernels.base import ModelInputs
     from msa_bench.kernels.q_packed.cute_backend import critical_ratio
+    from msa_bench.roofline.predict import predict_module
+    from msa_bench.scenarios.stats import ModelStats
     from msa_bench.roofline.devices import achieved, load_device
     from msa_bench.scenarios.serving import serving_workload
     shape = AttnShape(hq=16, hkv=1, head_dim=32, block=16, topk=4)
@@ -197,5 +198,5 @@ def test_cute_backends_model_takes_its_plans_critical_walk():
     backend, dev = get_backend("q-packed-cute@p8"), load_device("h200")
     schedule, walked, critical, _ = backend.layout(w)
     assert schedule.P == 8 and critical == critical_ratio(schedule, float((w.selection >= 0).sum())) > walked
-    _, used = backend.roofline(w, ModelInputs(w), dev)
+    used = predict_module(backend.facts, ModelStats(w), backend.model_record(w, dev), dev, w.dtype).used
     assert used["executed_union_ratio"] == critical and used["achieved"] == achieved(dev, "q-packed-cute", "bf16")

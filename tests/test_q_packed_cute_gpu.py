@@ -181,14 +181,15 @@ def test_options_agree_with_each_other(dtype):
 def test_the_model_predicts_the_tiles_the_plan_runs(dtype):
     """`auto`'s prediction of a default plan: the MMAs of its tiles' critical walk (as the plan records it),
     over the fraction of the kernel it runs (the 12-token tiles' own)."""
-    from msa_bench.kernels.base import ModelInputs
     from msa_bench.roofline.devices import achieved, device_profile
+    from msa_bench.roofline.predict import predict_module
+    from msa_bench.scenarios.stats import ModelStats
     _skip_unavailable("q-packed-cute", dtype)
     backend, profile = get_backend("q-packed-cute"), device_profile("cuda")
     for case, tokens in (("prefill-47k", 12), ("drift-causal", 8)):
         w = workload(case, dtype)
         plan = backend.plan(w)
-        _, used = backend.roofline(w, ModelInputs(w), profile)
+        used = predict_module(backend.facts, ModelStats(w), backend.model_record(w, profile), profile, dtype).used
         assert plan.info["tile_tokens"] == tokens, case
         name = "q-packed-cute@p12" if tokens == 12 else "q-packed-cute"
         assert used["achieved"] == achieved(profile, name, dtype), case

@@ -158,13 +158,13 @@ def test_grouped_tile_order_shrinks_the_live_queries_only_when_ctas_walk_togethe
     """q_ranges divides the Q working set of the L2-capacity term when the CTAs walk the grouped order
     together (a persistent order dealt in chunks or in phases, or chunked launches); contiguous persistent slices keep every
     head's queries live whatever q_ranges says."""
-    from msa_bench.harness.prediction import model_shape
+    from msa_bench.kernels.kv_outer.config import launch_terms
     from msa_bench.roofline.devices import load_device
-    from msa_bench.roofline.model import traffic
+    from msa_bench.roofline.model import ModelShape, traffic
     dev = load_device("h200")
 
     def q_miss(config):
-        shape = model_shape(64, 4, 128, 128, 16, "bf16", config)
+        shape = ModelShape(hq=64, hkv=4, head_dim=128, block=128, topk=16, dtype="bf16", **launch_terms(4, "bf16", config))
         hbm, _ = traffic("kv-outer", shape, 16384, 4096, device=dev)
         return hbm.get("q_l2_miss_reread", 0.0)
 
@@ -209,42 +209,29 @@ def test_q_outer_rereads_inside_its_window_hit_the_l2():
     assert alike["kv_l2_miss_reread"] < none["kv_l2_miss_reread"] / 10
 
 
-def test_a_wide_packed_plan_is_predicted_at_the_8_token_traffic_and_the_entries_it_walked():
+def test_a_wide_packed_plan_is_predicted_at_the_8_token_traffic_and_its_critical_walk():
     """A q-packed plan of a tile size the workload statistics do not hold (q-packed-cute's 12-token tiles)
-    is predicted with the 8-token tiles' traffic where the statistics hold it, and the MMAs of the entries
-    its warpgroups walked (the executed union ratio it recorded); without those statistics, a plan whose
-    warpgroups each walked the whole union (mma_tokens the tile: the units before 2026-12-04) at the ratio
-    it recorded, and one whose warpgroups skip (mma_tokens below the tile) not at all; an 8-token plan keeps
-    the statistics' ratios whatever its plan recorded."""
-    from msa_bench.harness.prediction import predict_stats
-    dev, shape = load_device("h200"), ModelShape(dtype="fp8")
+    is predicted with the 8-token tiles' traffic and the MMAs of its critical walk, as its plan records
+    them; an 8-token plan without a recorded walk runs its MMAs at the statistics' ratio at its MMA tokens.
+    A schema-1 row's plan_info gives the same record (harness/migrate.py)."""
+    from msa_bench.harness.migrate import record_of
+    from msa_bench.roofline.predict import schedule_roofline
+    dev = load_device("h200")
     n = 16384
     stats = {"n_tokens": n, "nsb": n / 8, "useful_flops": 1.0e12, "selected_blocks_per_query": 16.0,
              "nsb_shared": n / 8, "union_ratio_p8": 1.0, "executed_union_ratio_p8": 1.0,
-             "executed_union_ratio_p4": 1.0, "union_ratio_p16": 1.0, "executed_union_ratio_p16": 1.0}
+             "executed_union_ratio_p4": 1.1, "union_ratio_p16": 1.0, "executed_union_ratio_p16": 1.0}
 
-    def pred(tile, mma, recorded):
-        return predict_stats("q-packed", shape, stats, dev,
-                             {"tile_tokens": tile, "mma_tokens": mma, "executed_union_ratio": recorded})
+    def pred(info):
+        return schedule_roofline("q-packed", stats, record_of(info, {"backend": "q-packed-cute", "dtype": "fp8"}),
+                                 dev, "fp8")
 
-    assert pred(12, 12, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
-    walked = pred(12, 4, 1.2)
-    assert walked.executed_flops == pytest.approx(1.2 * pred(8, 4, 1.0).executed_flops)
-    assert walked.l2_bytes == pytest.approx(pred(8, 4, 1.0).l2_bytes) and walked.time_s > pred(8, 4, 1.0).time_s
-    assert pred(8, 4, 1.5).time_s == pytest.approx(pred(8, 4, 1.0).time_s)
-    # a plan that records its critical walk (cute_backend.critical_ratio) runs its MMAs at it, either tile size
+    eight = pred({"schedule": "q-packed", "tile_tokens": 8, "mma_tokens": 4})
+    assert eight.executed_flops == pytest.approx(1.1e12)
     for tile in (8, 12):
-        crit = predict_stats("q-packed", shape, stats, dev, {"tile_tokens": tile, "mma_tokens": 4,
-                                                             "executed_union_ratio": 1.2, "critical_union_ratio": 1.3})
-        assert crit.executed_flops == pytest.approx(1.3 * pred(8, 4, 1.0).executed_flops)
-    eight = {k: v for k, v in stats.items() if not k.endswith(("_p8", "_p4"))}
-    stats.clear()
-    stats.update(eight)                     # statistics without the 8-token tile's ratios
-    low, high = pred(12, 12, 1.0), pred(12, 12, 1.5)
-    assert low is not None and high is not None and high.time_s > low.time_s
-    assert high.executed_flops == pytest.approx(1.5 * low.executed_flops)
-    assert pred(12, 4, 1.0) is None
-    assert pred(8, 4, 1.5) is None
+        crit = pred({"schedule": "q-packed", "tile_tokens": tile, "mma_tokens": 4, "executed_union_ratio": 1.2,
+                     "critical_union_ratio": 1.3})
+        assert crit.executed_flops == pytest.approx(1.3e12) and crit.l2_bytes == pytest.approx(eight.l2_bytes)
 
 
 def test_a_fraction_scales_only_the_terms_its_backend_names():

@@ -259,13 +259,14 @@ def test_dense_model_counts_the_whole_context():
 
 
 def test_prediction_glue_reads_dense_stats():
-    from msa_bench.harness.prediction import predict_stats, schedule_of
+    from msa_bench.harness.prediction import schedule_of
     from msa_bench.roofline.devices import load_device
     from msa_bench.roofline.model import ModelShape
+    from msa_bench.roofline.predict import schedule_roofline
     w = serving_workload(FULL, "bf16", "decode", None, context=16384, requests=8, with_tensors=False)
     st = workload_stats(w)
     assert schedule_of("dense-masked") == "dense-masked"
-    pred = predict_stats("dense-masked", ModelShape(), st, load_device("h200"))
+    pred = schedule_roofline("dense-masked", st, {}, load_device("h200"), "bf16")
     assert pred is not None and pred.hbm_terms["kv_read"] == 8 * 128 * 4 * ModelShape().kv_block_bytes
 
 
@@ -322,7 +323,7 @@ def test_the_crossover_is_where_sparse_starts_to_win():
     from msa_bench.harness.dense_crossover import crossover_table
     from msa_bench.roofline.devices import load_device
     dense_ms, sparse_ms, ctx = [1.0, 4.0, 16.0], [2.0, 2.0, 2.0], [2048, 8192, 32768]
-    run = _fake_run(dense_ms, sparse_ms, ctx, dense_info='{"paged": true}')
+    run = _fake_run(dense_ms, sparse_ms, ctx, dense_info='{"model": {"paged": true}}')
     row = crossover_table(run, load_device("h200")).iloc[0]
     assert row["regime"] == "decode 16 x 1" and row["fastest sparse (largest context)"] == "kv-outer-cute"
     assert row["measured context"] == pytest.approx(4096)          # log-interpolated: 1 ms x 2 = 2 ms

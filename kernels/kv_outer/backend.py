@@ -61,11 +61,11 @@ class KVStationaryBackend(Backend):
     candidate = True
     stage_names = ("index_map", "schedule", "attention", "combine")
 
-    def model_shape(self, w: Workload):
-        """The model's shape at the launch configuration this backend plans `w` with (tile order, ranges)."""
-        from .config import model_shape
-        s = w.shape
-        return model_shape(s.hq, s.hkv, s.head_dim, s.block, s.topk, w.dtype, self.resolved_config(w).__dict__)
+    def model_record(self, w: Workload, profile=None) -> dict:
+        """With the launch terms of the configuration this backend plans `w` with (tile order, ranges)."""
+        from .config import launch_terms
+        return {**super().model_record(w, profile),
+                "launch": launch_terms(w.shape.hkv, w.dtype, self.resolved_config(w).__dict__)}
 
     def __init__(self, attention_impl: str = "triton", config: KVOuterConfig | None = None):
         self.attention_impl = attention_impl

@@ -1,11 +1,10 @@
 """Launch configuration of the KV-stationary stages, with the defaults the GPU tuning picked (TUNED, per
-data dtype), and what a configuration means for the roofline model (model_shape).
+data dtype), and what a configuration means for the roofline model (launch_terms).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ...roofline.model import ModelShape
 from . import TILE_Q
 
 
@@ -149,8 +148,6 @@ def _config(dtype: str, config: dict | None) -> dict:
     return config
 
 
-def model_shape(hq: int, hkv: int, head_dim: int, block: int, topk: int, dtype: str,
-                config: dict | None = None) -> ModelShape:
-    return ModelShape(hq=int(hq), hkv=int(hkv), head_dim=int(head_dim), block=int(block), topk=int(topk),
-                      dtype=dtype, q_live_heads=q_live_heads(int(hkv), dtype, config),
-                      q_ranges=q_ranges(dtype, config))
+def launch_terms(hkv: int, dtype: str, config: dict | None = None) -> dict:
+    """What a KV-stationary launch configuration means for the roofline (ModelShape's launch terms)."""
+    return {"q_live_heads": q_live_heads(int(hkv), dtype, config), "q_ranges": q_ranges(dtype, config)}

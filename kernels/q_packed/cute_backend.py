@@ -157,6 +157,9 @@ class QPackedCuteBackend(Backend):
     stage_names = ("schedule", "attention")
     tile_tokens = TILE_TOKENS
     mma_tokens = TILE_TOKENS // 2        # a consumer warpgroup's 64 rows: it skips what its 4 tokens did not select
+    # the 12-token tile is its own kernel (three consumer warpgroups), measured on its own under the option
+    # that forces it
+    tile_fractions = ((WIDE_TOKENS, f"q-packed-cute@p{WIDE_TOKENS}"),)
     # the words are manifest.OPTION_FLAGS's, which name the libraries
     options = {"pingpong": Choice("pingpong consumer warpgroups", {"pp": True, "plain": False}),
                "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False}),
@@ -244,20 +247,20 @@ class QPackedCuteBackend(Backend):
     def stages_for(self, w: Workload) -> tuple[str, ...]:
         return ("attention",) if one_token_tiles(w) else self.stage_names
 
-    def fraction_name(self, info: dict) -> str:
-        """The 12-token tile is its own kernel (three consumer warpgroups), measured on its own:
-        `q-packed-cute@p12`, the option that forces it."""
-        return f"{self.name}@p{WIDE_TOKENS}" if info.get("tile_tokens") == WIDE_TOKENS else self.name
-
-    def roofline(self, w: Workload, inputs, profile, executed: float | None = None,
-                 fraction: str | None = None) -> tuple[float, dict]:
-        """The plan's own tiles (`layout`): its MMAs at the critical walk (critical_ratio), over the fraction
-        of its kernel (the 12-token tiles' own, wide_schedule); the traffic stays the 8-token tiles', which
+    def model_record(self, w: Workload, profile=None) -> dict:
+        """The plan's own tiles (`layout`): its MMAs at the critical walk (critical_ratio), its fraction the
+        12-token tiles' own where it runs them (wide_schedule); the traffic stays the 8-token tiles', which
         the wide rule lets the 12-token tiles load no more than."""
-        if executed is None and fraction is None and not one_token_tiles(w):
-            schedule, _, executed, _ = self.layout(w)
-            fraction = self.fraction_name({"tile_tokens": schedule.P})
-        return super().roofline(w, inputs, profile, executed, fraction)
+        if one_token_tiles(w):
+            return super().model_record(w, profile)
+        schedule, _, critical, _ = self.layout(w)
+        return self.record_of(w, schedule.P, critical)
+
+    def record_of(self, w: Workload, tile: int, critical: float | None) -> dict:
+        record = {**super().model_record(w), "tile_tokens": tile, "traffic_tokens": TILE_TOKENS}
+        if critical is not None:
+            record["executed_union_ratio"] = critical
+        return record
 
     def layout(self, w: Workload):
         """(the schedule a plan of `w` runs, run unless every tile holds one token; the entries its
@@ -297,4 +300,5 @@ class QPackedCuteBackend(Backend):
                                   if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))
         stages = {"attention": attention} if direct else {"schedule": schedule, "attention": attention}
         return Plan(backend=self.name, stages=stages, output=out, lse=lse,
-                    buffers=dict(schedule.buffers), info=info)
+                    buffers=dict(schedule.buffers), info=info,
+                    model_record=self.record_of(w, schedule.P, critical) if not direct else None)

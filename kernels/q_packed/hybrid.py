@@ -23,16 +23,16 @@ from dataclasses import replace
 
 import torch
 
-from ..base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register
+from ..base import Backend, BackendUnavailable, Plan, get_backend, model_dtype, register
 from ..cute.manifest import WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
 from ..kv_outer.combine import Combine
 from ..options import Choice, Number
 from ..triton_common import partial_dtype, triton_dtype_reason
 from ...roofline.devices import achieved, device_profile
 from ...roofline.hybrid import min_shared_tokens
-from ...roofline.model import ModelShape, predict, scaled_time
+from ...roofline.model import ModelShape
 from ...roofline.schedules import Schedule
-from ...scenarios.stats import decode_tokens
+from ...scenarios.stats import decode_tokens, useful_flops
 from ...scenarios.workload import Workload
 from . import TILE_TOKENS
 from .attention import PackedAttention, packed_quantization
@@ -174,16 +174,14 @@ class HybridBackend(Backend):
                                   group_tokens=get_backend(packed).mma_tokens)
         return share, f"roofline ({dev.name})"
 
-    def model_unfit_reason(self, w: Workload, inputs: ModelInputs) -> str | None:
-        return None
-
     def achieved_names(self, w: Workload) -> tuple[str, ...]:
         return self.packed_backend(w), self.kv_backend(w.dtype, w.device, w).name
 
-    def roofline(self, w: Workload, inputs: ModelInputs, profile) -> tuple[float, dict]:
-        """The split at this plan's threshold: the packed part's roofline plus the residual's KV-outer one,
-        each over its kernel's achieved fraction."""
-        s, n, dtype = w.shape, w.n_tokens, model_dtype(w.dtype)
+    def model_record(self, w: Workload, profile=None) -> dict:
+        """The split at this plan's threshold (roofline/predict.hybrid_time): the packed part's statistics and
+        the residual's, each with its kernel's facts and its decode share."""
+        s, n = w.shape, w.n_tokens
+        profile = profile or device_profile(w.device)
         kv, packed_kernel = self.kv_backend(w.dtype, w.device, w), self.packed_backend(w)
         packer = get_backend(packed_kernel)
         P, _ = self.layout(w, profile)
@@ -191,44 +189,47 @@ class HybridBackend(Backend):
         sch = PackedSchedule(w, P, min_share=threshold, residual=True)
         sch()
         res = sch.residual_pages
-        selected, flops = inputs.selected, inputs.flops
+        selected = float((w.selection >= 0).sum())
+        flops = useful_flops(w)
         residual = float((res >= 0).sum())
         packed = selected - residual
         executed = float(sch.tile_count.double().sum()) * P     # P x G rows per union block
         from .cute_backend import critical_ratio
-        # traffic: the tiles' unions; MMAs: each tile's longest group walk where its groups skip (mma_tokens)
-        critical = critical_ratio(sch, packed) if packer.mma_tokens else None
         head = torch.arange(s.hkv, device=res.device).view(-1, 1, 1) * w.num_pages
         # each part's decode share (achieved()): its entries that decode tokens hold; a decode token alone in
         # its tile packs nothing, so a chunked-prefill step's decode tokens are mostly the residual's
         decode = decode_tokens(w)
         chosen = w.pages >= 0
         in_res = res >= 0
-        share = {"packed": float((chosen & ~in_res)[:, decode].sum()) / packed if packed else 0.0,
-                 "kv_outer": float(in_res[:, decode].sum()) / residual if residual else 0.0}
-        parts, record = {}, {}
+        dims = {"hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk, "n_tokens": n}
+        split = {"tile_tokens": P, "min_share": threshold,
+                 "packed_entry_share": packed / selected if selected else 0.0,
+                 "packed": packed_kernel, "kv_outer": kv.name}
         if packed > 0:
             tiles = sch.tile_page.view(s.hkv, -1)
-            nsb_packed = float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel())
-            shape = ModelShape.of(s, dtype=w.dtype)
-            p = predict(Schedule.Q_PACKED, shape, n, nsb_packed, profile, packed / (n * s.hkv), flops * packed / selected,
-                        union_ratio=executed / packed, tile_tokens=P,
-                        executed_union_ratio=critical)
-            # the packed kernel's fraction at this tile size (the threshold above keeps the 8-token one, with
-            # which the drift scan measured it)
-            frac = achieved(profile, packer.fraction_name({"tile_tokens": P}), dtype, share["packed"])
-            parts["packed_s"] = scaled_time(p, frac, packer.fraction_terms)
-            record.update(packed_binding=p.binding, packed_achieved=frac, packed_decode_share=share["packed"])
+            # traffic: the tiles' unions; MMAs: each tile's longest group walk where its groups skip (mma_tokens)
+            record = {"tile_tokens": P, "union_ratio": executed / packed}
+            if packer.mma_tokens:
+                record["executed_union_ratio"] = critical_ratio(sch, packed)
+            split["parts"] = {"packed": {
+                "schedule": Schedule.Q_PACKED, "dtype": w.dtype, "record": record,
+                "stats": {**dims, "nsb": float(torch.unique((tiles + head.view(-1, 1))[tiles >= 0]).numel()),
+                          "selected_blocks_per_query": packed / (n * s.hkv), "useful_flops": flops * packed / selected},
+                # the packed kernel's fraction at this tile size (the threshold above keeps the 8-token one,
+                # with which the drift scan measured it)
+                "fraction": dict(packer.tile_fractions).get(P, packer.name),
+                "fraction_terms": list(packer.fraction_terms),
+                "decode_share": float((chosen & ~in_res)[:, decode].sum()) / packed}}
         if residual > 0:
-            nsb_res = float(torch.unique((res + head)[res >= 0]).numel())
-            p = predict(Schedule.KV_OUTER, kv.model_shape(w), n, nsb_res, profile, residual / (n * s.hkv),
-                        flops * residual / selected)
-            frac = achieved(profile, kv.name, dtype, share["kv_outer"])
-            parts["kv_outer_s"] = scaled_time(p, frac, kv.fraction_terms)
-            record.update(kv_outer_binding=p.binding, kv_outer_achieved=frac, kv_outer_decode_share=share["kv_outer"])
-        t = sum(parts.values())
-        return t, {**parts, **record, "tile_tokens": P, "min_share": threshold, "packed_entry_share": packed / selected if selected else 0.0,
-                   "packed": packed_kernel, "kv_outer": kv.name}
+            split.setdefault("parts", {})["kv_outer"] = {
+                "schedule": Schedule.KV_OUTER, "dtype": w.dtype,
+                "record": {"launch": kv.model_record(w).get("launch", {})},
+                "stats": {**dims, "nsb": float(torch.unique((res + head)[res >= 0]).numel()),
+                          "selected_blocks_per_query": residual / (n * s.hkv),
+                          "useful_flops": flops * residual / selected},
+                "fraction": kv.name, "fraction_terms": list(kv.fraction_terms),
+                "decode_share": float(in_res[:, decode].sum()) / residual}
+        return {"stages": list(self.stages_for(w)), "split": split}
 
     def _plan(self, w: Workload) -> Plan:
         s, dev = w.shape, w.device
