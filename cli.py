@@ -534,6 +534,71 @@ def compare(
     raise typer.Exit(exit_code(result))
 
 
+gate_app = typer.Typer(no_args_is_help=True, help="The regression gate's baseline set (docs/harness.md, "
+                                                    "\"The gate\").")
+app.add_typer(gate_app, name="gate")
+
+
+@gate_app.command("baseline")
+def gate_baseline(
+    out: str = typer.Option(..., help="Set folder: the runs go to OUT/run-01 .. run-K, each sweep's log beside "
+                                      "it. A complete run there is kept and an unfinished one resumed.",
+                            show_default=False),
+    runs: int = typer.Option(5, help="Separate sweeps (processes) in the set, 2 or more; 3 at least to judge "
+                                     "by, 5 in the committed set."),
+    scenario: str = typer.Option("gate-prefill", help="Scenario of the sweeps (name or TOML file)."),
+    backend: str = typer.Option(None, help="Override backends, comma-separated, as `sweep --backend`. Default: "
+                                           "the scenario's.", show_default=False),
+    max_regression: str = typer.Option("5%", help="The slowdown the gate must catch, as `compare "
+                                                  "--max-regression` (5% or 0.05)."),
+    clock: str = typer.Option("both", help="Clock mode of the check, as `compare --clock`."),
+):
+    """Make a baseline set for `msa-bench compare` and check that it passes against itself.
+
+    --runs separate `msa-bench sweep` runs, then each run judged against the others as `compare` judges a
+    new run against the set. Exit 0 when
+    every run passes against the rest; 1 when one regresses (the set cannot tell a change from its own
+    noise: make it again, on a quieter GPU or with more runs); 2 on bad input or a sweep that did not
+    finish (its log is named; the same command resumes)."""
+    import shutil
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from .errors import UserError
+    from .harness.baseline import CLOCK_MODES, sweep_set
+    from .harness.compare import REGRESSION, parse_threshold
+    from .harness.compare_formats import exit_code, print_text, subject
+    from .harness.gate_power import self_check
+    from .harness.results import load_run
+    threshold = parse_threshold(max_regression)
+    if clock not in CLOCK_MODES:
+        raise UserError(f"--clock must be one of {', '.join(CLOCK_MODES)}, got {clock!r}")
+    if runs < 2:
+        raise UserError(f"--runs must be 2 or more (each run is judged against the others), got {runs}")
+    if not out.strip():
+        raise UserError("--out is empty: name the set folder")
+    sweep_args = ["--scenario", scenario] + (["--backend", backend] if backend else [])
+    dirs = sweep_set(out, runs, sweep_args, say=typer.echo)
+    loaded = [load_run(d) for d in dirs]
+    results = self_check(loaded, threshold, clock)
+    console = Console(width=shutil.get_terminal_size((80, 24)).columns, soft_wrap=False)
+    for w in dict.fromkeys(w for r in results for w in r.warnings):
+        typer.echo(f"warning: {w}")
+    for d, r in zip(dirs, results):
+        typer.echo(f"{d.name} against the other {runs - 1}: {len(r.findings)} compared, "
+                   f"{len(r.of(REGRESSION))} regression(s)")
+        if r.regressed:
+            print_text(replace(r, warnings=[]), subject(f"the other runs of {out}", str(d)), console)
+    failed = [d.name for d, r in zip(dirs, results) if exit_code(r)]
+    if failed:
+        typer.echo(f"error: {', '.join(failed)} regress against the rest of the set: it cannot tell a change from "
+                   "its own noise; make it again (a quieter GPU, more runs)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"baseline set {out}: {runs} runs, each passes against the others")
+    typer.echo(f"next: msa-bench compare {out} NEW")
+
+
 @app.command()
 def merge(
     out: str = typer.Argument(..., help="New run folder to write."),
