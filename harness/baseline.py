@@ -3,7 +3,7 @@ under a clock mode.
 
 A baseline set is a folder whose sub-folders are K run folders of the same scenario and grid (K
 separate `sweep` processes): between-run variance (clock steps under a power cap, placement) is
-invisible to a within-run test, and the set measures it.
+invisible to a within-run test, and the set measures it. sweep_set makes one (`msa-bench gate baseline`).
 
 Clock modes (the per-sample SM clock from the spin probe, harness/timing.py):
   raw        the measured seconds.

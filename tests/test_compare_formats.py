@@ -119,10 +119,17 @@ def test_a_bad_format_is_one_line(planted, cli, one_error_line):
     assert code == 2 and "--format must be one of text, json, markdown" in one_error_line(err)
 
 
-def test_markdown_of_the_committed_gate_set(cli):
-    """A committed gate run against the set (docs/harness.md shows one against the rest of the set)."""
-    code, out, _ = cli("compare", GATE_SET, GATE_SET / "run-05", "--format", "markdown")
+def test_the_docs_show_the_markdown_of_a_committed_gate_run(cli, tmp_path, monkeypatch):
+    """docs/harness.md pastes run-01 of the committed set against the other four: it is what compare prints."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").symlink_to(ROOT / "results")
+    rest = tmp_path / "rest-of-set"
+    rest.mkdir()
+    for i in (2, 3, 4, 5):
+        (rest / f"run-0{i}").symlink_to(GATE_SET / f"run-0{i}")
+    code, out, _ = cli("compare", "rest-of-set", "results/h200/gate/baseline-set/run-01", "--format", "markdown")
     assert code == 0 and "gate-prefill, NVIDIA H200" in out and "32 compared" in out
+    assert f"````markdown\n{out}````" in (ROOT / "docs" / "harness.md").read_text()
 
 
 # ---- gate baseline -------------------------------------------------------------------------------------
