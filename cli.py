@@ -480,10 +480,11 @@ def compare(
                                                      "(schema in docs/harness.md); markdown: a pull-request "
                                                      "comment (verdict, regressions, improvements, noise band)."),
     output: str = typer.Option(None, help="Write the --format document to this file (stdout then shows the "
-                                          "text table); written on exit 2 too. The exit code stays the "
-                                          "gate's. Default: stdout.", show_default=False),
+                                          "text table); json and markdown also on exit 2, saying why. The "
+                                          "exit code stays the gate's. Default: stdout.", show_default=False),
     report_url: str = typer.Option(None, help="Link to the new run's figures in the markdown and JSON (e.g. "
-                                              "the CI artifact). Default: the command that writes them.",
+                                              "the CI artifact). Default: NEW/report/ where `msa-bench report` wrote "
+                                              "it, else the command that writes it.",
                                    show_default=False),
 ):
     """Regression gate. Exit 1 if any point is slower by more than --max-regression AND distinguishable from

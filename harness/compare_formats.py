@@ -13,6 +13,7 @@ import io
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from .compare import IMPROVEMENT, NOISE, NOT_JUDGED, REGRESSION, UNCHANGED, Comparison, Finding
 from .results import Run
@@ -37,6 +38,10 @@ class Subject:
 
 
 def subject(baseline: str, new: str, new_run: Run | None = None, report_url: str | None = None) -> Subject:
+    """`report_url` defaults to the new run's report/ where `msa-bench report` wrote one (a relative path
+    when `new` is)."""
+    report = Path(new) / "report"
+    report_url = report_url or (f"{report}/" if (report / "summary.md").is_file() else None)
     if new_run is None:
         return Subject(baseline, new, report_url)
     prov = new_run.meta.get("provenance") or {}

@@ -89,7 +89,11 @@ def test_markdown_of_a_regression_lists_it_first(planted, cli):
     assert len(rows) == 2 and {"module", "attention"} == {r.split(" | ")[2] for r in rows}
     improvements = out.split("### Improvements\n\n")[1].split("\n### ")[0]
     assert improvements.count("| b |") == 2
-    assert f"`msa-bench report {slow}`" in out           # no --report-url: how to make the figures
+    assert f"`msa-bench report {slow}`" in out           # no --report-url, no report: how to make the figures
+    (slow / "report").mkdir()
+    (slow / "report" / "summary.md").write_text("# summary\n")
+    _, out, _ = cli("compare", root, slow, "--format", "markdown")
+    assert f"[the run's report]({slow}/report/)" in out
 
 
 def test_output_file_keeps_the_gates_exit_code(planted, cli, tmp_path, one_error_line):
