@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,15 +67,17 @@ def _finding_json(f: Finding) -> dict:
             "pass_band": None if f.band is None else [_number(b) for b in f.band], "note": f.note}
 
 
-def _spreads(result: Comparison) -> list[float]:
-    return sorted(f.spread for f in result.findings if f.kind == "time" and f.spread is not None)
+def _run_spread(result: Comparison) -> dict | None:
+    """Against a set: the median and largest run-to-run spread of the compared times; None against a run."""
+    spreads = [f.spread for f in result.findings if f.kind == "time" and f.spread is not None]
+    return {"median": statistics.median(spreads), "max": max(spreads), "n": len(spreads)} if spreads else None
 
 
-def _noise_json(result: Comparison) -> dict | None:
+def _noise_json(result: Comparison) -> dict:
     s = result.setup
-    spreads = _spreads(result)
+    spread = _run_spread(result)
     return {"rule": "set" if s.baseline_runs > 1 else "single-run", "flag": s.flag,
-            "run_spread": {"median": spreads[len(spreads) // 2], "max": spreads[-1]} if spreads else None}
+            "run_spread": None if spread is None else {k: spread[k] for k in ("median", "max")}}
 
 
 def as_json(result: Comparison | None, sub: Subject, error: str | None = None) -> dict:
@@ -148,10 +151,10 @@ def _noise_paragraph(result: Comparison) -> str:
         text = f"A time is flagged only where its median moves by more than {s.threshold:.1%} and {test}"
     if s.clock == "both":
         text += "; raw and clock-normalized times must both flag it"
-    spreads = _spreads(result)
-    if spreads:
-        text += (f". The set's run-to-run spread (slowest / fastest run median) over the {len(spreads)} "
-                 f"compared times: median {spreads[len(spreads) // 2]:.3f}, largest {spreads[-1]:.3f}")
+    spread = _run_spread(result)
+    if spread:
+        text += (f". The set's run-to-run spread (slowest / fastest run median) over the {spread['n']} "
+                 f"compared times: median {spread['median']:.3f}, largest {spread['max']:.3f}")
     return text + f". Bytes moved (ncu) may change by {s.counter_tolerance:.1%}."
 
 
