@@ -476,6 +476,16 @@ def compare(
     floor: float = typer.Option(0.97, help="--clock floor: the fraction of the stage's highest sampled clock "
                                            "below which a sample is dropped."),
     show_all: bool = typer.Option(False, "--all", help="List every compared point, not only the changes."),
+    fmt: str = typer.Option("text", "--format", help="text: the terminal table; json: a document for tools "
+                                                     "(schema in docs/harness.md); markdown: a pull-request "
+                                                     "comment (verdict, regressions, improvements, noise band)."),
+    output: str = typer.Option(None, help="Write the --format document to this file (stdout then shows the "
+                                          "text table); json and markdown also on exit 2, saying why. The "
+                                          "exit code stays the gate's. Default: stdout.", show_default=False),
+    report_url: str = typer.Option(None, help="Link to the new run's figures in the markdown and JSON (e.g. "
+                                              "the CI artifact). Default: NEW/report/ where `msa-bench report` wrote "
+                                              "it, else the command that writes it.",
+                                   show_default=False),
 ):
     """Regression gate. Exit 1 if any point is slower by more than --max-regression AND distinguishable from
     the baseline's raw samples (Mann-Whitney U p < 0.05 or disjoint IQRs), or moves more bytes, or now
@@ -485,14 +495,14 @@ def compare(
     lacks or did not time. Exit 3 on an internal error. 0 otherwise. Host (CPU) timings are listed,
     never judged: on CPU runs only a unit that now fails is a regression. Times in microseconds."""
     import shutil
+    from pathlib import Path
 
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     from .errors import UserError
     from .harness.baseline import CLOCK_MODES, load_baseline
-    from .harness.compare import IMPROVEMENT, REGRESSION, compare_runs, parse_threshold
+    from .harness.compare import compare_runs, parse_threshold
+    from .harness.compare_formats import FORMATS, exit_code, print_text, render, subject
     from .harness.results import load_run
     threshold = parse_threshold(max_regression)
     tol = parse_threshold(counter_tolerance, "--counter-tolerance")
@@ -500,52 +510,94 @@ def compare(
         raise UserError(f"--clock must be one of {', '.join(CLOCK_MODES)}, got {clock!r}")
     if not 0 < floor <= 1:
         raise UserError(f"--floor must be a fraction in (0, 1], got {floor}")
-    bases = load_baseline(baseline)
-    result = compare_runs(bases, load_run(new), threshold, tol, clock=clock, floor=floor)
-    width = shutil.get_terminal_size((80, 24)).columns     # COLUMNS, else the terminal, else 80 (pipes, logs)
-    console = Console(width=width, soft_wrap=False)
-    for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)     # whole lines, text as is
-    shown = result.findings if show_all else result.of(REGRESSION) + result.of(IMPROVEMENT)
-    if shown:
-        title = f"{new} vs {baseline}" + (f" ({len(bases)} baseline runs)" if len(bases) > 1 else "")
-        columns = ["verdict", "backend", "dtype", "stage", "what", "baseline", "new", "new/base", "p", "point"]
-        if len(bases) > 1:
-            columns.insert(8, "spread")
-        rows = []
-        for f in shown:
-            fmt = (lambda v: f"{v * 1e6:.2f} µs") if f.kind == "time" else (lambda v: f"{v:.4g}")
-            row = [f.verdict, f.backend, f.dtype, f.stage, f.kind, fmt(f.baseline), fmt(f.new), f"{f.ratio:.3f}",
-                   "" if f.p_value is None else f"{f.p_value:.3g}", f.note or f.point_key]
-            if len(bases) > 1:
-                row.insert(8, "" if f.spread is None else f"{f.spread:.3f}")
-            rows.append(row)
-        table = Table(title=title)
-        for col in columns:
-            table.add_column(col, no_wrap=True)
-        for row in rows:
-            color = {"regression": "red", "improvement": "green"}.get(row[0], "")
-            table.add_row(f"[{color}]{row[0]}[/]" if color else row[0], *map(escape, row[1:]))
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-        if sum(w + 3 for w in widths) + 1 <= width:           # cells, their padding and rules: shown whole
-            console.print(table)
-        else:        # too wide to show whole: one record per finding, every value in full
-            console.print(title, soft_wrap=True)
-            for row in rows:
-                named = dict(zip(columns, row))
-                spread = f", spread {named['spread']}" if named.get("spread") else ""
-                p = f", p {named['p']}" if named["p"] else ""
-                console.print(f"{named['verdict']}: {named['backend']} {named['dtype']} {named['stage']} "
-                              f"{named['what']} {named['baseline']} -> {named['new']} (new/base "
-                              f"{named['new/base']}{p}{spread}) at {escape(named['point'])}",
-                              soft_wrap=True, highlight=False)
-    n_reg, n_imp = len(result.of(REGRESSION)), len(result.of(IMPROVEMENT))
-    console.print(f"{len(result.findings)} compared: {n_reg} regression(s), {n_imp} improvement(s) "
-                  f"(threshold {threshold:.1%}, counters {tol:.1%}, clock {clock}"
-                  + (f", {len(bases)} baseline runs" if len(bases) > 1 else "")
-                  + ("" if result.timings_judged else "; timings not judged: CPU run") + ")")
-    if result.regressed:
+    if fmt not in FORMATS:
+        raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+    def emit(document: str) -> None:
+        if output:
+            Path(output).write_text(document)
+        else:
+            typer.echo(document, nl=False)
+    try:
+        bases = load_baseline(baseline)
+        new_run = load_run(new)
+        result = compare_runs(bases, new_run, threshold, tol, clock=clock, floor=floor)
+    except UserError as exc:
+        if fmt != "text":        # CI posts the document: it says why the gate could not judge
+            emit(render(fmt, None, subject(baseline, new, report_url=report_url), error=str(exc)))
+        raise
+    sub = subject(baseline, new, new_run, report_url)
+    if fmt == "text" or output:      # the table for a person: the terminal, or the CI log beside the file
+        width = shutil.get_terminal_size((80, 24)).columns     # COLUMNS, else the terminal, else 80 (pipes, logs)
+        print_text(result, sub, Console(width=width, soft_wrap=False), show_all)
+    if fmt != "text" or output:
+        emit(render(fmt, result, sub, show_all=show_all))
+    raise typer.Exit(exit_code(result))
+
+
+gate_app = typer.Typer(no_args_is_help=True, help="The regression gate's baseline set (docs/harness.md, "
+                                                    "\"The gate\").")
+app.add_typer(gate_app, name="gate")
+
+
+@gate_app.command("baseline")
+def gate_baseline(
+    out: str = typer.Option(..., help="Set folder: the runs go to OUT/run-01 .. run-K, each sweep's log beside "
+                                      "it. A complete run there is kept and an unfinished one resumed.",
+                            show_default=False),
+    runs: int = typer.Option(5, help="Separate sweeps (processes) in the set, 2 or more; 3 at least to judge "
+                                     "by, 5 in the committed set."),
+    scenario: str = typer.Option("gate-prefill", help="Scenario of the sweeps (name or TOML file)."),
+    backend: str = typer.Option(None, help="Override backends, comma-separated, as `sweep --backend`. Default: "
+                                           "the scenario's.", show_default=False),
+    max_regression: str = typer.Option("5%", help="The slowdown the gate must catch, as `compare "
+                                                  "--max-regression` (5% or 0.05)."),
+    clock: str = typer.Option("both", help="Clock mode of the check, as `compare --clock`."),
+):
+    """Make a baseline set for `msa-bench compare` and check that it passes against itself.
+
+    --runs separate `msa-bench sweep` runs, then each run judged against the others as `compare` judges a
+    new run against the set. Exit 0 when
+    every run passes against the rest; 1 when one regresses (the set cannot tell a change from its own
+    noise: make it again, on a quieter GPU or with more runs); 2 on bad input or a sweep that did not
+    finish (its log is named; the same command resumes)."""
+    import shutil
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from .errors import UserError
+    from .harness.baseline import CLOCK_MODES, sweep_set
+    from .harness.compare import REGRESSION, parse_threshold
+    from .harness.compare_formats import exit_code, print_text, subject
+    from .harness.gate_power import self_check
+    from .harness.results import load_run
+    threshold = parse_threshold(max_regression)
+    if clock not in CLOCK_MODES:
+        raise UserError(f"--clock must be one of {', '.join(CLOCK_MODES)}, got {clock!r}")
+    if runs < 2:
+        raise UserError(f"--runs must be 2 or more (each run is judged against the others), got {runs}")
+    if not out.strip():
+        raise UserError("--out is empty: name the set folder")
+    sweep_args = ["--scenario", scenario] + (["--backend", backend] if backend else [])
+    dirs = sweep_set(out, runs, sweep_args, say=typer.echo)
+    loaded = [load_run(d) for d in dirs]
+    results = self_check(loaded, threshold, clock)
+    console = Console(width=shutil.get_terminal_size((80, 24)).columns, soft_wrap=False)
+    for w in dict.fromkeys(w for r in results for w in r.warnings):
+        typer.echo(f"warning: {w}")
+    for d, r in zip(dirs, results):
+        typer.echo(f"{d.name} against the other {runs - 1}: {len(r.findings)} compared, "
+                   f"{len(r.of(REGRESSION))} regression(s)")
+        if r.regressed:
+            print_text(replace(r, warnings=[]), subject(f"the other runs of {out}", str(d)), console)
+    failed = [d.name for d, r in zip(dirs, results) if exit_code(r)]
+    if failed:
+        typer.echo(f"error: {', '.join(failed)} regress against the rest of the set: it cannot tell a change from "
+                   "its own noise; make it again (a quieter GPU, more runs)", err=True)
         raise typer.Exit(1)
+    typer.echo(f"baseline set {out}: {runs} runs, each passes against the others")
+    typer.echo(f"next: msa-bench compare {out} NEW")
 
 
 @app.command()

@@ -3,7 +3,7 @@ under a clock mode.
 
 A baseline set is a folder whose sub-folders are K run folders of the same scenario and grid (K
 separate `sweep` processes): between-run variance (clock steps under a power cap, placement) is
-invisible to a within-run test, and the set measures it.
+invisible to a within-run test, and the set measures it. sweep_set makes one (`msa-bench gate baseline`).
 
 Clock modes (the per-sample SM clock from the spin probe, harness/timing.py):
   raw        the measured seconds.
@@ -18,13 +18,16 @@ Clock modes (the per-sample SM clock from the spin probe, harness/timing.py):
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
 
 from ..errors import UserError
-from .results import RUN_FILE, Run, load_run
+from .results import RUN_FILE, Run, load_run, read_meta
 from .timing import TIMER_GPU
 
 CLOCK_MODES = ("raw", "normalize", "floor", "both")
@@ -93,3 +96,38 @@ def clocked_samples(run: Run, mode: str, floor: float = DEFAULT_FLOOR) -> tuple[
     top = s.groupby(["point_key", "backend", "stage"])["sm_clock_mhz"].transform("max")
     keep = s["sm_clock_mhz"] >= floor * top
     return s[keep], int((~keep).sum())
+
+
+def set_member(root: str | Path, i: int) -> Path:
+    """The i-th run folder (1-based) of a baseline set, as scripts/gate-protocol.sh names it."""
+    return Path(root) / f"run-{i:02d}"
+
+
+def _complete(run_dir: Path) -> bool:
+    return (run_dir / RUN_FILE).is_file() and read_meta(run_dir).get("complete") is True
+
+
+def sweep_set(root: str | Path, k: int, sweep_args: list[str], say: Callable[[str], None] = print) -> list[Path]:
+    """Make a baseline set: K separate `msa-bench sweep` processes into ROOT/run-01 .. run-K (a process
+    each, so the set holds the between-run variance a sweep's own samples cannot), each with its log
+    beside it (run-NN.log). A complete run is kept, an unfinished one resumed, so the command can be run
+    again after a stop. UserError naming the log when a sweep does not exit 0."""
+    runs = []
+    for i in range(1, k + 1):
+        run_dir = set_member(root, i)
+        runs.append(run_dir)
+        if _complete(run_dir):
+            say(f"run {i}/{k}: {run_dir} is complete, kept")
+            continue
+        resume = ["--resume"] if (run_dir / RUN_FILE).is_file() else []
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        log = run_dir.with_name(run_dir.name + ".log")
+        say(f"run {i}/{k}: msa-bench sweep {' '.join(sweep_args + resume)} --out {run_dir} (log {log})")
+        with open(log, "a") as out:
+            code = subprocess.run([sys.executable, "-m", "msa_bench.cli", "sweep", *sweep_args, *resume,
+                                   "--out", str(run_dir)], stdout=out, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            tail = " ".join(log.read_text().strip().splitlines()[-1:])
+            raise UserError(f"run {i}/{k}: the sweep exited {code} ({tail!r}; log {log}); the finished runs are "
+                            "kept and the same command resumes")
+    return runs

@@ -76,6 +76,23 @@ class Finding:
     verdict: str
     note: str = ""
     spread: float | None = None   # baseline set: slowest / fastest of the K run medians
+    band: tuple[float, float] | None = None   # the ratios new/base that pass on size (time, counters)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a comparison was judged under, as the report formats state it."""
+    threshold: float
+    counter_tolerance: float
+    alpha: float
+    clock: str             # the mode judged: raw where a run has no clocks, whatever was asked
+    floor: float
+    baseline_runs: int
+
+    @property
+    def flag(self) -> float:
+        """How far outside the baseline a median must move to be flagged (a fraction)."""
+        return self.threshold * (SET_FLAG if self.baseline_runs > 1 else 1.0)
 
 
 @dataclass
@@ -83,6 +100,7 @@ class Comparison:
     findings: list[Finding]
     warnings: list[str] = field(default_factory=list)
     timings_judged: bool = True
+    setup: Setup | None = None
 
     def of(self, verdict: str) -> list[Finding]:
         return [f for f in self.findings if f.verdict == verdict]
@@ -125,6 +143,18 @@ def judge_samples(base: np.ndarray, new: np.ndarray, threshold: float,
     ratio = float(np.median(new)) / float(np.median(base))
     real, p = _distinguishable(base, new, ratio > 1, alpha)
     return _verdict(ratio, threshold, real), ratio, p
+
+
+def single_band(threshold: float) -> tuple[float, float]:
+    """Against one run: the median ratios new/base that pass on size (judge_samples' rule)."""
+    return 1 / (1 + threshold), 1 + threshold
+
+
+def set_band(medians: Sequence[float], threshold: float) -> tuple[float, float]:
+    """Against K runs: the median ratios new / (median of the K medians) that pass on size, from the
+    fastest run's median less the flag to the slowest run's plus it (judge_set's rule)."""
+    center, margin = float(np.median(medians)), 1 + threshold * SET_FLAG
+    return min(medians) / margin / center, max(medians) * margin / center
 
 
 def judge_set(bases: Sequence[np.ndarray], new: np.ndarray, threshold: float,
@@ -207,13 +237,14 @@ def _time_findings(bases: list[Run], new: Run, clock: str, floor: float, thresho
     for key in sorted(bs.keys() & ns.keys()):
         if len(bases) == 1:
             (verdict, ratio, p), spread = judge_samples(bs[key], ns[key], threshold, alpha), None
-            center = float(np.median(bs[key]))
+            center, band = float(np.median(bs[key])), single_band(threshold)
         else:
             runs = [d[key] for d in per_base]
             verdict, ratio, p, spread = judge_set(runs, ns[key], threshold, alpha)
-            center = float(np.median([np.median(r) for r in runs]))
+            medians = [float(np.median(r)) for r in runs]
+            center, band = float(np.median(medians)), set_band(medians, threshold)
         findings.append(Finding(*key, "time", center, float(np.median(ns[key])), ratio, p,
-                                verdict if judged else NOT_JUDGED, spread=spread))
+                                verdict if judged else NOT_JUDGED, spread=spread, band=band))
     return findings, sum(n for _, n in clocked)
 
 
@@ -265,7 +296,8 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
         ratio = n / b if b > 0 else (1.0 if n == 0 else float("inf"))
         verdict = (REGRESSION if ratio > 1 + counter_tolerance else
                    IMPROVEMENT if ratio < 1 - counter_tolerance else UNCHANGED)
-        findings.append(Finding(*key[:4], key[4], b, n, ratio, None, verdict))
+        findings.append(Finding(*key[:4], key[4], b, n, ratio, None, verdict,
+                                band=(1 - counter_tolerance, 1 + counter_tolerance)))
     matched_units = 0
     st_b, st_n = _units(base), _units(new)
     if st_b is not None and st_n is not None:
@@ -287,4 +319,5 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
         raise UserError("nothing to compare: the two runs share no (point, backend)")
     if not any(f.kind == "time" for f in findings):
         warnings.append("no timing samples in common (every common unit failed or was unavailable)")
-    return Comparison(findings, warnings, judged)
+    setup = Setup(threshold, counter_tolerance, alpha, clock, floor, len(bases))
+    return Comparison(findings, warnings, judged, setup)

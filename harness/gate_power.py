@@ -1,4 +1,5 @@
-"""How well the gate separates noise from a regression, on K+M runs of one grid (scripts/gate-protocol.sh).
+"""How well the gate separates noise from a regression, on K+M runs of one grid (scripts/gate-protocol.sh),
+and whether a new baseline set passes against itself (self_check, `msa-bench gate baseline`).
 
 Runs 1..K are the baseline set; each later run is judged against it by compare_runs, the function
 `msa-bench compare` uses, once per clock mode:
@@ -17,7 +18,7 @@ from ..kernels.delay import split_delay
 import numpy as np
 
 from .baseline import CLOCK_MODES, clocked_samples
-from .compare import REGRESSION, compare_runs
+from .compare import REGRESSION, Comparison, compare_runs
 from .results import Run
 
 
@@ -88,6 +89,14 @@ def gate_power(runs: list[Run], k: int, threshold: float = 0.05, modes=CLOCK_MOD
                 tally[0] += sum(f.verdict == REGRESSION for f in module)
                 tally[1] += len(module)
     return out
+
+
+def self_check(runs: list[Run], threshold: float = 0.05, clock: str = "both") -> list[Comparison]:
+    """Each run of a baseline set judged against the others, as `compare` judges a new run against the set:
+    a set one of whose own runs regresses against the rest cannot tell a change from its own noise."""
+    if len(runs) < 2:
+        raise UserError(f"a baseline set checks each run against the others: it needs 2 runs at least, has {len(runs)}")
+    return [compare_runs(runs[:i] + runs[i + 1:], run, threshold, clock=clock) for i, run in enumerate(runs)]
 
 
 def power_table(mode: str, power: Power) -> str:

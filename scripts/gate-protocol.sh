@@ -8,6 +8,7 @@
 # no new run starts after SECONDS and a running sweep is stopped (SIGINT) when they run out. OUTROOT is
 # packed into $OUT/gate.tgz after each run when OUT is set. GATE_BACKENDS replaces the backend list. Then:
 #     python3 scripts/gate-power.py OUTROOT --baseline-runs K
+# A plain baseline set for compare (no planted backends, checked against itself): msa-bench gate baseline.
 export PYTHONUNBUFFERED=1
 R=${1:?usage: gate-protocol.sh OUTROOT NRUNS [SECONDS]}
 N=${2:?usage: gate-protocol.sh OUTROOT NRUNS [SECONDS]}
