@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile, achieved
-from ..kernels.base import get_backend, model_dtype, registered_names
+from ..roofline.dtypes import model_dtype
+from ..kernels.base import get_backend, registered_names
 from ..roofline.model import (crossover, crossover_at, decode_work_share, fixed_cost, fraction_roofline, is_decode,
                               module_time, scaled_time)
 from ..roofline.schedules import Schedule

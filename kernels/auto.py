@@ -11,10 +11,11 @@ records every prediction, the skipped candidates and the pick under "auto", the 
 from __future__ import annotations
 
 from ..roofline.devices import device_profile, has_achieved, has_fixed_costs
+from ..roofline.dtypes import model_dtype
 from ..roofline.model import ALL_SCHEDULES
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
-from .base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, model_dtype, register, registered_names
+from .base import Backend, BackendUnavailable, ModelInputs, Plan, get_backend, register, registered_names
 
 MODELLED = (*ALL_SCHEDULES, Schedule.HYBRID, Schedule.DENSE_MASKED)
 

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
+from ..roofline.dtypes import model_dtype
 from ..roofline.model import RESOURCES
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
@@ -63,11 +64,6 @@ class ModelInputs:
             from ..scenarios.stats import workload_union_ratio
             self._union[(tile, padded)] = workload_union_ratio(self.w, tile, padded) or 1.0
         return self._union[(tile, padded)]
-
-
-def model_dtype(dtype: str) -> str:
-    """The dtype a profile's achieved fractions are keyed by: fp16 and fp32 count as bf16."""
-    return dtype if dtype in ("bf16", "fp8") else "bf16"
 
 
 class Backend:

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..roofline.dtypes import model_dtype
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload, free_memory_bytes
-from .base import Backend, BackendUnavailable, ModelInputs, Plan, model_dtype, register
+from .base import Backend, BackendUnavailable, ModelInputs, Plan, register
 from .dense_paged import build_paged_stages, paged_sizes
 from .options import Choice
 

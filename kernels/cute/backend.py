@@ -16,8 +16,8 @@ import torch
 from ..base import BackendUnavailable, register
 from ..options import Choice, Rest
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
+from ...roofline.dtypes import DType
 from ...scenarios.stats import selected_pairs
-from ...scenarios.workload import element_bytes
 from ..kv_outer.config import KVOuterConfig, default_config, grouped_tile_order, resolve_num_ctas, tile_order
 from .manifest import (DTYPES, KERNELS, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, default_kernel, device_arch,
                        fp8_v_key_order)
@@ -151,7 +151,7 @@ class KVOuterCuteBackend(KVOuterBackend):
         elif self.config is None:
             _, fanin = selected_pairs(w)
             cfg = cfg.with_(**grouped_tile_order(w.n_tokens, w.shape.group, w.shape.head_dim,
-                                                 element_bytes(w.dtype), float(fanin.double().mean())))
+                                                 DType(w.dtype).bytes, float(fanin.double().mean())))
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 
