@@ -51,10 +51,9 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, kerne
 
 def cute_kv_config(dtype: str, ctas_per_sm: int) -> KVOuterConfig:
     """kv-outer's configuration for a CuTe attention stage: the kernel is built for 8-token tiles and
-    walks cta_range persistently, so the Triton stage's tuned tile, chunking and register cap do not
-    apply; the scheduler's tile order (q_ranges, order_chunk) does."""
-    return default_config(dtype).with_(ctas_per_sm=ctas_per_sm, tile_q=8, attn_chunk=0, attn_chunk_grid=0,
-                                       attn_maxnreg=0)
+    walks cta_range persistently, so the Triton stage's tuned tile and chunking do not apply; the
+    scheduler's tile order (q_ranges, order_chunk) does."""
+    return default_config(dtype).with_(ctas_per_sm=ctas_per_sm, tile_q=8, attn_chunk=0)
 
 
 class CuteAttentionStage:
