@@ -206,13 +206,12 @@ def check(
     from .harness.check import CPU_SHAPE, check_fits_here, check_point, describe, plan_lines, run_check
     from .scenarios.grid import SERVING
     from .errors import UserError
-    from .scenarios.workload import DATA_DTYPES, AttnShape
+    from .roofline.dtypes import DType
+    from .scenarios.workload import AttnShape
 
     import torch
     on_gpu = torch.cuda.is_available()
-    dtype = dtype or ("bf16" if on_gpu else "fp16")
-    if dtype not in DATA_DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
+    dtype = DType.parse(dtype or ("bf16" if on_gpu else "fp16"))
     for name, value in (("tokens", tokens), ("context", context), ("hq", hq), ("hkv", hkv), ("head-dim", head_dim),
                         ("block", block), ("topk", topk)):
         if value is not None and value <= 0:
@@ -271,7 +270,8 @@ def roofline(
     import json
     from .errors import UserError
     from .roofline.devices import load_device
-    from .roofline.model import DTYPE_BYTES, ModelShape
+    from .roofline.dtypes import DType
+    from .roofline.model import ModelShape
     from .roofline.summary import roofline_summary
 
     for name, value in (("hq", hq), ("hkv", hkv), ("head-dim", head_dim), ("block", block), ("topk", topk), ("tokens", tokens)):
@@ -279,10 +279,8 @@ def roofline(
             raise UserError(f"--{name} must be positive, got {value}")
     if hq % hkv:
         raise UserError(f"--hq ({hq}) must be a multiple of --hkv ({hkv})")
-    if dtype not in ("fp8", "bf16"):
-        raise UserError(f"--dtype must be fp8 or bf16, got {dtype!r}")
-    if partial_dtype not in ("bf16", "fp8") or partial_dtype not in DTYPE_BYTES:
-        raise UserError(f"--partial-dtype must be bf16 or fp8, got {partial_dtype!r}")
+    dtype = DType.parse(dtype, "--dtype", (DType.FP8, DType.BF16))
+    partial_dtype = DType.parse(partial_dtype, "--partial-dtype", (DType.BF16, DType.FP8))
     from .roofline.devices import default_device_name
     prof = load_device(device or default_device_name())
     shape = ModelShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk, dtype=dtype, partial_dtype=partial_dtype)
@@ -313,14 +311,13 @@ def build_kernels(
     versions, arch, source hash). Carry the directory to the GPU host; the backends load it."""
     from pathlib import Path
     from .errors import UserError
+    from .roofline.dtypes import DType
     from .kernels.cute.manifest import (DEFAULT_BUILD_DIR, DTYPES, KERNELS, Q_PACKED_SETS, SUPPORTED_ARCHS,
                                         library_configs, q_packed_configs)
 
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"--arch must be one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
-    bad = [d for d in dtype if d not in DTYPES]
-    if bad:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {bad[0]!r}")
+    dtype = [DType.parse(d, "--dtype", DTYPES) for d in dtype]
     bad = [k for k in kernel if k not in KERNELS]
     if bad:
         raise UserError(f"--kernel must be one of {', '.join(KERNELS)}, got {bad[0]!r}")

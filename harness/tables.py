@@ -9,8 +9,9 @@ import numpy as np
 import pandas as pd
 
 from ..roofline.devices import DeviceProfile, has_fixed_costs
+from ..roofline.dtypes import model_dtype
 from ..kernels.auto import AutoBackend
-from ..kernels.base import get_backend, model_dtype
+from ..kernels.base import get_backend
 from ..kernels.q_packed.hybrid import HybridBackend
 from ..roofline.model import crossover, crossover_at, is_decode
 from ..roofline.predict import fraction_fit, predict_module, schedule_roofline, shape_of, weigh_reason

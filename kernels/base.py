@@ -14,7 +14,7 @@ import torch
 
 from ..errors import BackendUnavailable  # noqa: F401  (re-exported: backends raise it)
 from ..roofline.model import RESOURCES
-from ..roofline.predict import KernelFacts, model_dtype  # noqa: F401  (model_dtype re-exported)
+from ..roofline.predict import KernelFacts
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .options import Option, parse_options

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..roofline.dtypes import model_dtype
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload, free_memory_bytes
 from .base import Backend, BackendUnavailable, Plan, register

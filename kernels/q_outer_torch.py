@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..roofline.dtypes import DType
 from ..roofline.schedules import Schedule
 from ..scenarios.reference import CHUNK_ROWS, reference_attention
-from ..scenarios.workload import DATA_DTYPES, Workload
+from ..scenarios.workload import Workload
 from .base import Backend, Plan, register
 from .options import Number
 
@@ -19,7 +20,7 @@ from .options import Number
 @register("q-outer-torch")
 class QOuterTorch(Backend):
     description = "Q-outer in PyTorch float32: each chunk of query tokens attends its own selected blocks"
-    dtypes = DATA_DTYPES
+    dtypes = tuple(DType)
     schedule = Schedule.Q_OUTER
     stage_names = ("attention",)
     options = {"chunk": Number("chunk size", "c", (1, 4, CHUNK_ROWS))}

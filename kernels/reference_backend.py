@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from ..roofline.dtypes import DType
 from ..scenarios.reference import combine_partials, reference_partials
-from ..scenarios.workload import DATA_DTYPES, Workload
+from ..scenarios.workload import Workload
 from .base import Backend, Plan, register
 
 
@@ -16,7 +17,7 @@ from .base import Backend, Plan, register
 class ReferenceBackend(Backend):
     name = "reference"
     description = "float32 PyTorch split-then-combine through harness.reference (a baseline, not a contender)"
-    dtypes = DATA_DTYPES
+    dtypes = tuple(DType)
 
     def _plan(self, w: Workload) -> Plan:
         s = w.shape

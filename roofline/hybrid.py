@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from .devices import DeviceProfile
-from .model import DTYPE_BYTES, STAT_BYTES, ModelShape
+from .model import STAT_BYTES, ModelShape
 
 
 def packed_block_seconds(shape: ModelShape, device: DeviceProfile, tokens_per_tile: int) -> float:
@@ -30,7 +30,7 @@ def kv_outer_token_seconds(shape: ModelShape, device: DeviceProfile) -> float:
     rows gathered from L2."""
     rows = shape.group
     mma = 4.0 * rows * shape.block * shape.head_dim / device.peak_flops(shape.dtype)
-    partial = 2 * rows * (shape.head_dim * DTYPE_BYTES[shape.partial_dtype] + 2 * STAT_BYTES)
+    partial = 2 * rows * (shape.head_dim * shape.partial_dtype.bytes + 2 * STAT_BYTES)
     q = rows * shape.head_dim * shape.data_bytes
     return mma + partial / device.hbm_bytes_per_s + q / device.l2_bytes_per_s
 

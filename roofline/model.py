@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
+from .dtypes import DType
 from .schedules import Schedule
 from .shape import SHAPE_FIELDS, AttnShape
 
@@ -46,7 +47,6 @@ def union_tokens(schedule: str, tile_tokens: int = DEFAULT_TILE_TOKENS) -> int |
     None for the schedules co-selection does not change."""
     return {Schedule.Q_PACKED: tile_tokens, Schedule.Q_OUTER: Q_OUTER_WINDOW}.get(schedule)
 MASK_BITS = 1                  # q-packed: membership of each tile token in each union block
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 INDEX_BYTES = 4
 STAT_BYTES = 4
 
@@ -54,9 +54,9 @@ STAT_BYTES = 4
 @dataclass(frozen=True)
 class ModelShape(AttnShape):
     """The attention shape with what the model also needs: data types and the launch's gathering terms."""
-    dtype: str = "bf16"           # Q/K/V data
-    partial_dtype: str = "bf16"   # partial O written by the KV-outer attention stage
-    out_dtype: str = "bf16"
+    dtype: DType = DType.BF16           # Q/K/V data
+    partial_dtype: DType = DType.BF16   # partial O written by the KV-outer attention stage
+    out_dtype: DType = DType.BF16
     # KV heads whose queries the KV-stationary attention stage gathers at the same time: 1 when work
     # is issued in tile order (CTAs move through the head-major work list together), hkv when each
     # persistent CTA owns a contiguous slice of it (then every head's slice is live at once).
@@ -65,6 +65,11 @@ class ModelShape(AttnShape):
     # queries live at once are one range of the live heads'.
     q_ranges: int = 1
 
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("dtype", "partial_dtype", "out_dtype"):
+            object.__setattr__(self, name, DType.parse(getattr(self, name), name))
+
     @classmethod
     def of(cls, shape: AttnShape, **terms) -> "ModelShape":
         """`shape` with the model's terms (dtype, partial_dtype, ...) given in `terms`, the others default."""
@@ -72,7 +77,7 @@ class ModelShape(AttnShape):
 
     @property
     def data_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return self.dtype.bytes
 
     @property
     def kv_block_bytes(self) -> int:
@@ -217,7 +222,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     d = s.data_bytes
     edges = n * s.hkv * sel                                   # (query, KV head, selected block) triples
     q_bytes = n * s.hq * s.head_dim * d
-    out_bytes = n * s.hq * s.head_dim * DTYPE_BYTES[s.out_dtype]
+    out_bytes = n * s.hq * s.head_dim * s.out_dtype.bytes
     kv_unique = nsb * s.kv_block_bytes
     reread_set = (nsb if shared_nsb is None else min(shared_nsb, nsb)) * s.kv_block_bytes
     hbm = {"q_read": q_bytes, "kv_read": kv_unique, "out_write": out_bytes}
@@ -252,7 +257,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
             hbm["kv_l2_miss_reread"] = max(0.0, kv_tiles - kv_unique) * miss
         return hbm, l2
 
-    part_row = s.group * s.head_dim * DTYPE_BYTES[s.partial_dtype]        # one (query, head, block) partial
+    part_row = s.group * s.head_dim * s.partial_dtype.bytes        # one (query, head, block) partial
     partials = edges * part_row
     stats_per_row = 2 if schedule == Schedule.KV_OUTER else 1                      # (m, l) vs normalized + LSE
     stats = edges * s.group * stats_per_row * STAT_BYTES
@@ -333,7 +338,7 @@ def packed_crossover(shape: ModelShape, device: DeviceProfile, n_tokens: float, 
 
 
 def packed_crossover_by_dtype(device: DeviceProfile, n_tokens: float, nsb_per_n: float,
-                              tile_tokens: int = DEFAULT_TILE_TOKENS, dtypes=("bf16", "fp8"),
+                              tile_tokens: int = DEFAULT_TILE_TOKENS, dtypes=(DType.BF16, DType.FP8),
                               shape: AttnShape = AttnShape()) -> dict[str, float | None]:
     """The union_ratio below which q-packed beats KV-outer, per data dtype: packed_crossover on the
     model's shape for each dtype (its default KV-outer, partials bf16) at the attention `shape`. The one
@@ -421,7 +426,7 @@ def dense_traffic(shape: ModelShape, n_tokens: float, kv_blocks: float, dense_ke
     n = float(n_tokens)
     kv_cache = kv_blocks * s.hkv * s.kv_block_bytes
     hbm = {"q_read": n * s.hq * s.head_dim * s.data_bytes, "kv_read": kv_cache,
-           "out_write": n * s.hq * s.head_dim * DTYPE_BYTES[s.out_dtype]}
+           "out_write": n * s.hq * s.head_dim * s.out_dtype.bytes}
     if gathered:
         copy = kv_blocks * s.hkv * 2 * s.block * s.head_dim * 2          # bf16 K and V
         hbm.update(kv_gather_write=copy, kv_gather_read=copy)

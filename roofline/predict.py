@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from .devices import DeviceProfile, achieved, has_achieved, has_fixed_costs
+from .dtypes import model_dtype
 from .model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, RESOURCES, ModelShape, Prediction, decode_work_share,
                     fixed_cost, fraction_roofline, module_time, predict, predict_dense, scaled_time, union_tokens)
 from .schedules import Schedule
@@ -237,11 +238,6 @@ def hybrid_time(split: dict, profile: DeviceProfile, dtype: str) -> tuple[float,
         total += seconds
     return total, {**used, **{k: split[k] for k in ("tile_tokens", "min_share", "packed_entry_share", "packed",
                                                      "kv_outer") if k in split}}
-
-
-def model_dtype(dtype: str) -> str:
-    """The dtype a profile's achieved fractions are keyed by: fp16 and fp32 count as bf16."""
-    return dtype if dtype in ("bf16", "fp8") else "bf16"
 
 
 def _usable(v) -> bool:

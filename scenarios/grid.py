@@ -39,11 +39,11 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import UserError
+from ..roofline.dtypes import DType
 from ..roofline.shape import SHAPE_FIELDS, ShapeError
 from .coselection import DEFAULT_GROUP
 from .serving import GENERATORS as SERVING
-from .workload import (DATA_DTYPES, AttnShape, Workload, WorkloadError, check_fits, footprint_bytes,
-                       size_problem)
+from .workload import AttnShape, Workload, WorkloadError, check_fits, footprint_bytes, size_problem
 
 GENERATORS = ("synthetic", "real-prefill", "indexer", *SERVING)
 TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
@@ -65,7 +65,7 @@ AXES = {
     "context_min": (int, ("decode", "mixed"), [None]),
     "chunks": (int, ("mixed",), [1]),
     "drift": (float, SERVING, [None]),
-    "dtypes": (str, GENERATORS, ["bf16"]),
+    "dtypes": (str, GENERATORS, [DType.BF16]),
     "seed": (int, GENERATORS, [0]),
 }
 REQUIRED = {"synthetic": ("tokens", "context", "reuse"), "indexer": ("tokens", "context"), "real-prefill": ("cases",),
@@ -86,7 +86,7 @@ class Point:
     reuse: float | None
     skew: float
     causal: bool
-    dtype: str
+    dtype: DType
     seed: int
     case_id: str | None
     weight: float
@@ -204,9 +204,8 @@ def inapplicable(keys, generators) -> str | None:
 
 def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
     from .prefill_cases import get_case, representative_cases
-    for dt in grid.get("dtypes", []):
-        if dt not in DATA_DTYPES:
-            raise UserError(f"{src}: {where}.dtypes: unknown dtype {dt!r} (known: {', '.join(DATA_DTYPES)})")
+    if "dtypes" in grid:
+        grid = {**grid, "dtypes": [DType.parse(dt, f"{src}: {where}.dtypes") for dt in grid["dtypes"]]}
     ax = lambda key: grid.get(key, AXES[key][2])
     points = []
     for gen in grid["generator"]:
@@ -505,8 +504,7 @@ def point_from_options(generator: str, shape: AttnShape, dtype: str, defaults: d
     OPTION_DEFAULTS)."""
     if generator not in GENERATORS:
         raise UserError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
-    if dtype not in DATA_DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
+    dtype = DType.parse(dtype)
     given = {k: v for k, v in given.items() if v is not None}
     key = inapplicable(given, [generator])
     if key:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..roofline.dtypes import DType
 from .selection import append_local, assemble, local_blocks, scattered_page_table
-from .workload import DATA_DTYPES, AttnShape, Workload, WorkloadError, _quantize
+from .workload import AttnShape, Workload, WorkloadError, _quantize
 
 _ROW_CHUNK = 4096
 _BLOCK_CHUNK = 256
@@ -26,8 +27,7 @@ _BLOCK_CHUNK = 256
 def draw_structured(shape: AttnShape, dtype: str, n_tokens: int, page_table: torch.Tensor,
                     num_pages: int, q_request: torch.Tensor, seed: int, topics: int = 8, strength: float = 0.5):
     """Seeded Q, K, V (quantized to `dtype`) with latent topics in Q and K; returns (q, k, v, scales)."""
-    if dtype not in DATA_DTYPES:
-        raise WorkloadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DATA_DTYPES)}")
+    dtype = DType.parse(dtype, "dtype")
     if topics < 1:
         raise WorkloadError(f"topics must be >= 1, got {topics}")
     gen = torch.Generator().manual_seed(seed)

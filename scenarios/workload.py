@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import UserError
+from ..roofline.dtypes import DType
 from ..roofline.shape import AttnShape  # noqa: F401  (re-exported: the shape a workload carries)
 
-DATA_DTYPES = ("bf16", "fp8", "fp16", "fp32")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT32_MAX = 2**31 - 1     # key positions, block ids and edge indices are int32 in every backend
 SEED_LIMIT = 2**63        # torch generators take 64-bit seeds; generators also use seed + 1
@@ -37,13 +37,9 @@ class WorkloadError(UserError, ValueError):
     """A workload that cannot be built as asked; the message is one line for the user."""
 
 
-def torch_dtype(dtype: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
-            "fp16": torch.float16, "fp32": torch.float32}[dtype]
-
-
-def element_bytes(dtype: str) -> int:
-    return {"bf16": 2, "fp8": 1, "fp16": 2, "fp32": 4}[dtype]
+def torch_dtype(dtype: DType) -> torch.dtype:
+    return {DType.BF16: torch.bfloat16, DType.FP8: torch.float8_e4m3fn,
+            DType.FP16: torch.float16, DType.FP32: torch.float32}[dtype]
 
 
 # ---- sizes a workload can have, checked before anything is allocated -----------------------------
@@ -74,7 +70,7 @@ def footprint_bytes(shape: AttnShape, dtype: str, tokens: int, pages: int, with_
     q = tokens * shape.hq * shape.head_dim
     if with_tensors:
         kv = pages * shape.hkv * shape.block * shape.head_dim
-        need += (q + 2 * kv) * element_bytes(dtype) + 4 * max(q, kv)
+        need += (q + 2 * kv) * DType(dtype).bytes + 4 * max(q, kv)
     if partials:
         need += 4 * q * (shape.topk + 1)
     return need
@@ -109,7 +105,7 @@ def check_fits(need: int, device, what: str) -> None:
 @dataclass
 class Workload:
     shape: AttnShape
-    dtype: str
+    dtype: DType
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -169,8 +165,7 @@ def _quantize(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, float]:
 
 def draw_tensors(shape: AttnShape, dtype: str, n_tokens: int, num_pages: int, seed: int, device="cpu"):
     """Seeded standard-normal Q, K, V (never zeros), quantized to the data dtype."""
-    if dtype not in DATA_DTYPES:
-        raise WorkloadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DATA_DTYPES)}")
+    dtype = DType.parse(dtype, "dtype")
     # Drawn on the target device: host-side drawing of a 1M-token cache takes minutes. The values are
     # seeded per device type (a CPU and a GPU workload with the same seed differ).
     device = torch.device(device)
@@ -203,6 +198,7 @@ def build_workload(shape: AttnShape, dtype: str, selection: torch.Tensor, page_t
     validated here (selection.check_selection and the page table): a contract violation is a
     one-line WorkloadError naming its (head, token, slot), before any backend sees it."""
     from .selection import check_selection
+    dtype = DType.parse(dtype, "dtype")
     if selection.dim() != 3 or selection.shape[0] != shape.hkv or selection.shape[2] != shape.topk:
         raise WorkloadError(f"selection shape {tuple(selection.shape)} does not match hkv={shape.hkv}, topk={shape.topk}")
     hkv, n, topk = selection.shape

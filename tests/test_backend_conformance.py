@@ -13,8 +13,9 @@ from msa_bench.harness.check import compare_output, edge_case_workload, poison  
 from msa_bench.kernels.auto import MODELLED
 from msa_bench.kernels.base import Backend, Plan, backend_class, get_backend, registered_names
 from msa_bench.kernels.options import Choice, Number, Rest, parse_options
+from msa_bench.roofline.dtypes import DType
 from msa_bench.roofline.schedules import Schedule
-from msa_bench.scenarios.workload import DATA_DTYPES, AttnShape
+from msa_bench.scenarios.workload import AttnShape
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -48,7 +49,7 @@ def test_the_class_declares_schedule_stages_dtypes_and_options(name):
     if cls.candidate:                        # `auto` weighs it: the model must know its schedule
         assert cls.schedule in MODELLED
     assert all(isinstance(s, str) for s in cls.stage_names) and len(set(cls.stage_names)) == len(cls.stage_names)
-    assert set(get_backend(name).dtypes) <= set(DATA_DTYPES) and get_backend(name).dtypes
+    assert set(get_backend(name).dtypes) <= set(DType) and get_backend(name).dtypes
     keywords = inspect.signature(cls.__init__).parameters
     for key, option in cls.options.items():
         assert key in keywords, f"{name}: option {key!r} is no constructor keyword"
@@ -78,7 +79,7 @@ def test_every_option_word_names_a_backend_and_a_bad_one_is_one_line(name, cli, 
 def test_unavailable_reason_is_none_or_one_line(name):
     backend = get_backend(name)
     for device in ("cpu", "cuda") if CUDA else ("cpu",):
-        for dtype in DATA_DTYPES:
+        for dtype in DType:
             reason = backend.unavailable_reason(dtype, device)
             assert reason is None or (isinstance(reason, str) and reason and "\n" not in reason), reason
             if dtype not in backend.dtypes:

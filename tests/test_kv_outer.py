@@ -143,9 +143,8 @@ def test_cuda_bf16_fp8_and_graph_replay(dtype, graph_replay_equals_eager, poison
 
 
 ATTENTION_VARIANTS = {   # name: (tile_q, Attention keyword arguments)
-    "chunk2-per-program": (8, dict(chunk=2, chunk_grid=0)),
-    "chunk3-strided": (8, dict(chunk=3, chunk_grid=1)),
-    "tile64-chunk4": (4, dict(chunk=4, chunk_grid=0)),
+    "chunk2-per-program": (8, dict(chunk=2)),
+    "tile64-chunk4": (4, dict(chunk=4)),
     "tile64-persistent": (4, dict(chunk=0)),
 }
 

@@ -171,7 +171,7 @@ def test_grouped_tile_order_shrinks_the_live_queries_only_when_ctas_walk_togethe
     slices = q_miss({"attn_chunk": 0, "order_chunk": 0, "q_ranges": 4})
     dealt_1 = q_miss({"attn_chunk": 0, "order_chunk": 8, "q_ranges": 1})
     dealt_4 = q_miss({"attn_chunk": 0, "order_chunk": 8, "q_ranges": 4})
-    chunked_4 = q_miss({"attn_chunk": 64, "attn_chunk_grid": 0, "q_ranges": 4})
+    chunked_4 = q_miss({"attn_chunk": 64, "q_ranges": 4})
     phased_1 = q_miss({"attn_chunk": 0, "order_chunk": 0, "order_phases": True, "q_ranges": 1})
     phased_4 = q_miss({"attn_chunk": 0, "order_chunk": 0, "order_phases": True, "q_ranges": 4})
     assert slices > dealt_1 > dealt_4 >= 0.0

@@ -16,8 +16,8 @@ import torch
 from ..base import BackendUnavailable, register
 from ..options import Choice, Rest
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
+from ...roofline.dtypes import DType
 from ...scenarios.stats import selected_pairs
-from ...scenarios.workload import element_bytes
 from ..kv_outer.config import KVOuterConfig, default_config, grouped_tile_order, resolve_num_ctas, tile_order
 from .manifest import (DTYPES, KERNELS, P_SHIFT, SUPPORTED_ARCHS, CuteConfig, default_kernel, device_arch,
                        fp8_v_key_order)
@@ -51,10 +51,9 @@ def cute_config_for(workload, tile_q: int, ctas_per_sm: int | None = None, kerne
 
 def cute_kv_config(dtype: str, ctas_per_sm: int) -> KVOuterConfig:
     """kv-outer's configuration for a CuTe attention stage: the kernel is built for 8-token tiles and
-    walks cta_range persistently, so the Triton stage's tuned tile, chunking and register cap do not
-    apply; the scheduler's tile order (q_ranges, order_chunk) does."""
-    return default_config(dtype).with_(ctas_per_sm=ctas_per_sm, tile_q=8, attn_chunk=0, attn_chunk_grid=0,
-                                       attn_maxnreg=0)
+    walks cta_range persistently, so the Triton stage's tuned tile and chunking do not apply; the
+    scheduler's tile order (q_ranges, order_chunk) does."""
+    return default_config(dtype).with_(ctas_per_sm=ctas_per_sm, tile_q=8, attn_chunk=0)
 
 
 class CuteAttentionStage:
@@ -151,7 +150,7 @@ class KVOuterCuteBackend(KVOuterBackend):
         elif self.config is None:
             _, fanin = selected_pairs(w)
             cfg = cfg.with_(**grouped_tile_order(w.n_tokens, w.shape.group, w.shape.head_dim,
-                                                 element_bytes(w.dtype), float(fanin.double().mean())))
+                                                 DType(w.dtype).bytes, float(fanin.double().mean())))
         check_shape(w, cfg.tile_q, self.name)
         return cfg.with_(num_ctas=resolve_num_ctas(cfg, w.device))
 

@@ -180,24 +180,18 @@ class Attention:
     """Binds the kernel to a plan's buffers; calling it launches one grid.
 
     chunk 0: persistent grid of num_ctas programs over the scheduler's cta_range (v1).
-    chunk > 0: work items of `chunk` tiles in tile order; chunk_grid 0 launches one program per
-    possible chunk (programs past the real tile count exit at once), chunk_grid k > 0 launches
-    num_ctas = SMs x ctas_per_sm programs striding over the chunks.
-    chunk, chunk_grid and maxnreg default to config.default_config(dtype) when left None (the
-    backend's factory passes only tile_q, num_ctas, warps and stages).
+    chunk > 0: work items of `chunk` tiles in tile order, one program per possible chunk (programs
+    past the real tile count exit at once).
+    chunk defaults to config.default_config(dtype)'s when left None.
     """
 
     def __init__(self, workload, buffers: dict, tile_q: int, num_ctas: int, num_warps: int = 8,
-                 num_stages: int = 2, store_mode: int = STORE_TILES, chunk: int | None = None,
-                 chunk_grid: int | None = None, maxnreg: int | None = None):
+                 num_stages: int = 2, store_mode: int = STORE_TILES, chunk: int | None = None):
         from .config import default_config
         w = workload
         s = w.shape
         self.w, self.b = w, buffers
-        tuned = default_config(w.dtype)
-        self.chunk = tuned.attn_chunk if chunk is None else chunk
-        self.chunk_grid = tuned.attn_chunk_grid if chunk_grid is None else chunk_grid
-        self.maxnreg = tuned.attn_maxnreg if maxnreg is None else maxnreg
+        self.chunk = default_config(w.dtype).attn_chunk if chunk is None else chunk
         self.v_dmajor = w.dtype == "fp8"
         # fp8: V d-major ([pages, Hkv, D, block]) is the cache layout this path expects; made once here.
         self.v = w.v_cache.transpose(-1, -2).contiguous() if self.v_dmajor else w.v_cache
@@ -206,11 +200,9 @@ class Attention:
         self.out_scale = w.v_scale / 2.0 ** self.p_shift
         self.tile_q, self.num_ctas = tile_q, num_ctas
         self.num_warps, self.num_stages, self.store_mode = num_warps, num_stages, store_mode
-        if self.chunk > 0 and self.chunk_grid == 0:
-            self.chunk = fill_chunk(self.chunk, buffers["tile_key"].numel(), num_ctas)
         if self.chunk > 0:
-            chunks = -(-buffers["tile_key"].numel() // self.chunk)
-            self.grid = chunks if self.chunk_grid == 0 else max(1, min(chunks, num_ctas))
+            self.chunk = fill_chunk(self.chunk, buffers["tile_key"].numel(), num_ctas)
+            self.grid = -(-buffers["tile_key"].numel() // self.chunk)
         else:
             self.grid = num_ctas
         self.consts = dict(HQ=s.hq, HKV=s.hkv, G=s.group, D=s.head_dim, BLOCK=s.block, TILE_Q=tile_q,
@@ -218,12 +210,10 @@ class Attention:
                            NUM_STAGES=num_stages, P_SHIFT=self.p_shift,
                            SOFT_ROUND_P=self.v_dmajor and triton_common.interpreting(), CHUNK=self.chunk)
         self.launch_opts = dict(num_warps=num_warps, num_stages=num_stages)
-        if self.maxnreg and not triton_common.interpreting():
-            self.launch_opts["maxnreg"] = self.maxnreg
 
     def describe(self) -> dict:
         return dict(tile_q=self.tile_q, num_warps=self.num_warps, num_stages=self.num_stages,
-                    chunk=self.chunk, chunk_grid=self.chunk_grid, maxnreg=self.maxnreg, grid=self.grid)
+                    chunk=self.chunk, grid=self.grid)
 
     def __call__(self) -> None:
         b, w = self.b, self.w

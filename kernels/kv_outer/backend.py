@@ -35,8 +35,7 @@ def register_attention_impl(name: str):
 def triton_attention(workload: Workload, buffers: dict, config: KVOuterConfig):
     from .attention import STORE_TILES, Attention
     return Attention(workload, buffers, config.tile_q, config.num_ctas, config.attn_num_warps,
-                     config.attn_num_stages, STORE_TILES, chunk=config.attn_chunk,
-                     chunk_grid=config.attn_chunk_grid, maxnreg=config.attn_maxnreg)
+                     config.attn_num_stages, STORE_TILES, chunk=config.attn_chunk)
 
 
 def check_shape(w: Workload, tile_q: int, name: str) -> None:

@@ -16,10 +16,8 @@ class KVOuterConfig:
     attn_num_warps: int = 8
     attn_num_stages: int = 2
     attn_chunk: int = 0             # 0: persistent CTAs over the scheduler's cta_range; k > 0: work
-                                    # items of k tiles in tile order (KV-head-coherent L2 use of Q)
-    attn_chunk_grid: int = 0        # with attn_chunk: 0 = one program per chunk, 1 = num_ctas
-                                    # persistent programs striding over the chunks
-    attn_maxnreg: int = 0           # 0: compiler's choice; else a register cap (occupancy)
+                                    # items of k tiles in tile order, one program each (KV-head-coherent
+                                    # L2 use of Q)
     q_ranges: int = 1               # tile order: group tiles by (KV head, one of q_ranges ranges of query
                                     # tokens) so a group's Q rows fit L2 (scheduler.py); 1: key order
     order_chunk: int = 0            # persistent CTAs: deal the grouped order round-robin in chunks of
@@ -136,8 +134,7 @@ def q_ranges(dtype: str, config: dict | None = None) -> int:
 
 def _walk_together(dtype: str, config: dict | None) -> bool:
     config = _config(dtype, config)
-    chunk = int(config.get("attn_chunk") or 0)
-    chunked = chunk > 0 and int(config.get("attn_chunk_grid") or 0) == 0
+    chunked = int(config.get("attn_chunk") or 0) > 0
     dealt = int(config.get("order_chunk") or 0) > 0 or bool(config.get("order_phases"))   # resolved: persistent only
     return chunked or dealt
 

@@ -41,8 +41,7 @@ class MSAScatterBackend(KVStationaryBackend):
         out = torch.empty(w.n_tokens, s.hq, s.head_dim, dtype=partial_dtype(w.dtype), device=dev)
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         attention = Attention(w, buffers, cfg.tile_q, cfg.num_ctas, cfg.attn_num_warps, cfg.attn_num_stages,
-                              STORE_SCATTER, chunk=cfg.attn_chunk, chunk_grid=cfg.attn_chunk_grid,
-                              maxnreg=cfg.attn_maxnreg)
+                              STORE_SCATTER, chunk=cfg.attn_chunk)
         combine = SlotCombine(w, buffers, out, lse, cfg.combine_pairs, cfg.combine_num_warps)
         stages = {"index_map": index_map, "schedule": schedule, "attention": attention, "combine": combine}
         info = dict(attention_impl="triton", store="scatter", config=dict(cfg.__dict__),

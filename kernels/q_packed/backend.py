@@ -1,8 +1,7 @@
 """The q-packed backend: schedule (tile unions on the GPU) -> attention (one Triton program per tile).
 
-`q-packed` takes 8 tokens per tile (128 rows with G = 16). Options, joined by '+': `p8` / `p16` tokens per
-tile, `w4` / `w8` / `w16` warps per program, `s1` .. `s4` pipeline stages of the K/V loads
-(`q-packed@p16+w16`).
+`q-packed` takes 8 tokens per tile (128 rows with G = 16); option `p8` / `p16` sets the tokens per tile
+(`q-packed@p16`). A program runs 8 warps (16 past 128 rows) and two K/V load stages.
 """
 from __future__ import annotations
 
@@ -28,15 +27,10 @@ class QPackedBackend(Backend):
     schedule = Schedule.Q_PACKED
     candidate = True
     stage_names = ("schedule", "attention")
-    options = {"tokens_per_tile": Number("tile size", "p", TILE_TOKENS),
-               "num_warps": Number("warp count", "w", (4, 8, 16)),
-               "num_stages": Number("stage count", "s", (1, 2, 3, 4))}
+    options = {"tokens_per_tile": Number("tile size", "p", TILE_TOKENS)}
 
-    def __init__(self, tokens_per_tile: int = DEFAULT_TILE_TOKENS, num_warps: int | None = None,
-                 num_stages: int = 2):
+    def __init__(self, tokens_per_tile: int = DEFAULT_TILE_TOKENS):
         self.tokens_per_tile = self.tile_tokens = tokens_per_tile
-        self.num_warps = num_warps
-        self.num_stages = num_stages
 
     def unavailable_reason(self, dtype, device):
         return super().unavailable_reason(dtype, device) or triton_dtype_reason(self.name, dtype, device)
@@ -50,8 +44,7 @@ class QPackedBackend(Backend):
         lse = torch.empty(w.n_tokens, s.hq, dtype=torch.float32, device=dev)
         schedule = PackedSchedule(w, self.tokens_per_tile)
         rows = self.tokens_per_tile * s.group
-        warps = self.num_warps or (8 if rows <= 128 else 16)
-        attention = PackedAttention(w, schedule, out, lse, num_warps=warps, num_stages=self.num_stages)
+        attention = PackedAttention(w, schedule, out, lse, num_warps=8 if rows <= 128 else 16)
         schedule()
         executed = float(schedule.tile_count.double() @ schedule.tile_ntok.double().repeat(s.hkv))
         selected = float((w.selection >= 0).sum())

@@ -23,12 +23,13 @@ from dataclasses import replace
 
 import torch
 
-from ..base import Backend, BackendUnavailable, Plan, get_backend, model_dtype, register
+from ..base import Backend, BackendUnavailable, Plan, get_backend, register
 from ..cute.manifest import WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
 from ..kv_outer.combine import Combine
 from ..options import Choice, Number
 from ..triton_common import partial_dtype, triton_dtype_reason
 from ...roofline.devices import achieved, device_profile
+from ...roofline.dtypes import model_dtype
 from ...roofline.hybrid import min_shared_tokens
 from ...roofline.model import ModelShape
 from ...roofline.schedules import Schedule
