@@ -617,6 +617,19 @@ def merge(
 
 
 @app.command()
+def seal(
+    runs: list[str] = typer.Argument(..., help="Run folders written before integrity records."),
+):
+    """Seal a run written before integrity records, once: check it as every reader does, then record the
+    sha256 of each unit's files and of run.json's fields. Readers refuse an unsealed run, and any part that
+    changed after it was sealed (an edit is refused here too, never resealed)."""
+    from .harness.results import seal_run
+    for run in runs:
+        parts = seal_run(run)
+        typer.echo(f"{run}: " + (f"sealed {parts} part(s)" if parts else "sealed already"))
+
+
+@app.command()
 def slurm(
     scenario: str = typer.Argument(..., help="Scenario name (see `msa-bench scenarios`) or a TOML file."),
     array: int = typer.Option(4, help="Shards: array tasks, each a `sweep --shard i/N` on its own GPU (or node)."),

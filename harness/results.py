@@ -22,6 +22,11 @@ per run (the unit's; the plan stage's is `host`), no timings kept by a unit that
 every planned unit of a run that says it is complete.
 A damaged unit is never read as data: compare, merge and report refuse the run, naming the units,
 and `sweep --resume` redoes them.
+
+Every part is sealed when written and checked when read (seal.py: RUN/units/<unit>/seal.json, run.json's
+`seal`, a packed line's `seal`), after the content checks, so the most telling reason is named; the
+rules that follow from other data (a unit's tolerance from its dtype, the timer from the device) are
+derived here, never read from the file they judge.
 """
 from __future__ import annotations
 
@@ -37,8 +42,10 @@ import numpy as np
 import pandas as pd
 
 from ..errors import UserError
-from .timing import TIMER_GPU, l2_flush_of
 from .migrate import MODEL_RECORD_SCHEMA, upgrade
+from .seal import (SEAL_FIELD, SEAL_FILE, SEAL_HINT, UNSEALED, meta_change, record_change, seal_unit, sealed_meta,
+                   sealed_record, unit_change)
+from .timing import TIMER_CPU, TIMER_GPU, l2_flush_of
 
 SCHEMA_VERSION = MODEL_RECORD_SCHEMA    # harness/migrate.py upgrades rows of earlier ones where a run is loaded
 RUN_FILE = "run.json"
@@ -63,14 +70,67 @@ def grid_digest(unit_ids) -> str:
     return hashlib.sha256("\n".join(sorted(unit_ids)).encode()).hexdigest()
 
 
-def read_meta(run_dir: str | Path) -> dict:
+def read_meta(run_dir: str | Path, sealed: bool = True) -> dict:
+    """run.json, checked: the fields that follow from others agree with them (_check_meta), and nothing
+    changed since it was written (seal.py). sealed False: a run.json never sealed is accepted (seal_run)."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise UserError(f"no run folder at {run_dir}")
     path = run_dir / RUN_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run folder (no {RUN_FILE})")
-    return _read_json_object(path, "scenario", "not a run description")
+    meta = _read_json_object(path, "scenario", "not a run description")
+    _check_meta(path, meta)
+    _check_seal(path, meta_change(meta), sealed, "the run was written")
+    return meta
+
+
+def _check_seal(where: Path, change: str | None, sealed: bool, since: str) -> None:
+    """Refuse a part of a run that changed since `since` (or, when `sealed`, that was never sealed)."""
+    if change is None or (change == UNSEALED and not sealed):
+        return
+    if change == UNSEALED:
+        raise UserError(f"{where} is unsealed (no integrity record): {SEAL_HINT}")
+    raise UserError(f"edited results {where}: {change} since {since} (its sha256 differs from the seal); "
+                    "results are re-measured, never edited")
+
+
+# The timer each device kind's units are timed with (provenance device_kind).
+DEVICE_TIMERS = {"cuda": TIMER_GPU, "cpu": TIMER_CPU}
+
+
+def _check_meta(path: Path, meta: dict) -> None:
+    """The fields of run.json that follow from others: the timer from the device, the grid digest from
+    the planned grid, each planned unit's backend among the backends."""
+    _check_device(path, meta)
+    grid = meta.get("grid_units")
+    if grid is not None and grid_digest(grid) != meta.get("grid_sha256"):
+        raise UserError(f"corrupt results file {path}: grid_units ({len(grid)}) are not the grid grid_sha256 names "
+                        "(a planned unit added or dropped)")
+    _check_backends(path, meta, (uid.rsplit("-", 1)[0] for uid in grid or ()), "grid_units")
+
+
+def _check_device(path: Path, meta: dict) -> None:
+    """A run names its timer, and the timer is its device's: a GPU in the provenance with host timings
+    (or the reverse) would put one device's roofline over another's numbers."""
+    timer, prov = meta.get("timer"), meta.get("provenance") or {}
+    if not isinstance(timer, str):
+        raise UserError(f"corrupt results file {path}: no timer field (every run names the clock its units used)")
+    kind, name = prov.get("device_kind"), prov.get("device_name")
+    gpu = kind == "cuda" or bool(prov.get("gpu_name")) or not str(name or "CPU").startswith("CPU")
+    expected = DEVICE_TIMERS["cuda" if gpu else "cpu"]
+    if (kind is not None and gpu != (kind == "cuda")) or timer != expected:
+        raise UserError(f"corrupt results file {path}: provenance device {name!r} ({kind}) and timer {timer!r} "
+                        f"disagree (a {'CUDA GPU' if gpu else 'CPU'} run is timed by {expected!r})")
+
+
+def _check_backends(path: Path, meta: dict, backends, whose: str) -> None:
+    """Every backend of `whose` (units or unit ids) is one of run.json's backends."""
+    named = {str(b).replace(":", "_") for b in meta.get("backends") or ()}
+    stray = sorted({str(b).replace(":", "_") for b in backends} - named)
+    if stray:
+        raise UserError(f"corrupt results file {path}: {whose} hold backend {stray[0]!r}, which its backends "
+                        f"({', '.join(sorted(named)) or 'none'}) do not name")
 
 
 def _read_json_object(path: Path, required_key: str, missing: str) -> dict:
@@ -85,10 +145,12 @@ def _read_json_object(path: Path, required_key: str, missing: str) -> dict:
 
 
 def write_meta(run_dir: str | Path, meta: dict) -> None:
+    """run.json, sealed (seal.py): its fields as JSON values, as a reader sees them, and their digests."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+    values = json.loads(json.dumps(meta, default=str))
+    tmp.write_text(json.dumps(sealed_meta(values), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, run_dir / RUN_FILE)
 
 
@@ -128,6 +190,7 @@ def write_unit(run_dir: str | Path, uid: str, status: dict, stats: list[dict], s
         write_parquet(pd.DataFrame(stats), tmp / "stats.parquet")
     if samples:
         write_parquet(pd.DataFrame(samples), tmp / "samples.parquet")
+    seal_unit(tmp)
     final = units / uid
     if final.exists():
         shutil.rmtree(final)
@@ -160,6 +223,7 @@ def update_unit(run_dir: str | Path, uid: str, status_updates: dict, new_stats: 
     status = read_unit_status(run_dir, uid)
     if not status:
         raise UserError(f"no finished unit {uid} in {run_dir}")
+    _check_seal(folder, unit_change(folder), True, "the unit was written")     # never reseal an edit
     if new_stats:
         path = folder / "stats.parquet"
         old = _read_parquet(path) if path.is_file() else pd.DataFrame(columns=STAT_COLUMNS)
@@ -173,6 +237,7 @@ def update_unit(run_dir: str | Path, uid: str, status_updates: dict, new_stats: 
     tmp = folder / ".status.json.tmp"
     tmp.write_text(json.dumps(status, indent=1, sort_keys=True, default=_json_default) + "\n")
     os.replace(tmp, folder / "status.json")
+    seal_unit(folder)
 
 
 def _json_default(value):
@@ -235,6 +300,11 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
         foreign = (table["point_key"] != status["point_key"]) | (table["backend"] != status["backend"])
         if foreign.any():
             raise UserError(f"corrupt results file {folder / name}: {int(foreign.sum())} row(s) of another unit")
+        other = table["dtype"].astype(str) != str(status.get("dtype"))
+        if other.any():
+            found = ", ".join(sorted(set(table.loc[other, "dtype"].astype(str))))
+            raise UserError(f"corrupt results file {folder / name}: {int(other.sum())} row(s) of dtype {found}, the "
+                            f"unit's status.json says {status.get('dtype')!r}")
     values = pd.to_numeric(stats["value"], errors="coerce").to_numpy(dtype=float)
     if not np.isfinite(values).all():
         raise UserError(f"corrupt results file {folder / 'stats.parquet'}: "
@@ -299,15 +369,15 @@ def _check_status(status_path: Path, status: dict, name: str) -> bool:
     if not isinstance(key, str) or not isinstance(backend, str) or unit_id(key, backend) != name:
         raise UserError(f"corrupt results file {status_path}: its point and backend are not the ones its folder "
                         "is named after")
-    timed = status["status"] == STATUS_OK
-    if timed:
-        _check_passed(status_path, status)
-    return timed
+    return status["status"] == STATUS_OK
 
 
-def read_unit(folder: Path, samples_kept: bool = True) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:
-    """(status, stats, samples) of one finished unit folder; UserError (one line) when it is damaged.
-    samples_kept False (the run says its raw samples were removed): no samples read or required."""
+def read_unit(folder: Path, samples_kept: bool = True, sealed: bool = True
+              ) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:
+    """(status, stats, samples) of one finished unit folder; UserError (one line) when it is damaged or
+    changed since it was written (its content checked first, so the most telling reason is named).
+    samples_kept False (the run says its raw samples were removed): no samples read or required.
+    sealed False: a unit never sealed is accepted (seal_run)."""
     status_path = folder / "status.json"
     if not status_path.is_file():
         raise UserError(f"corrupt results file {status_path}: missing")
@@ -322,6 +392,8 @@ def read_unit(folder: Path, samples_kept: bool = True) -> tuple[dict, pd.DataFra
     samples = _read_table(folder / "samples.parquet", SAMPLE_COLUMNS, required=timed) if samples_kept else None
     if timed:
         _check_timed(folder, status, stats, samples)
+        _check_passed(status_path, status)
+    _check_seal(folder, unit_change(folder, samples_kept), sealed, "the unit was written")
     return status, stats, samples
 
 
@@ -344,7 +416,7 @@ def _packed_records(run_dir: Path) -> dict[str, dict]:
     return out
 
 
-def _packed_unit(run_dir: Path, rec: dict) -> tuple[dict, pd.DataFrame | None]:
+def _packed_unit(run_dir: Path, rec: dict, sealed: bool = True) -> tuple[dict, pd.DataFrame | None]:
     """(status, stats) of one packed unit record, with read_unit's checks."""
     where = run_dir / PACKED_FILE / rec["unit"]
     status = rec["status"]
@@ -353,14 +425,16 @@ def _packed_unit(run_dir: Path, rec: dict) -> tuple[dict, pd.DataFrame | None]:
     if not timed and rows:
         raise UserError(f"corrupt results file {where}: status {status['status']!r} but the unit keeps stats "
                         "(a unit that did not pass keeps no timings)")
-    if not timed:
-        return status, None
-    stats = pd.DataFrame(rows or [])
-    lacking = [c for c in STAT_COLUMNS if c not in stats.columns]
-    if stats.empty or lacking:
-        raise UserError(f"corrupt results file {where}: "
-                        + (f"no column {', '.join(lacking)}" if lacking else "no stats (the unit says it was timed)"))
-    _check_timed(where, status, stats, None)
+    stats = None
+    if timed:
+        stats = pd.DataFrame(rows or [])
+        lacking = [c for c in STAT_COLUMNS if c not in stats.columns]
+        if stats.empty or lacking:
+            raise UserError(f"corrupt results file {where}: "
+                            + (f"no column {', '.join(lacking)}" if lacking else "no stats (the unit says it was timed)"))
+        _check_timed(where, status, stats, None)
+        _check_passed(where / "status.json", status)
+    _check_seal(where, record_change(rec), sealed, "it was packed")
     return status, stats
 
 
@@ -389,7 +463,9 @@ def _unit_record(folder: Path, uid: str) -> dict:
 def _write_packed(run_dir: Path, records: dict, meta: dict) -> None:
     """PACKED_FILE of `records`, then run.json (`meta`) saying so."""
     import gzip
-    lines = [json.dumps(records[uid], sort_keys=True, default=_json_default) for uid in sorted(records)]
+    # sealed as JSON values, as a reader sees them (a record read back is not resealed: its seal is replaced)
+    lines = [json.dumps(sealed_record(json.loads(json.dumps(records[uid], default=_json_default))), sort_keys=True)
+             for uid in sorted(records)]
     tmp = run_dir / f".tmp-{PACKED_FILE}"
     with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:   # same bytes for same units
         f.write(("\n".join(lines) + "\n").encode())
@@ -443,14 +519,21 @@ def samples_kept(meta: dict) -> bool:
 
 
 def _check_passed(path: Path, status: dict) -> None:
-    """An ok unit's own check: a finite error within a finite tolerance."""
-    err, tol = status.get("max_rel_err"), status.get("tol")
+    """An ok unit's own check: a finite, non-negative error within the tolerance of its dtype. The
+    tolerance follows from the dtype (check.tolerance); the recorded tol must be that one, never a
+    number the file judges itself by."""
+    from .check import TOLERANCE
+    err, tol, dtype = status.get("max_rel_err"), status.get("tol"), status.get("dtype")
+    if dtype not in TOLERANCE:
+        raise UserError(f"corrupt results file {path}: dtype {dtype!r} is none of {', '.join(TOLERANCE)}")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (err, tol)):
         raise UserError(f"corrupt results file {path}: status 'ok' without a finite max_rel_err and tol "
                         f"({err!r}, {tol!r})")
-    if not err <= tol:
-        raise UserError(f"corrupt results file {path}: status 'ok' but max_rel_err {err:.3g} exceeds its tol "
-                        f"{tol:.3g}")
+    if tol != TOLERANCE[dtype]:
+        raise UserError(f"corrupt results file {path}: tol {tol:g} is not the {dtype} tolerance {TOLERANCE[dtype]:g}")
+    if not 0 <= err <= tol:
+        raise UserError(f"corrupt results file {path}: status 'ok' but max_rel_err {err:.3g} is "
+                        + ("negative" if err < 0 else f"over the {dtype} tolerance {tol:g}"))
 
 
 def damaged_units(run_dir: str | Path) -> dict[str, str]:
@@ -481,11 +564,12 @@ def _named(items: list[str], limit: int = 4) -> str:
     return shown + (f"; and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def load_run(run_dir: str | Path) -> Run:
+def load_run(run_dir: str | Path, sealed: bool = True) -> Run:
     """The whole run as three tables. Raises UserError (one line, naming the units) on a missing,
-    corrupt or damaged folder, and on a run that says it is complete but lacks planned units."""
+    corrupt, damaged or edited folder, and on a run that says it is complete but lacks planned units.
+    sealed False: parts never sealed are accepted (seal_run); a sealed part must still match its seal."""
     run_dir = Path(run_dir)
-    meta = read_meta(run_dir)
+    meta = read_meta(run_dir, sealed)
     status_rows, stats, samples, damaged = [], [], [], []
     packed = _packed_records(run_dir) if is_packed(run_dir) else None
     done = set(packed) if packed is not None else finished_units(run_dir)
@@ -496,9 +580,9 @@ def load_run(run_dir: str | Path) -> Run:
     for uid in sorted(done):
         try:
             if packed is not None:
-                (status, st), sa = _packed_unit(run_dir, packed[uid]), None
+                (status, st), sa = _packed_unit(run_dir, packed[uid], sealed), None
             else:
-                status, st, sa = read_unit(run_dir / UNITS_DIR / uid, kept)
+                status, st, sa = read_unit(run_dir / UNITS_DIR / uid, kept, sealed)
         except UserError as exc:
             damaged.append(str(exc))
             continue
@@ -512,6 +596,7 @@ def load_run(run_dir: str | Path) -> Run:
     if damaged:
         raise UserError(f"{run_dir} holds {len(damaged)} damaged unit(s): {_named(damaged)}"
                         + ("; `msa-bench sweep --resume` redoes them" if not meta.get("merged_from") else ""))
+    _check_backends(run_dir / RUN_FILE, meta, (r["backend"] for r in status_rows), "its units")
     missing = sorted(set(meta.get("units_planned") or []) - done)
     if missing and meta.get("complete"):
         raise UserError(f"{run_dir} says it is complete but {len(missing)} planned unit folder(s) are missing: "
@@ -520,6 +605,29 @@ def load_run(run_dir: str | Path) -> Run:
     stats_df = pd.concat(stats, ignore_index=True) if stats else pd.DataFrame(columns=STAT_COLUMNS)
     samples_df = pd.concat(samples, ignore_index=True) if samples else pd.DataFrame(columns=SAMPLE_COLUMNS)
     return Run(run_dir, meta, status_df, stats_df, samples_df, missing)
+
+
+def seal_run(run_dir: str | Path) -> int:
+    """Seal a run written before integrity records (seal.py): its content is checked as load_run checks
+    it, then each part without a seal gets one. A part sealed already must match its seal: an edit is
+    refused, never resealed. Returns the parts sealed (0: the run was sealed already)."""
+    run_dir = Path(run_dir)
+    run = load_run(run_dir, sealed=False)
+    if is_packed(run_dir):
+        records = _packed_records(run_dir)
+        parts = sum(SEAL_FIELD not in r for r in records.values()) + (SEAL_FIELD not in run.meta)
+        if parts:
+            _write_packed(run_dir, records, dict(run.meta))
+    else:
+        folders = [run_dir / UNITS_DIR / uid for uid in sorted(finished_units(run_dir))]
+        unsealed = [f for f in folders if not (f / SEAL_FILE).is_file()]
+        for folder in unsealed:
+            seal_unit(folder)
+        parts = len(unsealed) + (SEAL_FIELD not in run.meta)
+        if SEAL_FIELD not in run.meta:
+            write_meta(run_dir, run.meta)
+    load_run(run_dir)
+    return parts
 
 
 def measured_apart(a: dict, b: dict) -> str | None:
@@ -575,6 +683,7 @@ def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = 
         planned.update(m.get("grid_units") or m.get("units_planned") or [])
     merged = {k: v for k, v in first.items() if k not in ("shard", "units_planned", "complete")}
     merged.update(shard=None, units_planned=sorted(planned) if planned else sorted(copied),
+                  backends=list(dict.fromkeys(b for m in metas for b in m.get("backends") or [])),
                   merged_from=[str(r.path) for r in runs],
                   shard_provenance=[m.get("provenance") for m in metas],
                   duplicates_kept_from_first=[uid for uid, _, _ in duplicates],

@@ -156,7 +156,7 @@ def _fake_run(path, units, scenario="gate-test", grid="g1", ref_clock=1980.0, cl
             status["sm_clock_max_mhz"] = ref_clock
         results.write_unit(path, uid, status, stats, samples)
     results.write_meta(path, {"scenario": scenario, "grid_sha256": grid, "timer": "cuda-graph",
-                              "units_planned": ids, "complete": True,
+                              "backends": list(units), "units_planned": ids, "complete": True,
                               "provenance": {"device_name": "NVIDIA H200"}})
     return path
 

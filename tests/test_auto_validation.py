@@ -46,6 +46,7 @@ def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(t
     backend."""
     import json
     import shutil
+    from msa_bench.harness.results import write_meta
     from msa_bench.roofline.devices import CALIBRATION_FILES
     mod = load_script("fit-achieved")
     profile = tmp_path / CALIBRATION_FILES["h200"]
@@ -59,7 +60,7 @@ def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(t
     meta = json.loads((run / "run.json").read_text())
     measured = meta["provenance"]["git_commit"][:7]
     meta["updated_from"] = [{"backends": ["q-packed-cute"], "commit": "abcdef0123456789", "units": 14}]
-    (run / "run.json").write_text(json.dumps(meta))
+    write_meta(run, meta)
     run = str(run)
     assert mod.main([run, "--backend", "q-packed", "--write"]) == 0
     assert mod.main([run, "--backend", "q-packed-cute", "--write"]) == 0

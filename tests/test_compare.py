@@ -11,7 +11,8 @@ import pytest
 from msa_bench.errors import UserError
 from msa_bench.harness.compare import (IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, compare_runs, judge_samples,
                                        parse_threshold)
-from msa_bench.harness.results import load_run
+from msa_bench.harness.results import load_run, write_meta
+from msa_bench.harness.seal import seal_unit
 from msa_bench.harness.timing import summarize
 
 ROOT = Path(__file__).resolve().parents[1] / "results"
@@ -50,6 +51,7 @@ def scale_samples(unit: Path, factor, stages=("module", "attention")):
         for statistic, value in summarize(group["seconds"].tolist()).items():
             stats.loc[(stats["stage"] == stage) & (stats["statistic"] == statistic), "value"] = value
     stats.to_parquet(unit / "stats.parquet", index=False)
+    seal_unit(unit)                          # as the sweep that measured it would have
 
 
 def test_fixtures_are_what_they_say():
@@ -108,6 +110,7 @@ def test_newly_failing_unit_is_a_regression(tmp_path, cli, source):
     (unit / "status.json").write_text(json.dumps(status))
     (unit / "samples.parquet").unlink()
     (unit / "stats.parquet").unlink()
+    seal_unit(unit)
     code, out, _ = cli("compare", source, new)
     assert code == 1 and "now failed" in out
 
@@ -135,6 +138,7 @@ def test_more_bytes_moved_is_a_regression(tmp_path, cli):
         stats = stats[~((stats["stage"] == "module") & (stats["statistic"] == "hbm_bytes"))]  # the run's own
         row["statistic"], row["value"] = "hbm_bytes", hbm
         pd.concat([stats, row]).to_parquet(unit / "stats.parquet", index=False)
+        seal_unit(unit)
     code, out, _ = cli("compare", base, new)
     assert code == 1 and "hbm_bytes" in out
     code, out, _ = cli("compare", base, new, "--counter-tolerance", "5%")
@@ -145,7 +149,7 @@ def test_different_scenario_is_only_a_warning(tmp_path, cli):
     new = copy_run(tmp_path)
     meta = json.loads((new / "run.json").read_text())
     meta["scenario"] = 'renamed [error] {"v": [2]}'                  # brackets are text, not markup
-    (new / "run.json").write_text(json.dumps(meta))
+    write_meta(new, meta)
     code, out, _ = cli("compare", GPU_RUN, new)
     assert code == 0 and "different scenario" in out and 'renamed [error] {"v": [2]}' in out
 
@@ -169,6 +173,7 @@ def test_unit_timed_in_the_baseline_and_unavailable_now_is_unusable(tmp_path, cl
     (unit / "status.json").write_text(json.dumps(status))
     (unit / "samples.parquet").unlink()
     (unit / "stats.parquet").unlink()
+    seal_unit(unit)
     code, _, err = cli("compare", GPU_RUN, new)
     assert code == 2 and "unavailable in the new run" in one_error_line(err)
 

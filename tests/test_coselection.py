@@ -375,12 +375,14 @@ def test_roofline_picks_take_q_packed_at_its_union_ratio(co_run, tmp_path):
 
     from msa_bench.harness import tables
     from msa_bench.harness.results import load_run
+    from msa_bench.harness.seal import seal_unit
     run_dir = tmp_path / "relabelled"
     shutil.copytree(co_run, run_dir)
     for unit in (run_dir / "units").glob("reference-*"):
         status = json.loads((unit / "status.json").read_text())
         status["schedule"] = "q-packed"
         (unit / "status.json").write_text(json.dumps(status))
+        seal_unit(unit)
     dev = PRESETS["h200"]
     table, summary = tables.roofline_picks(load_run(run_dir), dev)
     assert summary["cases"] == 3 and set(table["union_ratio P8"]) == {1.0, 4.5, 8.0}

@@ -151,8 +151,9 @@ def test_sweep_rows_carry_the_clock_columns_and_load_back(tmp_path):
     assert "sm_clock_mhz" not in next(r for r in rows if r["stage"] == "plan")
     uid = results.unit_id(point.key(), "reference")
     results.write_unit(tmp_path, uid, {"status": "ok", "point_key": point.key(), "backend": "reference",
-                                       "max_rel_err": 0.0, "tol": 1e-5}, stats, rows)
-    results.write_meta(tmp_path, {"scenario": "t", "units_planned": [uid]})
+                                       "dtype": "bf16", "max_rel_err": 0.0, "tol": 1e-2}, stats, rows)
+    results.write_meta(tmp_path, {"scenario": "t", "units_planned": [uid], "backends": ["reference"],
+                                  "timer": "cuda-graph", "provenance": {"device_name": "NVIDIA H200"}})
     s = load_run(tmp_path).samples
     assert s.loc[s["stage"] == "module", "sm_clock_mhz"].tolist() == [1980.0, 1800.0]
 

@@ -9,7 +9,9 @@ import pandas as pd
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.results import PACKED_FILE, SAMPLES_REMOVED, load_run, pack_run, unit_id
+from msa_bench.harness.results import (PACKED_FILE, SAMPLES_REMOVED, grid_digest, load_run, pack_run, unit_id,
+                                      write_meta)
+from msa_bench.harness.seal import seal_unit
 
 SMOKE = Path(__file__).resolve().parents[1] / "results" / "fixtures" / "smoke-run"
 
@@ -20,7 +22,7 @@ def _sample_less(dst: Path) -> Path:
         f.unlink()
     meta = json.loads((dst / "run.json").read_text())
     meta[SAMPLES_REMOVED] = "a test copy"
-    (dst / "run.json").write_text(json.dumps(meta))
+    write_meta(dst, meta)
     return dst
 
 
@@ -89,9 +91,11 @@ def test_update_puts_a_newer_runs_units_in_place(tmp_path):
     stats.loc[timed, "value"] = stats.loc[timed, "value"] * 2
     stats.to_parquet(newer / "units" / uid / "stats.parquet", index=False)
     (newer / "units" / uid / "samples.parquet").unlink(missing_ok=True)
+    seal_unit(newer / "units" / uid)
     meta = json.loads((newer / "run.json").read_text())
-    meta.update(complete=False, units_planned=[uid], **{SAMPLES_REMOVED: "a test copy"})
-    (newer / "run.json").write_text(json.dumps(meta))
+    meta.update(complete=False, units_planned=[uid], backends=[*meta["backends"], "kv-outer-cute@plain"],
+                **{SAMPLES_REMOVED: "a test copy"})
+    write_meta(newer, meta)
     before = load_run(run_dir).stats
     assert update_packed(run_dir, newer) == 1
     after = load_run(run_dir).stats
@@ -106,12 +110,14 @@ def test_update_puts_a_newer_runs_units_in_place(tmp_path):
     (newer / "units" / uid).rename(newer / "units" / added)
     (newer / "units" / added / "status.json").write_text(json.dumps({**status, "backend": "kv-outer-cute@plain"}))
     stats.assign(backend="kv-outer-cute@plain").to_parquet(newer / "units" / added / "stats.parquet", index=False)
+    seal_unit(newer / "units" / added)
     assert update_packed(run_dir, newer) == 1
     assert len(load_run(run_dir).stats) > len(after)
     assert "kv-outer-cute@plain" in json.loads((run_dir / "run.json").read_text())["backends"]
     (newer / "units" / added).rename(newer / "units" / uid)
     (newer / "units" / uid / "status.json").write_text(json.dumps(status))
     stats.to_parquet(newer / "units" / uid / "stats.parquet", index=False)
+    seal_unit(newer / "units" / uid)
     # a packed run that never planned the newer unit's point refuses it
     path = run_dir / PACKED_FILE
     lines = [x for x in gzip.open(path, "rt").read().splitlines()
@@ -121,6 +127,7 @@ def test_update_puts_a_newer_runs_units_in_place(tmp_path):
     meta = json.loads((run_dir / "run.json").read_text())
     meta.update(complete=False, units_planned=[u for u in meta.get("units_planned", []) if u != uid],
                 grid_units=[u for u in meta.get("grid_units", []) if u != uid])
-    (run_dir / "run.json").write_text(json.dumps(meta))
+    meta["grid_sha256"] = grid_digest(meta["grid_units"])
+    write_meta(run_dir, meta)
     with pytest.raises(UserError, match="no point of"):
         update_packed(run_dir, newer)

@@ -11,6 +11,7 @@ import pytest
 
 from msa_bench.harness import report, tables
 from msa_bench.harness.results import load_run
+from msa_bench.harness.seal import seal_unit
 from msa_bench.roofline.devices import load_device
 from msa_bench.roofline.model import ModelShape, predict
 
@@ -79,6 +80,7 @@ def test_roofline_picks_compare_kv_outer_with_q_outer(tmp_path):
         status = json.loads((unit / "status.json").read_text())
         status["schedule"] = "q-outer"
         (unit / "status.json").write_text(json.dumps(status))
+        seal_unit(unit)
     run = load_run(run_dir)
     table, summary = tables.roofline_picks(run, dev)
     t = tables.ok_units(run)
@@ -149,6 +151,7 @@ def test_bytes_table_puts_the_model_next_to_counters(tmp_path, cli):
     planted["statistic"] = ["hbm_bytes", "l2_bytes"]
     planted["value"] = [1.0e6, 3.0e6]
     pd.concat([stats, planted]).to_parquet(unit / "stats.parquet", index=False)
+    seal_unit(unit)
     dev = load_device("h200")
     table = tables.bytes_table(load_run(run_dir), dev)
     assert len(table) == 1

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from msa_bench.harness.results import finished_units, load_run
+from msa_bench.harness.results import finished_units, load_run, write_meta
 
 GPU_RUN = Path(__file__).resolve().parents[1] / "results" / "h200" / "baseline"
 
@@ -123,7 +123,7 @@ def test_a_deleted_unit_folder_fails_the_gate(tmp_path, cli, one_error_line):
         assert code == 2 and victim.name in one_error_line(err), command
     meta = json.loads((new / "run.json").read_text())
     meta["complete"] = False                  # an unfinished run may lack units, but not pass the gate
-    (new / "run.json").write_text(json.dumps(meta))
+    write_meta(new, meta)
     status = json.loads((GPU_RUN / "units" / victim.name / "status.json").read_text())
     code, _, err = cli("compare", GPU_RUN, new)
     line = one_error_line(err)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.results import SAMPLES_REMOVED, load_run
+from msa_bench.harness.results import SAMPLES_REMOVED, load_run, write_meta
 
 ROOT = Path(__file__).resolve().parents[1] / "results"
 H200 = ROOT / "h200"
@@ -20,7 +20,7 @@ def _without_samples(src: Path, dst: Path, declare: bool) -> Path:
     if declare:
         meta = json.loads((dst / "run.json").read_text())
         meta[SAMPLES_REMOVED] = "a test copy"
-        (dst / "run.json").write_text(json.dumps(meta))
+        write_meta(dst, meta)
     return dst
 
 

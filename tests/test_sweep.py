@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from msa_bench.harness.results import finished_units, load_run
+from msa_bench.harness.results import finished_units, load_run, write_meta
 from msa_bench.harness.sweep import INTERRUPT_HOOK
 
 GRID = ["--backend", "reference", "--dtype", "fp32", "--reuse", "0.5", "--reps", "3"]
@@ -101,7 +101,7 @@ def test_a_run_timed_after_another_l2_flush_is_not_resumed_or_merged(smoke_run, 
     meta = json.loads((legacy / "run.json").read_text())
     assert l2_flush_of(meta) == "write+read"
     del meta["timing"]["l2_flush"]               # as recorded before the protocol was named
-    (legacy / "run.json").write_text(json.dumps(meta))
+    write_meta(legacy, meta)
     assert l2_flush_of(meta) == "write" and l2_flush_of({"timing": {"cold_l2": False}}) == "none"
     code, _, err = cli("sweep", "--scenario", "smoke", *GRID, "--out", legacy, "--resume")
     assert code == 2 and "L2 flush 'write'" in one_error_line(err)
