@@ -232,8 +232,8 @@ def check(
     typer.echo("plan:")
     for line in plan_lines(details["info"]):
         typer.echo(line)
-    if "auto" in details["info"]:
-        from .kernels.auto import auto_line
+    from .kernels.auto import AUTO_RECORD, auto_line
+    if AUTO_RECORD in details["info"]:
         typer.echo(auto_line(details["info"]))
     failed = False
     for stage, (ok, msg) in details.get("stage_checks", {}).items():

@@ -13,12 +13,15 @@ import math
 
 import pandas as pd
 
+from ..kernels.base import backend_class, registered_names
 from ..roofline.devices import DeviceProfile
+from ..roofline.names import base_name
+from ..roofline.schedules import Schedule
 from .results import Run
 from .tables import measured_crossover, ok_units, predicted_module_s
 
-DENSE = "dense-masked"                              # the dense baseline backend
-NOT_SPARSE = ("auto", "reference", "dense-gather")
+# the dense baseline: the backend of the dense masked schedule
+DENSE = next((n for n in registered_names() if backend_class(n).schedule == Schedule.DENSE_MASKED), None)
 REGIME_FIELDS = ("generator", "requests", "query_tokens", "chunks", "chunk_tokens")
 
 
@@ -26,7 +29,17 @@ PANELS_PER_ROW = 3         # regimes side by side: wider figures overflow a page
 
 
 def _base(backend: str) -> str:
-    return backend.partition("@")[0]
+    return base_name(backend)
+
+
+def _sparse(backend: str) -> bool:
+    """A backend that attends the selection: it declares a schedule (`auto`, which may pick dense, and the
+    reference do not) and is no dense probe."""
+    try:
+        cls = backend_class(backend)
+    except KeyError:
+        return False
+    return cls.schedule is not None and not cls.dense
 
 
 def regime_label(row) -> str:
@@ -58,7 +71,7 @@ def dense_units(run: Run) -> pd.DataFrame:
 
 def _sparse(g: pd.DataFrame) -> pd.DataFrame:
     base = g["backend"].map(_base)
-    return g[(base != DENSE) & ~base.isin(NOT_SPARSE)]
+    return g[g["backend"].map(_sparse)]
 
 
 def _ratio_at(g: pd.DataFrame, context: float | None) -> float | None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 
+from ..kernels.auto import AUTO_RECORD
 from ..kernels.base import backend_class, get_backend, registered_names
+from ..kernels.q_packed.hybrid import HybridBackend
 from ..kernels.kv_outer.config import launch_terms
 from ..roofline.model import DEFAULT_TILE_TOKENS
 from ..roofline.schedules import Schedule
@@ -29,9 +31,9 @@ def upgrade(status: dict, schema: int) -> dict:
     if not isinstance(info, dict):
         return status
     info.setdefault("model", record_of(info, status))
-    hybrid = (((info.get("auto") or {}).get("used")) or {}).get("hybrid")
+    hybrid = (((info.get(AUTO_RECORD) or {}).get("used")) or {}).get(HybridBackend.name)
     if isinstance(hybrid, dict) and "record" not in hybrid:
-        hybrid["record"] = {"split": _hybrid_split(hybrid, info["auto"].get("used") or {})}
+        hybrid["record"] = {"split": _hybrid_split(hybrid, info[AUTO_RECORD].get("used") or {})}
     return {**status, "plan_info": json.dumps(info)}
 
 

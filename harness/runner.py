@@ -18,6 +18,7 @@ from . import provenance, results
 from ..errors import UserError, one_line
 from ..roofline.model import fixed_cost
 from ..roofline.predict import schedule_roofline
+from ..kernels.auto import AUTO_RECORD
 from .prediction import schedule_of
 from .telemetry import Poller, open_telemetry, point_telemetry
 from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan, warm_plan
@@ -165,8 +166,15 @@ class Runner:
                 results.update_unit(self.run_dir, uid, {"counters": "ncu"}, rows,
                                     replace_statistics=ncu_counters.COUNTER_STATISTICS)
 
+    def _schedule(self, backend: str) -> str:
+        """The schedule `backend` declares, resolved once per name (every stat row of a unit carries it)."""
+        schedules = self.__dict__.setdefault("_schedules", {})
+        if backend not in schedules:
+            schedules[backend] = schedule_of(backend) or "none"
+        return schedules[backend]
+
     def _row(self, point, backend, stage, statistic, value, timer: str | None = None) -> dict:
-        return {"point_key": point.key(), "backend": backend, "schedule": schedule_of(backend) or "none",
+        return {"point_key": point.key(), "backend": backend, "schedule": self._schedule(backend),
                 "dtype": point.dtype, "stage": stage, "statistic": statistic, "value": float(value),
                 "timer": timer or self.timer}
 
@@ -196,7 +204,7 @@ class Runner:
         schedule = schedule_of(backend, info)
         if self.profile is None or "wl_nsb" not in wl_stats:
             return []
-        ran = ((info or {}).get("auto") or {}).get("backend") or backend
+        ran = ((info or {}).get(AUTO_RECORD) or {}).get("backend") or backend
         fixed = [self._row(point, backend, MODULE, "model_fixed_s",
                            fixed_cost(self.profile, ran, stage_names, point.dtype)[0])]
         pred = schedule_roofline(schedule, wl_stats, (info or {}).get("model") or {}, self.profile, point.dtype)

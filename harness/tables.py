@@ -10,7 +10,7 @@ import pandas as pd
 
 from ..roofline.devices import DeviceProfile, has_fixed_costs
 from ..roofline.dtypes import model_dtype
-from ..kernels.auto import AutoBackend
+from ..kernels.auto import AUTO_RECORD, AutoBackend
 from ..kernels.base import get_backend
 from ..kernels.q_packed.hybrid import HybridBackend
 from ..roofline.model import crossover, crossover_at, is_decode
@@ -177,7 +177,7 @@ def auto_vs_fastest(run: Run) -> pd.DataFrame:
             continue
         a = auto.iloc[0]
         best = rest.loc[rest["module.median_s"].idxmin()]
-        picked = (_info(a.get("plan_info")).get("auto") or {}).get("picked", "")
+        picked = (_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("picked", "")
         rows.append({"dtype": dtype, "N": a.get("wl_n_tokens"), "nsb/N": a.get("x"), "union_ratio P8": a.get(UNION),
                      "auto picked": picked, "auto_s": a["module.median_s"], "fastest": best["backend"],
                      "fastest_s": best["module.median_s"], "auto/fastest": a["module.median_s"] / best["module.median_s"]})
@@ -213,7 +213,7 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     and its plan's record, `device`'s fractions and the fixed costs of the stages the unit ran); `auto` units
     carry their pick's prediction. NaN where the model does not predict the unit."""
     if row["backend"] == AUTO:
-        a = _info(row.get("plan_info")).get("auto") or {}
+        a = _info(row.get("plan_info")).get(AUTO_RECORD) or {}
         return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
     facts = _facts(row)
     got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row)) if facts else None
@@ -259,7 +259,7 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
                 if r["backend"] in names and weigh_reason(_facts(r), r, device, dtype) is None}
         hybrid = get_backend(HYBRID)
         for _, a in g[g["backend"] == AUTO].iterrows():
-            record = (((_info(a.get("plan_info")).get("auto") or {}).get("used") or {}).get(HYBRID) or {}).get("record")
+            record = (((_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("used") or {}).get(HYBRID) or {}).get("record")
             if record and HYBRID in measured.index and has_fixed_costs(device, HYBRID, model_dtype(dtype)):
                 got = predict_module(hybrid.facts, a, record, device, dtype,
                                      ran_stages(hybrid.facts, g[g["backend"] == HYBRID].iloc[0]))

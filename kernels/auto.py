@@ -17,6 +17,9 @@ from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, get_backend, register, registered_names
 
 
+AUTO_RECORD = "auto"        # plan_info's key of the pick, every candidate's prediction and the skipped ones
+
+
 def candidate_names() -> list[str]:
     """Registered backends that declare themselves `auto` candidates (whether or not they run here)."""
     out = []
@@ -74,19 +77,19 @@ class AutoBackend(Backend):
         backend = cands[pick][0]
         plan = backend.plan(w)
         plan.info = {**plan.info, "schedule": backend.schedule,
-                     "auto": {"picked": pick, "backend": backend.name,
+                     AUTO_RECORD: {"picked": pick, "backend": backend.name,
                               "predicted_s": {k: v[1] for k, v in cands.items()},
                               "used": {k: v[2] for k, v in cands.items()}, "skipped": skipped}}
         plan.backend = self.name
         return plan
 
     def stage_checks(self, plan, workload, rows, tol):
-        return get_backend(plan.info["auto"]["picked"]).stage_checks(plan, workload, rows, tol)
+        return get_backend(plan.info[AUTO_RECORD]["picked"]).stage_checks(plan, workload, rows, tol)
 
 
 def auto_line(info: dict) -> str:
     """One line: the pick and every candidate's predicted module time (us), fastest first."""
-    a = info.get("auto") or {}
+    a = info.get(AUTO_RECORD) or {}
     pred = a.get("predicted_s") or {}
     ranked = sorted(pred, key=pred.get)
     parts = ", ".join(f"{k} {pred[k] * 1e6:.3g}" for k in ranked)

@@ -59,6 +59,7 @@ class Backend:
     tile_fractions: tuple[tuple[int, str], ...] = ()    # (tile tokens, fraction name): tiles measured on their own
     union_one_only: bool = False             # modelled only where a tile's tokens select alike
     unmodelled: str | None = None            # why the model never predicts it
+    dense: bool = False                      # attends each request's whole visible context, not the selection
 
     @property
     def facts(self) -> KernelFacts:
@@ -161,13 +162,7 @@ def declared_schedule(name: str) -> Schedule | None:
         return None
 
 
-OPTION_SEP = "@"     # "kv-outer-cute@v23": a registered backend with the flags its option words set
-
-
-def split_name(name: str) -> tuple[str, str | None]:
-    """'kv-outer-cute@v23' -> ('kv-outer-cute', 'v23'); a plain name -> (name, None)."""
-    base, sep, option = name.partition(OPTION_SEP)
-    return base, (option if sep else None)
+from ..roofline.names import OPTION_SEP, split_name  # noqa: E402,F401  (the one grammar of names, re-exported)
 
 
 def get_backend(name: str) -> Backend:

@@ -235,6 +235,7 @@ class DenseGather(Backend):
     description = ("Dense ceiling: each query block's shared blocks gathered contiguous per KV head, then dense "
                    "SDPA (needs every token of a query block to select the same blocks)")
     schedule = Schedule.Q_PACKED          # a tile of a query block's tokens over their shared blocks; not a candidate
+    dense = True                          # a dense kernel over the gathered blocks: the ceiling, not a sparse schedule
     options = {"kernel": Choice("kernel", KERNELS, refuses=".+")}        # the SDPA kernel
 
     def __init__(self, kernel: str = "auto", name: str = "dense-gather"):

@@ -248,6 +248,7 @@ class DenseMasked(Backend):
                    "paged FA2 with a custom mask, or torch SDPA (cuDNN, memory-efficient) over a gathered copy")
     schedule = Schedule.DENSE_MASKED      # modelled by predict_dense
     candidate = True                      # auto weighs running dense
+    dense = True
     stage_names = ("gather", "mask", "attention")
     options = {"kernel": Choice("kernel", KERNELS), "layout": Choice("layout", LAYOUTS)}     # @KERNEL[-LAYOUT]
 

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..errors import UserError
+from .names import base_name
 
 TB = 1e12
 MIB = 1 << 20
@@ -112,7 +113,7 @@ def achieved(profile: DeviceProfile, backend: str, dtype: str, decode: float = 0
     BASE@OPTION takes its own prefill fraction where the profile holds one (a kernel of its own, such as
     q-packed-cute's 12-token tile, `q-packed-cute@p12`), else BASE's."""
     table = profile.achieved or {}
-    key = f"{backend.partition('@')[0]}/{dtype}"
+    key = f"{base_name(backend)}/{dtype}"
     prefill = float(table.get(f"{backend}/{dtype}", table.get(key, 1.0)))
     share = min(max(float(decode), 0.0), 1.0)
     dec = ((profile.fixed_costs or {}).get("decode_achieved") or {}).get(key)
@@ -125,14 +126,14 @@ def achieved(profile: DeviceProfile, backend: str, dtype: str, decode: float = 0
 
 def has_achieved(profile: DeviceProfile, backend: str, dtype: str) -> bool:
     """Whether the profile measured `backend` in `dtype`, or measured nothing (then every fraction is 1)."""
-    return not profile.achieved or f"{backend.partition('@')[0]}/{dtype}" in profile.achieved
+    return not profile.achieved or f"{base_name(backend)}/{dtype}" in profile.achieved
 
 
 def has_fixed_costs(profile: DeviceProfile, backend: str, dtype: str) -> bool:
     """Whether the profile measured `backend`'s stages (in `dtype`, or for every dtype), or measured no
     stage at all (then every fixed cost is 0, or its launches')."""
     stages = (profile.fixed_costs or {}).get("stages") or {}
-    base = backend.partition("@")[0]
+    base = base_name(backend)
     keys = [k.split("/") for k in stages]
     return not stages or any(k[0] == base and (len(k) == 2 or k[2] == dtype) for k in keys)
 

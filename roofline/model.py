@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
+from .names import base_name
 from .dtypes import DType
 from .schedules import Schedule
 from .shape import SHAPE_FIELDS, AttnShape
@@ -122,7 +123,7 @@ def fixed_cost(device: DeviceProfile, backend: str, stages, dtype: str | None = 
     least its launches x the launch cost; 0 for a stage the profile has not measured."""
     fc = device.fixed_costs or {}
     launch, table = float(fc.get("launch_s", 0.0)), fc.get("stages") or {}
-    base = backend.partition("@")[0]
+    base = base_name(backend)
     per = {}
     for stage in stages:
         got = table.get(f"{base}/{stage}/{dtype}") or table.get(f"{base}/{stage}") or {}
@@ -135,7 +136,7 @@ def item_floor(device: DeviceProfile, backend: str, dtype: str | None, blocks: f
     blocks x block_s); 0 where the backend has no such item or the profile has not measured it."""
     if blocks is None:
         return 0.0
-    got = ((device.fixed_costs or {}).get("items") or {}).get(f"{backend.partition('@')[0]}/{dtype}")
+    got = ((device.fixed_costs or {}).get("items") or {}).get(f"{base_name(backend)}/{dtype}")
     return float(got["s"]) + blocks * float(got["block_s"]) if got else 0.0
 
 

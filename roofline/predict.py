@@ -42,10 +42,6 @@ class KernelFacts:
     union_one_only: bool = False                  # modelled only where a tile's tokens select alike
     unmodelled: str | None = None                 # why the model never predicts it, if so
 
-    @property
-    def base(self) -> str:
-        return self.name.partition("@")[0]
-
 
 def stat(stats, key: str):
     """A statistic from workload_stats keys or a result row's `wl_` columns; None where absent or not a

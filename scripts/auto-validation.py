@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         return 2
     print(f"{'run':<28} {'pts':>4} {'auto<=5%':>8} {'worst':>6} | {'pick<=5%':>8} {'worst':>6} | "
           f"{'fid<=25%':>8} {'units':>5}")
-    total = dict(points=0, auto=0, within=0, units=0, worst=0.0)
+    total = dict(points=0, auto_within=0, within=0, units=0, worst=0.0)
     for path in args.runs:
         try:
             run = load_run(path)
@@ -56,12 +56,12 @@ def main(argv=None) -> int:
               f"{(format(within / units, '.0%') if units else '-'):>8} {units:>5}")
         if av:
             total["points"] += av["points"]
-            total["auto"] += av["count_within"]
+            total["auto_within"] += av["count_within"]
             total["worst"] = max(total["worst"], av["worst"])
         total["within"] += int(within)
         total["units"] += units
     if len(args.runs) > 1:
-        print(f"all: auto within {args.within:.0%} at {total['auto']} of {total['points']} points (worst "
+        print(f"all: auto within {args.within:.0%} at {total['auto_within']} of {total['points']} points (worst "
               f"{total['worst']:.3f}); model within 25 % at {total['within']} of {total['units']} units")
     return 0
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 from msa_bench.errors import UserError
 from msa_bench.harness.results import load_run
 from msa_bench.harness.tables import fit_achieved
+from msa_bench.roofline.names import base_name
 from msa_bench.roofline.devices import CALIBRATION_FILES, PACKAGE_ROOT, load_device
 
 
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
         # the commits that may have measured the fitted units: the run's and every update's that re-ran a
         # fitted backend (BASE@OPTION: BASE's units; an update's record does not say which units it replaced)
         commits = [(run.meta.get("provenance") or {}).get("git_commit") or "?"]
-        bases = {b.partition("@")[0] for b in table["backend"]}
+        bases = {base_name(b) for b in table["backend"]}
         for update in run.meta.get("updated_from") or []:
             if set(update.get("backends") or []) & bases:
                 commits.append(update.get("commit") or "?")

@@ -19,13 +19,13 @@ def main(argv=None) -> int:
     import torch
     from msa_bench.errors import UserError
     from msa_bench.kernels.base import get_backend
-    from msa_bench.kernels.q_packed.cute_backend import critical_ratio, one_token_tiles
+    from msa_bench.kernels.q_packed.cute_backend import QPackedCuteBackend, critical_ratio, one_token_tiles
     from msa_bench.kernels.q_packed.schedule import PackedSchedule
     from msa_bench.scenarios.grid import load_scenario, make_workload
     if not torch.cuda.is_available():
         print("error: packed-walks runs the schedule stage on a CUDA GPU", file=sys.stderr)
         return 2
-    cute = get_backend("q-packed-cute")
+    cute = get_backend(QPackedCuteBackend.name)
     with open(args[0], "w") as out:
         for name in args[1:]:
             try:

@@ -68,7 +68,7 @@ def run(args) -> None:
     from msa_bench.kernels.base import get_backend
     from msa_bench.kernels.cute.loader import CuteLibrary
     from msa_bench.kernels.cute.manifest import find_library, device_arch
-    from msa_bench.kernels.q_packed.cute_backend import QPackedCuteAttention
+    from msa_bench.kernels.q_packed.cute_backend import QPackedCuteAttention, QPackedCuteBackend
     from msa_bench.kernels.q_packed.schedule import PackedSchedule
     from msa_bench.scenarios.grid import make_workload
 
@@ -83,7 +83,7 @@ def run(args) -> None:
     out = open(args.out, "a")
     for spec, point in points(args.point, args.dtype):
         w = make_workload(point, device="cuda")
-        backend = get_backend("q-packed-cute")
+        backend = get_backend(QPackedCuteBackend.name)
         plan = backend.plan(w)
         default = plan.stages["attention"]
         stages, schedules = {}, {}

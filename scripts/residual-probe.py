@@ -23,6 +23,7 @@ import triton
 from msa_bench.harness.timing import TimingConfig, summarize, time_plan
 from msa_bench.kernels.base import Plan, get_backend
 from msa_bench.kernels.kv_outer.index_map import PLACE_BLOCK, IndexMap, edge_keys_kernel, place_edges_kernel
+from msa_bench.kernels.q_packed.cute_backend import QPackedCuteBackend
 from msa_bench.kernels.q_packed.hybrid import HybridBackend
 from msa_bench.scenarios.grid import load_scenario, make_workload
 
@@ -94,7 +95,7 @@ def merge(args) -> dict:
     out, lse = plan.output.clone(), plan.lse.clone()
 
     def stage(residual):
-        return HybridBackend.packed_attention(w, "q-packed-cute", packed, out, lse, entries, residual)
+        return HybridBackend.packed_attention(w, QPackedCuteBackend.name, packed, out, lse, entries, residual)
     return {"option": args.option, "dtype": args.dtype, "point": args.point,
             "packed_plain_us": part_us(stage(None)), "packed_index_only_us": part_us(stage(no_ranks)),
             "packed_merged_us": part_us(stage(parts)), "kv_outer_attention_us": part_us(kv_plan.stages["attention"]),

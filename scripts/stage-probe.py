@@ -16,6 +16,7 @@ import torch
 
 from msa_bench.harness.timing import TimingConfig, summarize, time_plan
 from msa_bench.kernels.base import get_backend
+from msa_bench.kernels.cute.backend import KVOuterCuteBackend
 from msa_bench.scenarios.prefill_cases import get_case, prefill_workload
 from msa_bench.scenarios.workload import AttnShape
 
@@ -52,7 +53,7 @@ def replans(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("probe", choices=("ncu", "replans"))
-    p.add_argument("--backend", default="kv-outer-cute")
+    p.add_argument("--backend", default=KVOuterCuteBackend.name)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--case", default="prefill_c17ccf7fbbb5d1ee5648", help="a real-prefill case id")
     p.add_argument("--seed", type=int, default=1)
