@@ -203,7 +203,7 @@ def check(
     the maximum relative error is printed last. Exit 0 only within tolerance (fp32 1e-5, fp16/bf16 1e-2, fp8
     5e-2). An option the generator does not use is refused. Without a GPU the Triton kernels run in the CPU
     interpreter."""
-    from .harness.check import CPU_SHAPE, check_fits_here, check_point, describe, plan_lines, run_check
+    from .harness.measure.check import CPU_SHAPE, check_fits_here, check_point, describe, plan_lines, run_check
     from .scenarios.grid import SERVING
     from .errors import UserError
     from .roofline.dtypes import DType
@@ -408,7 +408,7 @@ def sweep(
     Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed) or every --gpus worker
     died, 2 on bad input or a point that cannot fit in memory (refused before anything runs), 130 when
     interrupted (Ctrl-C), 143 when terminated (SIGTERM, as `timeout` and job schedulers send)."""
-    from .harness.sweep import SweepInterrupted, SweepRequest, run_sweep
+    from .harness.running.sweep import SweepInterrupted, SweepRequest, run_sweep
     _gpu_scenario_on_cpu(scenario, cpu_ok)
     req = SweepRequest(scenario=scenario, reuse=_split(reuse, "reuse", float), tokens=_split(tokens, "tokens", int),
                        context=_split(context, "context", int), skew=_split(skew, "skew", float),
@@ -447,7 +447,7 @@ def report(
 ):
     """Plots (TFLOP/s vs reuse with roofline curves and crossovers, stacked per-stage latency, measured vs
     model bytes) and a Markdown summary of a run."""
-    from .harness.report import write_report
+    from .harness.report.summary import write_report
     from .roofline.devices import load_device
     path = write_report(run, out, load_device(device) if device else None)
     typer.echo(f"wrote {path}")
@@ -497,10 +497,10 @@ def compare(
     from rich.console import Console
 
     from .errors import UserError
-    from .harness.baseline import CLOCK_MODES, load_baseline
-    from .harness.compare import compare_runs, parse_threshold
-    from .harness.compare_formats import FORMATS, exit_code, print_text, render, subject
-    from .harness.results import load_run
+    from .harness.gate.baseline import CLOCK_MODES, load_baseline
+    from .harness.gate.compare import compare_runs, parse_threshold
+    from .harness.gate.compare_formats import FORMATS, exit_code, print_text, render, subject
+    from .harness.store.results import load_run
     threshold = parse_threshold(max_regression)
     tol = parse_threshold(counter_tolerance, "--counter-tolerance")
     if clock not in CLOCK_MODES:
@@ -564,11 +564,11 @@ def gate_baseline(
     from rich.console import Console
 
     from .errors import UserError
-    from .harness.baseline import CLOCK_MODES, sweep_set
-    from .harness.compare import REGRESSION, parse_threshold
-    from .harness.compare_formats import exit_code, print_text, subject
-    from .harness.gate_power import self_check
-    from .harness.results import load_run
+    from .harness.gate.baseline import CLOCK_MODES, sweep_set
+    from .harness.gate.compare import REGRESSION, parse_threshold
+    from .harness.gate.compare_formats import exit_code, print_text, subject
+    from .harness.gate.gate_power import self_check
+    from .harness.store.results import load_run
     threshold = parse_threshold(max_regression)
     if clock not in CLOCK_MODES:
         raise UserError(f"--clock must be one of {', '.join(CLOCK_MODES)}, got {clock!r}")
@@ -606,7 +606,7 @@ def merge(
 ):
     """Join shard run folders into one run folder. Refuses mixed scenarios or GPUs, damaged units, and a unit
     held by two folders, unless --force (then the first folder's copy of such a unit is kept, and said)."""
-    from .harness.results import merge_runs
+    from .harness.store.results import merge_runs
     summary = merge_runs(out, shards, force=force)
     typer.echo(f"merged {len(shards)} folder(s) into {out}: {summary['units']} units"
                + (f", {len(summary['missing'])} unit(s) of the grid still missing" if summary["missing"] else ""))
@@ -623,7 +623,7 @@ def seal(
     """Seal a run written before integrity records, once: check it as every reader does, then record the
     sha256 of each unit's files and of run.json's fields. Readers refuse an unsealed run, and any part that
     changed after it was sealed (an edit is refused here too, never resealed)."""
-    from .harness.results import seal_run
+    from .harness.store.results import seal_run
     for run in runs:
         parts = seal_run(run)
         typer.echo(f"{run}: " + (f"sealed {parts} part(s)" if parts else "sealed already"))
@@ -649,7 +649,7 @@ def slurm(
     report and, with --baseline, the gate. docs/harness.md has the walk-through."""
     from pathlib import Path
     from .errors import UserError
-    from .harness.slurm import sbatch_script
+    from .harness.running.slurm import sbatch_script
     from .scenarios.grid import load_scenario, with_overrides
 
     if array < 1 or gpus_per_shard < 1:
@@ -692,8 +692,8 @@ def calibrate(
     from pathlib import Path
     from .errors import UserError, require_cuda
     require_cuda("msa-bench calibrate")
-    from .harness.fixed_costs import calibrate_fixed_costs
-    from .roofline.calibrate import calibrate as run, with_fixed_costs, write_profile
+    from .harness.calibration.fixed_costs import calibrate_fixed_costs
+    from .harness.calibration.ceilings import calibrate as run, with_fixed_costs, write_profile
     import torch
     folder = Path(out) if out else Path("results/calibration") / torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-")
     path = folder / "profile.json"

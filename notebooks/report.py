@@ -15,7 +15,7 @@
 # # msa-bench: one run against the roofline
 #
 # This notebook reads a run folder written by `msa-bench sweep` (or `msa-bench merge`) and shows the
-# same tables and plots as `msa-bench report`, through the same functions (`msa_bench.harness.report`).
+# same tables and plots as `msa-bench report`, through the same functions (`msa_bench.harness.report.summary`).
 # Run it as a script: `python notebooks/report.py RUN_DIR`, or set `MSA_BENCH_RUN`; without either it
 # opens the small committed CPU fixture `results/fixtures/smoke-run`.
 
@@ -31,9 +31,15 @@ if "ipykernel" not in sys.modules:
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from msa_bench.harness import axes, plots, report, tables
-from msa_bench.harness.prediction import device_for_run
-from msa_bench.harness.results import load_run
+from msa_bench.harness.report import axes
+
+from msa_bench.harness.report import plots
+
+from msa_bench.harness.report import summary as report
+
+from msa_bench.harness.report import tables
+from msa_bench.harness.store.rows import device_for_run
+from msa_bench.harness.store.results import load_run
 
 REPO = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd()
 args = [a for a in sys.argv[1:] if not a.startswith("-")] if "ipykernel" not in sys.modules else []
@@ -71,7 +77,7 @@ print(report.markdown_table(tables.status_table(run)))
 
 # %% [markdown]
 # ## Throughput along what the run varies
-# `harness/axes.py` reads which point field the run varies and plots along it: reuse nsb/N with the
+# `harness/report/axes.py` reads which point field the run varies and plots along it: reuse nsb/N with the
 # rooflines and the KV-outer/Q-outer crossovers (measured only across points that differ in reuse and
 # nothing else), co-selection union_ratio with the three schedules' rooflines, real-prefill cases by
 # call weight with the call-weighted aggregate, batch size in GB/s under the HBM roofline, context or

@@ -10,7 +10,7 @@ and the report and the replay of committed runs show it. Its inputs are data:
   KV-stationary schedule, the dense path, the hybrid's split.
 A live prediction takes the record a backend computes before planning; a replay takes the one its unit
 wrote. The same inputs give the same number: there is no second path. Rows written before the record
-existed are upgraded once, where a run is loaded (harness/migrate.py).
+existed are upgraded once, where a run is loaded (harness/store/migrate.py).
 """
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def fraction_fit(facts: KernelFacts, stats, record: dict, profile: DeviceProfile
 def hybrid_time(split: dict, profile: DeviceProfile, dtype: str) -> tuple[float, dict]:
     """(seconds, parts) of the hybrid's two parts, each over its kernel's achieved fraction at its own decode
     share. A part holds its own statistics and record (its roofline predicted here) or, in records written
-    before those were kept (harness/migrate.py), the time it was predicted at and the fraction that was
+    before those were kept (harness/store/migrate.py), the time it was predicted at and the fraction that was
     divided by."""
     total, used = 0.0, {}
     for part in ("packed", "kv_outer"):

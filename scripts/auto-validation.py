@@ -15,8 +15,8 @@ import argparse
 import sys
 
 from msa_bench.errors import UserError
-from msa_bench.harness import tables
-from msa_bench.harness.results import load_run
+from msa_bench.harness.report import tables
+from msa_bench.harness.store.results import load_run
 from msa_bench.roofline.devices import load_device
 
 FITTED_ON = "co-selection"

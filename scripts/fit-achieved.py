@@ -1,7 +1,7 @@
 """Fit a device's achieved fractions on one run folder and write them into its committed calibration.
 
 Per backend and dtype, the median over the run's prefill units of today's roofline / (measured module time
-less the profile's fixed costs of the stages the unit ran) (harness.tables.fit_achieved; units the model
+less the profile's fixed costs of the stages the unit ran) (harness.report.tables.fit_achieved; units the model
 does not predict left out; a q-packed-cute unit of 12-token tiles counts as `q-packed-cute@p12`, the wide
 kernel's own fraction). The H200's are fitted on results/h200/co-selection, after its fixed costs were
 measured (`msa-bench calibrate --fixed-costs-only`), the wide kernel's on results/h200/real-prefill (`--backend
@@ -18,8 +18,8 @@ import sys
 from dataclasses import replace
 
 from msa_bench.errors import UserError
-from msa_bench.harness.results import load_run
-from msa_bench.harness.tables import fit_achieved
+from msa_bench.harness.store.results import load_run
+from msa_bench.harness.report.tables import fit_achieved
 from msa_bench.roofline.names import base_name
 from msa_bench.roofline.devices import CALIBRATION_FILES, PACKAGE_ROOT, load_device
 

@@ -3,7 +3,7 @@
     python3 scripts/gate-power.py OUTROOT --baseline-runs K [--threshold 5%] [--out FILE.md]
 
 OUTROOT/run-01.. (sorted): runs 1..K are the baseline set, each later run is judged against it with
-every --clock mode (msa_bench.harness.gate_power). Prints one table per mode and writes them as
+every --clock mode (msa_bench.harness.gate.gate_power). Prints one table per mode and writes them as
 markdown (default OUTROOT/gate-power.md).
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from msa_bench.errors import UserError
-from msa_bench.harness.compare import parse_threshold
-from msa_bench.harness.gate_power import gate_power, power_table
-from msa_bench.harness.results import RUN_FILE, load_run
+from msa_bench.harness.gate.compare import parse_threshold
+from msa_bench.harness.gate.gate_power import gate_power, power_table
+from msa_bench.harness.store.results import RUN_FILE, load_run
 
 
 def main(argv=None) -> int:

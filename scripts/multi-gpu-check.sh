@@ -28,7 +28,7 @@ case $step in
         python3 - "$R" <<'PY'
 import sys
 from pathlib import Path
-from msa_bench.harness.results import load_run
+from msa_bench.harness.store.results import load_run
 root = Path(sys.argv[1])
 one, all_ = load_run(root / "one"), load_run(root / "all")
 ids_one, ids_all = sorted(one.status["unit"]), sorted(all_.status["unit"])

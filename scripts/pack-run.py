@@ -1,5 +1,5 @@
 """Pack committed run folders whose raw samples were removed: each run's unit folders into one file
-(harness/results.py pack_run), read by load_run, report and the replays as before; read-only. With
+(harness/store/results.py pack_run), read by load_run, report and the replays as before; read-only. With
 --from, put a newer sweep's units (the same scenario, some backends re-run) in place of a packed run's
 (update_packed).
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from msa_bench.errors import UserError
-from msa_bench.harness.results import pack_run, update_packed
+from msa_bench.harness.store.results import pack_run, update_packed
 
 
 def main(argv=None) -> int:

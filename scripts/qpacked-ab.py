@@ -9,7 +9,7 @@ of them, `default` the plan's own library (build/cute).
   run (GPU): the plans of each point, then ROUNDS rounds of every variant in turn (round 0 dropped: the first
   timed plan of a process can run slow), timed by the harness timer (cold L2, CUDA graphs); each variant's
   output and LSE are checked bitwise against the first variant's and, on sampled rows, against the float64
-  reference with the harness's tolerance (harness/check.py). One JSON line per point and variant:
+  reference with the harness's tolerance (harness/measure/check.py). One JSON line per point and variant:
     python3 scripts/qpacked-ab.py run --lib build/ab --dtype fp8 --variant default,sa+kv4 \\
         --point drift:drift0.07 --point real-prefill:c17ccf --rounds 4 --out ab.jsonl
 
@@ -63,8 +63,8 @@ def points(specs: list[str], dtype: str):
 def run(args) -> None:
     import torch
 
-    from msa_bench.harness.check import compare_output, poison, sample_rows
-    from msa_bench.harness.timing import TimingConfig, summarize, time_plan
+    from msa_bench.harness.measure.check import compare_output, poison, sample_rows
+    from msa_bench.harness.measure.timing import TimingConfig, summarize, time_plan
     from msa_bench.kernels.base import get_backend
     from msa_bench.kernels.cute.loader import CuteLibrary
     from msa_bench.kernels.cute.manifest import find_library, device_arch

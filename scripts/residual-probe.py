@@ -1,6 +1,6 @@
 """Probes of the hybrid's residual path on drift points, on the GPU: what KV-outer's index map spends
 where, and what merging the residual in q-packed-cute's epilogue costs (knock-outs). Each part is
-timed alone by the harness timer (harness/timing.py: its CUDA graph replayed after a cold-L2 flush),
+timed alone by the harness timer (harness/measure/timing.py: its CUDA graph replayed after a cold-L2 flush),
 median in us.
 
   index-map  the index map of drift p 0.15 (every selection and the hybrid's residual), a decode batch
@@ -20,7 +20,7 @@ import json
 import torch
 import triton
 
-from msa_bench.harness.timing import TimingConfig, summarize, time_plan
+from msa_bench.harness.measure.timing import TimingConfig, summarize, time_plan
 from msa_bench.kernels.base import Plan, get_backend
 from msa_bench.kernels.kv_outer.index_map import PLACE_BLOCK, IndexMap, edge_keys_kernel, place_edges_kernel
 from msa_bench.kernels.q_packed.cute_backend import QPackedCuteBackend

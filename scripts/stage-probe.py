@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from msa_bench.harness.timing import TimingConfig, summarize, time_plan
+from msa_bench.harness.measure.timing import TimingConfig, summarize, time_plan
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.cute.backend import KVOuterCuteBackend
 from msa_bench.scenarios.prefill_cases import get_case, prefill_workload

@@ -132,8 +132,8 @@ def _fake_run(path, units, scenario="gate-test", grid="g1", ref_clock=1980.0, cl
     """A small GPU-timed run folder written through the results format: units maps backend -> module
     seconds (a list; the attention stage gets 0.8 x them), or -> (seconds, sm_clock_mhz). One point."""
     import numpy as np
-    from msa_bench.harness import results
-    from msa_bench.harness.timing import summarize
+    from msa_bench.harness.store import results
+    from msa_bench.harness.measure.timing import summarize
     key, ids = "pt-0", []
     for backend, spec in units.items():
         seconds, mhz = spec if isinstance(spec, tuple) else (spec, [ref_clock] * len(spec))

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from msa_bench.harness import tables
-from msa_bench.harness.results import load_run
+from msa_bench.harness.report import tables
+from msa_bench.harness.store.results import load_run
 from msa_bench.roofline.devices import load_device
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "h200"
@@ -91,11 +91,11 @@ def test_fit_achieved_takes_the_fixed_costs_off_and_leaves_out_what_the_model_do
 
 
 def test_the_replayed_hybrid_divides_each_part_by_todays_fraction():
-    """A schema-1 record's parts (harness/migrate.py): each part's recorded time over the fraction it was
+    """A schema-1 record's parts (harness/store/migrate.py): each part's recorded time over the fraction it was
     divided by, times that over today's at its own share, plus today's fixed costs of the stages it ran."""
     import json
     from dataclasses import replace
-    from msa_bench.harness.migrate import upgrade
+    from msa_bench.harness.store.migrate import upgrade
     from msa_bench.kernels.base import get_backend
     from msa_bench.roofline.predict import predict_module
     dev = replace(H200, achieved={"q-packed-cute/bf16": 0.5, "kv-outer-cute/bf16": 0.8},
@@ -141,7 +141,7 @@ def test_the_wide_tiles_units_fit_and_replay_under_their_own_fraction():
     """Real prefill's q-packed-cute units of 12-token tiles are the wide kernel's (`q-packed-cute@p12`), fitted
     there and committed as fitted; its 8-token units stay q-packed-cute's."""
     from dataclasses import replace
-    from msa_bench.harness.prediction import _info
+    from msa_bench.harness.store.rows import _info
     from msa_bench.kernels.base import get_backend
     from msa_bench.roofline.predict import fraction_name
     run = load_run(RESULTS / "real-prefill")

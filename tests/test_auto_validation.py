@@ -46,7 +46,7 @@ def test_fitting_one_backend_keeps_the_others_and_names_the_commit_that_ran_it(t
     backend."""
     import json
     import shutil
-    from msa_bench.harness.results import write_meta
+    from msa_bench.harness.store.results import write_meta
     from msa_bench.roofline.devices import CALIBRATION_FILES
     mod = load_script("fit-achieved")
     profile = tmp_path / CALIBRATION_FILES["h200"]

@@ -9,8 +9,8 @@ import inspect
 import pytest
 import torch
 
-from msa_bench.harness.check import compare_output, edge_case_workload, poison  # sets TRITON_INTERPRET first
-from msa_bench.kernels.auto import MODELLED
+from msa_bench.harness.measure.check import compare_output, edge_case_workload, poison  # sets TRITON_INTERPRET first
+from msa_bench.roofline.predict import MODELLED
 from msa_bench.kernels.base import Backend, Plan, backend_class, get_backend, registered_names
 from msa_bench.kernels.options import Choice, Number, Rest, parse_options
 from msa_bench.roofline.dtypes import DType

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # a schedule's name is the model's vocabulary (roofline/schedules.py), not a backend's, though some match
 SCHEDULE_NAMES = {str(s) for s in Schedule}
 # (file, literal): Python packages the provenance names, which share a backend's name
-PACKAGES = {("harness/provenance.py", "flashinfer"), ("harness/report.py", "flashinfer")}
+PACKAGES = {("harness/measure/provenance.py", "flashinfer"), ("harness/report/summary.py", "flashinfer")}
 
 
 def _docstrings(tree) -> set[int]:

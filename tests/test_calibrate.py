@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from msa_bench.errors import UserError
-from msa_bench.roofline.calibrate import (MIB, build_profile, find_plateaus, l2_and_hbm_plateaus, l2_window,
+from msa_bench.harness.calibration.ceilings import (MIB, build_profile, find_plateaus, l2_and_hbm_plateaus, l2_window,
                                           plot_sweep, write_profile)
 from msa_bench.roofline.devices import load_device
 
@@ -140,7 +140,7 @@ def test_plot_is_written(tmp_path):
 
 INTERPRET_SCRIPT = """
 import torch, triton.language
-import msa_bench.roofline.calibrate as cal
+import msa_bench.harness.calibration.ceilings as cal
 cal.tl = triton.language        # the interpreter patches the triton.language it finds in the kernel's globals
 kernel = cal._read_kernel()
 x = torch.arange(8 * 64, dtype=torch.float32)
@@ -176,6 +176,6 @@ def test_calibrate_cli_without_gpu_is_one_line_and_nonzero(tmp_path):
 def test_calibrate_quick_on_gpu(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from msa_bench.roofline.calibrate import calibrate
+    from msa_bench.harness.calibration.ceilings import calibrate
     result = calibrate(tmp_path, quick=True, log=lambda *_: None)
     assert result["profile"].l2_bytes_per_s > result["profile"].measured["hbm_plateau"]["bytes_per_s"]

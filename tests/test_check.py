@@ -3,7 +3,7 @@ options a workload does not use refused in one line, as `msa-bench workload` ref
 import pytest
 import torch
 
-from msa_bench.harness.check import (CPU_DEFAULTS, CPU_SHAPE, check_point, check_workload,  # sets TRITON_INTERPRET
+from msa_bench.harness.measure.check import (CPU_DEFAULTS, CPU_SHAPE, check_point, check_workload,  # sets TRITON_INTERPRET
                                      request_layout)
 from msa_bench.scenarios.selection import synthetic_workload
 

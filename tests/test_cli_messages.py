@@ -8,9 +8,9 @@ import torch
 import typer
 
 from msa_bench.cli import app
-from msa_bench.harness.check import plan_lines
-from msa_bench.harness.request import SweepRequest, resolve_scenario, resume_command
-from msa_bench.harness.timing import MIN_GPU_REPS, TimingConfig
+from msa_bench.harness.measure.check import plan_lines
+from msa_bench.harness.running.request import SweepRequest, resolve_scenario, resume_command
+from msa_bench.harness.measure.timing import MIN_GPU_REPS, TimingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("KV-outer", "token-packed", "hybrid", "auto", "FlashInfer", "MSA-style scatter", "dense")

@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.compare import (IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, compare_runs, judge_samples,
+from msa_bench.harness.gate.compare import (IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, compare_runs, judge_samples,
                                        parse_threshold)
-from msa_bench.harness.results import load_run, write_meta
-from msa_bench.harness.seal import seal_unit
-from msa_bench.harness.timing import summarize
+from msa_bench.harness.store.results import load_run, write_meta
+from msa_bench.harness.store.seal import seal_unit
+from msa_bench.harness.measure.timing import summarize
 
 ROOT = Path(__file__).resolve().parents[1] / "results"
 FIXTURE = ROOT / "fixtures" / "smoke-run"          # CPU: host timings
@@ -180,7 +180,7 @@ def test_unit_timed_in_the_baseline_and_unavailable_now_is_unusable(tmp_path, cl
 
 def test_an_internal_error_is_not_a_verdict(monkeypatch, cli, one_error_line):
     """A crash (a bug, a broken installation) exits 3: never 1, the gate's regression code."""
-    from msa_bench.harness import compare
+    from msa_bench.harness.gate import compare
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted bug")

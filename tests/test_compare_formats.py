@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from msa_bench.harness.compare import IMPROVEMENT, REGRESSION, compare_runs
-from msa_bench.harness.results import load_run
+from msa_bench.harness.gate.compare import IMPROVEMENT, REGRESSION, compare_runs
+from msa_bench.harness.store.results import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 GATE_SET = ROOT / "results" / "h200" / "gate" / "baseline-set"
@@ -60,7 +60,7 @@ def test_json_keys_are_the_schemas_whatever_the_verdict(planted, cli, tmp_path):
 def test_pass_band_is_the_verdicts_rule(planted):
     """A time outside its pass band is flagged (its samples differ too); inside it never is."""
     root, clean, slow = planted
-    from msa_bench.harness.baseline import load_baseline
+    from msa_bench.harness.gate.baseline import load_baseline
     for new in (clean, slow):
         for f in compare_runs(load_baseline(root), load_run(new)).findings:
             lo, hi = f.band
@@ -140,7 +140,7 @@ def test_the_docs_show_the_markdown_of_a_committed_gate_run(cli, tmp_path, monke
 @pytest.fixture
 def fake_sweeps(monkeypatch, fake_run):
     """Sweeps that write a fake run: module medians in order, one per sweep; the commands are kept."""
-    from msa_bench.harness import baseline
+    from msa_bench.harness.gate import baseline
     calls, medians = [], []
 
     def sweep(cmd, **kwargs):

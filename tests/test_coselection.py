@@ -347,8 +347,8 @@ def co_run(tmp_path_factory, cli):
 
 
 def test_report_plots_throughput_against_co_selection(co_run, cli, tmp_path):
-    from msa_bench.harness import tables
-    from msa_bench.harness.results import load_run
+    from msa_bench.harness.report import tables
+    from msa_bench.harness.store.results import load_run
     run = load_run(co_run)
     t = tables.throughput_table(run)
     # groups of 8 sharing s = 0, 2, 4 of 4 blocks: (s + 8 (4 - s)) / 4
@@ -373,9 +373,9 @@ def test_roofline_picks_take_q_packed_at_its_union_ratio(co_run, tmp_path):
     roofline at the point's measured union_ratio is fastest."""
     import shutil
 
-    from msa_bench.harness import tables
-    from msa_bench.harness.results import load_run
-    from msa_bench.harness.seal import seal_unit
+    from msa_bench.harness.report import tables
+    from msa_bench.harness.store.results import load_run
+    from msa_bench.harness.store.seal import seal_unit
     run_dir = tmp_path / "relabelled"
     shutil.copytree(co_run, run_dir)
     for unit in (run_dir / "units").glob("reference-*"):
@@ -396,8 +396,8 @@ def test_roofline_picks_take_q_packed_at_its_union_ratio(co_run, tmp_path):
                        selected_per_query=row["wl_selected_blocks_per_query"], union_ratio=row["wl_union_ratio_p8"])
         assert model["q-packed"] == pytest.approx(want.time_s)
         assert case.predicted == min(model, key=model.get)
-    from msa_bench.harness.report import write_report
+    from msa_bench.harness.report.summary import write_report
     summary_md = write_report(run_dir, tmp_path / "rep", dev).read_text()     # q-packed curves in every figure
     assert "## Roofline picks" in summary_md and "| q-packed |" in summary_md
-    # a run that varies co-selection is drawn along u (harness/axes.py), not along reuse
+    # a run that varies co-selection is drawn along u (harness/report/axes.py), not along reuse
     assert list((tmp_path / "rep").glob("coselection_*.png")) and not list((tmp_path / "rep").glob("throughput_*.png"))

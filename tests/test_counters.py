@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from msa_bench.harness.counters import (ALL_METRICS, MARKER, METRICS, RANGE, CountersError, ncu_command, parse_ncu_csv,
+from msa_bench.harness.measure.counters import (ALL_METRICS, MARKER, METRICS, RANGE, CountersError, ncu_command, parse_ncu_csv,
                                         split_by_markers, sum_kernels)
-from msa_bench.harness.telemetry import is_throttled, point_telemetry, reason_names
+from msa_bench.harness.measure.telemetry import is_throttled, point_telemetry, reason_names
 
 FIXTURE = Path(__file__).parent / "data" / "ncu_details_parser_fixture.csv"
 
@@ -99,7 +99,7 @@ def test_throttle_flags():
 def test_point_round_trips_through_the_child_json():
     import json
 
-    from msa_bench.harness.counters import point_from_dict
+    from msa_bench.harness.measure.counters import point_from_dict
     from msa_bench.scenarios.grid import load_scenario
     for p in load_scenario("smoke").points[:3] + load_scenario("real-prefill").points[:1]:
         assert point_from_dict(json.loads(json.dumps(p.as_dict()))) == p
@@ -109,7 +109,7 @@ def test_poller_and_point_summary_of_polls():
     import itertools
     import time
 
-    from msa_bench.harness.telemetry import Poller
+    from msa_bench.harness.measure.telemetry import Poller
     clock = itertools.cycle([1980.0, 1980.0, 1755.0])
     mask = itertools.cycle([0x0, 0x4, 0x0])
 
@@ -157,7 +157,7 @@ def test_collect_maps_the_child_manifest_back_to_units(tmp_path):
     import json
     import stat
 
-    from msa_bench.harness.counters import collect
+    from msa_bench.harness.measure.counters import collect
     from msa_bench.scenarios.grid import load_scenario
     ncu = tmp_path / "ncu"
     ncu.write_text(FAKE_NCU)

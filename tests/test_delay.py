@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from msa_bench.harness.timing import MODULE, TimingConfig, time_plan
+from msa_bench.harness.measure.timing import MODULE, TimingConfig, time_plan
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.delay import DELAY_STAGE, split_delay
 from msa_bench.scenarios.workload import AttnShape, build_workload
@@ -56,7 +56,7 @@ def test_delay_unit_in_a_sweep_records_the_planted_percent(tmp_path, cli):
     code, out, err = cli("sweep", "--scenario", "smoke", "--backend", "reference,reference@delay20",
                          "--reps", "2", "--out", tmp_path / "run")
     assert code == 0, out + err
-    from msa_bench.harness.results import load_run
+    from msa_bench.harness.store.results import load_run
     run = load_run(tmp_path / "run")
     delayed = run.status[run.status["backend"] == "reference@delay20"]
     assert len(delayed) and all(json.loads(i)["delay_percent"] == 20.0 for i in delayed["plan_info"])

@@ -4,7 +4,7 @@ keys cut + bottom-right causal as for FlashAttention, whole blocks + additive bi
 import pytest
 import torch
 
-from msa_bench.harness.check import edge_case_workload
+from msa_bench.harness.measure.check import edge_case_workload
 from msa_bench.kernels.base import BackendUnavailable, get_backend
 from msa_bench.kernels.dense_gather import CAUSAL, FULL, DenseGather, build_stages, dense_plan
 from msa_bench.scenarios.prefill_cases import PrefillCase, prefill_workload

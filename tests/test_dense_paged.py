@@ -82,7 +82,7 @@ FULL = AttnShape()
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_paged_dense_matches_the_reference_and_replays_bitwise(dtype):
-    from msa_bench.harness.check import check_backend
+    from msa_bench.harness.measure.check import check_backend
     from msa_bench.kernels.base import get_backend
     from msa_bench.kernels.flashinfer_common import import_flashinfer
     import_flashinfer()                                   # no FlashInfer on a GPU host is a failure here

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from msa_bench.harness.check import edge_case_workload  # sets TRITON_INTERPRET first
+from msa_bench.harness.measure.check import edge_case_workload  # sets TRITON_INTERPRET first
 from msa_bench.kernels.base import get_backend
 from msa_bench.scenarios.workload import AttnShape
 
@@ -16,7 +16,7 @@ CASE = dict(kv_lens=[200, 120], tokens=[21, 16], causal=False, hot=0.5, pad=0.3,
 
 SCRIPT = """
 import sys, torch
-from msa_bench.harness.check import edge_case_workload
+from msa_bench.harness.measure.check import edge_case_workload
 from msa_bench.kernels.base import get_backend
 from msa_bench.scenarios.workload import AttnShape
 plan = get_backend(sys.argv[1]).plan(edge_case_workload(AttnShape(**{shape!r}), sys.argv[2], **{case!r}))

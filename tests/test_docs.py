@@ -82,7 +82,7 @@ def test_the_gate_baseline_is_committed():
 def test_the_gate_baseline_set_holds_the_gate_scenarios_units():
     """A plain `sweep --scenario gate-prefill` run must hold every unit of the committed set, or the gate
     exits 2 on every change."""
-    from msa_bench.harness.baseline import load_baseline
+    from msa_bench.harness.gate.baseline import load_baseline
     from msa_bench.scenarios.grid import load_scenario
     want = set(load_scenario("gate-prefill").backends)
     runs = load_baseline(ROOT / "results" / "h200" / "gate" / "baseline-set")

@@ -1,5 +1,5 @@
 """Edited results never pass (issue 60, section 1): every part of a run is sealed when it is written
-(harness/seal.py) and the rules that follow from other data are derived, never read. Each edit below,
+(harness/store/seal.py) and the rules that follow from other data are derived, never read. Each edit below,
 on a copy of the CPU fixture, is refused by compare (both ways), merge and report with exit 2 and one
 line naming the unit (or run.json) and what changed: as edited, and again after resealing it as its
 writer would have (the derived rules alone)."""
@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.results import load_run, seal_run, write_meta
-from msa_bench.harness.seal import SEAL_FIELD, SEAL_FILE, seal_unit
+from msa_bench.harness.store.results import load_run, seal_run, write_meta
+from msa_bench.harness.store.seal import SEAL_FIELD, SEAL_FILE, seal_unit
 
 FIXTURE = Path(__file__).resolve().parents[1] / "results" / "fixtures" / "smoke-run"
 GRID = ["--backend", "reference", "--dtype", "fp32", "--reuse", "0.5", "--reps", "3"]
@@ -163,7 +163,7 @@ def test_seal_refuses_an_edited_run(tmp_path, cli, one_error_line):
 def test_a_fresh_resumed_and_merged_sweep_loads_clean(tmp_path, cli):
     """Round trip: a CPU smoke sweep, interrupted and resumed, and a merge of it, are sealed by their
     writers and load without a word; `seal` finds nothing to do."""
-    from msa_bench.harness.sweep import INTERRUPT_HOOK
+    from msa_bench.harness.running.sweep import INTERRUPT_HOOK
     run = tmp_path / "run"
     code, _, err = cli("sweep", "--scenario", "smoke", *GRID, "--out", run, env={INTERRUPT_HOOK: "2"})
     assert code == 130, err

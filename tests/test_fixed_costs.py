@@ -8,15 +8,15 @@ from dataclasses import replace
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.check import CPU_SHAPE  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
-from msa_bench.harness.fixed_costs import fit_series
+from msa_bench.harness.measure.check import CPU_SHAPE  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
+from msa_bench.harness.calibration.fixed_costs import fit_series
 from msa_bench.kernels import auto as auto_mod
 from msa_bench.kernels import base
 from msa_bench.kernels.auto import auto_line
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.reference_backend import ReferenceBackend
 from msa_bench.roofline import devices
-from msa_bench.roofline.calibrate import theil_sen
+from msa_bench.harness.calibration.ceilings import theil_sen
 from msa_bench.roofline.devices import PRESETS, load_device, profile_from_dict
 from msa_bench.roofline.model import ModelShape, fixed_cost, predict
 from msa_bench.scenarios.coselection import coselected_workload
@@ -209,7 +209,7 @@ def test_check_prints_the_pick_and_every_prediction_on_one_line(cli):
 
 
 def test_a_result_row_stores_the_fixed_costs_of_the_stages_the_plan_ran():
-    from msa_bench.harness import runner as sweep
+    from msa_bench.harness.running import runner as sweep
     from msa_bench.scenarios.grid import make_workload, point_from_options
     from msa_bench.scenarios.stats import workload_stats
     runner = sweep.Runner.__new__(sweep.Runner)
@@ -226,8 +226,8 @@ def test_a_result_row_stores_the_fixed_costs_of_the_stages_the_plan_ran():
 
 def test_the_calibration_series_times_every_candidate_stage_and_fits_it(monkeypatch):
     """The GPU procedure's loop on the CPU (host timer, Triton's interpreter) over two candidates."""
-    from msa_bench.harness import fixed_costs
-    from msa_bench.harness.timing import TimingConfig
+    from msa_bench.harness.calibration import fixed_costs
+    from msa_bench.harness.measure.timing import TimingConfig
     monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer", "flashinfer"])
     points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), (512, 1024))
     series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu", points=points,
@@ -244,7 +244,7 @@ def test_the_calibration_series_times_every_candidate_stage_and_fits_it(monkeypa
 
 def test_a_packed_candidate_pays_full_tiles_on_decode():
     """One token per request: each tile holds one token, yet the packed kernel runs P x G rows per block."""
-    from msa_bench.harness.check import edge_case_workload
+    from msa_bench.harness.measure.check import edge_case_workload
     from msa_bench.roofline.model import predict
     from msa_bench.scenarios.stats import ModelStats
     w = edge_case_workload(SMALL, "fp32", [256] * 16, [1] * 16, False, seed=2)
@@ -271,8 +271,8 @@ def test_a_candidate_without_measured_fixed_costs_is_skipped_where_others_have_s
 
 def test_the_calibration_skips_a_candidate_whose_plan_would_build_a_kernel(monkeypatch):
     """A JIT build inside the step (FlashInfer FA3: minutes) is skipped, said, and never planned."""
-    from msa_bench.harness import fixed_costs
-    from msa_bench.harness.timing import TimingConfig
+    from msa_bench.harness.calibration import fixed_costs
+    from msa_bench.harness.measure.timing import TimingConfig
     from msa_bench.kernels.q_packed.backend import QPackedBackend
     monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer", "q-packed"])
     monkeypatch.setattr(QPackedBackend, "build_pending_reason", lambda self, w: "q-packed: its kernel is not built")
@@ -290,8 +290,8 @@ def test_the_calibration_skips_a_candidate_whose_plan_would_build_a_kernel(monke
 
 
 def test_the_calibration_drops_a_candidate_that_runs_past_its_time(monkeypatch):
-    from msa_bench.harness import fixed_costs
-    from msa_bench.harness.timing import TimingConfig
+    from msa_bench.harness.calibration import fixed_costs
+    from msa_bench.harness.measure.timing import TimingConfig
     monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer"])
     monkeypatch.setattr(fixed_costs, "CANDIDATE_SECONDS", 0.0)
     lines, skipped = [], {}
@@ -347,7 +347,7 @@ def _row(roof, module, blocks=None):
 
 
 def test_the_decode_fraction_is_the_median_roofline_over_the_time_less_the_fixed_cost():
-    from msa_bench.harness.fixed_costs import fit_decode_achieved
+    from msa_bench.harness.calibration.fixed_costs import fit_decode_achieved
     rng = random.Random(3)
     rows = [_row(r, 20e-6 + r / 0.8 * (1 + rng.uniform(-0.01, 0.01))) for r in (1e-4, 2e-4, 3e-4, 4e-4, 5e-4)]
     rows[2] = _row(3e-4, 3e-3)               # a replay that met a clock drop: the median ignores it
@@ -359,7 +359,7 @@ def test_the_decode_fraction_is_the_median_roofline_over_the_time_less_the_fixed
 def test_a_backend_whose_fraction_leaves_its_hbm_term_out_gets_no_decode_fraction():
     """FlashInfer's FA2 fraction scales its L2 and MMA terms only (Backend.fraction_terms): its prefill
     fraction prices its decode work, so a calibration writes it no decode fraction."""
-    from msa_bench.harness.fixed_costs import fit_decode_achieved, scales_hbm
+    from msa_bench.harness.calibration.fixed_costs import fit_decode_achieved, scales_hbm
     rows = [_row(r, r / 0.6) for r in (1e-4, 2e-4, 3e-4)]
     assert not scales_hbm("flashinfer") and scales_hbm("flashinfer-fa3") and scales_hbm("kv-outer-cute")
     got = fit_decode_achieved({("flashinfer", "fp8"): rows, ("kv-outer-cute", "fp8"): rows}, {})
@@ -367,7 +367,7 @@ def test_a_backend_whose_fraction_leaves_its_hbm_term_out_gets_no_decode_fractio
 
 
 def test_an_item_is_the_slope_of_module_time_against_its_blocks_and_the_intercept_its_fixed_cost():
-    from msa_bench.harness.fixed_costs import fit_items
+    from msa_bench.harness.calibration.fixed_costs import fit_items
     rows = [_row(1e-6, 35e-6 + b * 1e-6, blocks=b) for b in (16, 50, 115)]
     got = fit_items({("q-packed", "bf16"): rows, ("kv-outer", "bf16"): [_row(1e-6, 1e-4)] * 3})
     assert set(got) == {"q-packed/bf16"}                               # kv-outer declares no items
@@ -394,7 +394,7 @@ def test_a_module_is_floored_by_its_item_alone_and_decode_work_takes_the_decode_
 
 
 def test_a_decode_workload_is_predicted_with_the_decode_fraction():
-    from msa_bench.harness.check import edge_case_workload
+    from msa_bench.harness.measure.check import edge_case_workload
     from msa_bench.scenarios.stats import ModelStats
     w = edge_case_workload(SMALL, "fp32", [256] * 16, [1] * 16, False, seed=2)
     dev = replace(PRESETS["h200"], achieved={"q-packed/bf16": 0.5},
@@ -419,7 +419,7 @@ def test_a_profile_refuses_bad_decode_fractions_and_items(bad):
 
 def test_the_replay_floors_a_packed_unit_by_its_item_and_uses_the_decode_fraction():
     """The replay predicts from the row's workload statistics with today's model, never the run's stored time."""
-    from msa_bench.harness.tables import predicted_module_s
+    from msa_bench.harness.report.tables import predicted_module_s
     fc = {"decode_achieved": {"q-packed/bf16": 0.5}, "items": {"q-packed/bf16": {"s": 20e-6, "block_s": 1e-6}}}
     dev = replace(PRESETS["h200"], achieved={}, fixed_costs=fc)
     row = {"backend": "q-packed", "dtype": "bf16", "module.model_time_s": 1.0, "wl_topk": 16,
@@ -433,7 +433,7 @@ def test_the_replay_floors_a_packed_unit_by_its_item_and_uses_the_decode_fractio
     assert math.isnan(predicted_module_s({**row, "backend": "dense-gather"}, dev))       # a probe: not modelled
 
 def test_merge_keeps_the_backends_not_remeasured():
-    from msa_bench.harness.fixed_costs import merge_fixed_costs
+    from msa_bench.harness.calibration.fixed_costs import merge_fixed_costs
     old = {"launch_s": 1e-6, "launch_points": [[1, 2e-5]], "method": "stages: ...",
            "stages": {"a/attention/bf16": {"s": 1.0}, "b/attention/bf16": {"s": 2.0}, "b/combine/bf16": {"s": 3.0}},
            "decode_achieved": {"a/bf16": 0.5, "b/bf16": 0.6}, "items": {"a/bf16": {"block_s": 1.0}}}
@@ -462,7 +462,7 @@ def _fresh(stages, decode):
 def test_a_full_calibration_keeps_and_names_a_candidate_it_skipped():
     """A candidate skipped on one dtype keeps that dtype's entries, every table, named with their date and why;
     its other dtype and the other candidates are replaced whole; a backend no longer a candidate goes."""
-    from msa_bench.harness.fixed_costs import merge_fixed_costs
+    from msa_bench.harness.calibration.fixed_costs import merge_fixed_costs
     fresh = _fresh({"a/attention/fp8": {"s": 7.0}, "b/attention/bf16": {"s": 8.0}}, {"a/fp8": 0.7, "b/bf16": 0.8})
     out = merge_fixed_costs(OLD_FC, fresh, None, {"a/bf16": "after N 1: planning and timing took 41 s"},
                             candidates=["a", "b"])
@@ -485,7 +485,7 @@ def test_a_full_calibration_keeps_and_names_a_candidate_it_skipped():
 
 def test_a_candidate_skipped_on_the_decode_batches_is_not_half_replaced():
     """Stages measured at the latency point but the batches skipped: the unit keeps all its old entries."""
-    from msa_bench.harness.fixed_costs import merge_fixed_costs
+    from msa_bench.harness.calibration.fixed_costs import merge_fixed_costs
     fresh = _fresh({"a/attention/bf16": {"s": 3.0}, "b/attention/bf16": {"s": 8.0}}, {"a/bf16": 0.9})
     out = merge_fixed_costs(OLD_FC, fresh, ["a", "b"], {"b/bf16": "at N 264: out of memory"})
     assert out["stages"]["b/attention/bf16"] == {"s": 2.0} and out["decode_achieved"]["b/bf16"] == 0.6
@@ -504,7 +504,7 @@ def test_a_stage_only_longer_tiles_run_adds_its_own_time_and_one_token_batches_d
     """q-packed-cute's one-token plans (the latency point, decode batches) run no schedule stage; its item
     workloads (8-token tiles) do. The schedule then costs its own time on the least work that ran it, on top
     of the shared module cost, and the decode fraction subtracts only the stages each batch ran."""
-    from msa_bench.harness.fixed_costs import fit_decode_achieved
+    from msa_bench.harness.calibration.fixed_costs import fit_decode_achieved
     latency = {("q-packed-cute", "bf16"): [(1e-6, {"module": 30e-6, "attention": 30e-6}, {"attention": 1}, 16)]}
     items = {"q-packed-cute/bf16": {"s": 0.0, "block_s": 1.5e-6, "intercept_s": 5e-6}}
     beyond = {("q-packed-cute", "bf16"): [(9e-6, {"module": 130e-6, "schedule": 12e-6, "attention": 118e-6}, {"schedule": 1}, 115),
@@ -523,8 +523,9 @@ def test_a_stage_only_longer_tiles_run_adds_its_own_time_and_one_token_batches_d
 def test_the_first_candidate_on_each_calibration_workload_times_a_dropped_plan_first(monkeypatch):
     """As a sweep's first unit does (timing.warm_plan): on each workload one plan of the first candidate is
     timed with the fewest samples and dropped, then every candidate is timed with the calibration's own."""
-    from msa_bench.harness import fixed_costs, timing
-    from msa_bench.harness.timing import TimingConfig
+    from msa_bench.harness.calibration import fixed_costs
+    from msa_bench.harness.measure import timing
+    from msa_bench.harness.measure.timing import TimingConfig
     monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["flashinfer", "kv-outer", "msa-scatter"])
     real, calls = timing.time_plan, []
 

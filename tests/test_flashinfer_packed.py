@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from msa_bench.harness.check import edge_case_workload
+from msa_bench.harness.measure.check import edge_case_workload
 from msa_bench.kernels.base import BackendUnavailable, get_backend
 from msa_bench.kernels.flashinfer_packed import (MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, FlashInferPacked,
                                                  packed_plan)

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from msa_bench.harness.gate_power import gate_power, planted
-from msa_bench.harness.results import load_run
+from msa_bench.harness.gate.gate_power import gate_power, planted
+from msa_bench.harness.store.results import load_run
 
 RNG = np.random.default_rng(1)
 

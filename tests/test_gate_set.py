@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.baseline import clocked_samples, cycles_seconds, load_baseline
-from msa_bench.harness.compare import IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, compare_runs, judge_set
-from msa_bench.harness.results import load_run
+from msa_bench.harness.gate.baseline import clocked_samples, cycles_seconds, load_baseline
+from msa_bench.harness.gate.compare import IMPROVEMENT, NOISE, REGRESSION, UNCHANGED, compare_runs, judge_set
+from msa_bench.harness.store.results import load_run
 
 RNG = np.random.default_rng(0)
 
@@ -136,9 +136,9 @@ def test_sweep_rows_carry_the_clock_columns_and_load_back(tmp_path):
     """The sweep's sample rows: GPU stages get sm_clock_mhz and clock_event_reasons, the host `plan` row
     leaves them empty, and the unit written through the results format loads back validated."""
     import torch
-    from msa_bench.harness import results
-    from msa_bench.harness.runner import Runner
-    from msa_bench.harness.timing import StageSamples, TimingConfig
+    from msa_bench.harness.store import results
+    from msa_bench.harness.running.runner import Runner
+    from msa_bench.harness.measure.timing import StageSamples, TimingConfig
     from msa_bench.scenarios.grid import Point
     from msa_bench.scenarios.workload import AttnShape
     point = Point("synthetic", 16, 256, 0.5, 0.0, False, "bf16", 0, None, 1.0, AttnShape())

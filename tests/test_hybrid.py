@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from msa_bench.harness.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
+from msa_bench.harness.measure.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
 from msa_bench.kernels.base import BackendUnavailable, get_backend
 from msa_bench.kernels.q_packed.schedule import NO_KEY, PackedSchedule
 from msa_bench.roofline.devices import load_device
@@ -160,7 +160,7 @@ def test_cuda_study_shape_on_both_cute_stages(dtype, option, graph_replay_equals
     merges into the packed output in place, so a graph replay must still equal eager bitwise. `@p12`: the
     packed part on the wide tile, its warpgroups walking their thirds of what the threshold keeps; `@fused`:
     no combine stage, the packed epilogue merges the partials (a graph replay still reads them fresh)."""
-    from msa_bench.harness.check import check_backend, sample_rows
+    from msa_bench.harness.measure.check import check_backend, sample_rows
     w = coselected(0.5, tokens=512, context=65536, reuse=2.0, with_tensors=True, dtype=dtype)
     for name in ("q-packed-cute", "kv-outer-cute"):
         reason = get_backend(name).workload_unavailable_reason(w)
@@ -183,7 +183,7 @@ def test_cuda_study_shape_on_both_cute_stages(dtype, option, graph_replay_equals
 def test_cuda_epilogue_merge_reads_partials_past_2_31_elements():
     """With no co-selection at N 16384 nearly every entry is KV-outer's: its partials' rows x D pass 2^31
     elements, and the packed epilogue must address them with 64-bit offsets (32-bit ones read out of bounds)."""
-    from msa_bench.harness.check import check_backend, sample_rows
+    from msa_bench.harness.measure.check import check_backend, sample_rows
     w = coselected(0.0, tokens=16384, context=131072, reuse=0.25, with_tensors=True, dtype="fp8")
     for name in ("q-packed-cute", "kv-outer-cute"):
         reason = get_backend(name).workload_unavailable_reason(w)

@@ -1,6 +1,6 @@
 """kv-outer: each stage's own output and the module output against the float64 reference.
 
-Without a GPU the Triton kernels run in the CPU interpreter (harness.check sets TRITON_INTERPRET=1
+Without a GPU the Triton kernels run in the CPU interpreter (harness.measure.check sets TRITON_INTERPRET=1
 before triton is imported); bf16 is left to the CUDA tests because the interpreter's bf16 dot is wrong.
 """
 import math
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from msa_bench.harness.check import check_backend, edge_case_workload, tolerance  # sets TRITON_INTERPRET first
+from msa_bench.harness.measure.check import check_backend, edge_case_workload, tolerance  # sets TRITON_INTERPRET first
 from msa_bench.scenarios.workload import AttnShape
 from msa_bench.kernels.base import BackendUnavailable, get_backend
 from msa_bench.kernels.kv_outer import stage_checks

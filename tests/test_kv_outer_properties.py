@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import msa_bench.harness.check  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, on a CPU)
+import msa_bench.harness.measure.check  # noqa: F401  (sets TRITON_INTERPRET before triton is imported, on a CPU)
 from msa_bench.kernels.kv_outer.index_map import IndexMap
 from msa_bench.kernels.kv_outer.scheduler import Schedule
 

@@ -1,4 +1,6 @@
-"""The package's layers import only downward: errors <- roofline <- scenarios <- kernels <- harness <- cli.
+"""The package's layers import only downward: errors <- roofline <- scenarios <- kernels <- harness <- cli;
+inside harness/, its rooms too: measure <- store <- {running, report, gate, calibration}, the four top rooms
+importing none of each other.
 
 Every import counts, also one made inside a function: a lazy import is still a dependency.
 """
@@ -17,8 +19,8 @@ def _layer_of(parts: tuple[str, ...]) -> str | None:
     return head if head in LAYERS else None
 
 
-def _imported_layers(path: Path):
-    """(line, layer) of every msa_bench module the file imports, relative imports resolved."""
+def _imported_modules(path: Path):
+    """(line, module parts) of every msa_bench module the file imports, relative imports resolved."""
     rel = path.relative_to(ROOT).parts
     package = rel[:-1]
     tree = ast.parse(path.read_text(), str(path))
@@ -37,9 +39,15 @@ def _imported_layers(path: Path):
         else:
             continue
         for target in names:
-            layer = _layer_of(tuple(p for p in target if p))
-            if layer:
-                yield node.lineno, layer
+            yield node.lineno, tuple(p for p in target if p)
+
+
+def _imported_layers(path: Path):
+    """(line, layer) of every msa_bench module the file imports."""
+    for line, target in _imported_modules(path):
+        layer = _layer_of(target)
+        if layer:
+            yield line, layer
 
 
 def _package_files():
@@ -61,7 +69,32 @@ def test_no_import_points_upward(path):
 def test_the_walker_sees_an_upward_import(tmp_path, monkeypatch):
     bad = ROOT / "roofline" / "_probe_upward.py"
     try:
-        bad.write_text("def f():\n    from ..harness.sweep import run_sweep\n")
+        bad.write_text("def f():\n    from ..harness.running.sweep import run_sweep\n")
         assert [layer for _, layer in _imported_layers(bad)] == ["harness"]
     finally:
         bad.unlink()
+
+
+# harness/'s rooms, bottom up: a room imports only rooms of a lower rank
+ROOMS = {"measure": 0, "store": 1, "running": 2, "report": 2, "gate": 2, "calibration": 2}
+
+
+def _room_of(parts: tuple[str, ...]) -> str | None:
+    return parts[1] if len(parts) > 2 and parts[0] == "harness" and parts[1] in ROOMS else None
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "harness").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_harness_rooms_import_only_lower_rooms(path):
+    own = _room_of(path.relative_to(ROOT).parts)
+    if own is None:
+        assert path.name == "__init__.py", f"{path.relative_to(ROOT)} is in no room of harness/"
+        return
+    wrong = [f"line {line}: {own} imports {room}" for line, target in _imported_modules(path)
+             if (room := _room_of(target)) and room != own and ROOMS[room] >= ROOMS[own]]
+    assert not wrong, f"{path.relative_to(ROOT)}: " + "; ".join(wrong)
+
+
+def test_each_room_stays_small():
+    for room in ROOMS:
+        lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "harness" / room).rglob("*.py"))
+        assert lines <= 2200, f"harness/{room}: {lines} lines"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from msa_bench.harness.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
+from msa_bench.harness.measure.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
 from msa_bench.scenarios.reference import reference_attention, relative_error
 from msa_bench.scenarios.workload import AttnShape
 from msa_bench.kernels.base import get_backend

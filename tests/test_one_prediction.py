@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from msa_bench.harness import tables
-from msa_bench.harness.check import CPU_SHAPE  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
-from msa_bench.harness.runner import scalar_stats
+from msa_bench.harness.report import tables
+from msa_bench.harness.measure.check import CPU_SHAPE  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
+from msa_bench.harness.running.runner import scalar_stats
 from msa_bench.kernels.base import get_backend
 from msa_bench.roofline.devices import PRESETS
 from msa_bench.roofline.predict import predict_module

@@ -1,4 +1,4 @@
-"""A packed run (harness/results.py pack_run): one file instead of a folder per unit, read by load_run
+"""A packed run (harness/store/results.py pack_run): one file instead of a folder per unit, read by load_run
 with the same tables and the same checks, read-only."""
 import gzip
 import json
@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.results import (PACKED_FILE, SAMPLES_REMOVED, grid_digest, load_run, pack_run, unit_id,
+from msa_bench.harness.store.results import (PACKED_FILE, SAMPLES_REMOVED, grid_digest, load_run, pack_run, unit_id,
                                       write_meta)
-from msa_bench.harness.seal import seal_unit
+from msa_bench.harness.store.seal import seal_unit
 
 SMOKE = Path(__file__).resolve().parents[1] / "results" / "fixtures" / "smoke-run"
 
@@ -77,7 +77,7 @@ def test_a_packed_run_is_not_resumed(tmp_path, cli, one_error_line):
 
 
 def test_update_puts_a_newer_runs_units_in_place(tmp_path):
-    from msa_bench.harness.results import update_packed
+    from msa_bench.harness.store.results import update_packed
     run_dir = _sample_less(tmp_path / "run")
     pack_run(run_dir)
     newer = tmp_path / "newer"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.pool import Gpu, one_model, parse_gpus
-from msa_bench.harness.results import finished_units, load_run
-from msa_bench.harness.worker import KILL_HOOK, UNIT_LOG_HOOK
+from msa_bench.harness.running.pool import Gpu, one_model, parse_gpus
+from msa_bench.harness.store.results import finished_units, load_run
+from msa_bench.harness.running.worker import KILL_HOOK, UNIT_LOG_HOOK
 
 GRID = ["--scenario", "smoke", "--backend", "reference", "--dtype", "fp32", "--reuse", "0.5", "--reps", "1"]
 N_UNITS = 6
@@ -64,8 +64,8 @@ def test_a_killed_worker_is_reported_and_its_unit_redone(tmp_path, cli):
 def test_a_unit_that_kills_two_workers_is_recorded_failed(tmp_path, cli):
     import torch
 
-    from msa_bench.harness import results
-    from msa_bench.harness.request import SweepRequest, resolve
+    from msa_bench.harness.store import results
+    from msa_bench.harness.running.request import SweepRequest, resolve
     run = tmp_path / "run"
     grid = resolve(SweepRequest(scenario="smoke", backends=["reference"], dtypes=["fp32"], reuse=[0.5], reps=1),
                    torch.device("cpu"), [])
@@ -179,5 +179,5 @@ def test_every_unit_names_its_gpu(tmp_path, cli):
 
 
 def test_a_cpu_unit_names_no_gpu():
-    from msa_bench.harness.provenance import gpu_identity
+    from msa_bench.harness.measure.provenance import gpu_identity
     assert gpu_identity("cpu") == {}

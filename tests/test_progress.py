@@ -9,8 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from msa_bench.harness.progress import EtaModel, SweepProgress
-from msa_bench.harness.results import finished_units
+from msa_bench.harness.running.progress import EtaModel, SweepProgress
+from msa_bench.harness.store.results import finished_units
 
 
 def test_eta_counts_the_units_that_ran_not_the_instant_unavailable_ones():

@@ -2,8 +2,8 @@
 its output the float64 reference's at every chunk size."""
 import pytest
 
-from msa_bench.harness.check import check_backend, edge_case_workload, tolerance  # sets TRITON_INTERPRET first
-from msa_bench.harness.prediction import schedule_of
+from msa_bench.harness.measure.check import check_backend, edge_case_workload, tolerance  # sets TRITON_INTERPRET first
+from msa_bench.harness.store.rows import schedule_of
 from msa_bench.kernels.base import get_backend, registered_names
 from msa_bench.scenarios.workload import AttnShape
 

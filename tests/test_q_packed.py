@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from msa_bench.harness.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
+from msa_bench.harness.measure.check import edge_case_workload, tolerance  # sets TRITON_INTERPRET first
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.q_packed.schedule import NO_KEY, PackedSchedule, token_tiles
 from msa_bench.scenarios.workload import AttnShape

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from msa_bench.harness.check import edge_case_workload  # sets TRITON_INTERPRET first
+from msa_bench.harness.measure.check import edge_case_workload  # sets TRITON_INTERPRET first
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.cute import manifest as mf
 from msa_bench.kernels.cute.build import dsl_unavailable_reason

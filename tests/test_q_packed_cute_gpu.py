@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from msa_bench.harness.check import check_backend, edge_case_workload, sample_rows
+from msa_bench.harness.measure.check import check_backend, edge_case_workload, sample_rows
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.cute.manifest import DEFAULT_OPTIONS, OPTION_FLAGS, SKIP_OPTIONS, SKIP_RATIO
 from msa_bench.kernels.q_packed import cute_backend as cb

@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from msa_bench.harness.check import compare_output, edge_case_workload, poison, sample_rows
+from msa_bench.harness.measure.check import compare_output, edge_case_workload, poison, sample_rows
 from msa_bench.kernels.base import get_backend
 from msa_bench.scenarios import reference
 from msa_bench.scenarios.coselection import coselected_workload

@@ -9,9 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from msa_bench.harness import report, tables
-from msa_bench.harness.results import load_run
-from msa_bench.harness.seal import seal_unit
+from msa_bench.harness.report import summary as report
+
+from msa_bench.harness.report import tables
+from msa_bench.harness.store.results import load_run
+from msa_bench.harness.store.seal import seal_unit
 from msa_bench.roofline.devices import load_device
 from msa_bench.roofline.model import ModelShape, predict
 
@@ -168,7 +170,7 @@ def test_bytes_table_puts_the_model_next_to_counters(tmp_path, cli):
 
 def test_launch_labels_read_the_kernel_under_either_key():
     """A CuTe unit's plan_info names its kernel as cute_kernel (runs before 2026-12-01: cute_variant)."""
-    from msa_bench.harness.prediction import launch_labels
+    from msa_bench.harness.store.rows import launch_labels
     cfg = {"q_ranges": 2, "order_chunk": 0, "order_phases": True}
     assert launch_labels({"config": cfg, "cute_kernel": "v28"}) == {"tile order": "2:p", "kernel": "v28"}
     assert launch_labels({"config": cfg, "cute_variant": "v23"})["kernel"] == "v23"
@@ -192,7 +194,7 @@ def test_throughput_table_names_each_units_tile_order_and_kernel():
 def test_counts_print_whole_in_reports_and_committed_summaries():
     """N and other counts read as 16384, not 1.638e+04: in new reports and in the committed ones."""
     import re
-    from msa_bench.harness.report import _fmt
+    from msa_bench.harness.report.summary import _fmt
     assert _fmt(16384.0) == "16384" and _fmt(1048576.0) == "1048576" and _fmt(0.0025) == "0.0025"
     assert _fmt(12345.5) == "1.235e+04" and _fmt(2.5e9) == "2.500e+09"
     for summary in sorted((REPO / "results").glob("**/report/summary.md")):

@@ -9,8 +9,8 @@ import pytest
 
 matplotlib.use("Agg")
 
-from msa_bench.harness import axes, plots, tables  # noqa: E402
-from msa_bench.harness.results import Run, load_run  # noqa: E402
+from msa_bench.harness.report import axes, plots, tables  # noqa: E402
+from msa_bench.harness.store.results import Run, load_run  # noqa: E402
 from msa_bench.roofline.devices import load_device  # noqa: E402
 
 H200 = Path(__file__).resolve().parents[1] / "results" / "h200"

@@ -9,9 +9,9 @@ import pytest
 
 matplotlib.use("Agg")
 
-from msa_bench.harness.plots import MAX_WIDTH_PX, stage_figures  # noqa: E402
-from msa_bench.harness.report import write_report  # noqa: E402
-from msa_bench.harness.results import load_run  # noqa: E402
+from msa_bench.harness.report.plots import MAX_WIDTH_PX, stage_figures  # noqa: E402
+from msa_bench.harness.report.summary import write_report  # noqa: E402
+from msa_bench.harness.store.results import load_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1] / "results"
 MAX_PNG_BYTES = 120_000

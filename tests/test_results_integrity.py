@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from msa_bench.harness.results import finished_units, load_run, write_meta
+from msa_bench.harness.store.results import finished_units, load_run, write_meta
 
 GPU_RUN = Path(__file__).resolve().parents[1] / "results" / "h200" / "baseline"
 
@@ -141,7 +141,7 @@ def test_merging_a_run_with_itself_needs_force_and_says_which_copy_it_kept(tmp_p
 
 
 def test_damaged_units_names_each_one(tmp_path):
-    from msa_bench.harness.results import damaged_units
+    from msa_bench.harness.store.results import damaged_units
     run, victim = damaged_copy(tmp_path, nan_half)
     assert list(damaged_units(run)) == [victim.name]
     assert "not finite" in damaged_units(run)[victim.name]

@@ -213,8 +213,8 @@ def test_a_wide_packed_plan_is_predicted_at_the_8_token_traffic_and_its_critical
     """A q-packed plan of a tile size the workload statistics do not hold (q-packed-cute's 12-token tiles)
     is predicted with the 8-token tiles' traffic and the MMAs of its critical walk, as its plan records
     them; an 8-token plan without a recorded walk runs its MMAs at the statistics' ratio at its MMA tokens.
-    A schema-1 row's plan_info gives the same record (harness/migrate.py)."""
-    from msa_bench.harness.migrate import record_of
+    A schema-1 row's plan_info gives the same record (harness/store/migrate.py)."""
+    from msa_bench.harness.store.migrate import record_of
     from msa_bench.roofline.predict import schedule_roofline
     dev = load_device("h200")
     n = 16384

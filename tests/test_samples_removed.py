@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from msa_bench.errors import UserError
-from msa_bench.harness.results import SAMPLES_REMOVED, load_run, write_meta
+from msa_bench.harness.store.results import SAMPLES_REMOVED, load_run, write_meta
 
 ROOT = Path(__file__).resolve().parents[1] / "results"
 H200 = ROOT / "h200"

@@ -185,7 +185,7 @@ def test_a_bad_serving_scenario_exits_2(cli, one_error_line, tmp_path):
 # ---- dense-masked on the CPU: every generator ------------------------------------------------------
 
 def _tiny_workloads():
-    from msa_bench.harness.check import edge_case_workload
+    from msa_bench.harness.measure.check import edge_case_workload
     from msa_bench.scenarios.coselection import coselected_workload
     from msa_bench.scenarios.indexer import indexer_workload
     from msa_bench.scenarios.selection import synthetic_workload
@@ -259,7 +259,7 @@ def test_dense_model_counts_the_whole_context():
 
 
 def test_prediction_glue_reads_dense_stats():
-    from msa_bench.harness.prediction import schedule_of
+    from msa_bench.harness.store.rows import schedule_of
     from msa_bench.roofline.devices import load_device
     from msa_bench.roofline.model import ModelShape
     from msa_bench.roofline.predict import schedule_roofline
@@ -281,7 +281,7 @@ GPU_BACKENDS = ["kv-outer-cute", "q-packed-cute", "hybrid", "auto", "flashinfer"
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_every_backend_on_decode_and_mixed(backend, dtype):
-    from msa_bench.harness.check import check_backend
+    from msa_bench.harness.measure.check import check_backend
     from msa_bench.kernels.base import BackendUnavailable
     points = [serving_point("decode", FULL, dtype, 0, tokens=None, context=32768, context_min=8192, requests=64),
               serving_point("decode", FULL, dtype, 0, tokens=None, context=32768, context_min=8192, requests=16,
@@ -305,7 +305,7 @@ def _fake_run(dense_ms, sparse_ms, contexts, dense_info="{}"):
 
     import pandas as pd
 
-    from msa_bench.harness.results import Run
+    from msa_bench.harness.store.results import Run
     status, stats = [], []
     for ctx, d, sp in zip(contexts, dense_ms, sparse_ms):
         p = serving_point("decode", FULL, "bf16", 0, tokens=None, context=ctx, requests=16)
@@ -320,7 +320,7 @@ def _fake_run(dense_ms, sparse_ms, contexts, dense_info="{}"):
 
 
 def test_the_crossover_is_where_sparse_starts_to_win():
-    from msa_bench.harness.dense_crossover import crossover_table
+    from msa_bench.harness.report.dense_crossover import crossover_table
     from msa_bench.roofline.devices import load_device
     dense_ms, sparse_ms, ctx = [1.0, 4.0, 16.0], [2.0, 2.0, 2.0], [2048, 8192, 32768]
     run = _fake_run(dense_ms, sparse_ms, ctx, dense_info='{"model": {"paged": true}}')
@@ -337,7 +337,7 @@ def test_the_crossover_is_where_sparse_starts_to_win():
 
 
 def test_the_crossover_figure_is_drawn():
-    from msa_bench.harness.dense_crossover import crossover_figures
+    from msa_bench.harness.report.dense_crossover import crossover_figures
     figs = crossover_figures(_fake_run([1.0, 4.0, 16.0], [2.0, 2.0, 2.0], [2048, 8192, 32768]), None)
     assert [name for name, _ in figs] == ["dense_crossover_bf16.png"]
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from msa_bench.harness.results import load_run
+from msa_bench.harness.store.results import load_run
 
 GRID = ["--backend", "reference", "--dtype", "fp32"]
 

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from msa_bench.harness.results import finished_units, load_run, write_meta
-from msa_bench.harness.sweep import INTERRUPT_HOOK
+from msa_bench.harness.store.results import finished_units, load_run, write_meta
+from msa_bench.harness.running.sweep import INTERRUPT_HOOK
 
 GRID = ["--backend", "reference", "--dtype", "fp32", "--reuse", "0.5", "--reps", "3"]
 N_POINTS = 6        # smoke with dtype fp32 and reuse 0.5: synthetic 2 causal x (skew 0, skew 1) + 2 indexer
@@ -95,7 +95,7 @@ def test_merge_refuses_other_scenario_grid_unless_forced(smoke_run, tmp_path, cl
 
 
 def test_a_run_timed_after_another_l2_flush_is_not_resumed_or_merged(smoke_run, tmp_path, cli, one_error_line):
-    from msa_bench.harness.timing import l2_flush_of
+    from msa_bench.harness.measure.timing import l2_flush_of
     legacy = tmp_path / "legacy"
     shutil.copytree(smoke_run["run"], legacy)
     meta = json.loads((legacy / "run.json").read_text())
@@ -228,8 +228,12 @@ def test_counters_are_added_to_finished_units_once(smoke_run, tmp_path, monkeypa
 
     import torch
 
-    from msa_bench.harness import counters, results, runner as sweep_runner
-    from msa_bench.harness.timing import TimingConfig
+    from msa_bench.harness.measure import counters
+
+    from msa_bench.harness.store import results
+
+    from msa_bench.harness.running import runner as sweep_runner
+    from msa_bench.harness.measure.timing import TimingConfig
     run = tmp_path / "run"
     shutil.copytree(smoke_run["run"], run)
     r = load_run(run)
@@ -271,7 +275,7 @@ def test_counters_are_added_to_finished_units_once(smoke_run, tmp_path, monkeypa
 @pytest.mark.cuda
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_counters_attribute_every_stage(tmp_path, cli):
-    from msa_bench.harness.counters import find_ncu
+    from msa_bench.harness.measure.counters import find_ncu
     if find_ncu() is None:
         pytest.skip("ncu not installed")
     out = tmp_path / "ncu"
@@ -292,7 +296,7 @@ def test_gpu_counters_attribute_every_stage(tmp_path, cli):
 def test_empty_unit_folders_are_not_finished_units(smoke_run, tmp_path):
     import shutil
 
-    from msa_bench.harness.results import UNITS_DIR
+    from msa_bench.harness.store.results import UNITS_DIR
     run = tmp_path / "run"
     shutil.copytree(smoke_run["run"], run)
     (run / UNITS_DIR / "reference-0000000000000000").mkdir()        # what a partial copy can leave
@@ -328,7 +332,8 @@ def test_cute_backend_option_takes_a_tile_order():
 def test_the_first_unit_on_a_workload_drops_one_timed_plan_before_its_own(tmp_path, cli, monkeypatch):
     """On large decode points the unit timed first on a workload ran 10 % slower than those after it: the
     first unit on each workload builds and times one plan (the fewest samples) and drops it first."""
-    from msa_bench.harness import runner as sweep_runner, timing
+    from msa_bench.harness.running import runner as sweep_runner
+    from msa_bench.harness.measure import timing
     from msa_bench.kernels import base
     made, timed = [], []
     real_plan, real_time = base.Backend.plan, sweep_runner.time_plan

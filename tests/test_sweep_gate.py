@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from msa_bench.harness.results import finished_units, load_run
-from msa_bench.harness.sweep import INTERRUPT_HOOK
+from msa_bench.harness.store.results import finished_units, load_run
+from msa_bench.harness.running.sweep import INTERRUPT_HOOK
 
 GRID = ["--scenario", "smoke", "--backend", "reference", "--dtype", "fp32", "--reuse", "0.5",
         "--generator", "synthetic", "--no-causal", "--reps", "1"]          # 2 points: skew 0 and skew 1
@@ -105,7 +105,7 @@ def _plain(text: str) -> str:
 def test_progress_line_keeps_count_bar_and_eta_at_80_columns(tmp_path):
     from rich.console import Console
 
-    from msa_bench.harness.sweep import SweepRequest, run_sweep
+    from msa_bench.harness.running.sweep import SweepRequest, run_sweep
     buf = io.StringIO()
     console = Console(file=buf, width=80, force_terminal=True, color_system=None)
     run_sweep(SweepRequest(scenario="smoke", backends=["reference"], dtypes=["fp32"], reuse=[0.5],

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from msa_bench.harness.check import edge_case_workload  # sets TRITON_INTERPRET first
+from msa_bench.harness.measure.check import edge_case_workload  # sets TRITON_INTERPRET first
 from msa_bench.kernels.packed_tiles import pack_tiles
 from msa_bench.kernels.q_packed.schedule import PackedSchedule, token_tiles
 from msa_bench.scenarios.stats import workload_union_ratio

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from msa_bench.harness.timing import MODULE, PLAN, TIMER_CPU, TimingConfig, summarize, time_plan
+from msa_bench.harness.measure.timing import MODULE, PLAN, TIMER_CPU, TimingConfig, summarize, time_plan
 from msa_bench.scenarios.workload import AttnShape, build_workload
 from msa_bench.kernels.base import get_backend
 
@@ -53,7 +53,7 @@ def test_timing_config_from_scenario_and_reps():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_time_plan_gpu_graph_replays():
     from msa_bench.scenarios.reference import reference_attention, relative_error
-    from msa_bench.harness.timing import TIMER_GPU
+    from msa_bench.harness.measure.timing import TIMER_GPU
     w = small_workload(n=64, blocks=8).to("cuda")
     plan = get_backend("reference").plan(w)
     out = time_plan(plan, TimingConfig(warmup=2, reps=20, max_reps=40), "cuda")

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import torch
 
-from . import counters as ncu_counters
-from . import provenance, results
-from ..errors import UserError, one_line
-from ..roofline.model import fixed_cost
-from ..roofline.predict import schedule_roofline
-from ..kernels.auto import AUTO_RECORD
-from .prediction import schedule_of
-from .telemetry import Poller, open_telemetry, point_telemetry
-from .timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan, warm_plan
+from ..measure import counters as ncu_counters
+from ..measure import provenance
+from ..store import results
+from ...errors import UserError, one_line
+from ...roofline.model import fixed_cost
+from ...roofline.predict import schedule_roofline
+from ...kernels.auto import AUTO_RECORD
+from ..store.rows import schedule_of
+from ..measure.telemetry import Poller, open_telemetry, point_telemetry
+from ..measure.timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan, warm_plan
 
 CHECK_ROWS = 512                                        # rows checked against the reference on big points
 TFLOPS_STAGES = (MODULE, "attention")
@@ -61,7 +62,7 @@ class Runner:
                 if self.ncu is None:
                     notes.append("--counters: ncu not found (PATH, /opt/nvidia/nsight-compute/*/ncu, "
                                  "/usr/local/cuda/bin/ncu): continuing without hardware counters")
-        from ..roofline.devices import profile_for_gpu
+        from ...roofline.devices import profile_for_gpu
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.profile = profile_for_gpu(gpu) if gpu else None
         # every unit's status names the GPU (index, UUID, clocks) and, in a pool, the worker
@@ -89,8 +90,8 @@ class Runner:
 
         The first unit on a workload (base's nth_on_workload 0) times its plan after a dropped one
         (timing.warm_plan)."""
-        from ..kernels.base import BackendUnavailable, get_backend
-        from .check import compare_output, poison
+        from ...kernels.base import BackendUnavailable, get_backend
+        from ..measure.check import compare_output, poison
         status = dict(base)
         backend = get_backend(backend_name)
         rows = None
@@ -233,8 +234,8 @@ def label(point) -> str:
 
 def build_workload(point, device) -> tuple[object, dict, str]:
     """(workload, its scalar stats, "") or (None, {}, why it could not be built)."""
-    from ..scenarios.grid import make_workload
-    from ..scenarios.stats import workload_stats
+    from ...scenarios.grid import make_workload
+    from ...scenarios.stats import workload_stats
     try:
         workload = make_workload(point, device)
         return workload, scalar_stats(workload_stats(workload)), ""

@@ -3,9 +3,9 @@
 Each finished unit is written at once (results.write_unit), so an interrupted sweep keeps its work
 and `--resume` skips what is done (and redoes a unit whose files are damaged); `--resume` without
 `--out` continues the latest unfinished run of the same grid under results/runs. Ctrl-C or SIGTERM
-(what `timeout` and job schedulers send: harness/signals.py) raises SweepInterrupted, which names the
+(what `timeout` and job schedulers send: harness/running/signals.py) raises SweepInterrupted, which names the
 folder and the exact command that resumes it. In this process the points run in order (each workload built once,
-its backends inside), then the counter pass; with `--gpus`, harness/pool.py deals the same units.
+its backends inside), then the counter pass; with `--gpus`, harness/running/pool.py deals the same units.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import results
+from ..store import results
 from .progress import SweepProgress
 from .request import Grid, SweepRequest, check_memory, resolve, resume_command
 from .run_folder import CPU_NOTE, RUNS_ROOT, SweepSummary, close_run, open_run, run_dir_for, set_aside_damaged, summarize

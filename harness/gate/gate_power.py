@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import UserError
-from ..kernels.base import OPTION_SEP, split_name
-from ..kernels.delay import split_delay
+from ...errors import UserError
+from ...kernels.base import OPTION_SEP, split_name
+from ...kernels.delay import split_delay
 import numpy as np
 
 from .baseline import CLOCK_MODES, clocked_samples
 from .compare import REGRESSION, Comparison, compare_runs
-from .results import Run
+from ..store.results import Run
 
 
 def planted(backend: str) -> tuple[str, float] | None:

@@ -13,11 +13,11 @@ import math
 
 import pandas as pd
 
-from ..kernels.base import backend_class, registered_names
-from ..roofline.devices import DeviceProfile
-from ..roofline.names import base_name
-from ..roofline.schedules import Schedule
-from .results import Run
+from ...kernels.base import backend_class, registered_names
+from ...roofline.devices import DeviceProfile
+from ...roofline.names import base_name
+from ...roofline.schedules import Schedule
+from ..store.results import Run
 from .tables import measured_crossover, ok_units, predicted_module_s
 
 # the dense baseline: the backend of the dense masked schedule

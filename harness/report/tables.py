@@ -8,18 +8,18 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
-from ..roofline.devices import DeviceProfile, has_fixed_costs
-from ..roofline.dtypes import model_dtype
-from ..kernels.auto import AUTO_RECORD, AutoBackend
-from ..kernels.base import get_backend
-from ..kernels.q_packed.hybrid import HybridBackend
-from ..roofline.model import crossover, crossover_at, is_decode
-from ..roofline.predict import fraction_fit, predict_module, schedule_roofline, shape_of, weigh_reason
-from ..roofline.schedules import Schedule
-from ..roofline.shape import AttnShape
+from ...roofline.devices import DeviceProfile, has_fixed_costs
+from ...roofline.dtypes import model_dtype
+from ...kernels.auto import AUTO_RECORD, AutoBackend
+from ...kernels.base import get_backend
+from ...kernels.q_packed.hybrid import HybridBackend
+from ...roofline.model import crossover, crossover_at, is_decode
+from ...roofline.predict import fraction_fit, predict_module, schedule_roofline, shape_of, weigh_reason
+from ...roofline.schedules import Schedule
+from ...roofline.shape import AttnShape
 from .axes import UNION, group_label, varying_fields
-from .prediction import _info, launch_labels, plan_config, quantization, schedule_of
-from .results import STATUS_OK, Run
+from ..store.rows import _info, launch_labels, plan_config, quantization, schedule_of
+from ..store.results import STATUS_OK, Run
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
 AUTO, HYBRID = AutoBackend.name, HybridBackend.name
@@ -64,7 +64,7 @@ def attention_shape(row) -> dict:
 
 
 def row_record(row) -> dict:
-    """What a unit's plan recorded for the model (plan_info "model"; harness/migrate.py upgrades older rows)."""
+    """What a unit's plan recorded for the model (plan_info "model"; harness/store/migrate.py upgrades older rows)."""
     return _info(row.get("plan_info")).get("model") or {}
 
 
@@ -245,7 +245,7 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
     would weigh (roofline.predict.weigh_reason; the hybrid's prediction from an `auto` unit's record, where
     one ran), against the fastest measured. Replays the pick of today's model on a run made with any `auto`,
     or none."""
-    from ..kernels.auto import candidate_names
+    from ...kernels.auto import candidate_names
     t = ok_units(run)
     if device is None or t.empty or "module.median_s" not in t:
         return pd.DataFrame()

@@ -2,7 +2,7 @@
 
 Launch: a CUDA graph of k one-element kernels, k = 1 .. 64; the cost of one launch is the Theil-Sen slope
 of replay time against k.
-Fixed costs: every `auto` candidate that runs here is planned and timed (harness/timing.py: CUDA graphs,
+Fixed costs: every `auto` candidate that runs here is planned and timed (harness/measure/timing.py: CUDA graphs,
 cold L2) on the latency point (LATENCY_POINT: one token over its top-k blocks, the least work a module
 runs); a module's fixed cost is its time there, less its one item's walk for a backend with items, and its
 stages share it as their own times there (each stage timed alone, one graph each). The fixed cost measured
@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from ..roofline.calibrate import theil_sen
-from ..roofline.devices import DeviceProfile
-from .timing import MODULE, TimingConfig, time_plan, warm_plan
+from .ceilings import theil_sen
+from ...roofline.devices import DeviceProfile
+from ..measure.timing import MODULE, TimingConfig, time_plan, warm_plan
 
 FIXED_REQUESTS = (264, 528, 792, 1056)      # 2 to 8 one-token requests per SM: 8 to 32 packed tiles per SM
 FIXED_CONTEXT = (8192, 16384)                # each request's context, uniform in this range
@@ -92,8 +92,8 @@ def count_launches(fn) -> int:
 
 def calibration_points(dtype: str, shape=None, requests=FIXED_REQUESTS, context=FIXED_CONTEXT):
     """The fixed-cost series: decode batches of `requests` one-token requests (module docstring)."""
-    from ..scenarios.grid import point_from_options
-    from ..scenarios.workload import AttnShape
+    from ...scenarios.grid import point_from_options
+    from ...scenarios.workload import AttnShape
     for n in requests:
         yield point_from_options("decode", shape or AttnShape(), dtype, requests=n, context_min=context[0],
                                  context=context[1])
@@ -106,8 +106,8 @@ def latency_points(dtype: str, shape=None):
 
 def item_points(dtype: str, shape=None, points=ITEM_POINTS):
     """The item series: one request's few tiles (ITEM_POINTS)."""
-    from ..scenarios.grid import point_from_options
-    from ..scenarios.workload import AttnShape
+    from ...scenarios.grid import point_from_options
+    from ...scenarios.workload import AttnShape
     for generator, options in points:
         yield point_from_options(generator, shape or AttnShape(), dtype, **options)
 
@@ -118,12 +118,12 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     every candidate here (or those in `only`); roofline times at achieved fraction 1. Each candidate
     skipped on a workload is also put in `skipped` ({"backend/dtype": why}, the first reason kept)."""
     from dataclasses import replace
-    from ..errors import one_line
-    from ..kernels.auto import candidate_names
-    from ..kernels.base import get_backend
-    from ..roofline.predict import item_blocks, predict_module
-    from ..scenarios.stats import ModelStats
-    from ..scenarios.grid import make_workload
+    from ...errors import one_line
+    from ...kernels.auto import candidate_names
+    from ...kernels.base import get_backend
+    from ...roofline.predict import item_blocks, predict_module
+    from ...scenarios.stats import ModelStats
+    from ...scenarios.grid import make_workload
     device = torch.device(device)
     bare = replace(profile, achieved={}, fixed_costs={})
     points = points or calibration_points
@@ -184,7 +184,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
 def pick_dependent(name: str) -> bool:
     """True for a backend that declares no stages of its own (`auto`): its units run the stages of
     whichever candidate it picked, so no one fixed cost belongs to it."""
-    from ..kernels.base import get_backend
+    from ...kernels.base import get_backend
     try:
         return not get_backend(name).stage_names
     except KeyError:            # not registered here (a series from elsewhere): fit what it holds
@@ -194,7 +194,7 @@ def pick_dependent(name: str) -> bool:
 def scales_hbm(name: str) -> bool:
     """Whether a backend's achieved fraction scales its HBM term (Backend.fraction_terms); one that does
     not has no decode fraction: its prefill fraction prices its decode work too."""
-    from ..kernels.base import get_backend
+    from ...kernels.base import get_backend
     try:
         return "hbm" in get_backend(name).fraction_terms
     except KeyError:
@@ -244,7 +244,7 @@ def fit_decode_achieved(series: dict, stages: dict) -> dict:
     """{"backend/dtype": the median over the decode batches of roofline time / (module time less the
     fixed costs in `stages` of the stages that batch ran)}, where within (0, MAX_ACHIEVED], for each
     backend whose fraction scales its HBM term (scales_hbm)."""
-    from ..roofline.devices import MAX_ACHIEVED
+    from ...roofline.devices import MAX_ACHIEVED
     out = {}
     for (name, dtype), rows in series.items():
         if pick_dependent(name) or not scales_hbm(name):
@@ -276,8 +276,8 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None) -> dict:
     fractions and item times of every candidate, or with `only` (backend names) of those, every other
     backend's entries kept from `profile`. A candidate skipped on a dtype keeps that dtype's entries from
     `profile`, named in the method and the log (merge_fixed_costs)."""
-    from ..errors import require_cuda
-    from ..kernels.auto import candidate_names
+    from ...errors import require_cuda
+    from ...kernels.auto import candidate_names
     require_cuda("fixed-cost calibration")
     t0 = time.perf_counter()
     launch, points = launch_seconds(torch.device("cuda"))
@@ -330,7 +330,7 @@ def merge_fixed_costs(old: dict, fresh: dict, only=None, skipped: dict | None = 
     scope that `fresh` did not measure (skipped, as `skipped` says why, or absent where `old` had it and it
     is still in `candidates`) keeps all of `old`'s entries, named under "unmeasured" and in the method,
     never dropped in silence. A calibration that measured nothing in scope is a UserError: nothing is written."""
-    from ..errors import UserError
+    from ...errors import UserError
     skipped = skipped or {}
     mine = (lambda key: True) if only is None else (lambda key: key.split("/")[0] in set(only))   # noqa: E731
     live = set(candidates) if candidates is not None else None

@@ -1,7 +1,7 @@
 """`sweep --gpus`: one worker process per GPU, pinned with CUDA_VISIBLE_DEVICES, dealt units from one queue.
 
 The parent resolves the grid, opens the run folder and deals unit ids one at a time over each
-worker's stdin; a worker (harness/worker.py) runs the unit, writes its folder into the shared run
+worker's stdin; a worker (harness/running/worker.py) runs the unit, writes its folder into the shared run
 folder (renamed into place when complete, so workers never see each other's half-written units) and
 answers on stdout. A worker is dealt the next unit of the point it holds, so a workload is built once
 per worker and point; with none left there, a point no other worker holds; at the tail, any.
@@ -26,9 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import provenance, results
-from ..errors import UserError
-from .prediction import schedule_of
+from ..measure import provenance
+from ..store import results
+from ...errors import UserError
+from ..store.rows import schedule_of
 from .request import Grid, SweepRequest
 from .runner import label
 from .signals import Terminated
@@ -182,7 +183,7 @@ class WorkerPool:
         logs = run_dir / LOG_DIR
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{gpu.name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "msa_bench.harness.worker"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "msa_bench.harness.running.worker"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         options = {**req.grid_options(), "scenario": req.scenario or grid.scenario.name}
         config = {"run_dir": str(run_dir), "request": options, "grid_sha": grid.grid_sha, "worker": gpu.name}

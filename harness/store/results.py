@@ -41,13 +41,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import UserError
+from ...errors import UserError
 from .migrate import MODEL_RECORD_SCHEMA, upgrade
 from .seal import (SEAL_FIELD, SEAL_FILE, SEAL_HINT, UNSEALED, meta_change, record_change, seal_unit, sealed_meta,
                    sealed_record, unit_change)
-from .timing import TIMER_CPU, TIMER_GPU, l2_flush_of
+from ..measure.timing import TIMER_CPU, TIMER_GPU, l2_flush_of
 
-SCHEMA_VERSION = MODEL_RECORD_SCHEMA    # harness/migrate.py upgrades rows of earlier ones where a run is loaded
+SCHEMA_VERSION = MODEL_RECORD_SCHEMA    # harness/store/migrate.py upgrades rows of earlier ones where a run is loaded
 RUN_FILE = "run.json"
 UNITS_DIR = "units"
 SAMPLES_REMOVED = "samples_removed"    # run.json: why and where a committed run's raw samples went
@@ -320,7 +320,7 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
         raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int((seconds <= 0).sum())} of "
                         f"{len(seconds)} times are not positive")
     _check_clocks(folder, samples)
-    from .timing import PLAN, TIMER_HOST
+    from ..measure.timing import PLAN, TIMER_HOST
     planning = samples["stage"] == PLAN
     timers, expected = set(samples.loc[~planning, "timer"].astype(str)), status.get("timer")
     foreign_plan_timer = set(samples.loc[planning, "timer"].astype(str)) - {TIMER_HOST}
@@ -522,7 +522,7 @@ def _check_passed(path: Path, status: dict) -> None:
     """An ok unit's own check: a finite, non-negative error within the tolerance of its dtype. The
     tolerance follows from the dtype (check.tolerance); the recorded tol must be that one, never a
     number the file judges itself by."""
-    from .check import TOLERANCE
+    from ..measure.check import TOLERANCE
     err, tol, dtype = status.get("max_rel_err"), status.get("tol"), status.get("dtype")
     if dtype not in TOLERANCE:
         raise UserError(f"corrupt results file {path}: dtype {dtype!r} is none of {', '.join(TOLERANCE)}")

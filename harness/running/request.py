@@ -9,9 +9,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from . import results
-from ..errors import UserError
-from .timing import TimingConfig
+from ..store import results
+from ...errors import UserError
+from ..measure.timing import TimingConfig
 
 
 @dataclass
@@ -32,7 +32,7 @@ class SweepRequest:
     shard: str | None = None
     counters: bool = False
     reps: int | None = None
-    gpus: str | None = None          # --gpus all|N|LIST: one worker process per GPU (harness/pool.py)
+    gpus: str | None = None          # --gpus all|N|LIST: one worker process per GPU (harness/running/pool.py)
     argv: list[str] = field(default_factory=list)
 
     def grid_options(self) -> dict:
@@ -74,7 +74,7 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
 
 
 def resolve_scenario(req: SweepRequest, device, notes: list[str]):
-    from ..scenarios.grid import load_scenario, with_overrides
+    from ...scenarios.grid import load_scenario, with_overrides
     name = req.scenario
     if name is None:
         name = "default" if device.type == "cuda" else "smoke"
@@ -91,7 +91,7 @@ def resolve_scenario(req: SweepRequest, device, notes: list[str]):
 
 
 def validate_backends(names) -> list[str]:
-    from ..kernels.base import get_backend
+    from ...kernels.base import get_backend
     names = list(dict.fromkeys(names))
     for name in names:
         try:
@@ -132,7 +132,7 @@ def resolve(req: SweepRequest, device, notes: list[str]) -> Grid:
 
 def check_memory(grid: Grid, device) -> None:
     """Refuse, before anything is allocated, a point whose workload and partials cannot fit on `device`."""
-    from ..scenarios.grid import check_point_fits
+    from ...scenarios.grid import check_point_fits
     seen = set()
     for p, _ in grid.mine:
         if p.key() not in seen:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
-from ..roofline.devices import DeviceProfile, profile_for_gpu
-from ..roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, ModelShape, Prediction, predict, union_tokens
-from ..roofline.schedules import Schedule, is_schedule
+from ...roofline.devices import DeviceProfile, profile_for_gpu
+from ...roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, ModelShape, Prediction, predict, union_tokens
+from ...roofline.schedules import Schedule, is_schedule
 
 
 def schedule_of(backend: str, plan_info=None) -> str | None:
@@ -16,7 +16,7 @@ def schedule_of(backend: str, plan_info=None) -> str | None:
     (`Backend.schedule`; BASE@OPTION runs BASE's, "kv-outer-cute@v23" is KV-outer), else, for a backend
     that picks one per workload (`auto`), the one its plan_info records under "schedule". None for a
     backend that declares none and a name not registered here."""
-    from ..kernels.base import declared_schedule
+    from ...kernels.base import declared_schedule
     declared = declared_schedule(backend)
     recorded = _info(plan_info).get("schedule")
     if declared is None and recorded:
@@ -57,7 +57,7 @@ def launch_labels(plan_info) -> dict:
     notation, "1:0" = key order) and the CuTe kernel, where recorded (runs made before 2026-12-01 record it
     as cute_variant)."""
     import json
-    from ..kernels.kv_outer.config import tile_order_label
+    from ...kernels.kv_outer.config import tile_order_label
     try:
         info = json.loads(plan_info) if isinstance(plan_info, str) else plan_info
     except json.JSONDecodeError:

@@ -1,4 +1,4 @@
-"""One worker of `sweep --gpus` (harness/pool.py): `python -m msa_bench.harness.worker`, pinned to its
+"""One worker of `sweep --gpus` (harness/running/pool.py): `python -m msa_bench.harness.running.worker`, pinned to its
 GPU by the CUDA_VISIBLE_DEVICES its parent set.
 
 It reads its configuration (run folder, the request's grid options, the grid digest, its name) as the

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 
-from ..kernels.auto import AUTO_RECORD
-from ..kernels.base import backend_class, get_backend, registered_names
-from ..kernels.q_packed.hybrid import HybridBackend
-from ..kernels.kv_outer.config import launch_terms
-from ..roofline.model import DEFAULT_TILE_TOKENS
-from ..roofline.schedules import Schedule
-from ..scenarios.stats import UNION_TILES
+from ...kernels.auto import AUTO_RECORD
+from ...kernels.base import backend_class, get_backend, registered_names
+from ...kernels.q_packed.hybrid import HybridBackend
+from ...kernels.kv_outer.config import launch_terms
+from ...roofline.model import DEFAULT_TILE_TOKENS
+from ...roofline.schedules import Schedule
+from ...scenarios.stats import UNION_TILES
 
 MODEL_RECORD_SCHEMA = 2
 

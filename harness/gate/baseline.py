@@ -5,7 +5,7 @@ A baseline set is a folder whose sub-folders are K run folders of the same scena
 separate `sweep` processes): between-run variance (clock steps under a power cap, placement) is
 invisible to a within-run test, and the set measures it. sweep_set makes one (`msa-bench gate baseline`).
 
-Clock modes (the per-sample SM clock from the spin probe, harness/timing.py):
+Clock modes (the per-sample SM clock from the spin probe, harness/measure/timing.py):
   raw        the measured seconds.
   normalize  cycles_seconds(): the time the sample would take at the unit's reference clock (NVML's
              maximum SM clock), for a compute-bound stage.
@@ -26,9 +26,9 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from ..errors import UserError
-from .results import RUN_FILE, Run, load_run, read_meta
-from .timing import TIMER_GPU
+from ...errors import UserError
+from ..store.results import RUN_FILE, Run, load_run, read_meta
+from ..measure.timing import TIMER_GPU
 
 CLOCK_MODES = ("raw", "normalize", "floor", "both")
 DEFAULT_FLOOR = 0.97

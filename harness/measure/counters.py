@@ -1,6 +1,6 @@
 """Hardware counters per stage through Nsight Compute (ncu).
 
-One ncu run per chunk of points profiles a child process (`python -m msa_bench.harness.counters --spec
+One ncu run per chunk of points profiles a child process (`python -m msa_bench.harness.measure.counters --spec
 FILE --manifest FILE`) that, point after point, builds the workload once and, per backend, plans, runs
 the plan once unprofiled (compilation, JIT), then runs each stage once inside an NVTX push/pop range
 `msa-counters`. `--nvtx-include msa-counters/` keeps only those kernels, so the warm-up, the
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 
-from ..errors import UserError, one_line
+from ...errors import UserError, one_line
 
 RANGE = "msa-counters"
 MARKER = "msa_counters_marker"
@@ -179,7 +179,7 @@ def ncu_command(ncu: str, spec: str, manifest: str, optional: bool = True) -> li
     return [ncu, "--clock-control", "none", "--csv", "--page", "details", "--print-units", "base",
             "--target-processes", "all", "--nvtx", "--nvtx-include", f"{RANGE}/",
             "--metrics", ",".join(metrics),
-            sys.executable, "-m", "msa_bench.harness.counters", "--spec", spec, "--manifest", manifest]
+            sys.executable, "-m", "msa_bench.harness.measure.counters", "--spec", spec, "--manifest", manifest]
 
 
 _optional_ok = True     # cleared once this ncu refuses the optional metrics
@@ -242,8 +242,8 @@ def point_from_dict(d: dict):
     """Rebuild a scenarios.Point from its as_dict() columns (what the sweep passes to the child)."""
     from dataclasses import fields
 
-    from ..scenarios.grid import SHAPE_KEYS, Point
-    from ..scenarios.workload import AttnShape
+    from ...scenarios.grid import SHAPE_KEYS, Point
+    from ...scenarios.workload import AttnShape
     names = [f.name for f in fields(Point) if f.name != "shape"]
     optional = {f.name for f in fields(Point) if f.default is None}     # axes added later: absent in older rows
     missing = [n for n in names + list(SHAPE_KEYS) if n not in d and n not in optional]
@@ -271,8 +271,8 @@ def _child(spec_path: str, manifest_path: str) -> None:
     """
     import torch
 
-    from ..kernels.base import get_backend
-    from ..scenarios.grid import make_workload
+    from ...kernels.base import get_backend
+    from ...scenarios.grid import make_workload
 
     if not torch.cuda.is_available():
         raise UserError("counters need a CUDA GPU")

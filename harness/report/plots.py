@@ -1,4 +1,4 @@
-"""The figures of a run, each along the axis its points vary (harness/axes.py): throughput against reuse
+"""The figures of a run, each along the axis its points vary (harness/report/axes.py): throughput against reuse
 with the rooflines and the KV-outer/Q-outer crossovers; against co-selection with the three schedules'
 rooflines; per real-prefill case with its call weight; HBM bandwidth against batch size; against context
 or query tokens; stacked stage latency as small multiples; ncu bytes against the model. Each function
@@ -15,17 +15,17 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..roofline.devices import DeviceProfile  # noqa: E402
-from ..roofline.model import ALL_SCHEDULES, ModelShape, packed_crossover_by_dtype  # noqa: E402
-from ..roofline.schedules import Schedule  # noqa: E402
-from ..roofline.shape import AttnShape  # noqa: E402
+from ...roofline.devices import DeviceProfile  # noqa: E402
+from ...roofline.model import ALL_SCHEDULES, ModelShape, packed_crossover_by_dtype  # noqa: E402
+from ...roofline.schedules import Schedule  # noqa: E402
+from ...roofline.shape import AttnShape  # noqa: E402
 
 from .axes import (AXES, CASE, CONTEXT, POINTS, REQUESTS, REUSE, TOKENS, UNION, UNION_AXIS,  # noqa: E402
                    FigureAxis, figure_axis, given_fields, group_fields, group_label, groups, point_id, point_order,
                    ratio_label,
                    short, short_number, slug, varying_fields)
-from .prediction import predict_point  # noqa: E402
-from .results import Run  # noqa: E402
+from ..store.rows import predict_point  # noqa: E402
+from ..store.results import Run  # noqa: E402
 from .tables import (PICK_SCHEDULES, STAGE_ORDER, _predict_row, attention_shape, bytes_table,  # noqa: E402
                      crossovers, model_time, ok_units, prefill_aggregate, row_model_shape)
 
@@ -49,7 +49,7 @@ def _title(run: Run, what: str) -> str:
 
 
 def axis_figures(run: Run, device: DeviceProfile | None) -> list[tuple[str, plt.Figure]]:
-    """The run's throughput figures, along the axis its points vary (harness/axes.py)."""
+    """The run's throughput figures, along the axis its points vary (harness/report/axes.py)."""
     kind = figure_axis(ok_units(run)).kind
     if kind == REUSE:
         return throughput_figures(run, device)

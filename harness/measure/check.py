@@ -15,10 +15,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ..errors import UserError
-from ..scenarios.reference import reference_attention, relative_error
-from ..scenarios.grid import SERVING, Point, check_point_fits, make_workload, point_from_options
-from ..scenarios.workload import AttnShape, Workload, WorkloadError, build_workload, check_fits, footprint_bytes
+from ...errors import UserError
+from ...scenarios.reference import reference_attention, relative_error
+from ...scenarios.grid import SERVING, Point, check_point_fits, make_workload, point_from_options
+from ...scenarios.workload import AttnShape, Workload, WorkloadError, build_workload, check_fits, footprint_bytes
 
 TOLERANCE = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8": 5e-2}
 SAMPLED_ROWS = 512          # rows compared with the reference when the workload is bigger than this
@@ -81,7 +81,7 @@ def check_backend(backend_name: str, workload: Workload, rows=None, stages: bool
     (Backend.stage_checks).
     Raises BackendUnavailable when the backend cannot run here.
     """
-    from ..kernels.base import get_backend
+    from ...kernels.base import get_backend
     try:
         backend = get_backend(backend_name)
     except KeyError as exc:
@@ -232,7 +232,7 @@ def edge_case_workload(shape: AttnShape, dtype: str, kv_lens: list[int], tokens:
 def run_check(backend: str, point: Point, requests: int | None = None):
     """Build the workload on this machine's device and check the backend on it: (workload, check_backend's
     result)."""
-    from ..kernels.base import get_backend
+    from ...kernels.base import get_backend
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         get_backend(backend)

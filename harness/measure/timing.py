@@ -23,9 +23,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import UserError
-from ..kernels.clock import probe_mhz, record_spin
-from ..kernels.l2 import LEGACY_PROTOCOL, NO_FLUSH, PROTOCOL, L2Flush
+from ...errors import UserError
+from ...kernels.clock import probe_mhz, record_spin
+from ...kernels.l2 import LEGACY_PROTOCOL, NO_FLUSH, PROTOCOL, L2Flush
 
 TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"

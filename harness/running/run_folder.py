@@ -6,10 +6,11 @@ import datetime as _dt
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import provenance, results
-from ..errors import UserError
+from ..measure import provenance
+from ..store import results
+from ...errors import UserError
 from .request import Grid, SweepRequest
-from .timing import TIMER_CPU, TIMER_GPU, l2_flush_of
+from ..measure.timing import TIMER_CPU, TIMER_GPU, l2_flush_of
 
 CPU_NOTE = ("CPU RUN: timings are host perf_counter timings of the CPU pipeline, NOT GPU timings; "
             "they only show that the pipeline works")

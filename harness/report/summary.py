@@ -1,6 +1,6 @@
 """`msa-bench report`: the figures and a Markdown summary of a run folder, held against the roofline.
 
-The tables (harness/tables.py) and figures (harness/plots.py) are the same functions the notebook
+The tables (harness/report/tables.py) and figures (harness/report/plots.py) are the same functions the notebook
 (notebooks/report.py) uses.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..roofline.devices import DeviceProfile
+from ...roofline.devices import DeviceProfile
 from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
-from .prediction import device_for_run
-from .results import STATUS_OK, Run, load_run
+from ..store.rows import device_for_run
+from ..store.results import STATUS_OK, Run, load_run
 from .tables import (accuracy_table, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
                      fidelity_table, is_prefill_run, prefill_aggregate, roofline_picks, stage_table, status_table,
                      throughput_table)

@@ -13,7 +13,7 @@ was timed in the baseline and not in the new run, makes the comparison unusable 
 signal: when either run has them, timings are listed but not judged, and only a unit that now
 fails is a regression.
 
-Against a baseline set of K runs (harness/baseline.py) the threshold is the slowdown the gate is built
+Against a baseline set of K runs (harness/gate/baseline.py) the threshold is the slowdown the gate is built
 to catch. A time regresses if its new median is slower than the slowest of the K run medians by more
 than SET_FLAG x the threshold (outside the run-to-run spread by that margin), AND distinguishable
 from the K runs' pooled samples as above. The set measures the noise between runs, so the flag can
@@ -32,10 +32,10 @@ from typing import Sequence
 import numpy as np
 from scipy.stats import mannwhitneyu
 
-from ..errors import UserError
+from ...errors import UserError
 from .baseline import DEFAULT_FLOOR, clocked_samples, has_clock
-from .results import SAMPLES_REMOVED, STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run, samples_kept
-from .timing import TIMER_GPU, l2_flush_of
+from ..store.results import SAMPLES_REMOVED, STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run, samples_kept
+from ..measure.timing import TIMER_GPU, l2_flush_of
 
 TIMED_STAGES = ("module", "attention")
 SET_FLAG = 0.5             # against a baseline set: flag at this fraction of the threshold (docstring)

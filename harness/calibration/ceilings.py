@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError
-from .devices import DeviceProfile, load_device, profile_from_dict
+from ...errors import UserError
+from ...roofline.devices import DeviceProfile, load_device, profile_from_dict
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -257,7 +257,7 @@ def run_calibration(quick: bool = False, log=print) -> dict:
     """Run every microbenchmark on the current GPU; returns the measurement dict (see build_profile)."""
     import torch
     import triton
-    from ..errors import require_cuda
+    from ...errors import require_cuda
     require_cuda("calibrate")
     t0 = time.perf_counter()
     dev = torch.device("cuda")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import pandas as pd
 
-from ..scenarios.grid import SHAPE_KEYS, Point
+from ...scenarios.grid import SHAPE_KEYS, Point
 
 UNION = "wl_union_ratio_p8"    # co-selection of a unit's workload (scenarios.stats.union_ratio at P = 8)
 CASE, REQUESTS, UNION_AXIS, REUSE, CONTEXT, TOKENS, POINTS = (

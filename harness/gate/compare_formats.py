@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .compare import IMPROVEMENT, NOISE, NOT_JUDGED, REGRESSION, UNCHANGED, Comparison, Finding
-from .results import Run
+from ..store.results import Run
 
 FORMATS = ("text", "json", "markdown")
 SCHEMA_VERSION = 1
