@@ -91,6 +91,13 @@ def write_meta(run_dir: str | Path, meta: dict) -> None:
     os.replace(tmp, run_dir / RUN_FILE)
 
 
+def require_empty(folder: str | Path, what: str) -> None:
+    """Refuse to write a new run into a folder that exists and holds anything (what: how the user named it)."""
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise UserError(f"{what} {folder} exists and is not empty: name a new or empty folder")
+
+
 def is_packed(run_dir: str | Path) -> bool:
     return (Path(run_dir) / PACKED_FILE).is_file()
 
@@ -550,8 +557,7 @@ def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = 
         why = measured_apart(m, first)
         if why and not force:
             raise UserError(f"{d} and {shard_dirs[0]} were measured apart: {why}; pass --force to merge anyway")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise UserError(f"merge output {out_dir} exists and is not empty")
+    require_empty(out_dir, "merge output")
     runs = [load_run(d) for d in shard_dirs]    # validates every unit of every shard before anything is copied
     source, duplicates = {}, []                  # unit -> the shard its copy comes from
     for d in shard_dirs:
