@@ -587,6 +587,7 @@ def slurm(
     report and, with --baseline, the gate. docs/harness.md has the walk-through."""
     from pathlib import Path
     from .errors import UserError
+    from .harness.request import validate_backends
     from .harness.slurm import sbatch_script
     from .scenarios.grid import load_scenario, with_overrides
 
@@ -595,7 +596,9 @@ def slurm(
     backends, dtypes = _split(backend, "backend"), _split(dtype, "dtype")
     sc = load_scenario(scenario)
     overrides = {k: v for k, v in dict(backends=backends, dtypes=dtypes).items() if v is not None}
-    points = len((with_overrides(sc, **overrides) if overrides else sc).points)
+    grid = with_overrides(sc, **overrides) if overrides else sc
+    validate_backends(grid.backends)          # as the sweep refuses them: here, not in every array task
+    points = len(grid.points)
     if array > points:
         raise UserError(f"--array {array}: scenario {sc.name!r} has {points} point(s); a shard holds whole points")
     sweep_args = (["--backend", ",".join(backends)] if backends else []) + (["--dtype", ",".join(dtypes)] if dtypes else [])
