@@ -73,3 +73,67 @@ def test_top_level_help_and_package_description_name_every_schedule():
     for text in (app.info.help, description):
         missing = [s for s in SCHEDULES if s not in text]
         assert not missing, (missing, text)
+
+
+# ---- bad input gets one line and exit 2, never an internal error or a silent default -----------------
+
+@pytest.mark.parametrize("command", [["workload"], ["check", "--backend", "reference"], ["sweep", "--scenario", "smoke"]])
+def test_a_reuse_that_overflows_is_infeasible_not_an_internal_error(command, tmp_path, cli, one_error_line):
+    code, _, err = cli(*command, "--reuse", "1e308", *(["--out", tmp_path / "r"] if command[0] == "sweep" else []))
+    line = one_error_line(err)
+    assert code == 2 and "reuse 1e+308 is infeasible" in line and "feasible reuse is" in line
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("key,value", [("hbm_bytes_per_s", "NaN"), ("hbm_bytes_per_s", "Infinity"),
+                                       ("l2_bytes_per_s", "NaN"), ("l2_bytes_per_s", "-Infinity"),
+                                       ("l2_bytes_per_s", "0"), ("mma_flops", '{"bf16": NaN}'),
+                                       ("mma_flops", '{"bf16": 1e15, "fp8": Infinity}')])
+def test_a_device_profile_with_a_rate_that_is_not_a_positive_number_is_refused(key, value, tmp_path, cli,
+                                                                                one_error_line):
+    fields = {"name": '"x"', "hbm_bytes_per_s": "4e12", "l2_bytes_per_s": "8e12", "mma_flops": '{"bf16": 8e14}',
+              "l2_bytes": "62914560", "sms": "132", key: value}
+    path = tmp_path / "profile.json"
+    path.write_text("{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}")
+    code, out, err = cli("roofline", "--device", path)
+    line = one_error_line(err)
+    assert code == 2 and key in line and "positive finite" in line and not out
+
+
+def test_roofline_device_that_is_a_directory_says_so(tmp_path, cli, one_error_line):
+    (tmp_path / "profile.json").write_text("{}")
+    code, _, err = cli("roofline", "--device", tmp_path)
+    line = one_error_line(err)
+    assert code == 2 and "is a directory, not a profile file" in line and str(tmp_path / "profile.json") in line
+
+
+def test_sweep_refuses_a_non_empty_folder_that_holds_no_run(tmp_path, cli, one_error_line):
+    (tmp_path / "notes.txt").write_text("mine")
+    code, _, err = cli("sweep", "--scenario", "smoke", "--out", tmp_path)
+    line = one_error_line(err)
+    assert code == 2 and f"--out {tmp_path} exists and is not empty" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_slurm_refuses_a_backend_name_as_sweep_does(tmp_path, cli, one_error_line):
+    code, _, err = cli("sweep", "--scenario", "smoke", "--backend", "nosuch", "--out", tmp_path / "r")
+    refused = one_error_line(err)
+    code2, out, err = cli("slurm", "smoke", "--backend", "nosuch")
+    assert code == code2 == 2 and one_error_line(err) == refused and "unknown backend 'nosuch'" in refused
+    assert not out
+
+
+@pytest.mark.parametrize("option", ["delay-5", "delaynan", "delay1e9", "delay0", "delay5+v28"])
+def test_a_bad_delay_option_says_what_the_delay_takes(option, cli, one_error_line):
+    code, _, err = cli("slurm", "smoke", "--backend", f"kv-outer@{option}")
+    line = one_error_line(err)
+    assert code == 2 and "takes no @option" not in line
+    assert f"'{option}'" in line and "delayP" in line and "(0, 1000]" in line and "last word" in line
+
+
+def test_a_serving_step_too_large_blames_the_option_that_made_it(cli, one_error_line):
+    code, _, err = cli("workload", "--generator", "mixed", "--requests", "4", "--chunks", "1000000")
+    line = one_error_line(err)
+    assert code == 2 and line.startswith("error: --chunks: the step's N = 1000000 chunk(s) x 16384 tokens + 4 ")
+    code, _, err = cli("workload", "--generator", "decode", "--requests", "1000000000", "--context", "4096")
+    assert code == 2 and one_error_line(err).startswith("error: --requests: ")
