@@ -673,6 +673,28 @@ def calibrate(
         typer.echo(f"  {key:<36} one item alone: {e['s'] * 1e6:.1f} us + {e['block_s'] * 1e6:.2f} us a block")
 
 
+class _TextGiven(typer.core.TyperCommand):
+    """A command that refuses a text option or argument given as "" on the command line: most of them
+    read an empty value as not given and would quietly use the default (--out "" the default folder)."""
+
+    def invoke(self, ctx):
+        from .errors import UserError
+        for param in self.params:
+            value = ctx.params.get(param.name)
+            empty = value == "" or (isinstance(value, (list, tuple)) and "" in value)
+            if empty and ctx.get_parameter_source(param.name).name == "COMMANDLINE":
+                if param.param_type_name == "option":
+                    name = max(param.opts, key=len)
+                    raise UserError(f"{name} is empty: give a value, or leave the option out for its default")
+                raise UserError(f"{param.name.upper()} is empty: give a value")
+        return super().invoke(ctx)
+
+
+for _command in app.registered_commands:        # every command above, as it is defined
+    if _command.cls in (None, typer.core.TyperCommand):
+        _command.cls = _TextGiven
+
+
 EXIT_INTERNAL = 3     # a crash: never a verdict's code (compare: 0 pass, 1 regression, 2 unusable input)
 
 

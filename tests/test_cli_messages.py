@@ -137,3 +137,25 @@ def test_a_serving_step_too_large_blames_the_option_that_made_it(cli, one_error_
     assert code == 2 and line.startswith("error: --chunks: the step's N = 1000000 chunk(s) x 16384 tokens + 4 ")
     code, _, err = cli("workload", "--generator", "decode", "--requests", "1000000000", "--context", "4096")
     assert code == 2 and one_error_line(err).startswith("error: --requests: ")
+
+
+def _text_params():
+    """(command, its click parameter) for every text option and argument of every command."""
+    commands = typer.main.get_command(app).commands
+    return [(name, p) for name, cmd in sorted(commands.items()) for p in cmd.params
+            if p.type_descriptor.annotation in (str, list[str])]
+
+
+@pytest.mark.parametrize("command,param", _text_params(), ids=lambda v: v if isinstance(v, str) else v.name)
+def test_an_empty_text_value_is_refused_not_read_as_not_given(command, param, cli, one_error_line):
+    cmd = typer.main.get_command(app).commands[command]
+    args = [command]
+    for p in cmd.params:
+        if p.param_type_name == "argument":
+            args.append("" if p.name == param.name else "x")
+    if param.param_type_name == "option":
+        args += [max(param.opts, key=len), ""]
+    code, out, err = cli(*args)
+    line = one_error_line(err)
+    named = max(param.opts, key=len) if param.param_type_name == "option" else param.name.upper()
+    assert code == 2 and line.startswith(f"error: {named} is empty: ") and not out
