@@ -449,10 +449,12 @@ def report(
                                           "profile matching the run's GPU, none for a CPU run."),
 ):
     """Plots (TFLOP/s vs reuse with roofline curves and crossovers, stacked per-stage latency, measured vs
-    model bytes) and a Markdown summary of a run."""
+    model bytes) and a Markdown summary of a run. A run that is not complete is reported from the units it
+    has (exit 0), with a warning that says how many are missing and the command that resumes it."""
     from .harness.report import write_report
     from .roofline.devices import load_device
-    path = write_report(run, out, load_device(device) if device else None)
+    path = write_report(run, out, load_device(device) if device else None,
+                        warn=lambda line: typer.echo(f"warning: {line}", err=True))
     typer.echo(f"wrote {path}")
 
 

@@ -159,3 +159,17 @@ def test_an_empty_text_value_is_refused_not_read_as_not_given(command, param, cl
     line = one_error_line(err)
     named = max(param.opts, key=len) if param.param_type_name == "option" else param.name.upper()
     assert code == 2 and line.startswith(f"error: {named} is empty: ") and not out
+
+
+def test_report_of_an_interrupted_run_says_what_is_missing_and_the_command_that_resumes_it(tmp_path, cli):
+    run = tmp_path / "run"
+    code, _, err = cli("sweep", "--scenario", "smoke", "--backend", "reference", "--dtype", "fp32", "--reps", "1",
+                       "--out", run, env={"MSA_BENCH_INTERRUPT_AFTER_UNITS": "2"})
+    assert code == 130, err
+    printed = err.split("resume with: ")[1].strip()
+    code, out, err = cli("report", run)
+    assert code == 0 and out.startswith("wrote ")
+    (line,) = [ln for ln in err.splitlines() if ln.strip()]
+    assert line == f"warning: run incomplete: 6 of 8 planned unit(s) missing; resume with: {printed}"
+    assert f"- run incomplete: 6 of 8 planned unit(s) missing; resume with: {printed}\n" in \
+        (run / "report" / "summary.md").read_text()
