@@ -46,11 +46,20 @@ SAMPLES_REMOVED = "samples_removed"    # run.json: why and where a committed run
 PACKED_FILE = "units.jsonl.gz"         # a packed run's units (pack_run)
 STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE = "ok", "failed", "unavailable"
 STATUSES = (STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE)
+STATUS_FIELD = "the unit's status: " + ", ".join(STATUSES)
 STAT_COLUMNS = ["point_key", "backend", "schedule", "dtype", "stage", "statistic", "value", "timer"]
 SAMPLE_COLUMNS = ["point_key", "backend", "dtype", "stage", "rep", "seconds", "timer"]
 # Optional sample columns (GPU-timed rows; runs made before them lack them): the spin-probed SM clock
 # of each sample (MHz) and the NVML clock-event reason mask of its batch.
 CLOCK_COLUMNS = ("sm_clock_mhz", "clock_event_reasons")
+
+
+class UnreadableFile(UserError):
+    """A results file this user may not read: no damage (nothing to redo or set aside), so never counted
+    as a damaged unit."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"cannot read {path}: permission denied (the file is not damaged: fix its permissions)")
 
 
 def unit_id(point_key: str, backend: str) -> str:
@@ -69,17 +78,26 @@ def read_meta(run_dir: str | Path) -> dict:
     path = run_dir / RUN_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run folder (no {RUN_FILE})")
-    return _read_json_object(path, "scenario", "not a run description")
+    meta = _read_json_object(path, "scenario", "the name of the scenario the run measured")
+    if not isinstance(meta["scenario"], str) or not meta["scenario"]:
+        raise UserError(f"corrupt results file {path}: field 'scenario' must be the scenario's name, got "
+                        f"{meta['scenario']!r}")
+    return meta
 
 
-def _read_json_object(path: Path, required_key: str, missing: str) -> dict:
-    """A JSON object holding `required_key`; anything else is a one-line corrupt-file error."""
+def _read_json_object(path: Path, required_key: str, what: str) -> dict:
+    """A JSON object holding `required_key` (`what`: what that field holds); anything else is a one-line
+    corrupt-file error."""
     try:
         data = json.loads(path.read_text())
+    except PermissionError:
+        raise UnreadableFile(path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"corrupt results file {path}: {exc}") from None
-    if not isinstance(data, dict) or required_key not in data:
-        raise UserError(f"corrupt results file {path}: {missing}")
+    if not isinstance(data, dict):
+        raise UserError(f"corrupt results file {path}: not a JSON object")
+    if required_key not in data:
+        raise UserError(f"corrupt results file {path}: no field {required_key!r} ({what})")
     return data
 
 
@@ -151,7 +169,7 @@ def write_parquet(df: pd.DataFrame, path: Path) -> None:
 
 def read_unit_status(run_dir: str | Path, uid: str) -> dict:
     path = Path(run_dir) / UNITS_DIR / uid / "status.json"
-    return _read_json_object(path, "status", "no unit status") if path.is_file() else {}
+    return _read_json_object(path, "status", STATUS_FIELD) if path.is_file() else {}
 
 
 def update_unit(run_dir: str | Path, uid: str, status_updates: dict, new_stats: list[dict],
@@ -213,6 +231,8 @@ class Run:
 def _read_parquet(path: Path) -> pd.DataFrame:
     try:
         return pd.read_parquet(path)
+    except PermissionError:
+        raise UnreadableFile(path) from None
     except Exception as exc:  # pyarrow raises several types for truncated or foreign files
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"corrupt results file {path}: {why}") from None
@@ -317,7 +337,7 @@ def read_unit(folder: Path, samples_kept: bool = True) -> tuple[dict, pd.DataFra
     status_path = folder / "status.json"
     if not status_path.is_file():
         raise UserError(f"corrupt results file {status_path}: missing")
-    status = _read_json_object(status_path, "status", "no status field")
+    status = _read_json_object(status_path, "status", STATUS_FIELD)
     timed = _check_status(status_path, status, folder.name)
     if not timed:
         kept = [name for name in ("stats.parquet", "samples.parquet") if (folder / name).exists()]
@@ -450,10 +470,14 @@ def samples_kept(meta: dict) -> bool:
 
 def _check_passed(path: Path, status: dict) -> None:
     """An ok unit's own check: a finite error within a finite tolerance."""
-    err, tol = status.get("max_rel_err"), status.get("tol")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (err, tol)):
-        raise UserError(f"corrupt results file {path}: status 'ok' without a finite max_rel_err and tol "
-                        f"({err!r}, {tol!r})")
+    for field in ("max_rel_err", "tol"):
+        if field not in status:
+            raise UserError(f"corrupt results file {path}: status 'ok' but no field {field!r} (an ok unit "
+                            "records its error against the reference and the tolerance it passed)")
+        v = status[field]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise UserError(f"corrupt results file {path}: status 'ok' but {field} is {v!r}, not a finite number")
+    err, tol = status["max_rel_err"], status["tol"]
     if not err <= tol:
         raise UserError(f"corrupt results file {path}: status 'ok' but max_rel_err {err:.3g} exceeds its tol "
                         f"{tol:.3g}")
@@ -467,6 +491,8 @@ def damaged_units(run_dir: str | Path) -> dict[str, str]:
     for uid in sorted(finished_units(run_dir)):
         try:
             read_unit(units / uid, kept)
+        except UnreadableFile:
+            raise
         except UserError as exc:
             out[uid] = str(exc)
     return out
@@ -505,6 +531,8 @@ def load_run(run_dir: str | Path) -> Run:
                 (status, st), sa = _packed_unit(run_dir, packed[uid]), None
             else:
                 status, st, sa = read_unit(run_dir / UNITS_DIR / uid, kept)
+        except UnreadableFile:
+            raise
         except UserError as exc:
             damaged.append(str(exc))
             continue
