@@ -10,6 +10,7 @@ import typer
 from msa_bench.cli import app
 from msa_bench.harness.check import plan_lines
 from msa_bench.harness.request import SweepRequest, resolve_scenario, resume_command
+from msa_bench.harness.results import UnreadableFile, damaged_units
 from msa_bench.harness.timing import MIN_GPU_REPS, TimingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,3 +174,68 @@ def test_report_of_an_interrupted_run_says_what_is_missing_and_the_command_that_
     assert line == f"warning: run incomplete: 6 of 8 planned unit(s) missing; resume with: {printed}"
     assert f"- run incomplete: 6 of 8 planned unit(s) missing; resume with: {printed}\n" in \
         (run / "report" / "summary.md").read_text()
+
+
+# ---- messages that say what is wrong -----------------------------------------------------------------
+
+FIXTURE = ROOT / "results" / "fixtures" / "smoke-run"
+
+
+def _edited_copy(tmp_path, edit, name="status.json", unit="kv-outer-09cae3838a00b71a"):
+    """A copy of the CPU fixture run with one JSON file edited: edit(dict) changes it in place."""
+    import json
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    path = run / name if name == "run.json" else run / "units" / unit / name
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return run, path
+
+
+@pytest.mark.parametrize("command", ["report", "compare", "merge"])
+def test_an_ok_unit_without_max_rel_err_is_named_by_that_field(command, tmp_path, cli, one_error_line):
+    run, path = _edited_copy(tmp_path, lambda d: d.pop("max_rel_err"))
+    args = {"report": [run], "compare": [FIXTURE, run], "merge": [tmp_path / "m", run]}[command]
+    code, _, err = cli(command, *args)
+    line = one_error_line(err)
+    assert code == 2 and f"{path}: status 'ok' but no field 'max_rel_err'" in line
+
+
+@pytest.mark.parametrize("edit,said", [(lambda d: d.pop("scenario"), "no field 'scenario' (the name of the scenario"),
+                                        (lambda d: d.update(scenario=42), "field 'scenario' must be the scenario's "
+                                                                         "name, got 42")])
+def test_an_edited_scenario_in_run_json_is_named(edit, said, tmp_path, cli, one_error_line):
+    run, path = _edited_copy(tmp_path, edit, name="run.json")
+    code, _, err = cli("report", run)
+    line = one_error_line(err)
+    assert code == 2 and f"{path}: {said}" in line
+
+
+def test_an_unreadable_results_file_is_not_called_corrupt(tmp_path, cli, one_error_line, monkeypatch):
+    import pandas as pd
+    run, _ = _edited_copy(tmp_path, lambda d: None)
+    locked = run / "units" / "kv-outer-09cae3838a00b71a" / "samples.parquet"
+    read = pd.read_parquet
+
+    def read_parquet(path, *args, **kwargs):       # what pyarrow raises for a file without read permission
+        if Path(path) == locked:
+            raise PermissionError(13, f"Failed to open local file '{path}'. Detail: [errno 13] Permission denied")
+        return read(path, *args, **kwargs)
+    monkeypatch.setattr(pd, "read_parquet", read_parquet)
+    for args in (["report", run], ["compare", FIXTURE, run], ["merge", tmp_path / "m", run]):
+        code, _, err = cli(*args)
+        line = one_error_line(err)
+        assert code == 2 and f"cannot read {locked}: permission denied" in line, args
+        assert "corrupt" not in line and "--resume" not in line
+    with pytest.raises(UnreadableFile):
+        damaged_units(run)              # what `sweep --resume` sets aside: an unreadable unit is not one
+
+
+def test_compare_against_a_baseline_of_another_scenario_says_so(tmp_path, cli, one_error_line, fake_run):
+    base = fake_run(tmp_path / "base", {"kv-outer": [1e-3] * 5, "flashinfer": [1e-3] * 5}, scenario="default")
+    new = fake_run(tmp_path / "new", {"kv-outer": [1e-3] * 5}, scenario="smoke")
+    code, _, err = cli("compare", base, new)
+    line = one_error_line(err)
+    assert code == 2 and "different scenarios (baseline 'default', new 'smoke')" in line
