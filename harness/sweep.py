@@ -121,6 +121,8 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     from rich.console import Console
     from rich.markup import escape
     console = console or Console(stderr=True)
+    if not console.is_terminal:
+        console.soft_wrap = True        # a log or pipe has no width: notes stay whole lines, not cut at 80
     notes: list[str] = []
     device = _device()
     pool = None
