@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..kernels.kv_outer.config import TILE_ORDER_NOTATION
 from ..roofline.devices import DeviceProfile
 from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
@@ -51,6 +52,23 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+# what the throughput table's less obvious columns mean; summary.md says it for the columns a run has
+COLUMN_NOTES = {
+    "tile order": TILE_ORDER_NOTATION,
+    "union_ratio P8": "co-selection of the workload (distinct blocks of an 8-token tile over one token's)",
+    "max rel err": "the unit's measured error against the float64 reference",
+    "quantization": "what the backend states it quantizes",
+    "GB/s": "the model's HBM bytes over the measured module time",
+    "HBM frac": "GB/s over the profile's HBM bandwidth (the figures of merit of a memory-bound point)",
+}
+
+
+def column_notes(table: pd.DataFrame) -> str:
+    """What the table's columns of COLUMN_NOTES mean, in the table's column order ('' for none)."""
+    notes = [f"{c}: {COLUMN_NOTES[c]}" for c in table.columns if c in COLUMN_NOTES]
+    return "; ".join(notes) + "." if notes else ""
+
+
 def incomplete(run: Run) -> str | None:
     """None for a complete run, else how many planned units are missing and how to get them."""
     if run.meta.get("complete"):
@@ -85,7 +103,7 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
     out += [f"- scenario: `{run.meta.get('scenario')}` ({run.meta.get('scenario_description', '')})",
             f"- measured on: {run.device_name}; timer: {run.timer}",
             f"- torch {prov.get('torch')}, triton {prov.get('triton')}, flashinfer {prov.get('flashinfer')}, "
-            f"CUDA {prov.get('cuda')}, driver {prov.get('driver')}",
+            f"CUDA {prov.get('cuda')}, " + (f"driver {prov['driver']}" if prov.get("driver") else "no GPU driver"),
             f"- source: commit {prov.get('git_commit')} (dirty: {prov.get('git_dirty')}); started {prov.get('time_utc')} "
             f"on {prov.get('hostname')}",
             f"- {incomplete(run) or 'run complete'}",
@@ -102,11 +120,8 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
         n = int(run.status["throttled"].fillna(False).astype(bool).sum())
         out += [f"**{n} unit(s) were measured while the GPU reported a thermal/power slowdown** "
                 "(column `throttled`).", ""]
-    out += ["## Throughput", "", "union_ratio P8: co-selection of the workload (distinct blocks of an 8-token tile "
-            "over one token's); max rel err: the unit's measured error against the float64 reference; "
-            "quantization: what the backend states it quantizes; GB/s: the model's HBM bytes over the measured module "
-            "time, HBM frac: that over the profile's HBM bandwidth (the figures of merit of a memory-bound point).",
-            "", markdown_table(throughput_table(run, device))]
+    throughput = throughput_table(run, device)
+    out += ["## Throughput", "", column_notes(throughput), "", markdown_table(throughput)]
     av = auto_vs_fastest(run)
     if not av.empty:
         s = auto_summary(av)
