@@ -110,9 +110,10 @@ def write_meta(run_dir: str | Path, meta: dict) -> None:
 
 
 def require_empty(folder: str | Path, what: str) -> None:
-    """Refuse to write a new run into a folder that exists and holds anything (what: how the user named it)."""
+    """Refuse to write a new run into a folder that exists and holds anything (what: how the user named it);
+    a file there fails where it is written, as any path that cannot be used."""
     folder = Path(folder)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+    if folder.is_dir() and any(folder.iterdir()):
         raise UserError(f"{what} {folder} exists and is not empty: name a new or empty folder")
 
 
