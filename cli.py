@@ -446,10 +446,12 @@ def report(
                                           "profile matching the run's GPU, none for a CPU run."),
 ):
     """Plots (TFLOP/s vs reuse with roofline curves and crossovers, stacked per-stage latency, measured vs
-    model bytes) and a Markdown summary of a run."""
+    model bytes) and a Markdown summary of a run. A run that is not complete is reported from the units it
+    has (exit 0), with a warning that says how many are missing and the command that resumes it."""
     from .harness.report.summary import write_report
     from .roofline.devices import load_device
-    path = write_report(run, out, load_device(device) if device else None)
+    path = write_report(run, out, load_device(device) if device else None,
+                        warn=lambda line: typer.echo(f"warning: {line}", err=True))
     typer.echo(f"wrote {path}")
 
 
@@ -649,6 +651,7 @@ def slurm(
     report and, with --baseline, the gate. docs/harness.md has the walk-through."""
     from pathlib import Path
     from .errors import UserError
+    from .harness.running.request import validate_backends
     from .harness.running.slurm import sbatch_script
     from .scenarios.grid import load_scenario, with_overrides
 
@@ -657,7 +660,9 @@ def slurm(
     backends, dtypes = _split(backend, "backend"), _split(dtype, "dtype")
     sc = load_scenario(scenario)
     overrides = {k: v for k, v in dict(backends=backends, dtypes=dtypes).items() if v is not None}
-    points = len((with_overrides(sc, **overrides) if overrides else sc).points)
+    grid = with_overrides(sc, **overrides) if overrides else sc
+    validate_backends(grid.backends)          # as the sweep refuses them: here, not in every array task
+    points = len(grid.points)
     if array > points:
         raise UserError(f"--array {array}: scenario {sc.name!r} has {points} point(s); a shard holds whole points")
     sweep_args = (["--backend", ",".join(backends)] if backends else []) + (["--dtype", ",".join(dtypes)] if dtypes else [])
@@ -730,6 +735,28 @@ def calibrate(
         typer.echo(f"  {key:<36} {f:8.2f} of its roofline on decode")
     for key, e in sorted(fc["items"].items()):
         typer.echo(f"  {key:<36} one item alone: {e['s'] * 1e6:.1f} us + {e['block_s'] * 1e6:.2f} us a block")
+
+
+class _TextGiven(typer.core.TyperCommand):
+    """A command that refuses a text option or argument given as "" on the command line: most of them
+    read an empty value as not given and would quietly use the default (--out "" the default folder)."""
+
+    def invoke(self, ctx):
+        from .errors import UserError
+        for param in self.params:
+            value = ctx.params.get(param.name)
+            empty = value == "" or (isinstance(value, (list, tuple)) and "" in value)
+            if empty and ctx.get_parameter_source(param.name).name == "COMMANDLINE":
+                if param.param_type_name == "option":
+                    name = max(param.opts, key=len)
+                    raise UserError(f"{name} is empty: give a value, or leave the option out for its default")
+                raise UserError(f"{param.name.upper()} is empty: give a value")
+        return super().invoke(ctx)
+
+
+for _command in app.registered_commands:        # every command above, as it is defined
+    if _command.cls in (None, typer.core.TyperCommand):
+        _command.cls = _TextGiven
 
 
 EXIT_INTERNAL = 3     # a crash: never a verdict's code (compare: 0 pass, 1 regression, 2 unusable input)

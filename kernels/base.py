@@ -175,7 +175,7 @@ def get_backend(name: str) -> Backend:
     try:
         option, delay = split_delay(option)
     except ValueError as exc:
-        raise KeyError(str(exc)) from None
+        raise KeyError(f"backend {name!r}: {exc}") from None
     if delay is not None:
         inner = get_backend(base if option is None else f"{base}{OPTION_SEP}{option}")
         backend = DelayedBackend(inner, delay)

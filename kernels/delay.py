@@ -25,17 +25,23 @@ from .options import JOINERS
 
 DELAY_STAGE = "delay"
 CALIBRATION_RUNS = 5
-_DELAY = re.compile(rf"(?:(.*)[{re.escape(JOINERS)}])?delay(\d+(?:\.\d+)?)")     # the option's last word
+_DELAY = re.compile(rf"(?:(.*)[{re.escape(JOINERS)}])?delay(.*)")     # a word that starts with 'delay'
+_PERCENT = re.compile(r"\d+(?:\.\d+)?")
+MAX_DELAY_PERCENT = 1000
+DELAY_FORM = (f"a planted delay is delayP, P the percent of the module in (0, {MAX_DELAY_PERCENT}], as the "
+              "option's last word (delay5, delay2.5, v28+delay5)")
 
 
 def split_delay(option: str | None) -> tuple[str | None, float | None]:
-    """'v28+delay5' -> ('v28', 5.0); 'delay10' -> (None, 10.0); 'v28' -> ('v28', None)."""
+    """'v28+delay5' -> ('v28', 5.0); 'delay10' -> (None, 10.0); 'v28' -> ('v28', None). A word that starts
+    with 'delay' is the delay's, and a ValueError that says its form when it is not one."""
     m = _DELAY.fullmatch(option or "")
     if not m:
         return option, None
-    percent = float(m.group(2))
-    if not 0 < percent <= 1000:
-        raise ValueError(f"delay percent must be in (0, 1000], got 'delay{m.group(2)}'")
+    text = m.group(2)
+    percent = float(text) if _PERCENT.fullmatch(text) else None
+    if percent is None or not 0 < percent <= MAX_DELAY_PERCENT:
+        raise ValueError(f"'delay{text}': {DELAY_FORM}")
     return (m.group(1) or None), percent
 
 

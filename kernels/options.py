@@ -110,7 +110,8 @@ def describe_options(backend: str, options: dict[str, Option]) -> str:
 def parse_options(backend: str, options: dict[str, Option], text: str) -> dict[str, Any]:
     """The constructor keywords `backend@text` sets (module docstring); ValueError, one line, otherwise."""
     if not options:
-        raise ValueError(f"backend {backend!r} takes no @option (got '{backend}@{text}')")
+        raise ValueError(f"backend {backend!r} takes no @option but a planted delay, {backend}@delayP "
+                         f"(got '{backend}@{text}')")
     rest = [key for key, o in options.items() if o.rest]
     kwargs: dict[str, Any] = {}
     try:

@@ -5,6 +5,7 @@ Presets carry their sources. A profile written by `msa-bench calibrate` (JSON) l
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -146,6 +147,12 @@ def device_profile(device) -> DeviceProfile:
     return preset(FALLBACK_DEVICE)
 
 
+def _positive(v) -> bool:
+    """A finite number above 0: what every rate and size the roofline divides by must be (JSON's NaN and
+    Infinity parse as floats)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
 def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
     for key, kind in _REQUIRED.items():
         if key not in data:
@@ -153,11 +160,14 @@ def profile_from_dict(data: dict, origin: str) -> DeviceProfile:
         if not isinstance(data[key], kind) or isinstance(data[key], bool):
             raise UserError(f"device profile {origin}: key {key!r} has the wrong type")
     for key in ("hbm_bytes_per_s", "l2_bytes_per_s", "l2_bytes", "sms"):
-        if data[key] <= 0:
-            raise UserError(f"device profile {origin}: {key} must be positive")
+        if not _positive(data[key]):
+            raise UserError(f"device profile {origin}: {key} must be a positive finite number, got {data[key]!r}")
     flops = data["mma_flops"]
-    if "bf16" not in flops or not all(isinstance(v, (int, float)) and v > 0 for v in flops.values()):
-        raise UserError(f"device profile {origin}: mma_flops needs a positive 'bf16' rate (flop/s)")
+    bad = [k for k, v in flops.items() if not _positive(v)]
+    if "bf16" not in flops or bad:
+        got = f", got {bad[0]!r}: {flops[bad[0]]!r}" if bad else ""
+        raise UserError(f"device profile {origin}: mma_flops needs a positive finite rate (flop/s) for 'bf16' "
+                        f"and every dtype it names{got}")
     if not fractions_ok(data.get("achieved", {})):
         raise UserError(f"device profile {origin}: achieved must map 'backend/dtype' to a fraction in "
                         f"(0, {MAX_ACHIEVED:g}]")
@@ -203,6 +213,10 @@ def load_device(name_or_path: str) -> DeviceProfile:
     if key in PRESETS:
         return preset(key)
     path = Path(name_or_path)
+    if path.is_dir():
+        inside = path / "profile.json"
+        hint = f"; pass {inside}, the one `msa-bench calibrate` wrote there" if inside.is_file() else ""
+        raise UserError(f"device profile {name_or_path} is a directory, not a profile file (PROFILE.json){hint}")
     if path.suffix != ".json" and not path.exists():
         raise UserError(f"unknown device {name_or_path!r}; use one of {', '.join(PRESETS)} or a profile .json file")
     if not path.is_file():

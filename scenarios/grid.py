@@ -279,7 +279,10 @@ def point_problem(p: Point) -> tuple[str, str] | None:
         from .serving import serving_problem
         problem = serving_problem(s, p.generator, p.chunk_tokens, p.context, p.context_min, p.requests,
                                   p.query_tokens, p.chunks, p.drift)
-        return problem or size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
+        problem = problem or size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
+        if problem and problem[0] == "tokens":        # the step's N is no option: name the one that made it
+            return _step_axis(p), f"{_step_sum(p)}: {problem[1]}"
+        return problem
     problems = [
         ("tokens", p.tokens <= 0, f"tokens must be positive, got {p.tokens}"),
         ("context", p.context <= 0, f"context must be positive, got {p.context}"),
@@ -309,6 +312,27 @@ def point_problem(p: Point) -> tuple[str, str] | None:
         except WorkloadError as exc:
             return "reuse", str(exc)
     return None
+
+
+def _step_parts(p: Point) -> tuple[int, int]:
+    """(prefill, decode) query tokens of a serving step: chunks x chunk tokens, requests x query tokens."""
+    decode = (p.requests or 0) * (p.query_tokens or 1) if p.generator != "drift" else 0
+    return (p.chunks or 0) * (p.chunk_tokens or 0), decode
+
+
+def _step_axis(p: Point) -> str:
+    """The axis behind a serving step's N: the larger factor of its larger part."""
+    prefill, decode = _step_parts(p)
+    if decode > prefill:
+        return "requests"
+    return "chunks" if (p.chunks or 0) > (p.chunk_tokens or 0) else "tokens"
+
+
+def _step_sum(p: Point) -> str:
+    prefill, decode = _step_parts(p)
+    parts = ([f"{p.chunks} chunk(s) x {p.chunk_tokens} tokens"] if prefill else []) + \
+            ([f"{p.requests} request(s) x {p.query_tokens} token(s)"] if decode else [])
+    return f"the step's N = {' + '.join(parts)} = {p.tokens}"
 
 
 def _check_point(src: str, where: str, p: Point) -> None:

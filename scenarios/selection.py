@@ -200,7 +200,8 @@ def reuse_range(shape: AttnShape, tokens: int, geo: dict, lo_pool: int, hi_pool:
 
 def split_pools(shape: AttnShape, tokens: int, reuse: float, geo: dict) -> list[int]:
     """Pool size per KV head for nsb = round(reuse x N): the pairs beyond the local ones, split evenly."""
-    pool_total = round(reuse * tokens) - geo["fixed"]
+    # reuse x N past 2^62 (1e308 x N is inf) is no pool anyone can fill: too large, and infeasible like one
+    pool_total = round(min(reuse * tokens, 2.0 ** 62)) - geo["fixed"]
     hkv = shape.hkv
     return [pool_total // hkv + (h < pool_total % hkv) for h in range(hkv)] if pool_total > 0 else [0] * hkv
 

@@ -58,3 +58,24 @@ def test_sigterm_ends_a_sweep_with_the_folder_and_the_resume_command(tmp_path):
     assert f"resume with: msa-bench sweep --scenario smoke --dtype fp32 --backend kv-outer --reps 1 --out {run} " \
            "--resume" in err
     assert "Traceback" not in err
+
+
+def test_off_a_terminal_a_finished_unit_prints_a_whole_line_once_the_gap_has_passed():
+    buf = io.StringIO()
+    progress = SweepProgress(Console(file=buf, width=80, force_terminal=False), ["main"], interval_s=100, gap_s=0)
+    progress.begin("sweep", ["kv"] * 3)
+    what = "synthetic N16384 T131072 r0.25 z1 causal share0.5-G8 bf16 · kv-outer-cute@v28+2:p+delay5"
+    with progress:
+        for n in range(3):
+            progress.working("main", what)
+            progress.finished("main", "kv", "ok", 1.0)
+            assert buf.getvalue().splitlines()[-1].startswith(f"sweep: {n + 1}/3 units")   # as it goes
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 3 and all(ln.endswith(f" · {what}") and len(ln) > 80 for ln in lines)   # whole, once
+
+
+def test_notes_of_a_sweep_off_a_terminal_are_whole_lines(tmp_path, cli):
+    from msa_bench.harness.running.run_folder import CPU_NOTE
+    code, _, err = cli("sweep", "--scenario", "smoke", "--backend", "reference", "--dtype", "fp32", "--reps", "1",
+                       "--out", tmp_path / "run", env={"MSA_BENCH_INTERRUPT_AFTER_UNITS": "1"})
+    assert code == 130 and f"note: {CPU_NOTE}\n" in err

@@ -21,6 +21,25 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "results" / "fixtures" / "smoke-run"
 
 
+def test_a_cpu_summary_describes_only_its_columns_and_names_no_missing_driver(tmp_path, cli):
+    code, _, err = cli("report", FIXTURE, "--out", tmp_path)
+    assert code == 0, err
+    summary = (tmp_path / "summary.md").read_text()
+    throughput = summary.split("## Throughput")[1].split("\n## ")[0]
+    header = next(ln for ln in throughput.splitlines() if ln.startswith("| backend"))
+    assert "GB/s" not in header and "GB/s" not in throughput and "HBM frac" not in throughput
+    assert "| tile order |" in header and "1:0 is key order" in throughput     # the column this run has, explained
+    assert "driver None" not in summary and "CUDA none, no GPU driver" in summary
+
+
+def test_column_notes_follow_the_columns_a_table_has():
+    import pandas as pd
+    with_rates = pd.DataFrame(columns=["backend", "GB/s", "HBM frac", "max rel err"])
+    notes = report.column_notes(with_rates)
+    assert notes.startswith("GB/s: the model's HBM bytes") and "HBM frac: " in notes and "tile order" not in notes
+    assert report.column_notes(pd.DataFrame(columns=["backend", "dtype"])) == ""
+
+
 def test_report_writes_plots_and_summary(tmp_path, cli):
     code, out, err = cli("report", FIXTURE, "--out", tmp_path)
     assert code == 0, err

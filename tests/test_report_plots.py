@@ -18,6 +18,21 @@ MAX_PNG_BYTES = 120_000
 COMMITTED_REPORTS = sorted(p for p in (ROOT / "h200").glob("*/report") if p.is_dir())
 
 
+def test_a_dtype_stage_figure_has_a_slot_only_for_the_points_that_ran_in_that_dtype():
+    from msa_bench.harness.report.axes import point_id
+    run = load_run(ROOT / "fixtures" / "smoke-run")       # CPU: some groups ran only in fp16, others only in fp32
+    ok = run.status[run.status["status"] == "ok"]
+    ran = {d: set(point_id(g)) for d, g in ok.groupby("dtype")}
+    assert ran["fp16"] != ran["fp32"]
+    for name, fig in stage_figures(run):
+        dtype = name.removeprefix("stages_").removesuffix(".png")
+        for ax in (a for a in fig.axes if a.get_visible()):
+            assert len(ax.get_xticks()) == len(ran[dtype]), name
+            bars = [p for p in ax.patches if p.get_height() > 0]
+            assert {round(b.get_x() + b.get_width() / 2) for b in bars} == set(range(len(ran[dtype]))), name
+        matplotlib.pyplot.close(fig)
+
+
 @pytest.mark.parametrize("run", [ROOT / "fixtures" / "smoke-run", ROOT / "h200" / "co-selection",
                                  ROOT / "h200" / "real-prefill", ROOT / "h200" / "drift"],
                          ids=lambda p: p.name)

@@ -207,6 +207,11 @@ def _unusable(base: Run, new: Run) -> str | None:
         return None
     have = st_n.index if st_n is not None else []
     lacking = [f"{b} at {k}" for k, b in st_b.index.difference(have)]
+    scenarios = base.meta.get("scenario"), new.meta.get("scenario")
+    if lacking and scenarios[0] != scenarios[1]:
+        return (f"the runs are of different scenarios (baseline {scenarios[0]!r}, new {scenarios[1]!r}): compare "
+                f"a run against a baseline of its own scenario (the new run lacks {len(lacking)} unit(s) of the "
+                "baseline)")
     if lacking:
         return (f"the new run lacks {len(lacking)} unit(s) of the baseline: {'; '.join(lacking[:3])}"
                 + (f"; and {len(lacking) - 3} more" if len(lacking) > 3 else "")

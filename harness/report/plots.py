@@ -436,8 +436,9 @@ def _co_selection_rooflines(ax, gd, device: DeviceProfile, tile: int) -> list[st
 
 def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]]:
     """Stacked per-stage median latency: one figure per dtype, small multiples (one panel per backend, at
-    most MAX_PANELS_WIDE across), each panel's bars in the order of the run's axis, the same points in
-    the same order for every dtype."""
+    most MAX_PANELS_WIDE across), each panel's bars in the order of the run's axis, the same order for
+    every dtype; a dtype's figure has a slot for each point that ran in it, none for a point that ran only
+    in another dtype."""
     t = ok_units(run)
     figs = []
     if t.empty:
@@ -446,13 +447,10 @@ def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]
     order = point_order(t, axis)
     if len(order) > max_points:
         order = [order[i] for i in np.linspace(0, len(order) - 1, max_points).round().astype(int)]
-    labels = _point_labels(t, axis, order)
     t = t.assign(_pid=point_id(t))
     t = t[t["_pid"].isin(order)]
-    pos = {pid: i for i, pid in enumerate(order)}
     stages = [s for s in STAGE_ORDER if f"{s}.median_s" in t]
     colors = {s: f"C{STAGE_ORDER.index(s)}" for s in stages}        # a stage keeps its colour in every report
-    starts = _group_starts(t, axis, order)
     backends = sorted(t["backend"].unique())
     # each bar's slot wide enough for a four-character label: fewer panels across when there are many bars
     fit = int((MAX_WIDTH_PX - 40) // (MIN_SLOT_PX * len(order) + 90))
@@ -465,6 +463,10 @@ def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]
                                                                                                     axis.label)
     height = 3.0 * rows + 1.0
     for dtype, gd in t.groupby("dtype"):
+        ran = set(gd["_pid"])
+        here = [p for p in order if p in ran]
+        labels, starts = _point_labels(t, axis, here), _group_starts(t, axis, here)
+        pos = {pid: i for i, pid in enumerate(here)}
         fig, axes = plt.subplots(rows, cols, figsize=(panel_w * cols, height), squeeze=False)
         for ax, backend in zip(axes.flat, backends):
             gb = gd[gd["backend"] == backend].groupby("_pid").first()
@@ -481,8 +483,8 @@ def stage_figures(run: Run, max_points: int = 16) -> list[tuple[str, plt.Figure]
                 top = max(top, np.nanmax(module) if len(module) else 0.0)
             for i in starts:
                 ax.axvline(i - 0.5, color="grey", lw=0.8)
-            ax.set_xticks(range(len(order)), labels, fontsize=6)       # one value per line: no rotated labels
-            ax.set_xlim(-0.6, len(order) - 0.4)
+            ax.set_xticks(range(len(here)), labels, fontsize=6)       # one value per line: no rotated labels
+            ax.set_xlim(-0.6, len(here) - 0.4)
             if top > 0:
                 ax.set_ylim(0, top * 1.08)           # the tallest bar and its module tick inside the frame
             ax.tick_params(axis="y", labelsize=7)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from ...kernels.kv_outer.config import TILE_ORDER_NOTATION
 from ...roofline.devices import DeviceProfile
 from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
@@ -50,6 +52,48 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+# what the throughput table's less obvious columns mean; summary.md says it for the columns a run has
+COLUMN_NOTES = {
+    "tile order": TILE_ORDER_NOTATION,
+    "union_ratio P8": "co-selection of the workload (distinct blocks of an 8-token tile over one token's)",
+    "max rel err": "the unit's measured error against the float64 reference",
+    "quantization": "what the backend states it quantizes",
+    "GB/s": "the model's HBM bytes over the measured module time",
+    "HBM frac": "GB/s over the profile's HBM bandwidth (the figures of merit of a memory-bound point)",
+}
+
+
+def column_notes(table: pd.DataFrame) -> str:
+    """What the table's columns of COLUMN_NOTES mean, in the table's column order ('' for none)."""
+    notes = [f"{c}: {COLUMN_NOTES[c]}" for c in table.columns if c in COLUMN_NOTES]
+    return "; ".join(notes) + "." if notes else ""
+
+
+def incomplete(run: Run) -> str | None:
+    """None for a complete run, else how many planned units are missing and how to get them."""
+    if run.meta.get("complete"):
+        return None            # load_run refused a complete run that lacks planned units
+    planned = len(run.meta.get("units_planned") or [])
+    head = f"run incomplete: {len(run.missing)} of {planned} planned unit(s) missing"
+    if run.meta.get("merged_from"):
+        return f"{head} (the folders merged lack them): sweep their shards to the end, then merge again"
+    return f"{head}; resume with: {resume_here(run)}"
+
+
+def resume_here(run: Run) -> str:
+    """The command that finishes the run in its folder as it is now named: the one its sweep recorded (a run
+    made before sweeps recorded it: the command that started it), with --out this folder and --resume."""
+    recorded = run.meta.get("resume_command") or (run.meta.get("provenance") or {}).get("command")
+    words = shlex.split(recorded or "msa-bench sweep")
+    words[0] = "msa-bench" if Path(words[0]).name == "msa-bench" else words[0]
+    kept, skip = [], False
+    for w in words:
+        if not skip and w not in ("--out", "--resume") and not w.startswith("--out="):
+            kept.append(w)
+        skip = w == "--out"
+    return shlex.join(kept + ["--out", str(run.path), "--resume"])
+
+
 def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str]) -> str:
     prov = run.meta.get("provenance") or {}
     out = [f"# msa-bench report: {run.path.name}", ""]
@@ -59,10 +103,10 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
     out += [f"- scenario: `{run.meta.get('scenario')}` ({run.meta.get('scenario_description', '')})",
             f"- measured on: {run.device_name}; timer: {run.timer}",
             f"- torch {prov.get('torch')}, triton {prov.get('triton')}, flashinfer {prov.get('flashinfer')}, "
-            f"CUDA {prov.get('cuda')}, driver {prov.get('driver')}",
+            f"CUDA {prov.get('cuda')}, " + (f"driver {prov['driver']}" if prov.get("driver") else "no GPU driver"),
             f"- source: commit {prov.get('git_commit')} (dirty: {prov.get('git_dirty')}); started {prov.get('time_utc')} "
             f"on {prov.get('hostname')}",
-            f"- run complete: {run.meta.get('complete')}",
+            f"- {incomplete(run) or 'run complete'}",
             f"- roofline device: {device.name if device else 'none (no profile matches this device; model omitted)'}",
             ""]
     for note in run.meta.get("notes") or []:
@@ -76,11 +120,8 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
         n = int(run.status["throttled"].fillna(False).astype(bool).sum())
         out += [f"**{n} unit(s) were measured while the GPU reported a thermal/power slowdown** "
                 "(column `throttled`).", ""]
-    out += ["## Throughput", "", "union_ratio P8: co-selection of the workload (distinct blocks of an 8-token tile "
-            "over one token's); max rel err: the unit's measured error against the float64 reference; "
-            "quantization: what the backend states it quantizes; GB/s: the model's HBM bytes over the measured module "
-            "time, HBM frac: that over the profile's HBM bandwidth (the figures of merit of a memory-bound point).",
-            "", markdown_table(throughput_table(run, device))]
+    throughput = throughput_table(run, device)
+    out += ["## Throughput", "", column_notes(throughput), "", markdown_table(throughput)]
     av = auto_vs_fastest(run)
     if not av.empty:
         s = auto_summary(av)
@@ -148,9 +189,13 @@ def _remove_old_figures(out: Path) -> None:
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
-                 device: DeviceProfile | None = None) -> Path:
-    """Write the PNGs and summary.md into `out_dir` (default RUN/report); returns the summary path."""
+                 device: DeviceProfile | None = None, warn=None) -> Path:
+    """Write the PNGs and summary.md into `out_dir` (default RUN/report); returns the summary path.
+    `warn(line)` is told what the reader must know first: a run that is not complete."""
     run = load_run(run_dir)
+    note = incomplete(run)
+    if note and warn:
+        warn(note)
     dev = device_for_run(run.meta, device)
     out = Path(out_dir) if out_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)

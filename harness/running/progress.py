@@ -2,7 +2,8 @@
 
 On a terminal one live display (rich) at the console's width: the count, a bar, elapsed time and ETA
 first at fixed widths, then what runs, cut with an ellipsis; with several workers, one line per
-worker below. Elsewhere (CI logs, nohup) a plain line at least every PLAIN_INTERVAL_S seconds.
+worker below. Elsewhere (CI logs, nohup, a pipe) plain whole lines, never wrapped or cut: one after a
+unit finishes when PLAIN_GAP_S have passed since the last, and at least one every PLAIN_INTERVAL_S.
 
 The ETA counts the units that ran, not the ones answered at once: per backend, the mean seconds of
 its timed (ok or failed) units times its units still to run, a backend seen only `unavailable` as
@@ -18,7 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Column
 from rich.text import Text
 
-PLAIN_INTERVAL_S = 30.0
+PLAIN_INTERVAL_S = 10.0
+PLAIN_GAP_S = 2.0          # a 13 s smoke sweep shows its progress as it goes, a long one a line per 2 s at most
 UNAVAILABLE = "unavailable"
 
 
@@ -90,16 +92,18 @@ class _Live(Progress):
 class SweepProgress:
     """One display for a sweep's units, run by one worker or many. Use as a context manager."""
 
-    def __init__(self, console, workers: list[str], interval_s: float = PLAIN_INTERVAL_S):
+    def __init__(self, console, workers: list[str], interval_s: float = PLAIN_INTERVAL_S,
+                 gap_s: float = PLAIN_GAP_S):
         self.console = console
         self.workers = list(workers)
         self.state = {w: "starting" for w in self.workers}
         self.dead: set[str] = set()
-        self.interval_s = interval_s
+        self.interval_s, self.gap_s = interval_s, gap_s
         self.lock = threading.RLock()
         self.title, self.done, self.total = "sweep", 0, 0
         self.model = EtaModel([])
-        self.started = self.last_event = time.monotonic()
+        self.started = self.last_event = self.last_plain = time.monotonic()
+        self.last_text = ""
         self.live = None
         self._stop = threading.Event()
         self._ticker = None
@@ -127,6 +131,8 @@ class SweepProgress:
             self.last_event = time.monotonic()
             if self.live is not None:
                 self.live.update(self.task, completed=self.done)
+            elif self._ticker is not None and self.last_event - self.last_plain >= self.gap_s:
+                self._print_plain()
             self._refresh()
 
     def requeued(self, backend: str) -> None:
@@ -163,13 +169,20 @@ class SweepProgress:
             self.live.update(self.task, description=self.state[self.workers[0]])
 
     def _print_plain(self) -> None:
-        for line in self.plain_line().splitlines():
-            self.console.print(Text(line, no_wrap=True, overflow="ellipsis"), soft_wrap=False)
+        self.last_plain, self.last_text = time.monotonic(), self.plain_line()
+        for line in self.last_text.splitlines():
+            self.console.print(Text(line), soft_wrap=True)         # a log's line is whole: no width to fit
 
     def _tick(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        """A line whenever PLAIN_INTERVAL_S pass without one (units that take long, or none finishing)."""
+        while True:
             with self.lock:
-                self._print_plain()
+                wait = self.interval_s - (time.monotonic() - self.last_plain)
+                if wait <= 0:
+                    self._print_plain()
+                    continue
+            if self._stop.wait(wait):
+                return
 
     def __enter__(self):
         if self.console.is_terminal:
@@ -192,4 +205,5 @@ class SweepProgress:
             self._stop.set()
             self._ticker.join()
             with self.lock:
-                self._print_plain()
+                if self.plain_line() != self.last_text:        # the last unit's line said it already
+                    self._print_plain()

@@ -80,6 +80,7 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         return old
     if req.resume:
         raise UserError(f"nothing to resume at {run_dir} (no {results.RUN_FILE})")
+    results.require_empty(run_dir, "--out")
     sc = grid.scenario
     return {
         "schema": results.SCHEMA_VERSION,

@@ -121,6 +121,8 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     from rich.console import Console
     from rich.markup import escape
     console = console or Console(stderr=True)
+    if not console.is_terminal:
+        console.soft_wrap = True        # a log or pipe has no width: notes stay whole lines, not cut at 80
     notes: list[str] = []
     device = _device()
     pool = None
@@ -134,7 +136,8 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     if device.type != "cuda":
         notes.insert(0, CPU_NOTE)
         meta["note"] = CPU_NOTE
-    meta.update(counters_requested=req.counters, complete=False)
+    meta.update(counters_requested=req.counters, complete=False,
+                resume_command=resume_command(req, grid.scenario.name, run_dir))   # what `report` tells a killed run
     if pool is not None:
         meta["workers"] = pool.describe()
     results.write_meta(run_dir, meta)
@@ -163,7 +166,7 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
                     loop.counter_pass(loop.timing_pass())
     except KeyboardInterrupt as exc:
         finished = len(results.finished_units(run_dir) & set(grid.mine_ids))
-        raise SweepInterrupted(run_dir, finished, len(grid.mine_ids), resume_command(req, grid.scenario.name, run_dir),
+        raise SweepInterrupted(run_dir, finished, len(grid.mine_ids), meta["resume_command"],
                                getattr(exc, "exit_code", EXIT_SIGINT), str(exc) or "interrupted") from None
     finally:
         close_run(run_dir, meta, grid, notes)

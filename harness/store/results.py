@@ -54,11 +54,20 @@ SAMPLES_REMOVED = "samples_removed"    # run.json: why and where a committed run
 PACKED_FILE = "units.jsonl.gz"         # a packed run's units (pack_run)
 STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE = "ok", "failed", "unavailable"
 STATUSES = (STATUS_OK, STATUS_FAILED, STATUS_UNAVAILABLE)
+STATUS_FIELD = "the unit's status: " + ", ".join(STATUSES)
 STAT_COLUMNS = ["point_key", "backend", "schedule", "dtype", "stage", "statistic", "value", "timer"]
 SAMPLE_COLUMNS = ["point_key", "backend", "dtype", "stage", "rep", "seconds", "timer"]
 # Optional sample columns (GPU-timed rows; runs made before them lack them): the spin-probed SM clock
 # of each sample (MHz) and the NVML clock-event reason mask of its batch.
 CLOCK_COLUMNS = ("sm_clock_mhz", "clock_event_reasons")
+
+
+class UnreadableFile(UserError):
+    """A results file this user may not read: no damage (nothing to redo or set aside), so never counted
+    as a damaged unit."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"cannot read {path}: permission denied (the file is not damaged: fix its permissions)")
 
 
 def unit_id(point_key: str, backend: str) -> str:
@@ -79,7 +88,10 @@ def read_meta(run_dir: str | Path, sealed: bool = True) -> dict:
     path = run_dir / RUN_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} is not a run folder (no {RUN_FILE})")
-    meta = _read_json_object(path, "scenario", "not a run description")
+    meta = _read_json_object(path, "scenario", "the name of the scenario the run measured")
+    if not isinstance(meta["scenario"], str) or not meta["scenario"]:
+        raise UserError(f"corrupt results file {path}: field 'scenario' must be the scenario's name, got "
+                        f"{meta['scenario']!r}")
     _check_meta(path, meta)
     _check_seal(path, meta_change(meta), sealed, "the run was written")
     return meta
@@ -133,14 +145,19 @@ def _check_backends(path: Path, meta: dict, backends, whose: str) -> None:
                         f"({', '.join(sorted(named)) or 'none'}) do not name")
 
 
-def _read_json_object(path: Path, required_key: str, missing: str) -> dict:
-    """A JSON object holding `required_key`; anything else is a one-line corrupt-file error."""
+def _read_json_object(path: Path, required_key: str, what: str) -> dict:
+    """A JSON object holding `required_key` (`what`: what that field holds); anything else is a one-line
+    corrupt-file error."""
     try:
         data = json.loads(path.read_text())
+    except PermissionError:
+        raise UnreadableFile(path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"corrupt results file {path}: {exc}") from None
-    if not isinstance(data, dict) or required_key not in data:
-        raise UserError(f"corrupt results file {path}: {missing}")
+    if not isinstance(data, dict):
+        raise UserError(f"corrupt results file {path}: not a JSON object")
+    if required_key not in data:
+        raise UserError(f"corrupt results file {path}: no field {required_key!r} ({what})")
     return data
 
 
@@ -152,6 +169,14 @@ def write_meta(run_dir: str | Path, meta: dict) -> None:
     values = json.loads(json.dumps(meta, default=str))
     tmp.write_text(json.dumps(sealed_meta(values), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, run_dir / RUN_FILE)
+
+
+def require_empty(folder: str | Path, what: str) -> None:
+    """Refuse to write a new run into a folder that exists and holds anything (what: how the user named it);
+    a file there fails where it is written, as any path that cannot be used."""
+    folder = Path(folder)
+    if folder.is_dir() and any(folder.iterdir()):
+        raise UserError(f"{what} {folder} exists and is not empty: name a new or empty folder")
 
 
 def is_packed(run_dir: str | Path) -> bool:
@@ -208,7 +233,7 @@ def write_parquet(df: pd.DataFrame, path: Path) -> None:
 
 def read_unit_status(run_dir: str | Path, uid: str) -> dict:
     path = Path(run_dir) / UNITS_DIR / uid / "status.json"
-    return _read_json_object(path, "status", "no unit status") if path.is_file() else {}
+    return _read_json_object(path, "status", STATUS_FIELD) if path.is_file() else {}
 
 
 def update_unit(run_dir: str | Path, uid: str, status_updates: dict, new_stats: list[dict],
@@ -272,6 +297,8 @@ class Run:
 def _read_parquet(path: Path) -> pd.DataFrame:
     try:
         return pd.read_parquet(path)
+    except PermissionError:
+        raise UnreadableFile(path) from None
     except Exception as exc:  # pyarrow raises several types for truncated or foreign files
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"corrupt results file {path}: {why}") from None
@@ -381,7 +408,7 @@ def read_unit(folder: Path, samples_kept: bool = True, sealed: bool = True
     status_path = folder / "status.json"
     if not status_path.is_file():
         raise UserError(f"corrupt results file {status_path}: missing")
-    status = _read_json_object(status_path, "status", "no status field")
+    status = _read_json_object(status_path, "status", STATUS_FIELD)
     timed = _check_status(status_path, status, folder.name)
     if not timed:
         kept = [name for name in ("stats.parquet", "samples.parquet") if (folder / name).exists()]
@@ -523,6 +550,10 @@ def _check_passed(path: Path, status: dict) -> None:
     tolerance follows from the dtype (check.tolerance); the recorded tol must be that one, never a
     number the file judges itself by."""
     from ..measure.check import TOLERANCE
+    for field in ("max_rel_err", "tol"):
+        if field not in status:
+            raise UserError(f"corrupt results file {path}: status 'ok' but no field {field!r} (an ok unit "
+                            "records its error against the reference and the tolerance it passed)")
     err, tol, dtype = status.get("max_rel_err"), status.get("tol"), status.get("dtype")
     if dtype not in TOLERANCE:
         raise UserError(f"corrupt results file {path}: dtype {dtype!r} is none of {', '.join(TOLERANCE)}")
@@ -544,6 +575,8 @@ def damaged_units(run_dir: str | Path) -> dict[str, str]:
     for uid in sorted(finished_units(run_dir)):
         try:
             read_unit(units / uid, kept)
+        except UnreadableFile:
+            raise
         except UserError as exc:
             out[uid] = str(exc)
     return out
@@ -583,6 +616,8 @@ def load_run(run_dir: str | Path, sealed: bool = True) -> Run:
                 (status, st), sa = _packed_unit(run_dir, packed[uid], sealed), None
             else:
                 status, st, sa = read_unit(run_dir / UNITS_DIR / uid, kept, sealed)
+        except UnreadableFile:
+            raise
         except UserError as exc:
             damaged.append(str(exc))
             continue
@@ -659,8 +694,7 @@ def merge_runs(out_dir: str | Path, shard_dirs: list[str | Path], force: bool = 
         why = measured_apart(m, first)
         if why and not force:
             raise UserError(f"{d} and {shard_dirs[0]} were measured apart: {why}; pass --force to merge anyway")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise UserError(f"merge output {out_dir} exists and is not empty")
+    require_empty(out_dir, "merge output")
     runs = [load_run(d) for d in shard_dirs]    # validates every unit of every shard before anything is copied
     source, duplicates = {}, []                  # unit -> the shard its copy comes from
     for d in shard_dirs:

@@ -105,6 +105,11 @@ def grouped_tile_order(n_tokens: int, group: int, head_dim: int, elem_bytes: int
         dict(q_ranges=ranges, order_chunk=0, order_phases=True)
 
 
+TILE_ORDER_NOTATION = ("the order the KV-outer scheduler deals its (KV head, block) tiles in: S:k, S query ranges "
+                       "per KV head dealt to the CTAs in chunks of k tiles (1:0 is key order, contiguous "
+                       "slices); S:p, dealt in phases")
+
+
 def tile_order_label(config: dict) -> str:
     """A launch configuration's tile order in tile_order's notation ("1:0" key order, "2:p", "4:8")."""
     s = int(config.get("q_ranges") or 1)
