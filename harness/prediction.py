@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..roofline.devices import DeviceProfile, profile_for_gpu
+from ..roofline.devices import DeviceProfile, run_profile
 from ..kernels.kv_outer.config import model_shape, q_live_heads, q_ranges  # noqa: F401  (the launch's model terms)
 from ..roofline.model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, ModelShape, Prediction, predict, predict_dense,
                               union_tokens)
@@ -87,11 +87,11 @@ def launch_labels(plan_info) -> dict:
 
 
 def device_for_run(meta: dict, override: DeviceProfile | None = None) -> DeviceProfile | None:
-    """The device profile matching the run's GPU (None for CPU runs), unless one is given."""
+    """The device profile the run recorded, else its GPU's (roofline.devices.run_profile; None for CPU
+    runs), unless one is given."""
     if override is not None:
         return override
-    gpu = (meta.get("provenance") or {}).get("gpu_name")
-    return profile_for_gpu(gpu) if gpu else None
+    return run_profile(meta).profile
 
 
 def _usable(v) -> bool:
