@@ -201,10 +201,15 @@ def _prefill_sweep(out_dir: Path, scenario: str, only, console) -> Path | None:
         if not backends:
             return None
     run_dir = out_dir / ("prefill-fit" if not only else "prefill-fit-" + "+".join(backends))
-    if (run_dir / "run.json").is_file():
-        shutil.rmtree(run_dir)
     req = SweepRequest(scenario=scenario, backends=backends if only else None, out=str(run_dir),
                        argv=["msa-bench", "calibrate", f"(prefill sweep: {scenario})"])
+    if (run_dir / "run.json").is_file():
+        # an interrupted calibration's sweep of the same grid is resumed, anything else replaced
+        try:
+            run_sweep(replace(req, resume=True), console=console)
+            return run_dir
+        except UserError:
+            shutil.rmtree(run_dir)
     run_sweep(req, console=console)
     return run_dir
 
