@@ -329,11 +329,8 @@ def resolve_profile(flag: str | None = None, gpu: str | None = HERE) -> ProfileC
         key = flag.lower()
         if key in PRESETS:
             found = calibration_path(key)
-            if found is None:
-                return ProfileChoice(PRESETS[key], "flag", gpu, f"preset:{key}", None,
-                                     f"{key} has no calibration ({CALIBRATION_DIR.format(slug=key)}/profile.json): "
-                                     f"its preset's ceilings, every fraction 1, no fixed costs; make one with "
-                                     f"`{CALIBRATE_HINT}` on that GPU")
+            if found is None:           # asked for by name: its preset, as asked (no note)
+                return ProfileChoice(PRESETS[key], "flag", gpu, f"preset:{key}", None)
             return ProfileChoice(load_profile_file(found), "flag", gpu, _shown(found), _sha256(found))
         prof = load_device(flag)
         return ProfileChoice(prof, "flag", gpu, _shown(Path(flag)), _sha256(Path(flag)))
