@@ -37,8 +37,10 @@ SERVING_HELP = {
              "(drift, where it is needed; decode, mixed). Neighbour Jaccard is about (1 - p) / (1 + p). "
              "Default (decode, mixed): every token draws afresh.",
 }
-DEVICE_HELP = ("Roofline device profile: b200, h100, h200 or a PROFILE.json from `msa-bench calibrate`. "
-               "Default: the profile of this machine's GPU where one matches it, else h200.")
+DEVICE_HELP = ("Roofline device profile: b200, h100, h200 (that GPU's calibration where one is found, else its "
+               "preset) or a PROFILE.json from `msa-bench calibrate`. Default: this GPU's calibration "
+               "(results/<gpu>/calibration/profile.json), else its preset with unit fractions (said in one line); "
+               "without a GPU, h200.")
 
 
 @app.command()
@@ -94,14 +96,16 @@ def workload(
     from .scenarios.grid import check_point_fits, make_workload, point_from_options
     from .scenarios.stats import prediction_rows, stat_rows, workload_stats
     from .scenarios.workload import AttnShape
-    from .roofline.devices import default_device_name, load_device
+    from .roofline.devices import resolve_profile
 
     shape = AttnShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk)
     point = point_from_options(generator, shape, dtype, tokens=tokens, context=context, reuse=reuse, skew=skew,
                                causal=causal, cases=case, seed=seed,
                                share=share, share_group=share_group, requests=requests, query_tokens=query_tokens,
                                context_min=context_min, chunks=chunks, drift=drift)
-    profile = load_device(device or default_device_name())
+    choice = resolve_profile(device)
+    choice.say(lambda line: typer.echo(line, err=True))
+    profile = choice.required("msa-bench workload")
     check_point_fits(point, "cpu", with_tensors=False, partials=False)
     stats = workload_stats(make_workload(point, with_tensors=False), profile)
     if as_json:
@@ -197,6 +201,8 @@ def check(
     block: int = typer.Option(None, help="KV block size in tokens (default: 16 on CPU, 128 on a GPU).", show_default=False),
     topk: int = typer.Option(None, help="Blocks kept per query and KV head (default: 4 on CPU, 16 on a GPU).",
                               show_default=False),
+    device: str = typer.Option(None, "--device", help="Profile `auto` plans with. " + DEVICE_HELP,
+                               show_default=False),
 ):
     """Run one backend on one workload (synthetic by default; indexer, a real-prefill case, or K requests of
     edge cases), compare with the float64 reference (sampled rows when N > 512) and print per-stage checks;
@@ -209,8 +215,13 @@ def check(
     from .roofline.dtypes import DType
     from .scenarios.workload import AttnShape
 
+    import os
     import torch
+    from .roofline.devices import PRESETS, PROFILE_ENV, resolve_profile
     on_gpu = torch.cuda.is_available()
+    if device:
+        resolve_profile(device, None)               # a bad --device is refused before anything runs
+        os.environ[PROFILE_ENV] = device.lower() if device.lower() in PRESETS else os.path.abspath(device)
     dtype = DType.parse(dtype or ("bf16" if on_gpu else "fp16"))
     for name, value in (("tokens", tokens), ("context", context), ("hq", hq), ("hkv", hkv), ("head-dim", head_dim),
                         ("block", block), ("topk", topk)):
@@ -269,7 +280,6 @@ def roofline(
     below which q-packed beats KV-outer. Bandwidths in TB/s, bytes per query token, times in microseconds."""
     import json
     from .errors import UserError
-    from .roofline.devices import load_device
     from .roofline.dtypes import DType
     from .roofline.model import ModelShape
     from .roofline.summary import roofline_summary
@@ -281,8 +291,10 @@ def roofline(
         raise UserError(f"--hq ({hq}) must be a multiple of --hkv ({hkv})")
     dtype = DType.parse(dtype, "--dtype", (DType.FP8, DType.BF16))
     partial_dtype = DType.parse(partial_dtype, "--partial-dtype", (DType.BF16, DType.FP8))
-    from .roofline.devices import default_device_name
-    prof = load_device(device or default_device_name())
+    from .roofline.devices import resolve_profile
+    choice = resolve_profile(device)
+    choice.say(lambda line: typer.echo(line, err=True))
+    prof = choice.required("msa-bench roofline")
     shape = ModelShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk, dtype=dtype, partial_dtype=partial_dtype)
     summary = roofline_summary(shape, prof, n_tokens=tokens)
     if as_json:
@@ -400,6 +412,8 @@ def sweep(
                                         "CUDA numbers them under CUDA_VISIBLE_DEVICES. GPUs of different models are "
                                         "refused. Without a GPU, N CPU workers. Default: this process, one GPU.",
                              show_default=False),
+    device: str = typer.Option(None, "--device", help="Profile `auto` plans with and the run's model columns use "
+                               "(recorded in run.json). " + DEVICE_HELP, show_default=False),
 ):
     """Time each stage and the whole module per point and backend (CUDA-graph replay, cold L2; seconds), with
     NVML telemetry and optional ncu counters, and check the output of the timed runs against the float64
@@ -415,7 +429,7 @@ def sweep(
                        dtypes=_split(dtype, "dtype"), backends=_split(backend, "backend"), causal=causal,
                        generator=generator, share=_split(share, "share", float),
                        share_group=_split(share_group, "share-group", int), out=out, resume=resume, shard=shard,
-                       counters=counters, reps=reps, gpus=gpus, argv=list(sys.argv))
+                       counters=counters, reps=reps, gpus=gpus, device=device, argv=list(sys.argv))
     try:
         summary = run_sweep(req)
     except SweepInterrupted as exc:
@@ -443,14 +457,15 @@ def report(
     run: str = typer.Argument(..., help="Run folder written by `msa-bench sweep` or `msa-bench merge`."),
     out: str = typer.Option(None, help="Output folder for the PNGs and summary.md (default RUN/report)."),
     device: str = typer.Option(None, help="Roofline device profile (b200, h100, h200 or a JSON); default: the "
-                                          "profile matching the run's GPU, none for a CPU run."),
+                                          "profile the run recorded (run.json provenance), else its GPU's "
+                                          "calibration or preset, none for a CPU run."),
 ):
     """Plots (TFLOP/s vs reuse with roofline curves and crossovers, stacked per-stage latency, measured vs
     model bytes) and a Markdown summary of a run. A run that is not complete is reported from the units it
     has (exit 0), with a warning that says how many are missing and the command that resumes it."""
     from .harness.report.summary import write_report
-    from .roofline.devices import load_device
-    path = write_report(run, out, load_device(device) if device else None,
+    from .roofline.devices import resolve_profile
+    path = write_report(run, out, resolve_profile(device, None).profile if device else None,
                         warn=lambda line: typer.echo(f"warning: {line}", err=True))
     typer.echo(f"wrote {path}")
 
@@ -678,33 +693,35 @@ def slurm(
 # ---- calibrate (device ceilings -> profile JSON) ---------------------------------------------------
 @app.command()
 def calibrate(
-    out: str = typer.Option("", help="Output folder for profile.json and the bandwidth plot (default: results/calibration/<gpu>)."),
-    quick: bool = typer.Option(False, help="Smaller buffers and fewer repetitions (a smoke test; the profile is less exact)."),
+    out: str = typer.Option("", help="Output folder for profile.json, the bandwidth plot and the prefill fit's run "
+                                     "(default: results/<gpu>/calibration, where every command finds it)."),
+    quick: bool = typer.Option(False, help="Smaller buffers, fewer repetitions, two prefill points, bf16 fixed costs "
+                                           "(a round trip; the profile is not one to use)."),
     name: str = typer.Option("", help="Profile name (default: <gpu>-calibrated)."),
     fixed_costs_only: bool = typer.Option(False, "--fixed-costs-only", help="Measure only the fixed costs (seconds "
                                           "per kernel launch and per backend stage) into the existing OUT/profile.json."),
-    backend: str = typer.Option("", help="With --fixed-costs-only: re-measure only these `auto` candidates "
-                                "(comma-separated, e.g. q-packed-cute,hybrid after a kernel change) and keep the "
-                                "others' entries. Default: every candidate."),
+    backend: str = typer.Option("", help="Re-measure only these `auto` candidates (comma-separated, e.g. "
+                                "q-packed-cute,hybrid after a kernel change): their fixed costs and prefill fractions, "
+                                "every other entry and the ceilings kept from OUT/profile.json. Default: everything."),
 ):
-    """Measure this GPU's HBM read and copy bandwidth, the L2 read plateau (working-set sweep) and the bf16/fp8
-    matmul peaks, then what the model adds to the roofline (seconds per kernel launch in a CUDA graph; per
-    stage of every `auto` candidate, its time at zero roofline time on decode batches; the fraction of its
-    roofline each reaches on decode; one packed tile's time alone, seconds per block), and write a device
-    profile for `msa-bench roofline --device PROFILE.json` and a PNG of bandwidth versus working set. Needs
-    a CUDA GPU; about three minutes on an H200, the second part alone about one (64 s on 2026-12-01)."""
+    """Make this GPU's whole device profile in one pass: [1/4] the ceilings (HBM read stream, L2 read plateau
+    from a working-set sweep, bf16/fp8 matmul peaks; the vendor's figures beside them), [2/4] a small built-in
+    prefill sweep (scenario `calibrate`, whose points no shipped scenario holds), [3/4] the fixed costs
+    (seconds per kernel launch in a CUDA graph, each candidate's stages, its fraction of the roofline on decode
+    batches, one packed tile's time alone), [4/4] the prefill achieved fractions fitted on that sweep. Writes
+    profile.json (with what was fitted on what under "fitted"), a PNG of bandwidth versus working set and the
+    sweep's run folder. `sweep`, `auto`, `check`, `report`, `roofline`, `workload` and `compare` then find it
+    for this GPU. Needs a CUDA GPU; at most 10 minutes on one (FlashInfer's first JIT build aside)."""
     import json
     from pathlib import Path
     from .errors import UserError, require_cuda
     require_cuda("msa-bench calibrate")
-    from .harness.calibration.fixed_costs import calibrate_fixed_costs
-    from .harness.calibration.ceilings import calibrate as run, with_fixed_costs, write_profile
+    from .harness.calibration.ceilings import with_fixed_costs, write_profile
+    from .roofline.devices import CALIBRATION_DIR, gpu_slug
     import torch
-    folder = Path(out) if out else Path("results/calibration") / torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-")
+    folder = Path(out) if out else Path(CALIBRATION_DIR.format(slug=gpu_slug(torch.cuda.get_device_name())))
     path = folder / "profile.json"
     only = [b.strip() for b in backend.split(",") if b.strip()] or None
-    if only and not fixed_costs_only:
-        raise UserError("--backend re-measures some backends' fixed costs: it needs --fixed-costs-only")
     if only:
         from .kernels.auto import candidate_names
         candidates = candidate_names()
@@ -715,20 +732,29 @@ def calibrate(
         if not path.is_file():
             raise UserError(f"--fixed-costs-only writes into an existing profile and {path} does not exist; "
                             "run `msa-bench calibrate` first or pass --out")
+        from .harness.fixed_costs import calibrate_fixed_costs
         from .roofline.devices import load_device
         profile = load_device(str(path))
         data = json.loads(path.read_text())
+        fc = calibrate_fixed_costs(profile, log=typer.echo, only=only)
+        write_profile(with_fixed_costs(data, fc, str(path)), path)
+        typer.echo(f"wrote the fixed costs into {path} ({len(fc['stages'])} stages, launch "
+                   f"{fc['launch_s'] * 1e6:.2f} us) in {fc['seconds']:.0f} s")
     else:
-        result = run(folder, quick=quick, name=name or None, log=typer.echo)
-        p = profile = result["profile"]
-        typer.echo(f"wrote {result['profile_path']} (hbm {p.hbm_bytes_per_s / 1e12:.2f} TB/s, l2 {p.l2_bytes_per_s / 1e12:.2f} TB/s, "
-                   f"bf16 {p.mma_flops['bf16'] / 1e12:.0f} / fp8 {p.mma_flops['fp8'] / 1e12:.0f} TFLOP/s) and {result['png_path']} "
-                   f"in {result['seconds']:.0f} s")
-        data = json.loads(path.read_text())
-    fc = calibrate_fixed_costs(profile, log=typer.echo, only=only)
-    write_profile(with_fixed_costs(data, fc, str(path)), path)
-    typer.echo(f"wrote the fixed costs into {path} ({len(fc['stages'])} stages, launch "
-               f"{fc['launch_s'] * 1e6:.2f} us) in {fc['seconds']:.0f} s")
+        from .harness.calibration.calibrate import calibrate_profile
+        result = calibrate_profile(folder, quick=quick, name=name or None, only=only, log=typer.echo)
+        p, fc = result["profile"], result["profile"].fixed_costs
+        steps = ", ".join(f"{k} {v:.0f} s" for k, v in result["steps"].items())
+        typer.echo(f"wrote {path} in {result['seconds']:.0f} s ({steps}): hbm {p.hbm_bytes_per_s / 1e12:.2f} TB/s "
+                   f"read, l2 {p.l2_bytes_per_s / 1e12:.2f} TB/s, bf16 {p.mma_flops['bf16'] / 1e12:.0f} / fp8 "
+                   f"{p.mma_flops['fp8'] / 1e12:.0f} TFLOP/s; {len(p.achieved)} prefill fractions fitted on "
+                   f"{result['run']}")
+        for key, e in sorted(result["fit"]["fractions"].items()):
+            typer.echo(f"  {key:<36} {e['value']:8.3f} of its roofline on prefill ({e['units']} units, "
+                       f"{e['min']:.3f}-{e['max']:.3f})")
+        for key, e in sorted(result["fit"]["kept"].items()):
+            what = f"kept {e['value']:.3f}" if e["value"] is not None else "none"
+            typer.echo(f"  {key:<36} {what} (not fitted: {e['why']})")
     for key, e in sorted(fc["stages"].items()):
         typer.echo(f"  {key:<36} {e['s'] * 1e6:8.1f} us  ({e['launches']} launches)")
     for key, f in sorted(fc["decode_achieved"].items()):

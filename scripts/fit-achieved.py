@@ -1,90 +1,63 @@
-"""Fit a device's achieved fractions on one run folder and write them into its committed calibration.
+"""Refit a profile's prefill achieved fractions on committed run folders: a thin wrapper of the fit that
+`msa-bench calibrate` ends with (harness.calibration.calibrate.fit_prefill over harness.calibration.fit.fit_achieved).
 
-Per backend and dtype, the median over the run's prefill units of today's roofline / (measured module time
-less the profile's fixed costs of the stages the unit ran) (harness.report.tables.fit_achieved; units the model
-does not predict left out; a q-packed-cute unit of 12-token tiles counts as `q-packed-cute@p12`, the wide
-kernel's own fraction). The H200's are fitted on results/h200/co-selection, after its fixed costs were
-measured (`msa-bench calibrate --fixed-costs-only`), the wide kernel's on results/h200/real-prefill (`--backend
-q-packed-cute@p12`: co-selection runs none); every other run is out of sample (scripts/auto-validation.py).
+`msa-bench calibrate` fits them on its own prefill sweep; this wrapper fits the same rule on runs already
+made, for a profile whose ceilings or fixed costs changed and whose GPU is not at hand (the H200's, whose
+ceilings moved to its measured read stream). Per backend and dtype: the median over the run's prefill
+units of roofline / (measured module time less the profile's fixed costs of the stages the unit ran), at
+the profile's ceilings. The fitted runs are recorded under the profile's "fitted" (points, commit, date),
+and scripts/auto-validation.py leaves those points out.
 
-    python scripts/fit-achieved.py results/h200/co-selection [--device h200] [--write]
+    python scripts/fit-achieved.py RUN [--profile results/h200/calibration/profile.json] [--backend B] [--write]
 """
 from __future__ import annotations
 
 import argparse
-import re
 import json
 import sys
-from dataclasses import replace
+from pathlib import Path
 
 from msa_bench.errors import UserError
+from msa_bench.harness.calibration.calibrate import fit_prefill, merge_fitted
 from msa_bench.harness.store.results import load_run
-from msa_bench.harness.report.tables import fit_achieved
-from msa_bench.roofline.names import base_name
-from msa_bench.roofline.devices import CALIBRATION_FILES, PACKAGE_ROOT, load_device
+from msa_bench.roofline.devices import load_device
 
-
-def _fitted(source: str) -> str | None:
-    """The backend one `--backend` entry of achieved_source fitted (None for a whole-run fit)."""
-    found = re.search(r"--backend (\S+)", source)
-    return found[1] if found else None
+DEFAULT_PROFILE = "results/h200/calibration/profile.json"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", help="the run folder to fit on (msa-bench sweep --out)")
-    ap.add_argument("--device", default="h200", help="the preset whose calibration file gets them (default h200)")
-    ap.add_argument("--write", action="store_true", help="write them into the preset's calibration file")
-    ap.add_argument("--backend", help="fit and write only this backend's fractions, keeping the others "
-                    "(a backend the fitting run lacks, e.g. dense-masked from the sparsity run)")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, help=f"the profile JSON whose fractions are refit "
+                    f"(default {DEFAULT_PROFILE})")
+    ap.add_argument("--backend", help="fit only these backends' fractions (comma-separated; BASE@OPTION that "
+                    "option's alone), keeping the others")
+    ap.add_argument("--write", action="store_true", help="write them into the profile")
     args = ap.parse_args(argv)
-    if args.device not in CALIBRATION_FILES:
-        print(f"error: no calibration file for {args.device!r} (have {', '.join(CALIBRATION_FILES)})", file=sys.stderr)
-        return 2
     try:
         run = load_run(args.run)
+        device = load_device(args.profile)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    device = replace(load_device(args.device), achieved={})      # roofline and fixed costs only
-    table = fit_achieved(run, device)
-    if args.backend and not table.empty:
-        table = table[table["backend"] == args.backend]
-    if table.empty:
-        print(f"error: {args.run} has no prefill unit the model predicts"
-              + (f" of {args.backend}" if args.backend else ""), file=sys.stderr)
+    only = [b.strip() for b in args.backend.split(",")] if args.backend else None
+    fit = fit_prefill(run, device, device.achieved, only)
+    if not fit["fractions"]:
+        print(f"error: {args.run} has no prefill unit the model predicts" + (f" of {args.backend}" if only else ""),
+              file=sys.stderr)
         return 2
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    for key, e in sorted(fit["fractions"].items()):
+        old = device.achieved.get(key)
+        print(f"{key:<28} {e['value']:.4f} ({e['units']} units, {e['min']:.3f}-{e['max']:.3f})"
+              + (f", was {old:.4f}" if old is not None else ""))
     if args.write:
-        path = PACKAGE_ROOT / CALIBRATION_FILES[args.device]
+        path = Path(args.profile)
         data = json.loads(path.read_text())
-        fitted = {f"{r.backend}/{r.dtype}": round(float(r.achieved), 4) for r in table.itertuples()}
-        # the commits that may have measured the fitted units: the run's and every update's that re-ran a
-        # fitted backend (BASE@OPTION: BASE's units; an update's record does not say which units it replaced)
-        commits = [(run.meta.get("provenance") or {}).get("git_commit") or "?"]
-        bases = {base_name(b) for b in table["backend"]}
-        for update in run.meta.get("updated_from") or []:
-            if set(update.get("backends") or []) & bases:
-                commits.append(update.get("commit") or "?")
-        commit = ", ".join(dict.fromkeys(c[:7] for c in commits))
-        source = (f"scripts/fit-achieved.py {args.run.rstrip('/')}{f' --backend {args.backend}' if args.backend else ''}"
-                  f" (commit{'s' if ',' in commit else ''} {commit})")
-        if args.backend:
-            kept = {k: v for k, v in (data.get("achieved") or {}).items() if k.split("/")[0] != args.backend}
-            data["achieved"] = {**kept, **fitted}
-            others = [s for s in str(data.get("achieved_source", "")).split("; ") if s and _fitted(s) != args.backend]
-            data["achieved_source"] = "; ".join([*others, source])
-        else:
-            # a whole-run fit keeps what `--backend` fits of backends this run does not hold wrote (dense-masked's
-            # on sparsity, the 12-token tile's on real prefill)
-            others = [s for s in str(data.get("achieved_source", "")).split("; ")
-                      if s and _fitted(s) and _fitted(s) not in set(table["backend"])]
-            lacked = {_fitted(s) for s in others}
-            held = data.get("achieved") or {}
-            data["achieved"] = {**{k: v for k, v in held.items() if k.split("/")[0] in lacked}, **fitted}
-            data["achieved_source"] = "; ".join([*others, source])
-        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(data['achieved'])} achieved fractions into {path}")
+        points = sorted(set(run.status["point_key"])) if not run.status.empty else []
+        data["achieved"] = fit["achieved"]
+        data["fitted"] = merge_fitted(data.get("fitted") or {}, fit, str(run.meta.get("scenario")), points)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {len(fit['fractions'])} fitted fractions into {path} ({len(data['achieved'])} in all)")
     return 0
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from msa_bench.harness.calibration.fit import fit_achieved
 from msa_bench.harness.report import tables
 from msa_bench.harness.store.results import load_run
 from msa_bench.roofline.devices import load_device
@@ -81,12 +82,12 @@ def test_fit_achieved_takes_the_fixed_costs_off_and_leaves_out_what_the_model_do
     from dataclasses import replace
     run = load_run(RESULTS / "co-selection")
     bare = replace(H200, achieved={})
-    fit = tables.fit_achieved(run, bare).set_index(["backend", "dtype"])
+    fit = fit_achieved(run, bare).set_index(["backend", "dtype"])
     assert fit.loc[("flashinfer-packed", "bf16"), "units"] == 1                   # its union_ratio 1 point only
     assert ("auto", "bf16") not in fit.index and fit.loc[("kv-outer-cute", "fp8"), "units"] == 7
     for (b, d), r in fit.iterrows():                                              # the committed calibration
         assert H200.achieved[f"{b}/{d}"] == pytest.approx(r["achieved"], abs=1e-4)
-    free = tables.fit_achieved(run, replace(bare, fixed_costs={})).set_index(["backend", "dtype"])
+    free = fit_achieved(run, replace(bare, fixed_costs={})).set_index(["backend", "dtype"])
     assert (free["achieved"] < fit["achieved"]).all()                             # fixed costs taken off: higher
 
 
@@ -145,7 +146,7 @@ def test_the_wide_tiles_units_fit_and_replay_under_their_own_fraction():
     from msa_bench.kernels.base import get_backend
     from msa_bench.roofline.predict import fraction_name
     run = load_run(RESULTS / "real-prefill")
-    fit = tables.fit_achieved(run, replace(H200, achieved={})).set_index(["backend", "dtype"])
+    fit = fit_achieved(run, replace(H200, achieved={})).set_index(["backend", "dtype"])
     t = tables.ok_units(run)
     t = t[t["backend"] == "q-packed-cute"]
     wide = [_info(p).get("tile_tokens") == 12 for p in t["plan_info"]]

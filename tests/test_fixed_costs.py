@@ -107,9 +107,10 @@ def test_profile_json_round_trips_fixed_costs_and_refuses_bad_ones(tmp_path):
 
 def test_a_preset_takes_the_fixed_costs_of_its_committed_calibration(tmp_path, monkeypatch):
     calibrated = {**json.loads(json.dumps(devices.asdict(PRESETS["h200"]))), "fixed_costs": FIXED}
-    (tmp_path / "profile.json").write_text(json.dumps(calibrated))
-    monkeypatch.setattr(devices, "PACKAGE_ROOT", tmp_path)
-    monkeypatch.setitem(devices.CALIBRATION_FILES, "h200", "profile.json")
+    folder = tmp_path / "results" / "h200" / "calibration"
+    folder.mkdir(parents=True)
+    (folder / "profile.json").write_text(json.dumps(calibrated))
+    monkeypatch.chdir(tmp_path)                 # the working directory's results/<gpu>/calibration first
     got = load_device("h200")
     assert got.fixed_costs == FIXED and got.achieved == PRESETS["h200"].achieved
     assert devices.device_profile("cpu").fixed_costs == FIXED

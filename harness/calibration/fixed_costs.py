@@ -271,7 +271,7 @@ def fit_items(series: dict) -> dict:
     return out
 
 
-def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None) -> dict:
+def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=("bf16", "fp8")) -> dict:
     """The fixed_costs table for `profile`'s GPU (this one): launch cost, per-stage costs, decode
     fractions and item times of every candidate, or with `only` (backend names) of those, every other
     backend's entries kept from `profile`. A candidate skipped on a dtype keeps that dtype's entries from
@@ -283,13 +283,13 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None) -> dict:
     launch, points = launch_seconds(torch.device("cuda"))
     log(f"  kernel launch in a CUDA graph: {launch * 1e6:.2f} us")
     skipped: dict = {}
-    latency = measure_series(profile, log=log, points=latency_points, only=only, skipped=skipped)
+    latency = measure_series(profile, dtypes, log=log, points=latency_points, only=only, skipped=skipped)
     with_items = {name for (name, _), rows in latency.items() if any(r[3] is not None for r in rows)}
-    item_series = measure_series(profile, log=log, points=item_points, only=with_items,
+    item_series = measure_series(profile, dtypes, log=log, points=item_points, only=with_items,
                                  skipped=skipped) if with_items else {}
     items = fit_items({k: latency.get(k, []) + item_series.get(k, []) for k in set(latency) | set(item_series)})
     stages = fit_series(latency, items, item_series)
-    batches = measure_series(profile, log=log, only=only, skipped=skipped)
+    batches = measure_series(profile, dtypes, log=log, only=only, skipped=skipped)
     generator, options = LATENCY_POINT
     fresh = {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
             "decode_achieved": fit_decode_achieved(batches, stages), "items": items,

@@ -19,9 +19,9 @@ from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
 from ..store.rows import device_for_run
 from ..store.results import STATUS_OK, Run, load_run
-from .tables import (accuracy_table, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
+from .tables import (accuracy_table, row_roofline, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
                      fidelity_table, is_prefill_run, prefill_aggregate, roofline_picks, stage_table, status_table,
-                     throughput_table)
+                     throughput_table, ok_units)
 
 
 # ---- Markdown -----------------------------------------------------------------------------------
@@ -94,7 +94,31 @@ def resume_here(run: Run) -> str:
     return shlex.join(kept + ["--out", str(run.path), "--resume"])
 
 
-def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str]) -> str:
+def above_roofline_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
+    """Every unit measured faster than its roofline allows, a model defect: today's roofline time (the
+    profile's ceilings, every fraction 1, no fixed cost) over the measured module time above 1, or the
+    run's model HBM bytes over the measured time above the profile's HBM ceiling (HBM frac)."""
+    t = ok_units(run)
+    if device is None or t.empty or "module.median_s" not in t:
+        return pd.DataFrame()
+    rows = []
+    for _, r in t.iterrows():
+        measured = r["module.median_s"]
+        if not isinstance(measured, float) or not measured > 0:
+            continue
+        roof = row_roofline(r, device)
+        ratio = roof.time_s / measured if roof is not None else float("nan")
+        hbm = r.get("module.model_hbm_bytes")
+        hbm_frac = hbm / measured / device.hbm_bytes_per_s if isinstance(hbm, float) and math.isfinite(hbm) else float("nan")
+        if (math.isfinite(ratio) and ratio > 1) or (math.isfinite(hbm_frac) and hbm_frac > 1):
+            rows.append({"backend": r["backend"], "dtype": r["dtype"], "point": r["point_key"],
+                         "measured s": measured, "roofline s": roof.time_s if roof else float("nan"),
+                         "binding": roof.binding if roof else "–", "roofline / measured": ratio,
+                         "HBM frac": hbm_frac})
+    return pd.DataFrame(rows)
+
+
+def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str], profile_line: str | None = None) -> str:
     prov = run.meta.get("provenance") or {}
     out = [f"# msa-bench report: {run.path.name}", ""]
     if run.timer == "cpu":
@@ -107,7 +131,8 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
             f"- source: commit {prov.get('git_commit')} (dirty: {prov.get('git_dirty')}); started {prov.get('time_utc')} "
             f"on {prov.get('hostname')}",
             f"- {incomplete(run) or 'run complete'}",
-            f"- roofline device: {device.name if device else 'none (no profile matches this device; model omitted)'}",
+            f"- roofline device: {device.name if device else 'none (no profile matches this device; model omitted)'}"
+            + (f" ({profile_line})" if profile_line and device else ""),
             ""]
     for note in run.meta.get("notes") or []:
         out.append(f"- note: {note}")
@@ -128,6 +153,16 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str])
         out += ["## auto against the fastest backend measured", "",
                 f"auto is within 5 % of the fastest at {s['share_within']:.0%} of {s['points']} points; worst "
                 f"{s['worst']:.3f}x, median {s['median']:.3f}x.", "", markdown_table(av)]
+    above = above_roofline_table(run, device)
+    if device is not None:
+        out += ["## Units measured above their roofline (model defects)", "",
+                f"A roofline bounds what it models: a unit measured faster than its roofline time (the profile's "
+                f"ceilings: HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s, L2 {device.l2_bytes_per_s / 1e12:.2f} TB/s, "
+                f"bf16 {device.peak_flops('bf16') / 1e12:.0f} TFLOP/s; every fraction 1, no fixed cost), or moving the "
+                "model's HBM bytes faster than the HBM ceiling, shows a defect of the model (bytes or FLOPs "
+                "over-counted, or a ceiling under the hardware's).", ""]
+        out += [f"**{len(above)} unit(s) above their roofline: model defects.**", "", markdown_table(above)] \
+            if not above.empty else ["None: every modelled unit is at or under its roofline.", ""]
     fid = fidelity_table(run, device)
     if not fid.empty:
         out += ["## Model fidelity: predicted module time (roofline / achieved + fixed costs) against measured", "",
@@ -192,11 +227,16 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
                  device: DeviceProfile | None = None, warn=None) -> Path:
     """Write the PNGs and summary.md into `out_dir` (default RUN/report); returns the summary path.
     `warn(line)` is told what the reader must know first: a run that is not complete."""
+    from ...roofline.devices import run_profile
     run = load_run(run_dir)
     note = incomplete(run)
     if note and warn:
         warn(note)
     dev = device_for_run(run.meta, device)
+    choice = run_profile(run.meta) if device is None else None
+    line = (f"{choice.origin}: {choice.path}" + (f", sha256 {choice.sha256[:12]}" if choice.sha256 else "")
+            + (f"; {choice.note}" if choice.note else "")) if choice and choice.profile else \
+        ("given by --device" if device is not None else None)
     out = Path(out_dir) if out_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     _remove_old_figures(out)
@@ -206,5 +246,5 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
         plt.close(fig)
         names.append(name)
     path = out / "summary.md"
-    path.write_text(summary_markdown(run, dev, names))
+    path.write_text(summary_markdown(run, dev, names, line))
     return path

@@ -14,11 +14,13 @@ from ...kernels.auto import AUTO_RECORD, AutoBackend
 from ...kernels.base import get_backend
 from ...kernels.q_packed.hybrid import HybridBackend
 from ...roofline.model import crossover, crossover_at, is_decode
-from ...roofline.predict import fraction_fit, predict_module, schedule_roofline, shape_of, weigh_reason
+from ...roofline.predict import (fraction_fit, predict_module, schedule_roofline, shape_of, unmodelled_reason,
+                                 weigh_reason)
 from ...roofline.schedules import Schedule
 from ...roofline.shape import AttnShape
 from .axes import UNION, group_label, varying_fields
-from ..store.rows import _info, launch_labels, plan_config, quantization, schedule_of
+from ..store.rows import (_info, launch_labels, ok_units, plan_config, quantization, ran_stages, row_facts, row_record,
+                          schedule_of, unit_table)
 from ..store.results import STATUS_OK, Run
 
 STAGE_ORDER = ("index_map", "schedule", "attention", "combine")
@@ -28,44 +30,12 @@ SHAPE_DEFAULTS = asdict(AttnShape())
 
 # ---- tables -------------------------------------------------------------------------------------
 
-def unit_table(run: Run) -> pd.DataFrame:
-    """One row per unit: status columns, nsb/N (`x`), and wide `<stage>.<statistic>` columns."""
-    st = run.status.copy()
-    if st.empty:
-        return st
-    if "wl_nsb_per_n" in st:
-        st["x"] = st["wl_nsb_per_n"]
-    elif {"wl_nsb", "wl_n_tokens"} <= set(st):
-        st["x"] = st["wl_nsb"] / st["wl_n_tokens"]
-    else:
-        st["x"] = st.get("reuse", np.nan)
-    if {"plan_info", "schedule", "backend"} <= set(st):      # `auto` units: the schedule their plan chose
-        st["schedule"] = [s if s != "none" else (schedule_of(b, p) or "none")
-                          for s, b, p in zip(st["schedule"], st["backend"], st["plan_info"])]
-    if run.stats.empty:
-        return st
-    wide = run.stats.pivot_table(index=["point_key", "backend"], columns=["stage", "statistic"],
-                                 values="value", aggfunc="first")
-    wide.columns = [f"{a}.{b}" for a, b in wide.columns]
-    return st.merge(wide.reset_index(), on=["point_key", "backend"], how="left")
-
-
-def ok_units(run: Run) -> pd.DataFrame:
-    t = unit_table(run)
-    return t[t["status"] == STATUS_OK] if not t.empty else t
-
-
 def attention_shape(row) -> dict:
     out = {}
     for k, default in SHAPE_DEFAULTS.items():
         value = next((row[c] for c in (k, f"wl_{k}") if c in row and pd.notna(row[c])), default)
         out[k] = int(value)
     return out
-
-
-def row_record(row) -> dict:
-    """What a unit's plan recorded for the model (plan_info "model"; harness/store/migrate.py upgrades older rows)."""
-    return _info(row.get("plan_info")).get("model") or {}
 
 
 def row_model_shape(row):
@@ -194,18 +164,13 @@ def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
             "worst": float(r.max()), "median": float(r.median())}
 
 
-def _facts(row):
-    """The model's facts of a unit row's backend, None for one not registered here."""
-    try:
-        return get_backend(row["backend"]).facts
-    except KeyError:
+def row_roofline(row, device: DeviceProfile):
+    """The roofline of a unit row's schedule at `device`'s ceilings (no fraction, no fixed cost); None for
+    `auto` units, a backend the model does not predict, and rows that lack what it needs."""
+    facts = row_facts(row)
+    if facts is None or unmodelled_reason(facts, row) is not None:
         return None
-
-
-def ran_stages(backend, row) -> list[str]:
-    """The stages of `backend` (Backend.stage_names) a unit row timed: those with a finite median."""
-    return [s for s in backend.stage_names
-            if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
+    return _predict_row(row, facts.schedule, device)
 
 
 def predicted_module_s(row, device: DeviceProfile) -> float:
@@ -215,29 +180,9 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     if row["backend"] == AUTO:
         a = _info(row.get("plan_info")).get(AUTO_RECORD) or {}
         return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
-    facts = _facts(row)
+    facts = row_facts(row)
     got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row)) if facts else None
     return float("nan") if got is None else got.seconds
-
-
-def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
-    """Per backend and dtype, over the run's prefill units the model predicts: the fraction of today's
-    roofline the module reaches once its fixed costs (`device`'s) are taken off, roofline / (measured -
-    fixed); median and range. The median is what a device profile's `achieved` holds."""
-    t = ok_units(run)
-    rows = []
-    for _, r in t.iterrows() if not t.empty and "module.median_s" in t else ():
-        if r["backend"] == AUTO or is_decode(r.get("wl_n_tokens", 0), r.get("wl_requests", 0)):
-            continue
-        facts = _facts(r)
-        got = facts and fraction_fit(facts, r, row_record(r), device, r["dtype"], r["module.median_s"],
-                                     ran_stages(facts, r))
-        if got:
-            rows.append({"backend": got[0], "dtype": model_dtype(r["dtype"]), "f": got[1]})
-    if not rows:
-        return pd.DataFrame(columns=["backend", "dtype", "units", "achieved", "min", "max"])
-    f = pd.DataFrame(rows).groupby(["backend", "dtype"])["f"]
-    return pd.DataFrame({"units": f.size(), "achieved": f.median(), "min": f.min(), "max": f.max()}).reset_index()
 
 
 def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
@@ -256,7 +201,7 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
         if len(measured) < 2:
             continue
         pred = {r["backend"]: predicted_module_s(r, device) for _, r in g.iterrows()
-                if r["backend"] in names and weigh_reason(_facts(r), r, device, dtype) is None}
+                if r["backend"] in names and weigh_reason(row_facts(r), r, device, dtype) is None}
         hybrid = get_backend(HYBRID)
         for _, a in g[g["backend"] == AUTO].iterrows():
             record = (((_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("used") or {}).get(HYBRID) or {}).get("record")

@@ -33,6 +33,7 @@ class SweepRequest:
     counters: bool = False
     reps: int | None = None
     gpus: str | None = None          # --gpus all|N|LIST: one worker process per GPU (harness/running/pool.py)
+    device: str | None = None        # --device: the profile `auto` and the model rows use (roofline.devices)
     argv: list[str] = field(default_factory=list)
 
     def grid_options(self) -> dict:

@@ -62,9 +62,11 @@ class Runner:
                 if self.ncu is None:
                     notes.append("--counters: ncu not found (PATH, /opt/nvidia/nsight-compute/*/ncu, "
                                  "/usr/local/cuda/bin/ncu): continuing without hardware counters")
-        from ...roofline.devices import profile_for_gpu
+        import os
+        from ...roofline.devices import PROFILE_ENV, resolve_profile
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        self.profile = profile_for_gpu(gpu) if gpu else None
+        # the profile the sweep resolved (--device passes on as $MSA_BENCH_PROFILE); none on a CPU unless given
+        self.profile = resolve_profile(None, gpu).profile if gpu or os.environ.get(PROFILE_ENV) else None
         # every unit's status names the GPU (index, UUID, clocks) and, in a pool, the worker
         self.where = {**provenance.gpu_identity(device, self.telemetry.nvml_handle), **(where or {})}
 

@@ -117,7 +117,50 @@ class _Loop:
                     self.progress.finished(self.WORKER, b, "ok", (time.monotonic() - start) / len(bs) / len(chunk))
 
 
+def use_profile(req: SweepRequest, device, console):
+    """Resolve the profile this sweep uses (roofline.devices.resolve_profile: --device, this GPU's
+    calibration, its preset), pass --device on to `auto` and the workers ($MSA_BENCH_PROFILE) and say
+    the one line where there is no calibration."""
+    from ...roofline.devices import PRESETS, PROFILE_ENV, resolve_profile
+    if req.device:
+        resolve_profile(req.device, None)               # a bad --device is refused before anything runs
+        os.environ[PROFILE_ENV] = req.device.lower() if req.device.lower() in PRESETS else str(Path(req.device).resolve())
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    choice = resolve_profile(None, gpu)
+    choice.say((lambda line: console.print(line, markup=False, highlight=False)) if console else None)
+    return choice
+
+
+def record_profile(meta: dict, choice, grid, notes: list) -> None:
+    """The run's provenance names the profile it used (path and sha256); a resumed run that now resolves
+    another says so in a note. A GPU without a profile cannot run `auto`: refused before any unit."""
+    from ...errors import UserError
+    from ...kernels.auto import AutoBackend
+    if choice.profile is None and AutoBackend.name in grid.backends and torch.cuda.is_available():
+        raise UserError(f"`auto` needs a device profile: {choice.note}")
+    prov = meta.setdefault("provenance", {})
+    had = prov.get("profile")
+    now = choice.provenance()
+    if had is None:
+        prov["profile"] = now
+    elif (had.get("path"), had.get("sha256")) != (now["path"], now["sha256"]):
+        notes.append(f"resumed with profile {now['path']} (sha256 {str(now['sha256'])[:12]}); the run started "
+                     f"with {had.get('path')} (sha256 {str(had.get('sha256'))[:12]})")
+
+
 def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
+    from ...roofline.devices import PROFILE_ENV
+    before = os.environ.get(PROFILE_ENV)
+    try:
+        return _run_sweep(req, console)
+    finally:            # --device holds for this sweep (its `auto` and its workers) only
+        if before is None:
+            os.environ.pop(PROFILE_ENV, None)
+        else:
+            os.environ[PROFILE_ENV] = before
+
+
+def _run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     from rich.console import Console
     from rich.markup import escape
     console = console or Console(stderr=True)
@@ -125,6 +168,7 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
         console.soft_wrap = True        # a log or pipe has no width: notes stay whole lines, not cut at 80
     notes: list[str] = []
     device = _device()
+    choice = use_profile(req, device, console)
     pool = None
     if req.gpus is not None:
         from .pool import WorkerPool
@@ -133,6 +177,7 @@ def run_sweep(req: SweepRequest, console=None) -> SweepSummary:
     check_memory(grid, device)
     run_dir = run_dir_for(req, grid)
     meta = open_run(run_dir, req, grid, device)
+    record_profile(meta, choice, grid, notes)
     if device.type != "cuda":
         notes.insert(0, CPU_NOTE)
         meta["note"] = CPU_NOTE

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import math
 
-from ...roofline.devices import DeviceProfile, profile_for_gpu
+import numpy as np
+import pandas as pd
+
+from ...kernels.base import get_backend
+from ...roofline.devices import DeviceProfile, run_profile
 from ...roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, ModelShape, Prediction, predict, union_tokens
 from ...roofline.schedules import Schedule, is_schedule
+from .results import STATUS_OK, Run
 
 
 def schedule_of(backend: str, plan_info=None) -> str | None:
@@ -72,11 +77,11 @@ def launch_labels(plan_info) -> dict:
 
 
 def device_for_run(meta: dict, override: DeviceProfile | None = None) -> DeviceProfile | None:
-    """The device profile matching the run's GPU (None for CPU runs), unless one is given."""
+    """The device profile the run recorded, else its GPU's (roofline.devices.run_profile; None for CPU
+    runs), unless one is given."""
     if override is not None:
         return override
-    gpu = (meta.get("provenance") or {}).get("gpu_name")
-    return profile_for_gpu(gpu) if gpu else None
+    return run_profile(meta).profile
 
 
 def _usable(v) -> bool:
@@ -104,3 +109,51 @@ def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float,
                    tile_tokens=tile,
                    executed_union_ratio=float(executed_union_ratio) if _usable(executed_union_ratio) else None,
                    shared_nsb=float(shared_nsb) if _usable(shared_nsb) or shared_nsb == 0 else None)
+
+
+# ---- a run's rows ------------------------------------------------------------------------------
+
+def unit_table(run: Run) -> pd.DataFrame:
+    """One row per unit: status columns, nsb/N (`x`), and wide `<stage>.<statistic>` columns."""
+    st = run.status.copy()
+    if st.empty:
+        return st
+    if "wl_nsb_per_n" in st:
+        st["x"] = st["wl_nsb_per_n"]
+    elif {"wl_nsb", "wl_n_tokens"} <= set(st):
+        st["x"] = st["wl_nsb"] / st["wl_n_tokens"]
+    else:
+        st["x"] = st.get("reuse", np.nan)
+    if {"plan_info", "schedule", "backend"} <= set(st):      # `auto` units: the schedule their plan chose
+        st["schedule"] = [s if s != "none" else (schedule_of(b, p) or "none")
+                          for s, b, p in zip(st["schedule"], st["backend"], st["plan_info"])]
+    if run.stats.empty:
+        return st
+    wide = run.stats.pivot_table(index=["point_key", "backend"], columns=["stage", "statistic"],
+                                 values="value", aggfunc="first")
+    wide.columns = [f"{a}.{b}" for a, b in wide.columns]
+    return st.merge(wide.reset_index(), on=["point_key", "backend"], how="left")
+
+
+def ok_units(run: Run) -> pd.DataFrame:
+    t = unit_table(run)
+    return t[t["status"] == STATUS_OK] if not t.empty else t
+
+
+def row_record(row) -> dict:
+    """What a unit's plan recorded for the model (plan_info "model"; harness/store/migrate.py upgrades older rows)."""
+    return _info(row.get("plan_info")).get("model") or {}
+
+
+def row_facts(row):
+    """The model's facts of a unit row's backend, None for one not registered here."""
+    try:
+        return get_backend(row["backend"]).facts
+    except KeyError:
+        return None
+
+
+def ran_stages(backend, row) -> list[str]:
+    """The stages of `backend` (Backend.stage_names) a unit row timed: those with a finite median."""
+    return [s for s in backend.stage_names
+            if isinstance(row.get(f"{s}.median_s"), float) and math.isfinite(row.get(f"{s}.median_s"))]
