@@ -15,6 +15,7 @@ existed are upgraded once, where a run is loaded (harness/store/migrate.py).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from .devices import DeviceProfile, achieved, has_achieved, has_fixed_costs
@@ -237,4 +238,4 @@ def hybrid_time(split: dict, profile: DeviceProfile, dtype: str) -> tuple[float,
 
 
 def _usable(v) -> bool:
-    return v is not None and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from msa_bench.errors import UserError
-from msa_bench.roofline.devices import PRESETS
+from msa_bench.roofline.devices import PRESETS, load_device
 from msa_bench.roofline.model import (ModelShape, packed_crossover, predict, traffic, union_ratio_floor,
                                       useful_flops)
 from msa_bench.scenarios.coselection import (coselected_selection, coselected_workload, implied_union_ratio,
@@ -291,7 +291,7 @@ def test_roofline_json_and_table_show_the_co_selection_winner(cli):
     assert code == 0, err
     co = json.loads(out)["co_selection"]
     assert co["tile_tokens"] == 8 and co["schedules"] == ["kv-outer", "q-outer", "q-packed"]
-    dev, shape = PRESETS["h200"], ModelShape(dtype="bf16")
+    dev, shape = load_device("h200"), ModelShape(dtype="bf16")   # --device h200: its calibrated profile
     for row in co["rows"]:
         r = row["nsb_per_n"]
         for cell in row["cells"]:

@@ -94,7 +94,7 @@ def test_the_h200_preset_agrees_with_its_calibration():
 # ---- provenance ---------------------------------------------------------------------------------
 
 def test_a_run_records_its_profile_and_the_report_repredicts_with_it(here, fake_run):
-    from msa_bench.harness import results
+    from msa_bench.harness.store import results
     path = calibrated(here, "h100")
     run = here / "run"
     fake_run(run, {"kv-outer": [1e-3] * 5})
@@ -113,8 +113,8 @@ def test_a_run_records_its_profile_and_the_report_repredicts_with_it(here, fake_
 
 def test_the_sweep_records_the_profile_in_run_json(here):
     """A CPU sweep (smoke) with --device names the profile file and its hash in provenance."""
-    from msa_bench.harness import results
-    from msa_bench.harness.sweep import SweepRequest, run_sweep
+    from msa_bench.harness.store import results
+    from msa_bench.harness.running.sweep import SweepRequest, run_sweep
     own = here / "mine.json"
     PRESETS["h100"].to_json(own)
     req = SweepRequest(scenario="smoke", backends=["kv-outer"], dtypes=["fp32"], tokens=[16], reuse=[0.5],
@@ -184,7 +184,7 @@ def test_the_profile_names_the_points_it_was_fitted_on_and_validation_leaves_the
 # ---- units above their roofline -----------------------------------------------------------------
 
 def test_a_unit_above_its_roofline_is_flagged_in_the_summary(tmp_path):
-    from msa_bench.harness.report import above_roofline_table, write_report
+    from msa_bench.harness.report.summary import above_roofline_table, write_report
     from msa_bench.harness.store.results import load_run
     run = load_run(ROOT / "results" / "h200" / "drift")
     dev = devices.load_device("h200")

@@ -127,6 +127,7 @@ def test_check_help_shows_the_real_defaults():
 def test_roofline_and_workload_default_to_one_device_rule():
     roof = runner.invoke(app, ["roofline", "--json"])
     work = runner.invoke(app, ["workload", "--json", "--tokens", "1024", "--context", "65536"])
-    assert json.loads(roof.output)["device"] == json.loads(work.output)["device"] == "h200"
+    device = json.loads(roof.output)["device"]
+    assert device == json.loads(work.output)["device"] and device.startswith("h200")   # its calibrated profile where one is committed
     for command in ("roofline", "workload"):
-        assert "the profile of this machine's GPU where one matches it, else h200" in _help(command)
+        assert "without a GPU, h200" in " ".join(_help(command).split())

@@ -32,7 +32,7 @@ def _base(backend: str) -> str:
     return base_name(backend)
 
 
-def _sparse(backend: str) -> bool:
+def _is_sparse(backend: str) -> bool:
     """A backend that attends the selection: it declares a schedule (`auto`, which may pick dense, and the
     reference do not) and is no dense probe."""
     try:
@@ -70,8 +70,7 @@ def dense_units(run: Run) -> pd.DataFrame:
 
 
 def _sparse(g: pd.DataFrame) -> pd.DataFrame:
-    base = g["backend"].map(_base)
-    return g[g["backend"].map(_sparse)]
+    return g[g["backend"].map(_is_sparse)]
 
 
 def _ratio_at(g: pd.DataFrame, context: float | None) -> float | None:
