@@ -77,17 +77,12 @@ def field_digests(meta: dict) -> dict:
 
 def sealed_meta(meta: dict) -> dict:
     """run.json's fields (JSON values) with their seal."""
-    return {**{k: v for k, v in meta.items() if k != SEAL_FIELD}, SEAL_FIELD: field_digests(meta)}
+    return _with_seal(meta, field_digests(meta))
 
 
 def meta_change(meta: dict) -> str | None:
     """What changed in run.json since it was written: UNSEALED, "field <name> changed|removed|added", or None."""
-    sealed = meta.get(SEAL_FIELD)
-    if sealed is None:
-        return UNSEALED
-    if not isinstance(sealed, dict):
-        return f"field {SEAL_FIELD} holds no digests"
-    return _changed(sealed, field_digests(meta), "field")
+    return _change(meta, field_digests(meta), "field")
 
 
 def record_digests(record: dict) -> dict:
@@ -96,14 +91,23 @@ def record_digests(record: dict) -> dict:
 
 def sealed_record(record: dict) -> dict:
     """A packed unit's record (JSON values) with its seal."""
-    return {**{k: v for k, v in record.items() if k != SEAL_FIELD}, SEAL_FIELD: record_digests(record)}
+    return _with_seal(record, record_digests(record))
 
 
 def record_change(record: dict) -> str | None:
     """What changed in a packed unit's record since it was packed: UNSEALED, "<status|stats> changed", or None."""
-    sealed = record.get(SEAL_FIELD)
+    return _change(record, record_digests(record), "its")
+
+
+def _with_seal(obj: dict, digests: dict) -> dict:
+    return {**{k: v for k, v in obj.items() if k != SEAL_FIELD}, SEAL_FIELD: digests}
+
+
+def _change(obj: dict, digests: dict, what: str) -> str | None:
+    """UNSEALED, what of `obj` changed against its seal, or None."""
+    sealed = obj.get(SEAL_FIELD)
     if sealed is None:
         return UNSEALED
     if not isinstance(sealed, dict):
-        return f"its {SEAL_FIELD} holds no digests"
-    return _changed(sealed, record_digests(record), "its")
+        return f"{what} {SEAL_FIELD} holds no digests"
+    return _changed(sealed, digests, what)
