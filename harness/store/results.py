@@ -324,14 +324,16 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
     for name, table in (("stats.parquet", stats), ("samples.parquet", samples)):
         if table is None:
             continue
-        foreign = (table["point_key"] != status["point_key"]) | (table["backend"] != status["backend"])
-        if foreign.any():
-            raise UserError(f"corrupt results file {folder / name}: {int(foreign.sum())} row(s) of another unit")
-        other = table["dtype"].astype(str) != str(status.get("dtype"))
-        if other.any():
-            found = ", ".join(sorted(set(table.loc[other, "dtype"].astype(str))))
-            raise UserError(f"corrupt results file {folder / name}: {int(other.sum())} row(s) of dtype {found}, the "
-                            f"unit's status.json says {status.get('dtype')!r}")
+        # plain lists: pandas' comparisons cost more than the check on a unit's few dozen rows
+        keys, backends = table["point_key"].tolist(), table["backend"].tolist()
+        foreign = sum(k != status["point_key"] or b != status["backend"] for k, b in zip(keys, backends))
+        if foreign:
+            raise UserError(f"corrupt results file {folder / name}: {foreign} row(s) of another unit")
+        dtypes = [str(d) for d in table["dtype"].tolist()]
+        other = [d for d in dtypes if d != str(status.get("dtype"))]
+        if other:
+            raise UserError(f"corrupt results file {folder / name}: {len(other)} row(s) of dtype "
+                            f"{', '.join(sorted(set(other)))}, the unit's status.json says {status.get('dtype')!r}")
     values = pd.to_numeric(stats["value"], errors="coerce").to_numpy(dtype=float)
     if not np.isfinite(values).all():
         raise UserError(f"corrupt results file {folder / 'stats.parquet'}: "
