@@ -6,7 +6,8 @@
 # ROOT holds one run folder per scenario and calibration/; an existing run folder is resumed. STEP is
 #   calibrate:T        msa-bench calibrate (into results/<gpu>/calibration, where every command finds it;
 #                      copied to ROOT/calibration), stopped after T s; its wall time is printed
-#   time:S:T           msa-bench sweep --scenario S (with the profile found for this GPU), stopped after T s
+#   time:S:T[:i/n]     msa-bench sweep --scenario S (with the profile found for this GPU), stopped after T s;
+#                      i/n runs that shard of the points only (a trimmed run on a GPU with less time)
 #   warm:T             FlashInfer's JIT kernels built in the background (msa-bench check of each FlashInfer
 #                      backend and dtype), so a later step does not wait on the first build
 # MSA_BACKENDS (comma-separated) replaces the scenarios' backends. ROOT is packed into $OUT/runs.tgz after
@@ -19,7 +20,7 @@ grep -i "up to date\|rebuild\|commit\|ready" "$R/setup.log" | head -4
 pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/runs.tgz" --exclude='*.log.tmp' -C "$(dirname "$R")" "$(basename "$R")"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu --format=csv,noheader
 for step in "$@"; do
-    IFS=: read -r kind a b <<< "$step"
+    IFS=: read -r kind a b c <<< "$step"
     t0=$(date +%s)
     case $kind in
         warm)
@@ -36,6 +37,7 @@ for step in "$@"; do
         time)
             dir=$R/$a; args=(--scenario "$a")
             [ -n "${MSA_BACKENDS:-}" ] && args+=(--backend "$MSA_BACKENDS")
+            [ -n "$c" ] && args+=(--shard "$c")
             [ -f "$dir/run.json" ] && args+=(--resume)
             timeout -s INT -k 15 "$b" msa-bench sweep --out "$dir" "${args[@]}" >> "$dir.log" 2>&1
             rc=$?

@@ -57,6 +57,21 @@ def test_impossible_sizes_are_refused_before_anything_runs(tmp_path, cli, one_er
     assert not out.exists()                                   # refused before a run folder was made
 
 
+def test_points_too_large_for_this_device_are_unavailable_and_the_rest_runs(tmp_path, cli):
+    """A scenario sized for a larger GPU still runs where some of its points fit: the others' units are
+    recorded unavailable with the memory they need, a note counts them, and the sweep exits 0."""
+    scenario = tmp_path / "mixed.toml"
+    grid = GRID_TOML.replace("context = 512", "context = [512, 1073741824]")
+    scenario.write_text(f'description = "x"\nbackends = ["reference"]\n{SHAPE}{grid}')
+    code, _, err = cli("sweep", "--scenario", scenario, "--out", tmp_path / "r")
+    assert code == 0, err
+    assert "1 of 2 points do not fit" in " ".join(err.split())
+    status = load_run(tmp_path / "r").status.set_index("context")
+    assert status.loc[512, "status"] == "ok"
+    assert status.loc[1073741824, "status"] == "unavailable"
+    assert "does not fit on this device" in status.loc[1073741824, "reason"]
+
+
 def test_interrupt_names_the_folder_and_the_command_that_resumes_it(tmp_path, cli, monkeypatch):
     run = tmp_path / "run"
     code, _, err = cli("sweep", *GRID, "--out", run, env={INTERRUPT_HOOK: "1"})

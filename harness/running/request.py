@@ -131,14 +131,24 @@ def resolve(req: SweepRequest, device, notes: list[str]) -> Grid:
                 [results.unit_id(p.key(), b) for p, b in mine], results.grid_digest(every_ids), timing)
 
 
-def check_memory(grid: Grid, device) -> None:
-    """Refuse, before anything is allocated, a point whose workload and partials cannot fit on `device`."""
+def check_memory(grid: Grid, device, notes: list[str]) -> None:
+    """Refuse, before anything is allocated, a grid none of whose points' workloads and partials fit on
+    `device`. When some do, the others stay in the grid: their units are recorded unavailable (a scenario
+    sized for a larger GPU still runs on a smaller one), and a note says how many."""
     from ...scenarios.grid import check_point_fits
-    seen = set()
+    unfit, seen = [], set()
     for p, _ in grid.mine:
         if p.key() not in seen:
             seen.add(p.key())
-            check_point_fits(p, device)
+            try:
+                check_point_fits(p, device)
+            except UserError as exc:
+                unfit.append(str(exc))
+    if unfit and len(unfit) == len(seen):
+        raise UserError(unfit[0])
+    if unfit:
+        notes.append(f"{len(unfit)} of {len(seen)} points do not fit in this device's free memory; their units "
+                     f"are recorded unavailable (first: {unfit[0]})")
 
 
 def resume_command(req: SweepRequest, scenario_name: str, run_dir) -> str:

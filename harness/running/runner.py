@@ -39,6 +39,9 @@ def scalar_stats(stats: dict) -> dict:
     return out
 
 
+UNFIT = "does not fit on this device: "
+
+
 class Runner:
     """State shared by the units of one sweep (device, telemetry, timing, counters)."""
 
@@ -77,7 +80,9 @@ class Runner:
         head = {"point_key": point.key(), **point.as_dict(), "timer": self.timer, **self.where, **wl_stats,
                 "backend": backend, "schedule": schedule_of(backend) or "none", "nth_on_workload": nth}
         if workload is None:
-            status, stats, samples = {**head, "status": results.STATUS_FAILED, "reason": why}, [], []
+            # a point too large for this GPU is unavailable here, as a backend this host lacks is
+            failed = results.STATUS_UNAVAILABLE if why.startswith(UNFIT) else results.STATUS_FAILED
+            status, stats, samples = {**head, "status": failed, "reason": why}, [], []
         else:
             status, stats, samples = self.unit(point, backend, workload, wl_stats, head)
         results.write_unit(self.run_dir, results.unit_id(point.key(), backend), status, stats, samples)
@@ -235,9 +240,14 @@ def label(point) -> str:
 
 
 def build_workload(point, device) -> tuple[object, dict, str]:
-    """(workload, its scalar stats, "") or (None, {}, why it could not be built)."""
-    from ...scenarios.grid import make_workload
+    """(workload, its scalar stats, "") or (None, {}, why it could not be built). A point whose workload
+    cannot fit in the device's free memory is not built: its why starts with UNFIT."""
+    from ...scenarios.grid import check_point_fits, make_workload
     from ...scenarios.stats import workload_stats
+    try:
+        check_point_fits(point, device)
+    except UserError as exc:
+        return None, {}, f"{UNFIT}{exc}"
     try:
         workload = make_workload(point, device)
         return workload, scalar_stats(workload_stats(workload)), ""

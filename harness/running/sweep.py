@@ -174,7 +174,7 @@ def _run_sweep(req: SweepRequest, console=None) -> SweepSummary:
         from .pool import WorkerPool
         pool = WorkerPool.for_request(req, notes)      # refuses bad --gpus and mixed GPU models
     grid = resolve(req, device, notes)
-    check_memory(grid, device)
+    check_memory(grid, device, notes)
     run_dir = run_dir_for(req, grid)
     meta = open_run(run_dir, req, grid, device)
     record_profile(meta, choice, grid, notes)
