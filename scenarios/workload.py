@@ -158,9 +158,12 @@ def _quantize(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, float]:
     if dtype != "fp8":
         return x.to(torch_dtype(dtype)), 1.0
     # A power-of-two scale keeps fp8 * scale exact in bf16, so a bf16-Q backend sees the same values.
-    amax = x.abs().max().item()
+    # In place and without abs(): a full-size float32 temporary more would not fit a 1M-token cache on
+    # an 80 GB GPU (footprint_bytes counts one).
+    lo, hi = torch.aminmax(x)
+    amax = max(-lo.item(), hi.item())
     scale = 2.0 ** math.ceil(math.log2(max(amax, 1e-12) / FP8_MAX))
-    return (x / scale).to(torch.float8_e4m3fn), scale
+    return x.div_(scale).to(torch.float8_e4m3fn), scale
 
 
 def draw_tensors(shape: AttnShape, dtype: str, n_tokens: int, num_pages: int, seed: int, device="cpu"):
