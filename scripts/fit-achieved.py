@@ -3,9 +3,9 @@
 
 `msa-bench calibrate` fits them on its own prefill sweep; this wrapper fits the same rule on runs already
 made, for a profile whose ceilings or fixed costs changed and whose GPU is not at hand (the H200's, whose
-ceilings moved to its measured read stream). Per backend and dtype: the median over the run's prefill
-units of roofline / (measured module time less the profile's fixed costs of the stages the unit ran), at
-the profile's ceilings. The fitted runs are recorded under the profile's "fitted" (points, commit, date),
+ceilings moved to its measured read stream). Per backend and dtype: the median over the run's selection
+generators of the median over each one's prefill units of roofline / (measured module time less the
+profile's fixed costs of the stages the unit ran), at the profile's ceilings. The fitted runs are recorded under the profile's "fitted" (points, commit, date),
 and scripts/auto-validation.py leaves those points out.
 
     python scripts/fit-achieved.py RUN [--profile results/h200/calibration/profile.json] [--backend B] [--write]

@@ -160,3 +160,19 @@ def test_the_wide_tiles_units_fit_and_replay_under_their_own_fraction():
     slow = replace(H200, achieved={**H200.achieved, f"q-packed-cute@p12/{row['dtype']}": 0.01})
     assert tables.predicted_module_s(row, slow) > 10 * tables.predicted_module_s(row, H200)
     assert fraction_name(get_backend("q-packed-cute@pp").facts, {}) == "q-packed-cute@pp"
+
+
+def test_fit_achieved_weighs_each_selection_generator_the_same():
+    """A fraction fitted on two kinds of selection is the median of each kind's median, however many units
+    each has: 16 real-prefill units do not outvote 7 co-selection ones, nor the reverse."""
+    from dataclasses import replace
+    import pandas as pd
+    bare = replace(H200, achieved={})
+    syn, real = load_run(RESULTS / "co-selection"), load_run(RESULTS / "real-prefill")
+    both = replace(syn, status=pd.concat([syn.status, real.status], ignore_index=True),
+                   stats=pd.concat([syn.stats, real.stats], ignore_index=True))
+    a, b, ab = (fit_achieved(r, bare).set_index(["backend", "dtype"]) for r in (syn, real, both))
+    for key in (("kv-outer-cute", "bf16"), ("kv-outer-cute", "fp8"), ("msa-scatter", "bf16")):
+        assert ab.loc[key, "units"] == a.loc[key, "units"] + b.loc[key, "units"] and a.loc[key, "units"] != b.loc[key, "units"]
+        assert ab.loc[key, "achieved"] == pytest.approx((a.loc[key, "achieved"] + b.loc[key, "achieved"]) / 2)
+        assert a.loc[key, "achieved"] != pytest.approx(b.loc[key, "achieved"], rel=1e-3)

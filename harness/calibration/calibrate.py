@@ -30,12 +30,14 @@ from pathlib import Path
 from ...errors import UserError
 from ...kernels.auto import AutoBackend
 from ...kernels.q_packed.hybrid import HybridBackend
+from ...roofline.names import base_name
 from ...roofline.devices import MAX_ACHIEVED, PRESETS, DeviceProfile, load_device, preset_key, profile_from_dict
 
 FIT_SCENARIO, QUICK_SCENARIO = "calibrate", "calibrate-quick"
 MIN_UNITS = 1          # a fraction is fitted on at least this many prefill units (flashinfer-packed: its union_ratio 1 points)
-FIT_RULE = ("median over the run's prefill units of roofline / (module time less the profile's fixed costs "
-            "of the stages the unit ran), at the profile's ceilings (harness.calibration.fit.fit_achieved)")
+FIT_RULE = ("median over the run's selection generators of the median over each one's prefill units of roofline / "
+            "(module time less the profile's fixed costs of the stages the unit ran), at the profile's ceilings "
+            "(harness.calibration.fit.fit_achieved)")
 
 
 def _base(key: str) -> str:
@@ -69,8 +71,11 @@ def fit_prefill(run, device: DeviceProfile, old: dict | None = None, only=None, 
         fractions[key] = {"value": fitted[key], "units": int(r.units), "min": round(float(r.min), 4),
                           "max": round(float(r.max), 4), **where}
     why = _unfitted_reasons(run)
-    planned = {f"{b}/{d}" for b in (run.meta.get("backends") or []) for d in _dtypes(run)
-               if b not in (AutoBackend.name, HybridBackend.name)}      # those two have no fraction of their own
+    listed = run.meta.get("backends") or []
+    # auto and the hybrid have no fraction of their own; an option beside its base (q-packed-cute@p8) fits
+    # under the base's names
+    planned = {f"{b}/{d}" for b in listed for d in _dtypes(run)
+               if b not in (AutoBackend.name, HybridBackend.name) and not (b != base_name(b) and base_name(b) in listed)}
     kept = {}
     for key in sorted(({k for k in old if mine(k)} | {k for k in planned if mine(k)} | set(short)) - set(fitted)):
         reason = short.get(key) or why.get(_base(key)) or "no prefill unit of it in the fit's run"
@@ -199,7 +204,7 @@ def _prefill_sweep(out_dir: Path, scenario: str, only, console) -> Path | None:
     from ..running.sweep import SweepRequest, run_sweep
     backends = load_scenario(scenario).backends
     if only:
-        backends = [b for b in backends if b in set(only)]
+        backends = [b for b in backends if b in set(only) or base_name(b) in set(only)]
         if not backends:
             return None
     run_dir = out_dir / ("prefill-fit" if not only else "prefill-fit-" + "+".join(backends))

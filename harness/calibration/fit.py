@@ -1,5 +1,8 @@
-"""The prefill fractions of a device profile, fitted on a run: per backend and dtype, the median over its
-prefill units of the fraction of today's roofline the module reaches once its fixed costs are taken off."""
+"""The prefill fractions of a device profile, fitted on a run: per backend and dtype, the fraction of today's
+roofline the module reaches once its fixed costs are taken off, as the median over the run's selection
+generators of the median over each generator's prefill units. Each kind of selection weighs the same: a
+tile's fraction differs between synthetic co-selection and real-prefill selections, and a plain median over
+more units of one kind fits that kind alone (docs/perf-log.md, 2026-12-07)."""
 from __future__ import annotations
 
 import pandas as pd
@@ -28,8 +31,11 @@ def fit_achieved(run: Run, device: DeviceProfile) -> pd.DataFrame:
         got = facts and fraction_fit(facts, r, row_record(r), device, r["dtype"], r["module.median_s"],
                                      ran_stages(facts, r))
         if got:
-            rows.append({"backend": got[0], "dtype": model_dtype(r["dtype"]), "f": got[1]})
+            rows.append({"backend": got[0], "dtype": model_dtype(r["dtype"]), "f": got[1],
+                         "generator": str(r.get("generator") or "")})
     if not rows:
         return pd.DataFrame(columns=["backend", "dtype", "units", "achieved", "min", "max"])
-    f = pd.DataFrame(rows).groupby(["backend", "dtype"])["f"]
-    return pd.DataFrame({"units": f.size(), "achieved": f.median(), "min": f.min(), "max": f.max()}).reset_index()
+    t = pd.DataFrame(rows)
+    f = t.groupby(["backend", "dtype"])["f"]
+    achieved = t.groupby(["backend", "dtype", "generator"])["f"].median().groupby(["backend", "dtype"]).median()
+    return pd.DataFrame({"units": f.size(), "achieved": achieved, "min": f.min(), "max": f.max()}).reset_index()

@@ -158,8 +158,9 @@ class QPackedCuteBackend(Backend):
     tile_tokens = TILE_TOKENS
     mma_tokens = TILE_TOKENS // 2        # a consumer warpgroup's 64 rows: it skips what its 4 tokens did not select
     # the 12-token tile is its own kernel (three consumer warpgroups), measured on its own under the option
-    # that forces it
-    tile_fractions = ((WIDE_TOKENS, f"q-packed-cute@p{WIDE_TOKENS}"),)
+    # that forces it; the 8-token tile's fraction is the backend's under any option (`@p8` forces it where
+    # the rule would take 12 tokens: calibrate fits it on real-prefill selections that way)
+    tile_fractions = ((TILE_TOKENS, "q-packed-cute"), (WIDE_TOKENS, f"q-packed-cute@p{WIDE_TOKENS}"))
     # the words are manifest.OPTION_FLAGS's, which name the libraries
     options = {"pingpong": Choice("pingpong consumer warpgroups", {"pp": True, "plain": False}),
                "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False}),
