@@ -257,6 +257,16 @@ def build_workload(point, device) -> tuple[object, dict, str]:
         return None, {}, f"workload could not be built: {one_line(exc)}"
 
 
+def free_device_memory() -> None:
+    """Give the last point's memory back before the next is built: a plan whose stages close over it is a
+    reference cycle, which only the collector frees, and a point sized for the device cannot share it
+    (on an H100, 38.7 of 79 GiB were still taken when the point after decode's 1024-request fp8 one was
+    checked)."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def wants_counters(status: dict) -> bool:
     """A timed unit whose counters are not in yet (pending, or failed on an earlier try)."""
     return status.get("status") == results.STATUS_OK and status.get("counters") != "ncu"

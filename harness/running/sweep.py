@@ -19,7 +19,7 @@ from ..store import results
 from .progress import SweepProgress
 from .request import Grid, SweepRequest, check_memory, resolve, resume_command
 from .run_folder import CPU_NOTE, RUNS_ROOT, SweepSummary, close_run, open_run, run_dir_for, set_aside_damaged, summarize
-from .runner import Runner, build_workload, label, wants_counters
+from .runner import Runner, build_workload, free_device_memory, label, wants_counters
 from .signals import EXIT_SIGINT, sigterm_interrupts
 
 __all__ = ["SweepRequest", "SweepSummary", "SweepInterrupted", "run_sweep", "RUNS_ROOT", "INTERRUPT_HOOK"]
@@ -85,7 +85,7 @@ class _Loop:
                 raise KeyboardInterrupt
         del workload
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            free_device_memory()
         return want
 
     def timing_pass(self) -> list[tuple]:

@@ -32,7 +32,7 @@ def main() -> int:
     import torch
 
     from .request import SweepRequest, resolve
-    from .runner import Runner, build_workload, label
+    from .runner import Runner, build_workload, free_device_memory, label
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     notes: list[str] = []
     grid = resolve(SweepRequest(**config["request"]), device, notes)
@@ -57,7 +57,7 @@ def main() -> int:
         if point.key() != held_key:
             workload = None
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                free_device_memory()
             send({"state": f"{label(point)} · building workload"})
             workload, wl_stats, why = build_workload(point, device)
             held_key, nth = point.key(), 0
