@@ -459,6 +459,7 @@ def report(
     device: str = typer.Option(None, help="Roofline device profile (b200, h100, h200 or a JSON); default: the "
                                           "profile the run recorded (run.json provenance), else its GPU's "
                                           "calibration or preset, none for a CPU run."),
+    figures: bool = typer.Option(True, help="Draw the PNGs; --no-figures writes summary.md's tables alone."),
 ):
     """Plots (TFLOP/s vs reuse with roofline curves and crossovers, stacked per-stage latency, measured vs
     model bytes) and a Markdown summary of a run. A run that is not complete is reported from the units it
@@ -466,7 +467,7 @@ def report(
     from .harness.report.summary import write_report
     from .roofline.devices import resolve_profile
     path = write_report(run, out, resolve_profile(device, None).profile if device else None,
-                        warn=lambda line: typer.echo(f"warning: {line}", err=True))
+                        warn=lambda line: typer.echo(f"warning: {line}", err=True), figures=figures)
     typer.echo(f"wrote {path}")
 
 

@@ -56,6 +56,15 @@ def test_report_writes_plots_and_summary(tmp_path, cli):
         assert f"| {backend} |" in summary
 
 
+def test_report_without_figures_writes_the_tables_alone(tmp_path, cli):
+    out = tmp_path / "rep"
+    code, _, err = cli("report", str(FIXTURE), "--out", str(out), "--no-figures")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["summary.md"]
+    text = (out / "summary.md").read_text()
+    assert "## Figures" not in text and ".png" not in text and "|" in text
+
+
 def test_report_with_a_gpu_model_over_cpu_measurements(tmp_path, cli):
     code, _, err = cli("report", FIXTURE, "--out", tmp_path, "--device", "h200")
     assert code == 0, err

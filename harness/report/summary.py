@@ -210,7 +210,7 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str],
         out += ["## Roofline picks: predicted fastest schedule against the measured fastest backend", "",
                 f"The roofline picked the measured-faster schedule (KV-outer, Q-outer or q-packed) at "
                 f"{summ['agree_cases']} of {summ['cases']} points.", "", markdown_table(picks)]
-    out += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
+    out += (["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]) if figures else []
     return "\n".join(out)
 
 
@@ -224,9 +224,10 @@ def _remove_old_figures(out: Path) -> None:
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
-                 device: DeviceProfile | None = None, warn=None) -> Path:
+                 device: DeviceProfile | None = None, warn=None, figures: bool = True) -> Path:
     """Write the PNGs and summary.md into `out_dir` (default RUN/report); returns the summary path.
-    `warn(line)` is told what the reader must know first: a run that is not complete."""
+    `warn(line)` is told what the reader must know first: a run that is not complete. figures=False: the
+    tables alone (a committed run where results/ has no room for its plots)."""
     from ...roofline.devices import run_profile
     run = load_run(run_dir)
     note = incomplete(run)
@@ -241,7 +242,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
     out.mkdir(parents=True, exist_ok=True)
     _remove_old_figures(out)
     names = []
-    for name, fig in report_figures(run, dev) + crossover_figures(run, dev):
+    for name, fig in (report_figures(run, dev) + crossover_figures(run, dev)) if figures else ():
         save_png(fig, out / name)
         plt.close(fig)
         names.append(name)
