@@ -170,9 +170,9 @@ def _workload_trace(trace: str | None, calls: str | None, dtype: str, device: st
     info = read_index(trace)
     entries = select_calls(info, calls)
     choice = resolve_profile(device)
-    choice.say(lambda line: typer.echo(line, err=True))
     profile = choice.required("msa-bench workload")
-    stats = [call_stats(info, e, dtype, profile) for e in entries]
+    stats = [call_stats(info, e, dtype, profile) for e in entries]      # a bad call: its one line alone
+    choice.say(lambda line: typer.echo(line, err=True))
     place(stats, info.shape, dtype)
     for line in trace_lines(info, stats, profile.name, dtype):
         typer.echo(line)
