@@ -133,9 +133,10 @@ def trace_lines(info: TraceInfo, calls: list[CallStats], device: str | None, dty
     import textwrap
     s = info.shape
     layers = sorted({c.entry.layer for c in calls})
-    lines = [f"trace {info.path}", f"  {len(calls)} of its {len(info.calls)} calls, layers "
-             f"{', '.join(map(str, layers))}; shape Hq {s.hq}, Hkv {s.hkv}, D {s.head_dim}, block {s.block} tokens, "
-             f"top-{s.topk}"]
+    lines = [f"trace {info.path}"] + textwrap.wrap(
+        f"{len(calls)} of its {len(info.calls)} calls, layers {', '.join(map(str, layers))}; shape Hq {s.hq}, "
+        f"Hkv {s.hkv}, D {s.head_dim}, block {s.block} tokens, top-{s.topk}", width, initial_indent="  ",
+        subsequent_indent="    ")
     for key, value in info.provenance.items():
         text = value if isinstance(value, str) else ", ".join(f"{k} {v}" for k, v in value.items()) \
             if isinstance(value, dict) else str(value)
