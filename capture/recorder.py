@@ -101,7 +101,7 @@ class Recorder:
                              f"{'' if heads_first else ' transposed'}")
         if requests is None:
             requests = torch.zeros(sel.shape[1], dtype=torch.int32, device=positions.device)
-        fields = {"selection": sel.clamp(min=-1), "q_request": requests, "q_position": positions}
+        fields = {"selection": sel, "q_request": requests, "q_position": positions}
         if context is not None:      # else derived on the host at close: its size would need a device sync here
             fields["context"] = torch.as_tensor(context)
         if page_table is not None:
@@ -121,12 +121,11 @@ class Recorder:
         cuda = any(t.is_cuda for t in fields.values())
         host = {}
         for name, t in fields.items():
-            t = t.to(torch.int32)                 # on its device: an int64 top-k is narrowed there
             if t.is_cuda:
-                buf = torch.empty(t.shape, dtype=torch.int32, pin_memory=True)
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 buf.copy_(t, non_blocking=True)
-            else:
-                buf = t.clone() if t is fields[name] else t
+            else:                                 # the engine may reuse its buffer: a copy of its own
+                buf = t.to(torch.int32, copy=True)
             host[name] = buf
         if not cuda:
             return host, None
@@ -156,7 +155,8 @@ class Recorder:
         b = self.shape.block
         calls = []
         for p in self._calls:
-            t = p.tensors
+            t = {name: x.to(torch.int32) for name, x in p.tensors.items()}
+            t["selection"] = t["selection"].clamp(min=-1)     # any negative id is padding
             if "context" not in t:
                 req, pos = t["q_request"].long(), t["q_position"].long()
                 t["context"] = torch.zeros(int(req.max()) + 1, dtype=torch.int64).scatter_reduce(
