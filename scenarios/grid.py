@@ -117,7 +117,7 @@ class Point:
         if self.generator == "real-prefill":
             parts.append(self.case_id or "")
         elif self.generator == "trace":
-            parts += [Path(self.trace).name.removesuffix(".safetensors"), f"call{self.call}", f"L{self.layer}"]
+            parts += [Path(self.trace).name.removesuffix(".safetensors"), f"call.{self.call:06d}", f"L{self.layer}"]
         elif self.generator in SERVING:
             if self.generator == "mixed":
                 parts.append(f"C{self.chunks}x{self.chunk_tokens}")

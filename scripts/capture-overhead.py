@@ -5,7 +5,7 @@ recording off takes more than OFF_BOUND_S on average. Recording on a GPU is time
 enqueue the copy (pinned memory, non_blocking, an event), next to a synchronous .cpu() copy of the same
 selection; on a CPU the copy is a plain clone.
 
-    python scripts/capture-overhead.py [--tokens 16384] [--calls 2000]
+    python scripts/capture-overhead.py [--tokens 16384] [--repeat 2000]
 """
 import argparse
 import sys
@@ -36,7 +36,7 @@ def per_call(fn, calls: int, sync=None) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384, help="query tokens N of each call (default 16384)")
-    ap.add_argument("--calls", type=int, default=2000, help="calls timed per case (default 2000)")
+    ap.add_argument("--repeat", type=int, default=2000, help="calls timed per case (default 2000)")
     args = ap.parse_args()
     shape = AttnShape()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,12 +45,12 @@ def main() -> int:
     sync = torch.cuda.synchronize if device == "cuda" else None
 
     off = Recorder(None, shape)
-    t_off = per_call(lambda: off.wants(0) and off.record(0, sel, pos), args.calls)
+    t_off = per_call(lambda: off.wants(0) and off.record(0, sel, pos), args.repeat)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.safetensors"
         skipped = Recorder(out, shape, layers={1})
-        t_skip = per_call(lambda: skipped.wants(0) and skipped.record(0, sel, pos), args.calls)
-        n_on = max(1, min(args.calls, 50))
+        t_skip = per_call(lambda: skipped.wants(0) and skipped.record(0, sel, pos), args.repeat)
+        n_on = max(1, min(args.repeat, 50))
         on = Recorder(out, shape, max_bytes=1 << 40)
         t_on = per_call(lambda: on.record(0, sel, pos), n_on, sync if device == "cuda" else None)
         enqueue = per_call(lambda: on.record(0, sel, pos), n_on)

@@ -166,7 +166,7 @@ def resume_command(req: SweepRequest, scenario_name: str, run_dir) -> str:
     if req.generator is not None:
         args += ["--generator", req.generator]
     if req.trace is not None:
-        args += ["--trace", req.trace] + (["--calls", req.calls] if req.calls is not None else [])
+        args += ["--trace", req.trace] + ([f"--calls={req.calls}"] if req.calls is not None else [])
     if req.shard is not None:
         args += ["--shard", req.shard]
     if req.counters:
