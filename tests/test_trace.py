@@ -254,12 +254,19 @@ def test_sweep_trace_takes_the_traces_calls_and_resumes_with_them(tmp_path):
     assert f"--trace {path} --calls=1-2" in resume_command(req, "smoke", Path("r"))
 
 
-def test_sweep_on_a_trace_runs_and_checks_each_call(tmp_path, cli):
-    path = write(tmp_path / "m.safetensors", [causal_call([64, 40], 4, seed=s) for s in range(2)], layers=[0, 1])
-    code, out, err = cli("sweep", "--trace", path, "--backend", "reference", "--dtype", "fp32", "--reps", "1",
-                         "--out", tmp_path / "run")
+def test_sweep_on_a_trace_runs_each_call_and_reports_the_fastest_per_layer(tmp_path, cli):
+    path = write(tmp_path / "m.safetensors", [causal_call([64, 40], 4, seed=s) for s in range(3)], layers=[0, 1, 0])
+    code, out, err = cli("sweep", "--trace", path, "--backend", "reference,q-outer-torch", "--dtype", "fp32",
+                         "--reps", "1", "--out", tmp_path / "run")
     assert code == 0, err
-    assert "(2 ok)" in out
+    assert "(6 ok)" in out
+    code, _, err = cli("report", tmp_path / "run")
+    assert code == 0, err
+    summary = (tmp_path / "run" / "report" / "summary.md").read_text()
+    table = summary.split("## Trace: the fastest backend per layer")[1].split("##")[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| 0") or line.startswith("| 1")]
+    assert [(r[0].strip(), r[2].strip(), r[3].strip()) for r in rows] == [("0", "2", "2"), ("1", "1", "1")]
+    assert all(r[4].strip().endswith("%") for r in rows)
 
 
 def test_check_trace_checks_every_call(tmp_path, cli):
