@@ -260,6 +260,9 @@ def test_sweep_on_a_trace_runs_each_call_and_reports_the_fastest_per_layer(tmp_p
                          "--reps", "1", "--out", tmp_path / "run")
     assert code == 0, err
     assert "(6 ok)" in out
+    import hashlib
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["traces"] == {str(path.resolve()): hashlib.sha256(path.read_bytes()).hexdigest()}
     code, _, err = cli("report", tmp_path / "run")
     assert code == 0, err
     summary = (tmp_path / "run" / "report" / "summary.md").read_text()
