@@ -99,7 +99,9 @@ def workload(
     head_dim: int = typer.Option(128, help="Head dimension D (elements)."),
     block: int = typer.Option(128, help="KV block size in tokens."),
     topk: int = typer.Option(16, help="Blocks each query keeps per KV head."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (achieved reuse under nsb_per_n)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (achieved reuse under nsb_per_n; with "
+                                 "--trace: the trace's shape, provenance and distributions, and each call's "
+                                 "statistics under calls)."),
     trace: str = typer.Option(None, "--trace", help=TRACE_HELP + " Prints, per layer and over the trace, the "
                               "distributions (p10 / p50 / p90) of nsb/N, union_ratio at 8 and 16 tokens, neighbour "
                               "Jaccard and fan-in, then each call's predicted schedule and nearest synthetic point.",
@@ -122,11 +124,11 @@ def workload(
                       "--tokens": tokens, "--context": context, "--requests": requests,
                       "--query-tokens": query_tokens, "--context-min": context_min, "--chunks": chunks,
                       "--drift": drift, "--skew": skew, "--causal": causal, "--share": share,
-                      "--share-group": share_group, "--case": case, "--seed": seed, "--json": as_json or None,
+                      "--share-group": share_group, "--case": case, "--seed": seed,
                       **{f"--{k.replace('_', '-')}": v for k, v in dict(hq=hq, hkv=hkv, head_dim=head_dim,
                                                                            block=block, topk=topk).items()
                          if v != AttnShape().__getattribute__(k)}})
-        return _workload_trace(trace, calls, dtype, device)
+        return _workload_trace(trace, calls, dtype, device, as_json)
 
     shape = AttnShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk)
     point = point_from_options(generator, shape, dtype, tokens=tokens, context=context, reuse=reuse, skew=skew,
@@ -158,12 +160,12 @@ def workload(
     console.print(pred)
 
 
-def _workload_trace(trace: str | None, calls: str | None, dtype: str, device: str | None) -> None:
+def _workload_trace(trace: str | None, calls: str | None, dtype: str, device: str | None, as_json: bool) -> None:
     from .errors import UserError
     from .roofline.devices import resolve_profile
     from .roofline.dtypes import DType
     from .scenarios.trace import read_index, select_calls
-    from .scenarios.trace_stats import call_stats, place, trace_lines
+    from .scenarios.trace_stats import call_stats, place, trace_json, trace_lines
     if trace is None:
         raise UserError("--calls needs --trace FILE")
     dtype = DType.parse(dtype)
@@ -174,6 +176,10 @@ def _workload_trace(trace: str | None, calls: str | None, dtype: str, device: st
     stats = [call_stats(info, e, dtype, profile) for e in entries]      # a bad call: its one line alone
     choice.say(lambda line: typer.echo(line, err=True))
     place(stats, info.shape, dtype)
+    if as_json:
+        import json
+        typer.echo(json.dumps(trace_json(info, stats, profile.name, dtype)))
+        return
     for line in trace_lines(info, stats, profile.name, dtype):
         typer.echo(line)
 

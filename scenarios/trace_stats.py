@@ -123,7 +123,18 @@ def place(calls: list[CallStats], shape, dtype: str) -> None:
             c.nearest = (best, distance(st, grid[best]))
 
 
-# ---- the text `msa-bench workload --trace` prints (80 columns) -------------------------------------
+# ---- what `msa-bench workload --trace` prints: JSON, or text in 80 columns -------------------------
+
+def trace_json(info: TraceInfo, calls: list[CallStats], device: str | None, dtype: str) -> dict:
+    from dataclasses import asdict
+    return {"trace": info.path, "shape": asdict(info.shape), "provenance": info.provenance, "device": device,
+            "dtype": dtype,
+            "distributions": [{"statistic": label, "layer": layer, "calls": n,
+                               **({f"p{round(q * 100)}": v for q, v in zip(QUANTILES, qs)} if qs else {})}
+                              for label, layer, n, qs in distributions(calls)],
+            "calls": [{**asdict(c.entry), "stats": c.stats, "schedule": c.schedule,
+                       "nearest": c.nearest and {"point": c.nearest[0], "distance": c.nearest[1]}} for c in calls]}
+
 
 def _num(x, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
@@ -149,9 +160,10 @@ def trace_lines(info: TraceInfo, calls: list[CallStats], device: str | None, dty
                      + ("".join(f"{_num(v, '.4g'):>10}" for v in q) if q else f"{'-':>10}" * 3))
         last = label
     if device is not None:
-        lines += ["", f"each call on the model's map ({device}, {dtype}): the schedule the roofline predicts",
-                  "fastest, and the nearest synthetic point (distance: docs/trace-format.md)",
-                  f"{'call':>5}{'layer':>6}{'step':>6}{'N':>7}{'nsb/N':>8}{'u P=8':>7}{'Jacc.':>7}  "
+        lines += [""] + textwrap.wrap(f"each call on the model's map ({device}, {dtype}): the schedule the roofline "
+                                      "predicts fastest, and the nearest synthetic point (distance: "
+                                      "docs/trace-format.md)", width)
+        lines += [f"{'call':>5}{'layer':>6}{'step':>6}{'N':>7}{'nsb/N':>8}{'u P=8':>7}{'Jacc.':>7}  "
                   f"{'schedule':<12}nearest synthetic"]
         for c in calls:
             st, e = c.stats, c.entry

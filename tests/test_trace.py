@@ -286,3 +286,18 @@ def test_the_shipped_example_says_it_is_synthetic():
     info = read_index(sc.points[0].trace)
     assert "synthetic" in info.provenance and "not a real model" in info.provenance["synthetic"]
     assert info.shape == AttnShape() and Path(info.path).stat().st_size < 1 << 20
+
+
+def test_workload_trace_prints_80_columns_or_json(tmp_path, cli):
+    path = write(tmp_path / "m.safetensors", [causal_call([160, 96], 16, seed=s) for s in range(3)], layers=[0, 1, 0])
+    code, out, err = cli("workload", "--trace", path, "--calls", "0-2", "--device", "h200")
+    assert code == 0, err
+    first, *rest = out.splitlines()
+    assert first == f"trace {path}" and max(map(len, rest)) <= 80 and "nearest synthetic" in out
+    code, out, err = cli("workload", "--trace", path, "--device", "h200", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [c["layer"] for c in doc["calls"]] == [0, 1, 0] and doc["shape"]["hkv"] == SHAPE.hkv
+    layers = {(d["statistic"], d["layer"]): d["calls"] for d in doc["distributions"]}
+    assert layers[("nsb/N", "all")] == 3 and layers[("nsb/N", "0")] == 2
+    assert all(c["schedule"] and c["stats"]["union_ratio_p8"] >= 1 for c in doc["calls"])
