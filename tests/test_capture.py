@@ -68,6 +68,17 @@ def test_token_major_int64_ids_and_contexts_worked_out_at_close(tmp_path):
     call_workload(info, 0, "fp32", with_tensors=False)          # a valid workload
 
 
+def test_the_engine_may_reuse_its_buffers_after_record(tmp_path):
+    sel, pos = one_call()
+    rec = Recorder(tmp_path / "t.safetensors", SHAPE)
+    rec.record(0, sel, pos)
+    want = sel.clone()
+    sel.fill_(-1)                                     # the engine's next step writes over its top-k buffer
+    pos.zero_()
+    call = read_call(read_index(rec.close()), 0)
+    assert torch.equal(call.selection, want) and int(call.q_position.min()) > 0
+
+
 def test_a_selection_of_the_wrong_shape_is_refused_at_once(tmp_path):
     sel, pos = one_call()
     rec = Recorder(tmp_path / "t.safetensors", SHAPE)
