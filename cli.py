@@ -332,10 +332,13 @@ def _check_trace(backend: str, trace: str | None, calls: str | None, dtype: str,
     from .harness.measure.check import check_fits_here, run_check, tolerance
     from .scenarios.grid import trace_point
     from .scenarios.trace import read_index, select_calls
+    from .scenarios.trace_workload import check_calls
     if trace is None:
         raise UserError("--calls needs --trace FILE")
     info = read_index(trace)
-    points = [trace_point(info, e, dtype, seed) for e in select_calls(info, calls)]
+    entries = select_calls(info, calls)
+    check_calls(info, entries)
+    points = [trace_point(info, e, dtype, seed) for e in entries]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for p in points:
         check_fits_here(p, None, device)

@@ -288,11 +288,13 @@ def _expand_serving(src: str, where: str, gen: str, grid: dict, shape: AttnShape
 
 def _expand_trace(src: str, where: str, grid: dict, shape: AttnShape, shape_given: bool) -> list[Point]:
     from .trace import TraceError, read_index, select_calls
+    from .trace_workload import check_calls
     points = []
     for path in grid["trace"]:
         try:
             info = read_index(path)
             calls = [e for spec in grid.get("calls", [None]) for e in select_calls(info, spec)]
+            check_calls(info, calls)            # a bad call is refused here, as a bad point of a generator is
         except TraceError as exc:
             raise UserError(f"{src}: {where}.trace: {exc}") from None
         if shape_given and info.shape != shape:

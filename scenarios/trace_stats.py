@@ -6,7 +6,7 @@ nothing is computed a second way here.
 
 Nearest synthetic point: over a small grid of the generators that model co-selection (drift at p in
 DRIFTS, co-selected synthetic at SHARES and the call's own nsb/N to one digit), made at the call's
-context and min(N, MAP_TOKENS) tokens, the one closest in (union_ratio at 8, nsb/N, neighbour Jaccard),
+context rounded up to a power of two and min(N, MAP_TOKENS) tokens, the one closest in (union_ratio at 8, nsb/N, neighbour Jaccard),
 by distance^2 = ln(u / u')^2 + ln(r / r')^2 + (2 (J - J'))^2 (Jaccard left out where the call has none:
 a call of one token a request).
 """
@@ -116,8 +116,8 @@ def place(calls: list[CallStats], shape, dtype: str) -> None:
         st = c.stats
         if st.get("union_ratio_p8") is None or not st.get("nsb_per_n"):
             continue
-        grid = synthetic_map(shape, dtype, st["n_tokens"], st["context_tokens"], float(f"{st['nsb_per_n']:.1g}"),
-                             cache)
+        context = 1 << (st["context_tokens"] - 1).bit_length()      # a few maps for a trace of many contexts
+        grid = synthetic_map(shape, dtype, st["n_tokens"], context, float(f"{st['nsb_per_n']:.1g}"), cache)
         if grid:
             best = min(grid, key=lambda k: distance(st, grid[k]))
             c.nearest = (best, distance(st, grid[best]))
@@ -162,7 +162,7 @@ def trace_lines(info: TraceInfo, calls: list[CallStats], device: str | None, dty
     if device is not None:
         lines += [""] + textwrap.wrap(f"each call on the model's map ({device}, {dtype}): the schedule the roofline "
                                       "predicts fastest, and the nearest synthetic point (distance: "
-                                      "docs/trace-format.md)", width)
+                                      "docs/trace-format.md)", width, break_on_hyphens=False)
         lines += [f"{'call':>5}{'layer':>6}{'step':>6}{'N':>7}{'nsb/N':>8}{'u P=8':>7}{'Jacc.':>7}  "
                   f"{'schedule':<12}nearest synthetic"]
         for c in calls:

@@ -102,3 +102,10 @@ def call_workload(info: TraceInfo, call: int, dtype: str, seed: int = 0, device=
                         with_tensors, meta=meta)
     except WorkloadError as exc:
         raise TraceError(f"{where}: {exc}") from None
+
+
+def check_calls(info: TraceInfo, calls) -> None:
+    """Every check a call's workload gets, on each of `calls` (CallEntry), before anything runs: a
+    selection-only workload of each is built, no K/V drawn."""
+    for e in calls:
+        call_workload(info, e.call, "fp32", with_tensors=False)

@@ -301,3 +301,11 @@ def test_workload_trace_prints_80_columns_or_json(tmp_path, cli):
     layers = {(d["statistic"], d["layer"]): d["calls"] for d in doc["distributions"]}
     assert layers[("nsb/N", "all")] == 3 and layers[("nsb/N", "0")] == 2
     assert all(c["schedule"] and c["stats"]["union_ratio_p8"] >= 1 for c in doc["calls"])
+
+
+def test_a_bad_call_stops_sweep_and_check_before_anything_runs(tmp_path, cli, one_error_line):
+    bad = _bad(tmp_path, "past-context")
+    code, _, err = cli("sweep", "--trace", bad, "--backend", "reference", "--dtype", "fp32", "--out", tmp_path / "r")
+    assert code == 2 and "past the 4 blocks" in one_error_line(err) and not (tmp_path / "r").exists()
+    code, out, err = cli("check", "--backend", "reference", "--dtype", "fp32", "--trace", bad)
+    assert code == 2 and "past the 4 blocks" in one_error_line(err) and out == ""
