@@ -1,5 +1,8 @@
 """The recorder (msa_bench.capture): its sampling limits, off costs nothing, and real capture of a small
 MSA-style indexer on random weights, loaded back as workloads that pass the float64 check."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -134,3 +137,10 @@ def test_on_a_gpu_the_copy_goes_to_pinned_memory_behind_an_event(tmp_path):
     assert pending.event is not None and pending.tensors["selection"].is_pinned()
     call = read_call(read_index(rec.close()), 0)
     assert torch.equal(call.selection, sel)
+
+
+def test_an_engine_importing_the_recorder_pulls_in_torch_and_the_format_only():
+    probe = ("import sys, msa_bench.capture; print(sorted(m for m in ('pandas', 'triton', 'scipy', 'typer', "
+             "'msa_bench.kernels', 'msa_bench.harness', 'msa_bench.scenarios.workload') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
