@@ -85,8 +85,9 @@ def _map_point(shape, dtype, tokens: int, context: int, reuse: float, drift=None
 
 
 def synthetic_map(shape, dtype: str, tokens: int, context: int, reuse: float, cache: dict | None = None) -> dict:
-    """label -> the statistics of each synthetic grid point that can be built at this size (drift's points
-    do not depend on the reuse: `cache` keeps them across calls)."""
+    """label ("drift p P", or "share S": co-selected synthetic) -> the statistics of each synthetic grid point
+    that can be built at this size (drift's points do not depend on the reuse: `cache` keeps them across
+    calls)."""
     tokens = min(tokens, MAP_TOKENS, context)
     cache = {} if cache is None else cache
     for p in DRIFTS:
@@ -98,7 +99,7 @@ def synthetic_map(shape, dtype: str, tokens: int, context: int, reuse: float, ca
         if key not in cache:
             cache[key] = _map_point(shape, dtype, tokens, context, reuse, share=s)
     points = {f"drift p {p:g}": cache[("drift", p, tokens, context)] for p in DRIFTS}
-    points |= {f"co-sel share {s:g}": cache[("share", s, tokens, context, reuse)] for s in SHARES}
+    points |= {f"share {s:g}": cache[("share", s, tokens, context, reuse)] for s in SHARES}
     return {k: v for k, v in points.items() if v is not None and v["u"] is not None}
 
 
@@ -163,14 +164,14 @@ def trace_lines(info: TraceInfo, calls: list[CallStats], device: str | None, dty
         lines += [""] + textwrap.wrap(f"each call on the model's map ({device}, {dtype}): the schedule the roofline "
                                       "predicts fastest, and the nearest synthetic point (distance: "
                                       "docs/trace-format.md)", width, break_on_hyphens=False)
-        lines += [f"{'call':>5}{'layer':>6}{'step':>6}{'N':>7}{'nsb/N':>8}{'u P=8':>7}{'Jacc.':>7}  "
-                  f"{'schedule':<12}nearest synthetic"]
+        lines += [f"{'call':>5}{'layer':>6}{'step':>5}{'N':>7}{'nsb/N':>7}{'u P=8':>6}{'Jacc.':>6}  "
+                  f"{'schedule':<13}nearest synthetic"]
         for c in calls:
             st, e = c.stats, c.entry
             near = f"{c.nearest[0]} ({c.nearest[1]:.2f})" if c.nearest else "-"
-            lines.append(f"{e.call:>5}{e.layer:>6}{_num(e.step, 'd'):>6}{e.tokens:>7}{_num(st['nsb_per_n'], '.3g'):>8}"
-                         f"{_num(st['union_ratio_p8'], '.2f'):>7}{_num(st['neighbour_jaccard'], '.2f'):>7}  "
-                         f"{c.schedule or '-':<12}{near}")
+            lines.append(f"{e.call:>5}{e.layer:>6}{_num(e.step, 'd'):>5}{e.tokens:>7}{_num(st['nsb_per_n'], '.3g'):>7}"
+                         f"{_num(st['union_ratio_p8'], '.2f'):>6}{_num(st['neighbour_jaccard'], '.2f'):>6}  "
+                         f"{c.schedule or '-':<13}{near}")
         total = sum(c.entry.weight for c in calls)
         picks: dict[str, list] = {}
         for c in calls:
