@@ -37,6 +37,19 @@ SERVING_HELP = {
              "(drift, where it is needed; decode, mixed). Neighbour Jaccard is about (1 - p) / (1 + p). "
              "Default (decode, mixed): every token draws afresh.",
 }
+TRACE_HELP = ("A selection trace (docs/trace-format.md; scenarios/traces/example.safetensors is a synthetic "
+              "one): run its calls instead of a generator's workload, each at the trace's shape.")
+CALLS_HELP = "The trace's calls to take, by id: ranges and ids such as 0-7,12. Default: every call."
+
+
+def _trace_alone(given: dict) -> None:
+    """--trace brings its own selections and shape: a generator's option beside it is refused."""
+    from .errors import UserError
+    for option, value in given.items():
+        if value is not None:
+            raise UserError(f"{option} does not apply to --trace (the trace holds the selections and their shape)")
+
+
 DEVICE_HELP = ("Roofline device profile: b200, h100, h200 (that GPU's calibration where one is found, else its "
                "preset) or a PROFILE.json from `msa-bench calibrate`. Default: this GPU's calibration "
                "(results/<gpu>/calibration/profile.json), else its preset with unit fractions (said in one line); "
@@ -86,17 +99,36 @@ def workload(
     head_dim: int = typer.Option(128, help="Head dimension D (elements)."),
     block: int = typer.Option(128, help="KV block size in tokens."),
     topk: int = typer.Option(16, help="Blocks each query keeps per KV head."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (achieved reuse under nsb_per_n)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (achieved reuse under nsb_per_n; with "
+                                 "--trace: the trace's shape, provenance and distributions, and each call's "
+                                 "statistics under calls)."),
+    trace: str = typer.Option(None, "--trace", help=TRACE_HELP + " Prints, per layer and over the trace, the "
+                              "distributions (p10 / p50 / p90) of nsb/N, union_ratio at 8 and 16 tokens, neighbour "
+                              "Jaccard and fan-in, then each call's predicted schedule and nearest synthetic point.",
+                              show_default=False),
+    calls: str = typer.Option(None, "--calls", help=CALLS_HELP, show_default=False),
 ):
     """Generate one workload's selection and print its statistics: reuse nsb/N, fan-in of queries per selected
     (KV head, block), co-selection (union_ratio: distinct blocks of a tile of P consecutive tokens over one
     token's, at P = 8 and 16), visible selected tokens, useful FLOPs and the roofline's predicted time per
-    schedule. An option the generator does not use is refused, as in a scenario file."""
+    schedule. An option the generator does not use is refused, as in a scenario file. With --trace: the
+    statistics of a captured trace's calls instead."""
     import json
     from .scenarios.grid import check_point_fits, make_workload, point_from_options
     from .scenarios.stats import prediction_rows, stat_rows, workload_stats
     from .scenarios.workload import AttnShape
     from .roofline.devices import resolve_profile
+
+    if trace is not None or calls is not None:
+        _trace_alone({"--generator": None if generator == "synthetic" else generator, "--reuse": reuse,
+                      "--tokens": tokens, "--context": context, "--requests": requests,
+                      "--query-tokens": query_tokens, "--context-min": context_min, "--chunks": chunks,
+                      "--drift": drift, "--skew": skew, "--causal": causal, "--share": share,
+                      "--share-group": share_group, "--case": case, "--seed": seed,
+                      **{f"--{k.replace('_', '-')}": v for k, v in dict(hq=hq, hkv=hkv, head_dim=head_dim,
+                                                                           block=block, topk=topk).items()
+                         if v != AttnShape().__getattribute__(k)}})
+        return _workload_trace(trace, calls, dtype, device, as_json)
 
     shape = AttnShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk)
     point = point_from_options(generator, shape, dtype, tokens=tokens, context=context, reuse=reuse, skew=skew,
@@ -126,6 +158,30 @@ def workload(
     console = Console()
     console.print(table)
     console.print(pred)
+
+
+def _workload_trace(trace: str | None, calls: str | None, dtype: str, device: str | None, as_json: bool) -> None:
+    from .errors import UserError
+    from .roofline.devices import resolve_profile
+    from .roofline.dtypes import DType
+    from .scenarios.trace import read_index, select_calls
+    from .scenarios.trace_stats import call_stats, place, trace_json, trace_lines
+    if trace is None:
+        raise UserError("--calls needs --trace FILE")
+    dtype = DType.parse(dtype)
+    info = read_index(trace)
+    entries = select_calls(info, calls)
+    choice = resolve_profile(device)
+    profile = choice.required("msa-bench workload")
+    stats = [call_stats(info, e, dtype, profile) for e in entries]      # a bad call: its one line alone
+    choice.say(lambda line: typer.echo(line, err=True))
+    place(stats, info.shape, dtype)
+    if as_json:
+        import json
+        typer.echo(json.dumps(trace_json(info, stats, profile.name, dtype)))
+        return
+    for line in trace_lines(info, stats, profile.name, dtype):
+        typer.echo(line)
 
 
 @app.command()
@@ -203,6 +259,9 @@ def check(
                               show_default=False),
     device: str = typer.Option(None, "--device", help="Profile `auto` plans with. " + DEVICE_HELP,
                                show_default=False),
+    trace: str = typer.Option(None, "--trace", help=TRACE_HELP + " Checks each call in turn; exit 1 if one "
+                              "fails.", show_default=False),
+    calls: str = typer.Option(None, "--calls", help=CALLS_HELP, show_default=False),
 ):
     """Run one backend on one workload (synthetic by default; indexer, a real-prefill case, or K requests of
     edge cases), compare with the float64 reference (sampled rows when N > 512) and print per-stage checks;
@@ -223,6 +282,14 @@ def check(
         resolve_profile(device, None)               # a bad --device is refused before anything runs
         os.environ[PROFILE_ENV] = device.lower() if device.lower() in PRESETS else os.path.abspath(device)
     dtype = DType.parse(dtype or ("bf16" if on_gpu else "fp16"))
+    if trace is not None or calls is not None:
+        _trace_alone({"--generator": None if generator == "synthetic" else generator, "--tokens": tokens,
+                      "--context": context, "--reuse": reuse, "--causal": causal, "--share": share,
+                      "--share-group": share_group, "--case": case, "--requests": requests,
+                      "--query-tokens": query_tokens, "--context-min": context_min, "--chunks": chunks,
+                      "--drift": drift, "--hq": hq, "--hkv": hkv, "--head-dim": head_dim, "--block": block,
+                      "--topk": topk})
+        return _check_trace(backend, trace, calls, dtype, seed or 0)
     for name, value in (("tokens", tokens), ("context", context), ("hq", hq), ("hkv", hkv), ("head-dim", head_dim),
                         ("block", block), ("topk", topk)):
         if value is not None and value <= 0:
@@ -255,6 +322,43 @@ def check(
     ok = err <= tol and not failed
     typer.echo(f"max relative error {err:.3e} (tol {tol:g}): {'PASS' if ok else 'FAIL'}")
     if not ok:
+        raise typer.Exit(1)
+
+
+def _check_trace(backend: str, trace: str | None, calls: str | None, dtype: str, seed: int) -> None:
+    """check on every chosen call of a trace: one line each, the largest error last."""
+    import torch
+    from .errors import UserError
+    from .harness.measure.check import check_fits_here, run_check, tolerance
+    from .scenarios.grid import trace_point
+    from .scenarios.trace import read_index, select_calls
+    from .scenarios.trace_workload import check_calls
+    if trace is None:
+        raise UserError("--calls needs --trace FILE")
+    info = read_index(trace)
+    entries = select_calls(info, calls)
+    check_calls(info, entries)
+    points = [trace_point(info, e, dtype, seed) for e in entries]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for p in points:
+        check_fits_here(p, None, device)
+    s, worst, failed = info.shape, 0.0, []
+    typer.echo(f"{backend} {dtype} on {device}: trace {info.path}, {len(points)} call(s), Hq={s.hq} Hkv={s.hkv} "
+               f"D={s.head_dim} block={s.block} topk={s.topk}")
+    for p in points:
+        w, (err, tol, details) = run_check(backend, p)
+        bad = [stage for stage, (ok, _) in details.get("stage_checks", {}).items() if not ok]
+        ok = err <= tol and not bad
+        worst = max(worst, err)
+        if not ok:
+            failed.append(p.call)
+        typer.echo(f"  call {p.call:>4} layer {p.layer:>3}: N={w.n_tokens} requests={w.page_table.shape[0]} "
+                   f"compared {details['rows']} rows, rel err {err:.3e}"
+                   + ("" if ok else " FAIL" + (f" ({', '.join(bad)})" if bad else "")))
+    tol = tolerance(dtype)
+    typer.echo(f"max relative error {worst:.3e} (tol {tol:g}): "
+               + ("PASS" if not failed else f"FAIL (calls {', '.join(map(str, failed))})"))
+    if failed:
         raise typer.Exit(1)
 
 
@@ -414,6 +518,9 @@ def sweep(
                              show_default=False),
     device: str = typer.Option(None, "--device", help="Profile `auto` plans with and the run's model columns use "
                                "(recorded in run.json). " + DEVICE_HELP, show_default=False),
+    trace: str = typer.Option(None, "--trace", help=TRACE_HELP + " The scenario gives the backends, dtypes and "
+                              "timing; the trace gives the points.", show_default=False),
+    calls: str = typer.Option(None, "--calls", help=CALLS_HELP, show_default=False),
 ):
     """Time each stage and the whole module per point and backend (CUDA-graph replay, cold L2; seconds), with
     NVML telemetry and optional ncu counters, and check the output of the timed runs against the float64
@@ -428,7 +535,8 @@ def sweep(
                        context=_split(context, "context", int), skew=_split(skew, "skew", float),
                        dtypes=_split(dtype, "dtype"), backends=_split(backend, "backend"), causal=causal,
                        generator=generator, share=_split(share, "share", float),
-                       share_group=_split(share_group, "share-group", int), out=out, resume=resume, shard=shard,
+                       share_group=_split(share_group, "share-group", int), trace=trace, calls=calls, out=out,
+                       resume=resume, shard=shard,
                        counters=counters, reps=reps, gpus=gpus, device=device, argv=list(sys.argv))
     try:
         summary = run_sweep(req)

@@ -8,7 +8,7 @@ A scenario file (scenarios/*.toml) holds:
     [timing]                                     # optional: reps, warmup, cold_l2, cv_target
     [[grid]]                                     # one or more grids (a single [grid] table works too)
     generator = "synthetic"                      # "synthetic" | "indexer" | "real-prefill" | "decode" | "mixed"
-                                                 #   | "drift", or a list
+                                                 #   | "drift" | "trace", or a list
     tokens = 16384                               # N query tokens (synthetic, indexer); prefill chunk (mixed, drift)
     context = [131072, 262144]                   # context tokens (synthetic, indexer); the largest (decode, mixed),
                                                  #   the chunk's (mixed, drift)
@@ -23,6 +23,9 @@ A scenario file (scenarios/*.toml) holds:
     share_group = 8                              #   see coselection.py), tokens per group (default 8)
     causal = false                               # chunked prefill at the context's end (synthetic, indexer)
     cases = ["prefill_..."] or "representative"  # MSA prefill case ids   (real-prefill)
+    trace = "traces/example.safetensors"         # a selection trace (trace; docs/trace-format.md), relative
+                                                 #   to the scenario file; its shape is the points' shape
+    calls = "0-7,12"                             # the trace's calls to run (trace; default: all), or a list of ids
     dtypes = ["bf16", "fp8"]
     seed = 0
 
@@ -45,7 +48,7 @@ from .coselection import DEFAULT_GROUP
 from .serving import GENERATORS as SERVING
 from .workload import AttnShape, Workload, WorkloadError, check_fits, footprint_bytes, size_problem
 
-GENERATORS = ("synthetic", "real-prefill", "indexer", *SERVING)
+GENERATORS = ("synthetic", "real-prefill", "indexer", *SERVING, "trace")
 TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
 TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool, "cv_target": float}   # see timing.TimingConfig
 SHAPE_KEYS = SHAPE_FIELDS                 # the [shape] table's keys
@@ -65,12 +68,14 @@ AXES = {
     "context_min": (int, ("decode", "mixed"), [None]),
     "chunks": (int, ("mixed",), [1]),
     "drift": (float, SERVING, [None]),
+    "trace": (str, ("trace",), None),
+    "calls": (str, ("trace",), [None]),
     "dtypes": (str, GENERATORS, [DType.BF16]),
     "seed": (int, GENERATORS, [0]),
 }
 REQUIRED = {"synthetic": ("tokens", "context", "reuse"), "indexer": ("tokens", "context"), "real-prefill": ("cases",),
             "decode": ("context", "requests"), "mixed": ("tokens", "context", "requests"),
-            "drift": ("tokens", "context", "drift")}
+            "drift": ("tokens", "context", "drift"), "trace": ("trace",)}
 
 
 def _num(x: float) -> str:
@@ -100,6 +105,10 @@ class Point:
     chunks: int | None = None
     chunk_tokens: int | None = None
     drift: float | None = None
+    # trace: the file, the call and its layer (scenarios/trace.py)
+    trace: str | None = None
+    call: int | None = None
+    layer: int | None = None
 
     def key(self) -> str:
         """Stable, human-readable unique id (matches points across runs; resume)."""
@@ -107,6 +116,8 @@ class Point:
         parts = [self.generator]
         if self.generator == "real-prefill":
             parts.append(self.case_id or "")
+        elif self.generator == "trace":
+            parts += [Path(self.trace).name.removesuffix(".safetensors"), f"call.{self.call:06d}", f"L{self.layer}"]
         elif self.generator in SERVING:
             if self.generator == "mixed":
                 parts.append(f"C{self.chunks}x{self.chunk_tokens}")
@@ -149,6 +160,7 @@ class Scenario:
     timing: dict = field(default_factory=dict)
     shape: AttnShape = field(default_factory=AttnShape)
     grids: list[dict] = field(default_factory=list, repr=False)   # the axes the points came from
+    shape_given: bool = False       # a [shape] table was given (a trace of another shape is then refused)
 
 
 # ---- validation helpers ------------------------------------------------------------------------
@@ -178,13 +190,27 @@ def _axis(src: str, where: str, key: str, value) -> list:
     return [float(v) if kind is float else v for v in values]
 
 
-def _parse_grid(src: str, where: str, table) -> dict:
+def _calls_text(src: str, where: str, value):
+    """calls as one spec string: "0-7,12" as given, an id or a list of ids joined."""
+    ids = value if isinstance(value, list) else [value]
+    if ids and all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        return ",".join(str(v) for v in ids)
+    if isinstance(value, str) and value.strip():
+        return value
+    raise UserError(f"{src}: {where}.calls must be call ids (a list of integers) or ranges such as \"0-7,12\"")
+
+
+def _parse_grid(src: str, where: str, table, base: Path | None = None) -> dict:
     if not isinstance(table, dict):
         raise UserError(f"{src}: {where} must be a table")
     for key in table:
         if key not in AXES:
             raise UserError(f"{src}: {where}: unknown key {key!r} (known: {', '.join(AXES)})")
+    if "calls" in table:
+        table = {**table, "calls": _calls_text(src, where, table["calls"])}
     grid = {key: _axis(src, where, key, value) for key, value in table.items()}
+    if "trace" in grid and base is not None:          # a trace's path is relative to its scenario file
+        grid["trace"] = [str(base / t) if not Path(t).is_absolute() else t for t in grid["trace"]]
     if "generator" not in grid:
         raise UserError(f"{src}: {where}.generator is missing (one of {', '.join(GENERATORS)})")
     for g in grid["generator"]:
@@ -202,7 +228,7 @@ def inapplicable(keys, generators) -> str | None:
     return next((key for key in keys if not set(AXES[key][1]) & set(generators)), None)
 
 
-def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
+def _expand(src: str, where: str, grid: dict, shape: AttnShape, shape_given: bool = False) -> list[Point]:
     from .prefill_cases import get_case, representative_cases
     if "dtypes" in grid:
         grid = {**grid, "dtypes": [DType.parse(dt, f"{src}: {where}.dtypes") for dt in grid["dtypes"]]}
@@ -228,6 +254,9 @@ def _expand(src: str, where: str, grid: dict, shape: AttnShape) -> list[Point]:
             continue
         if gen in SERVING:
             points += _expand_serving(src, where, gen, grid, shape)
+            continue
+        if gen == "trace":
+            points += _expand_trace(src, where, grid, shape, shape_given)
             continue
         reuses = ax("reuse") if gen == "synthetic" else [None]
         skews = ax("skew") if gen == "synthetic" else [0.0]
@@ -257,6 +286,37 @@ def _expand_serving(src: str, where: str, gen: str, grid: dict, shape: AttnShape
     return points
 
 
+def _expand_trace(src: str, where: str, grid: dict, shape: AttnShape, shape_given: bool) -> list[Point]:
+    from .trace import TraceError, read_index, select_calls
+    from .trace_workload import check_calls
+    points = []
+    for path in grid["trace"]:
+        try:
+            info = read_index(path)
+            calls = [e for spec in grid.get("calls", [None]) for e in select_calls(info, spec)]
+            check_calls(info, calls)            # a bad call is refused here, as a bad point of a generator is
+        except TraceError as exc:
+            raise UserError(f"{src}: {where}.trace: {exc}") from None
+        if shape_given and info.shape != shape:
+            raise UserError(f"{src}: {where}.trace: {path} holds shape {_shape_text(info.shape)}, the scenario's "
+                            f"[shape] says {_shape_text(shape)}")
+        for e, dt, seed in itertools.product(calls, grid.get("dtypes", AXES["dtypes"][2]), grid.get("seed", [0])):
+            p = trace_point(info, e, dt, seed)
+            _check_point(src, where, p)
+            points.append(p)
+    return points
+
+
+def _shape_text(s: AttnShape) -> str:
+    return f"Hq {s.hq}, Hkv {s.hkv}, D {s.head_dim}, block {s.block}, top-{s.topk}"
+
+
+def trace_point(info, entry, dtype: str, seed: int) -> Point:
+    """The Point of one trace call (a scenarios.trace.CallEntry of `info`), at its trace's shape."""
+    return Point("trace", entry.tokens, entry.context, None, 0.0, True, dtype, seed, None, entry.weight,
+                 info.shape, trace=info.path, call=entry.call, layer=entry.layer)
+
+
 def serving_point(gen: str, shape: AttnShape, dtype: str, seed: int, *, tokens, context, context_min=None,
                   requests=None, query_tokens=None, chunks=None, drift=None) -> Point:
     """The Point of a decode, mixed or drift workload: tokens holds every query token of the call."""
@@ -275,6 +335,8 @@ def point_problem(p: Point) -> tuple[str, str] | None:
     an infeasible reuse target), else None. Cheap: nothing is allocated."""
     from .selection import check_synthetic
     s = p.shape
+    if p.generator == "trace":
+        return size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
     if p.generator in SERVING:
         from .serving import serving_problem
         problem = serving_problem(s, p.generator, p.chunk_tokens, p.context, p.context_min, p.requests,
@@ -349,6 +411,9 @@ def point_pages(p: Point) -> int:
         return sum(-(-kv // p.shape.block) for kv in get_case(p.case_id).final_kv_lens)
     if p.generator in SERVING:
         return sum(-(-kv // p.shape.block) for kv in serving_kv_lens(p))
+    if p.generator == "trace":
+        from .trace import read_index
+        return read_index(p.trace).entry(p.call).pages
     return max(1, -(-p.context // p.shape.block))
 
 
@@ -373,13 +438,13 @@ def check_point_fits(p: Point, device, with_tensors: bool = True, partials: bool
         raise UserError(str(exc)) from None
 
 
-def _points(src: str, grids: list[dict], shape: AttnShape) -> list[Point]:
+def _points(src: str, grids: list[dict], shape: AttnShape, shape_given: bool = False) -> list[Point]:
     if not grids:
         raise UserError(f"{src}: no [grid] table: the grid would be empty")
     points, seen = [], set()
     for i, grid in enumerate(grids):
         where = "grid" if len(grids) == 1 else f"grid[{i}]"
-        for p in _expand(src, where, grid, shape):
+        for p in _expand(src, where, grid, shape, shape_given):
             if p.key() not in seen:
                 seen.add(p.key())
                 points.append(p)
@@ -388,7 +453,8 @@ def _points(src: str, grids: list[dict], shape: AttnShape) -> list[Point]:
     return points
 
 
-def parse_scenario(data: dict, src: str, name: str) -> Scenario:
+def parse_scenario(data: dict, src: str, name: str, base: Path | None = None) -> Scenario:
+    """The scenario of a parsed TOML; `base` is the folder a grid's relative trace path starts from."""
     for key in data:
         if key not in TOP_KEYS:
             raise UserError(f"{src}: unknown key {key!r} (known: {', '.join(sorted(TOP_KEYS))})")
@@ -424,9 +490,10 @@ def parse_scenario(data: dict, src: str, name: str) -> Scenario:
     raw = [raw] if isinstance(raw, dict) else raw
     if not isinstance(raw, list):
         raise UserError(f"{src}: grid must be a table or an array of tables")
-    grids = [_parse_grid(src, "grid" if len(raw) == 1 else f"grid[{i}]", t) for i, t in enumerate(raw)]
-    return Scenario(name=name, description=desc.strip(), backends=list(backends), points=_points(src, grids, shape),
-                    source=src, timing=dict(timing), shape=shape, grids=grids)
+    grids = [_parse_grid(src, "grid" if len(raw) == 1 else f"grid[{i}]", t, base) for i, t in enumerate(raw)]
+    return Scenario(name=name, description=desc.strip(), backends=list(backends),
+                    points=_points(src, grids, shape, bool(shape_t)), source=src, timing=dict(timing), shape=shape,
+                    grids=grids, shape_given=bool(shape_t))
 
 
 # ---- files -------------------------------------------------------------------------------------
@@ -465,13 +532,13 @@ def load_scenario(name_or_path: str) -> Scenario:
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
             raise UserError(f"scenario file {name_or_path} does not exist")
-        return parse_scenario(_read(path, str(path)), str(path), path.stem)
+        return parse_scenario(_read(path, str(path)), str(path), path.stem, path.resolve().parent)
     shipped = _shipped()
     if name_or_path not in shipped:
         raise UserError(f"unknown scenario {name_or_path!r}; shipped: {', '.join(sorted(shipped))} (or give a .toml path)")
     res = shipped[name_or_path]
     src = f"scenarios/{name_or_path}.toml"
-    return parse_scenario(_read(res, src), src, name_or_path)
+    return parse_scenario(_read(res, src), src, name_or_path, Path(str(res)).parent)
 
 
 def with_overrides(s: Scenario, *, reuse=None, tokens=None, context=None, skew=None, dtypes=None, backends=None,
@@ -506,7 +573,19 @@ def with_overrides(s: Scenario, *, reuse=None, tokens=None, context=None, skew=N
         new_backends = list(backends) if isinstance(backends, (list, tuple)) else [backends]
         if not new_backends or not all(isinstance(b, str) and b for b in new_backends):
             raise UserError(f"{src}: backends must be a non-empty list of backend names")
-    return replace(s, backends=new_backends, points=_points(src, grids, s.shape), grids=grids, source=s.source)
+    return replace(s, backends=new_backends, points=_points(src, grids, s.shape, s.shape_given), grids=grids,
+                   source=s.source)
+
+
+def with_trace(s: Scenario, trace: str, calls: str | None = None, dtypes=None) -> Scenario:
+    """The scenario's backends and timing on a trace's calls (`sweep --trace`): one grid of the trace, at its
+    shape, in `dtypes` or the dtypes the scenario's grids use."""
+    src = f"{s.source} (with --trace)"
+    dts = list(dtypes) if dtypes else list(dict.fromkeys(d for g in s.grids for d in g.get("dtypes", [])))
+    grid = _parse_grid(src, "trace", {"generator": "trace", "trace": str(Path(trace).resolve()),
+                                      **({"calls": calls} if calls else {}), **({"dtypes": dts} if dts else {})})
+    points = _points(src, [grid], s.shape)
+    return replace(s, points=points, grids=[grid], shape=points[0].shape, shape_given=False)
 
 
 # ---- one point from command-line options (msa-bench workload) -----------------------------------
@@ -533,6 +612,8 @@ def point_from_options(generator: str, shape: AttnShape, dtype: str, defaults: d
     key = inapplicable(given, [generator])
     if key:
         raise UserError(f"{OPTION_OF_AXIS[key]} does not apply to --generator {generator}")
+    if generator == "trace":
+        raise UserError("--generator trace takes its calls from a file: pass --trace FILE (and --calls)")
     defaults = {**OPTION_DEFAULTS, **(defaults or {})}
     value = lambda k: given.get(k, defaults.get(k))
     if "share_group" in given and "share" not in given:
@@ -586,6 +667,14 @@ def make_workload(point: Point, device="cpu", with_tensors: bool = True) -> Work
     elif point.generator == "real-prefill":
         from .prefill_cases import get_case, prefill_workload
         w = prefill_workload(get_case(point.case_id), point.shape, point.dtype, point.seed, device, with_tensors)
+    elif point.generator == "trace":
+        from .trace import read_index
+        from .trace_workload import call_workload
+        info = read_index(point.trace)
+        if info.shape != point.shape:
+            raise UserError(f"{point.trace} holds shape {_shape_text(info.shape)}, not the point's "
+                            f"{_shape_text(point.shape)}: the file changed since the grid was made")
+        w = call_workload(info, point.call, point.dtype, point.seed, device, with_tensors)
     else:
         raise UserError(f"unknown generator {point.generator!r} (known: {', '.join(GENERATORS)})")
     w.meta["point"] = point.key()

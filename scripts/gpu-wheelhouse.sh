@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copied into the repository from the workspace's shared/tools/gpu-wheelhouse.sh, unchanged apart from
-# these two lines and the usage path below.
+# these three lines, the usage path below and safetensors (selection traces) in the download.
 # Build an offline wheelhouse for a GPU host that has no package index
 # (CPython 3.12, manylinux x86_64, torch/triton/pandas/matplotlib/nvidia-ml-py/typer
 # already installed there). FlashInfer's wheel is slimmed to the parts that the
@@ -17,7 +17,8 @@ tmp=$(mktemp -d)
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${plat[@]}" -d "$tmp" flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 cuda-tile==1.7.0
+  "${plat[@]}" -d "$tmp" flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 cuda-tile==1.7.0 \
+  safetensors==0.8.0
 python3 - "$tmp" "$out" <<'PY'
 import pathlib, shutil, sys, zipfile
 src, out = map(pathlib.Path, sys.argv[1:])

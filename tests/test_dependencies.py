@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ["cli.py", "errors.py", "__init__.py", "harness", "kernels", "roofline", "scenarios"]
+PACKAGE = ["cli.py", "errors.py", "__init__.py", "capture", "harness", "kernels", "roofline", "scenarios"]
 # import name -> distribution, where they differ (or where the distribution is not installed here)
 DISTRIBUTION = {"pynvml": "nvidia-ml-py", "PIL": "pillow", "flashinfer": "flashinfer-python",
                 "cutlass": "nvidia-cutlass-dsl", "cuda": "nvidia-cutlass-dsl", "yaml": "pyyaml"}

@@ -1,4 +1,5 @@
-"""The package's layers import only downward: errors <- roofline <- scenarios <- kernels <- harness <- cli;
+"""The package's layers import only downward: errors <- roofline <- scenarios <- kernels <- harness <- cli, and
+the recorder a user's engine imports (capture) over scenarios, whose trace format it writes, and nothing else;
 inside harness/, its rooms too: measure <- store <- running <- {report, gate, calibration}, the three top rooms
 importing none of each other.
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"errors": 0, "roofline": 1, "scenarios": 2, "kernels": 3, "harness": 4, "cli": 5}
+LAYERS = {"errors": 0, "roofline": 1, "scenarios": 2, "capture": 2.5, "kernels": 3, "harness": 4, "cli": 5}
 
 
 def _layer_of(parts: tuple[str, ...]) -> str | None:
@@ -64,6 +65,15 @@ def test_no_import_points_upward(path):
     upward = [f"line {line}: {own} imports {layer}" for line, layer in _imported_layers(path)
               if LAYERS[layer] > LAYERS[own]]
     assert not upward, f"{path.relative_to(ROOT)}: " + "; ".join(upward)
+
+
+def test_capture_stays_light_and_nothing_runs_on_it():
+    """An engine imports capture: it reaches only the trace format below it, and no layer imports it."""
+    for path in sorted((ROOT / "capture").rglob("*.py")):
+        assert {layer for _, layer in _imported_layers(path)} <= {"roofline", "scenarios", "capture"}, path
+    for path in _package_files():
+        if _layer_of(path.relative_to(ROOT).parts) != "capture":
+            assert "capture" not in {layer for _, layer in _imported_layers(path)}, path
 
 
 def test_the_walker_sees_an_upward_import(tmp_path, monkeypatch):

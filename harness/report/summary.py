@@ -17,6 +17,7 @@ from ...kernels.kv_outer.config import TILE_ORDER_NOTATION
 from ...roofline.devices import DeviceProfile
 from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
+from .trace_table import trace_winners
 from ..store.rows import device_for_run
 from ..store.results import STATUS_OK, Run, load_run
 from .tables import (accuracy_table, row_roofline, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
@@ -153,6 +154,11 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str],
         out += ["## auto against the fastest backend measured", "",
                 f"auto is within 5 % of the fastest at {s['share_within']:.0%} of {s['points']} points; worst "
                 f"{s['worst']:.3f}x, median {s['median']:.3f}x.", "", markdown_table(av)]
+    winners = trace_winners(run)
+    if not winners.empty:
+        out += ["## Trace: the fastest backend per layer", "",
+                "Each call counted at its weight (the engine calls it stands for); auto / fastest: auto's "
+                "weighted time over the per-call fastest backend's.", "", markdown_table(winners)]
     above = above_roofline_table(run, device)
     if device is not None:
         out += ["## Units measured above their roofline (model defects)", "",

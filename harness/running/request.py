@@ -27,6 +27,8 @@ class SweepRequest:
     generator: str | None = None
     share: list[float] | None = None
     share_group: list[int] | None = None
+    trace: str | None = None         # --trace FILE: the trace's calls as the grid (scenarios/trace.py)
+    calls: str | None = None         # --calls: which of them
     out: str | None = None
     resume: bool = False
     shard: str | None = None
@@ -41,7 +43,7 @@ class SweepRequest:
         return dict(scenario=self.scenario, reuse=self.reuse, tokens=self.tokens, context=self.context,
                     skew=self.skew, dtypes=self.dtypes, backends=self.backends, causal=self.causal,
                     generator=self.generator, share=self.share, share_group=self.share_group, shard=self.shard,
-                    reps=self.reps)
+                    reps=self.reps, trace=self.trace, calls=self.calls)
 
 
 @dataclass
@@ -75,19 +77,27 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
 
 
 def resolve_scenario(req: SweepRequest, device, notes: list[str]):
-    from ...scenarios.grid import load_scenario, with_overrides
+    from ...scenarios.grid import load_scenario, with_overrides, with_trace
     name = req.scenario
     if name is None:
         name = "default" if device.type == "cuda" else "smoke"
         if device.type != "cuda":
-            notes.append("no CUDA GPU here: running the small `smoke` scenario (pass --scenario to choose)")
+            notes.append("no CUDA GPU here: the trace's calls on the `smoke` scenario's backends and timing (pass "
+                         "--scenario or --backend to choose)" if req.trace is not None else
+                         "no CUDA GPU here: running the small `smoke` scenario (pass --scenario to choose)")
     scenario = load_scenario(name)
+    if req.calls is not None and req.trace is None:
+        raise UserError("--calls needs --trace FILE")
+    if req.trace is not None:
+        scenario = with_trace(scenario, req.trace, req.calls)
     overrides = {k: v for k, v in dict(reuse=req.reuse, tokens=req.tokens, context=req.context, skew=req.skew,
                                        dtypes=req.dtypes, backends=req.backends, causal=req.causal,
                                        generator=req.generator, share=req.share,
                                        share_group=req.share_group).items() if v is not None}
     if overrides:
         scenario = with_overrides(scenario, **overrides)
+    if req.trace is not None:           # recorded with the run: a resume must name the same trace and calls
+        overrides.update(trace=scenario.grids[0]["trace"][0], calls=req.calls)
     return scenario, overrides
 
 
@@ -165,6 +175,8 @@ def resume_command(req: SweepRequest, scenario_name: str, run_dir) -> str:
         args.append("--causal" if req.causal else "--no-causal")
     if req.generator is not None:
         args += ["--generator", req.generator]
+    if req.trace is not None:
+        args += ["--trace", req.trace] + ([f"--calls={req.calls}"] if req.calls is not None else [])
     if req.shard is not None:
         args += ["--shard", req.shard]
     if req.counters:

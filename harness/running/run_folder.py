@@ -97,6 +97,9 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         "timer": TIMER_GPU if device.type == "cuda" else TIMER_CPU,
         "provenance": provenance.collect(device, sc.name, scenario_file(sc), req.argv or None),
         "started_utc": now(),
+        # the selections a trace's points hold are the file's: its digest names them as the scenario's does
+        **({"traces": traces} if (traces := {t: provenance.file_sha256(t) for t in
+                                             sorted({p.trace for p, _ in grid.every if p.trace})}) else {}),
     }
 
 

@@ -229,6 +229,8 @@ def label(point) -> str:
     if d["generator"] == "real-prefill":
         return f"{d['case_id']} {d['dtype']}"
     parts = [d["generator"], f"N{d['tokens']}", f"T{d['context']}"]
+    if d.get("call") is not None:
+        parts[1:1] = [f"#{d['call']}", f"L{d['layer']}"]
     if d.get("reuse") is not None:
         parts.append(f"r{d['reuse']:g}")
     if d.get("skew"):

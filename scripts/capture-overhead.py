@@ -1,0 +1,72 @@
+"""What the recorder costs an engine's forward pass, per top-k call: off, sampled out, and recording.
+
+Off must cost next to nothing: the benchmark fails (exit 1) when one call of `wants` + `record` with
+recording off takes more than OFF_BOUND_S on average. Recording on a GPU is timed as the host time to
+enqueue the copy (pinned memory, non_blocking, an event), next to a synchronous .cpu() copy of the same
+selection; on a CPU the copy is a plain clone.
+
+    python scripts/capture-overhead.py [--tokens 16384] [--repeat 2000]
+"""
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from msa_bench.capture import Recorder
+from msa_bench.roofline.shape import AttnShape
+
+OFF_BOUND_S = 2e-6
+
+
+def per_call(fn, calls: int, sync=None) -> float:
+    fn()
+    if sync:
+        sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if sync:
+        sync()
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="query tokens N of each call (default 16384)")
+    ap.add_argument("--repeat", type=int, default=2000, help="calls timed per case (default 2000)")
+    args = ap.parse_args()
+    shape = AttnShape()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sel = torch.randint(0, 1000, (shape.hkv, args.tokens, shape.topk), dtype=torch.int32, device=device)
+    pos = torch.arange(args.tokens, dtype=torch.int32, device=device) + 128000
+    sync = torch.cuda.synchronize if device == "cuda" else None
+
+    off = Recorder(None, shape)
+    t_off = per_call(lambda: off.wants(0) and off.record(0, sel, pos), args.repeat)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "t.safetensors"
+        skipped = Recorder(out, shape, layers={1})
+        t_skip = per_call(lambda: skipped.wants(0) and skipped.record(0, sel, pos), args.repeat)
+        n_on = max(1, min(args.repeat, 50))
+        on = Recorder(out, shape, max_bytes=1 << 40)
+        t_on = per_call(lambda: on.record(0, sel, pos), n_on, sync if device == "cuda" else None)
+        enqueue = per_call(lambda: on.record(0, sel, pos), n_on)
+        t_sync = per_call(lambda: sel.cpu() if device == "cuda" else sel.clone(), n_on, sync)
+    mb = sel.numel() * 4 / 1e6
+    print(f"device {device}, N {args.tokens} ({mb:.1f} MB of selection a call)")
+    print(f"  off:                 {t_off * 1e6:8.3f} us a call (bound {OFF_BOUND_S * 1e6:g} us)")
+    print(f"  on, layer not taken: {t_skip * 1e6:8.3f} us a call")
+    print(f"  on, recording:       {enqueue * 1e6:8.1f} us a call on the host"
+          + (f" (copy done: {t_on * 1e6:.1f} us; a synchronous .cpu(): {t_sync * 1e6:.1f} us)" if device == "cuda"
+             else f" (a plain .clone(): {t_sync * 1e6:.1f} us)"))
+    if t_off > OFF_BOUND_S:
+        print(f"error: off costs {t_off * 1e6:.3f} us a call, over {OFF_BOUND_S * 1e6:g} us", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
