@@ -17,6 +17,7 @@ from ...kernels.kv_outer.config import TILE_ORDER_NOTATION
 from ...roofline.devices import DeviceProfile
 from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
+from .timers import eager_markdown, pair_runs
 from ..store.rows import device_for_run
 from ..store.results import STATUS_OK, Run, load_run
 from .tables import (accuracy_table, row_roofline, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
@@ -118,7 +119,8 @@ def above_roofline_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
-def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str], profile_line: str | None = None) -> str:
+def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str], profile_line: str | None = None,
+                     beside: Run | None = None) -> str:
     prov = run.meta.get("provenance") or {}
     out = [f"# msa-bench report: {run.path.name}", ""]
     if run.timer == "cpu":
@@ -193,6 +195,8 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str],
                 "ratio: visible context / selected keys there; model: the same from the module times the "
                 "model predicts (roofline over achieved fraction, plus fixed costs: what `auto` weighs).",
                 "", markdown_table(dense)]
+    graph, eager = pair_runs(run, beside) if beside is not None else (None, run)
+    out += eager_markdown(eager, graph, markdown_table)
     out += ["## Per-stage median latency (s)", "", markdown_table(stage_table(run))]
     bt = bytes_table(run, device)
     if not bt.empty:
@@ -224,11 +228,15 @@ def _remove_old_figures(out: Path) -> None:
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
-                 device: DeviceProfile | None = None, warn=None) -> Path:
+                 device: DeviceProfile | None = None, warn=None, beside: str | Path | None = None) -> Path:
     """Write the PNGs and summary.md into `out_dir` (default RUN/report); returns the summary path.
-    `warn(line)` is told what the reader must know first: a run that is not complete."""
+    `warn(line)` is told what the reader must know first: a run that is not complete. `beside`: a run of
+    the other timer on the same GPU, whose module times stand beside this run's (harness/report/timers.py)."""
     from ...roofline.devices import run_profile
     run = load_run(run_dir)
+    other = load_run(beside) if beside is not None else None
+    if other is not None:
+        pair_runs(run, other)                    # refused before anything is written
     note = incomplete(run)
     if note and warn:
         warn(note)
@@ -246,5 +254,5 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
         plt.close(fig)
         names.append(name)
     path = out / "summary.md"
-    path.write_text(summary_markdown(run, dev, names, line))
+    path.write_text(summary_markdown(run, dev, names, line, other))
     return path
