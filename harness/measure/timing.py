@@ -37,13 +37,13 @@ import torch
 from ...errors import UserError
 from ...kernels.clock import probe_mhz, record_spin
 from ...kernels.l2 import LEGACY_PROTOCOL, NO_FLUSH, PROTOCOL, L2Flush
+from ...roofline.model import EAGER, GRAPH      # what `sweep --timer` chooses; the timer follows with the device
 
 TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"
 TIMER_GPU_EAGER = "cuda-eager"
 TIMER_CPU_EAGER = "cpu-eager"
 TIMER_HOST = "host"          # the plan stages: host time to build the plan, on any device
-GRAPH, EAGER = "graph", "eager"          # what `sweep --timer` chooses; the timer follows with the device
 TIMERS = {("cuda", GRAPH): TIMER_GPU, ("cpu", GRAPH): TIMER_CPU,
           ("cuda", EAGER): TIMER_GPU_EAGER, ("cpu", EAGER): TIMER_CPU_EAGER}
 GPU_TIMERS = (TIMER_GPU, TIMER_GPU_EAGER)
