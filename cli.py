@@ -711,7 +711,8 @@ def calibrate(
                                            "(a round trip; the profile is not one to use)."),
     name: str = typer.Option("", help="Profile name (default: <gpu>-calibrated)."),
     fixed_costs_only: bool = typer.Option(False, "--fixed-costs-only", help="Measure only the fixed costs (seconds "
-                                          "per kernel launch and per backend stage) into the existing OUT/profile.json."),
+                                          "per kernel launch and per backend stage, host seconds per stage launch "
+                                          "run eagerly) into the existing OUT/profile.json."),
     backend: str = typer.Option("", help="Re-measure only these `auto` candidates (comma-separated, e.g. "
                                 "q-packed-cute,hybrid after a kernel change): their fixed costs and prefill fractions, "
                                 "every other entry and the ceilings kept from OUT/profile.json. Default: everything."),
@@ -720,7 +721,8 @@ def calibrate(
     from a working-set sweep, bf16/fp8 matmul peaks; the vendor's figures beside them), [2/4] a small built-in
     prefill sweep (scenario `calibrate`, whose points no shipped scenario holds), [3/4] the fixed costs
     (seconds per kernel launch in a CUDA graph, each candidate's stages, its fraction of the roofline on decode
-    batches, one packed tile's time alone), [4/4] the prefill achieved fractions fitted on that sweep. Writes
+    batches, one packed tile's time alone, its host seconds per stage launch and per-step planning timed
+    eagerly, which `auto@eager` adds), [4/4] the prefill achieved fractions fitted on that sweep. Writes
     profile.json (with what was fitted on what under "fitted"), a PNG of bandwidth versus working set and the
     sweep's run folder. `sweep`, `auto`, `check`, `report`, `roofline`, `workload` and `compare` then find it
     for this GPU. Needs a CUDA GPU; at most 10 minutes on one (FlashInfer's first JIT build aside)."""
