@@ -1,5 +1,6 @@
 """The eager regime of the model: the host cost per stage launch and per-step planning that `calibrate`
 measures (fixed_costs "host"), added by predict_module, and `auto@eager`'s pick following it."""
+import json
 from dataclasses import replace
 
 import pytest
@@ -117,3 +118,18 @@ def test_merge_replaces_the_host_costs_it_measured_and_keeps_the_rest():
              "date": "now", "seconds": 1.0, "method": "m"}
     out = fixed_costs.merge_fixed_costs(old, fresh, only=["a"])
     assert out["host"] == {"a/bf16": {"s": 4e-6, "step_s": 0.0}, "b/bf16": {"s": 8e-6}}
+
+
+def test_the_report_predicts_an_eager_unit_in_the_eager_regime():
+    from msa_bench.harness.report.tables import predicted_module_s
+    from msa_bench.harness.running.runner import scalar_stats
+    from msa_bench.scenarios.stats import workload_stats
+    b, w = get_backend("kv-outer"), workload()
+    prof = profile({"kv-outer/bf16": {"s": 1e-3, "step_s": 2e-3}})
+    row = {**scalar_stats(workload_stats(w)), "backend": "kv-outer", "dtype": w.dtype,
+           "plan_info": json.dumps({"model": b.model_record(w, prof)}),
+           **{f"{s}.median_s": 1e-5 for s in b.stage_names}}
+    graph = predicted_module_s({**row, "timer": "cuda-graph"}, prof)
+    eager = predicted_module_s({**row, "timer": "cuda-eager"}, prof)
+    assert graph == pytest.approx(prediction("kv-outer", prof).seconds)
+    assert eager == pytest.approx(2e-3 + 1e-3 + max(graph, 3e-3))

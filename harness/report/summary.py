@@ -18,6 +18,7 @@ from ...roofline.devices import DeviceProfile
 from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
 from .timers import eager_markdown, pair_runs
+from ..measure.timing import GPU_TIMERS
 from ..store.rows import device_for_run
 from ..store.results import STATUS_OK, Run, load_run
 from .tables import (accuracy_table, row_roofline, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
@@ -123,7 +124,7 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str],
                      beside: Run | None = None) -> str:
     prov = run.meta.get("provenance") or {}
     out = [f"# msa-bench report: {run.path.name}", ""]
-    if run.timer == "cpu":
+    if run.timer not in GPU_TIMERS:
         out += ["> **CPU RUN — these are host timings of the CPU pipeline, NOT GPU timings.** "
                 "They show that the pipeline works; do not read performance from them.", ""]
     out += [f"- scenario: `{run.meta.get('scenario')}` ({run.meta.get('scenario_description', '')})",

@@ -12,6 +12,7 @@ from ...roofline.devices import DeviceProfile, has_fixed_costs
 from ...roofline.dtypes import model_dtype
 from ...kernels.auto import AUTO_RECORD, AutoBackend
 from ...kernels.base import get_backend, split_name
+from ..measure.timing import timer_mode
 from ...kernels.q_packed.hybrid import HybridBackend
 from ...roofline.model import crossover, crossover_at, is_decode
 from ...roofline.predict import (fraction_fit, predict_module, schedule_roofline, shape_of, unmodelled_reason,
@@ -180,15 +181,24 @@ def row_roofline(row, device: DeviceProfile):
     return _predict_row(row, facts.schedule, device)
 
 
+def regime_of(row) -> str:
+    """The regime a unit row was timed in (its timer's: graph replay or eager launches), which its
+    prediction takes."""
+    timer = row.get("timer")
+    return timer_mode(timer if isinstance(timer, str) else "")
+
+
 def predicted_module_s(row, device: DeviceProfile) -> float:
     """The model's module time for a unit row (roofline.predict.predict_module of its workload's statistics
     and its plan's record, `device`'s fractions and the fixed costs of the stages the unit ran); `auto` units
-    carry their pick's prediction. NaN where the model does not predict the unit."""
+    carry their pick's prediction; an eager unit's is the eager regime's. NaN where the model does not predict
+    the unit."""
     if split_name(row["backend"])[0] == AUTO:
         a = _info(row.get("plan_info")).get(AUTO_RECORD) or {}
         return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
     facts = row_facts(row)
-    got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row)) if facts else None
+    got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row),
+                         regime_of(row)) if facts else None
     return float("nan") if got is None else got.seconds
 
 
@@ -214,7 +224,7 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
             record = (((_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("used") or {}).get(HYBRID) or {}).get("record")
             if record and HYBRID in measured.index and has_fixed_costs(device, HYBRID, model_dtype(dtype)):
                 got = predict_module(hybrid.facts, a, record, device, dtype,
-                                     ran_stages(hybrid.facts, g[g["backend"] == HYBRID].iloc[0]))
+                                     ran_stages(hybrid.facts, g[g["backend"] == HYBRID].iloc[0]), regime_of(a))
                 if got is not None:
                     pred[HYBRID] = got.seconds
         pred = {b: v for b, v in pred.items() if math.isfinite(v)}
