@@ -191,8 +191,10 @@ def test_gpu_eager_output_equals_graph_replay_and_times_add_up():
 @pytest.mark.parametrize("name", ["flashinfer", "flashinfer-packed"])
 def test_gpu_flashinfer_plan_is_timed_per_step(name):
     from msa_bench.harness.measure.check import compare_output
+    from msa_bench.scenarios.coselection import coselected_workload
     backend = get_backend(name)
-    w = small_workload(n=64, blocks=8).to("cuda")
+    # the study's shape (FlashInfer's head dim and page size), tokens of a tile selecting alike
+    w = coselected_workload(AttnShape(), "bf16", 64, 8192, 1.0, 1.0, group=8, seed=0, device="cuda")
     if backend.workload_unavailable_reason(w):
         pytest.skip(backend.workload_unavailable_reason(w))
     plan = backend.plan(w)
