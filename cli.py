@@ -511,6 +511,13 @@ def sweep(
                                         "else 20 on a GPU, 5 on a CPU.", show_default=False),
     cpu_ok: bool = typer.Option(False, "--cpu-ok", help="Run a shipped GPU scenario on a machine without a GPU "
                                                         "anyway (hours in Triton's interpreter)."),
+    timer: str = typer.Option("graph", help="graph: each stage and the module replayed from a CUDA graph (the "
+                                            "device's time). eager: the module as an engine without graphs runs "
+                                            "it, the stages launched from Python: seconds of host wall-clock from "
+                                            "the first launch to completion, each stage's launch (host) and gap "
+                                            "(device idle before it) beside its device time, and the plan's "
+                                            "per-step host work as stage plan_step. The run records the timer; "
+                                            "compare never mixes timers."),
     gpus: str = typer.Option(None, help="One worker process per GPU, dealt units from one queue into one run folder: "
                                         "all, N (the first N) or a list of indices (0,2; one GPU: 3,). Indices as "
                                         "CUDA numbers them under CUDA_VISIBLE_DEVICES. GPUs of different models are "
@@ -522,10 +529,10 @@ def sweep(
                               "timing; the trace gives the points.", show_default=False),
     calls: str = typer.Option(None, "--calls", help=CALLS_HELP, show_default=False),
 ):
-    """Time each stage and the whole module per point and backend (CUDA-graph replay, cold L2; seconds), with
-    NVML telemetry and optional ncu counters, and check the output of the timed runs against the float64
-    reference (a unit that disagrees fails; its timings are discarded). Each finished (point, backend) is
-    written at once; on Ctrl-C or SIGTERM the folder and the command that resumes it are printed.
+    """Time each stage and the whole module per point and backend (CUDA-graph replay, or launched from Python
+    with --timer eager; cold L2; seconds), with NVML telemetry and optional ncu counters, and check the
+    output of the timed runs against the float64 reference (a unit that disagrees fails; its timings are
+    discarded). Each finished (point, backend) is written at once; on Ctrl-C or SIGTERM the folder and the command that resumes it are printed.
     Exit 0 when every unit ran or is unavailable here, 1 when a unit failed (listed) or every --gpus worker
     died, 2 on bad input or a point that cannot fit in memory (refused before anything runs), 130 when
     interrupted (Ctrl-C), 143 when terminated (SIGTERM, as `timeout` and job schedulers send)."""
@@ -536,8 +543,8 @@ def sweep(
                        dtypes=_split(dtype, "dtype"), backends=_split(backend, "backend"), causal=causal,
                        generator=generator, share=_split(share, "share", float),
                        share_group=_split(share_group, "share-group", int), trace=trace, calls=calls, out=out,
-                       resume=resume, shard=shard,
-                       counters=counters, reps=reps, gpus=gpus, device=device, argv=list(sys.argv))
+                       resume=resume, shard=shard, counters=counters, reps=reps,
+                       timer=None if timer == "graph" else timer, gpus=gpus, device=device, argv=list(sys.argv))
     try:
         summary = run_sweep(req)
     except SweepInterrupted as exc:
@@ -568,6 +575,10 @@ def report(
                                           "profile the run recorded (run.json provenance), else its GPU's "
                                           "calibration or preset, none for a CPU run."),
     figures: bool = typer.Option(True, help="Draw the PNGs; --no-figures writes summary.md's tables alone."),
+    beside: str = typer.Option(None, help="A run of the same points timed by the other timer on the same GPU "
+                                          "(sweep --timer graph | eager): summary.md sets each unit's module "
+                                          "time under both side by side (microseconds: graph, eager, "
+                                          "eager/graph).", show_default=False),
 ):
     """Plots (TFLOP/s vs reuse with roofline curves and crossovers, stacked per-stage latency, measured vs
     model bytes) and a Markdown summary of a run. A run that is not complete is reported from the units it
@@ -575,7 +586,7 @@ def report(
     from .harness.report.summary import write_report
     from .roofline.devices import resolve_profile
     path = write_report(run, out, resolve_profile(device, None).profile if device else None,
-                        warn=lambda line: typer.echo(f"warning: {line}", err=True), figures=figures)
+                        warn=lambda line: typer.echo(f"warning: {line}", err=True), figures=figures, beside=beside)
     typer.echo(f"wrote {path}")
 
 
@@ -808,7 +819,8 @@ def calibrate(
                                            "(a round trip; the profile is not one to use)."),
     name: str = typer.Option("", help="Profile name (default: <gpu>-calibrated)."),
     fixed_costs_only: bool = typer.Option(False, "--fixed-costs-only", help="Measure only the fixed costs (seconds "
-                                          "per kernel launch and per backend stage) into the existing OUT/profile.json."),
+                                          "per kernel launch and per backend stage, host seconds per stage launch "
+                                          "run eagerly) into the existing OUT/profile.json."),
     backend: str = typer.Option("", help="Re-measure only these `auto` candidates (comma-separated, e.g. "
                                 "q-packed-cute,hybrid after a kernel change): their fixed costs and prefill fractions, "
                                 "every other entry and the ceilings kept from OUT/profile.json. Default: everything."),
@@ -817,7 +829,8 @@ def calibrate(
     from a working-set sweep, bf16/fp8 matmul peaks; the vendor's figures beside them), [2/4] a small built-in
     prefill sweep (scenario `calibrate`, whose points no shipped scenario holds), [3/4] the fixed costs
     (seconds per kernel launch in a CUDA graph, each candidate's stages, its fraction of the roofline on decode
-    batches, one packed tile's time alone), [4/4] the prefill achieved fractions fitted on that sweep. Writes
+    batches, one packed tile's time alone, its host seconds per stage launch and per-step planning timed
+    eagerly, which `auto@eager` adds), [4/4] the prefill achieved fractions fitted on that sweep. Writes
     profile.json (with what was fitted on what under "fitted"), a PNG of bandwidth versus working set and the
     sweep's run folder. `sweep`, `auto`, `check`, `report`, `roofline`, `workload` and `compare` then find it
     for this GPU. Needs a CUDA GPU; at most 10 minutes on one (FlashInfer's first JIT build aside)."""

@@ -7,14 +7,19 @@ the model does not fit it (flashinfer-packed off union_ratio 1), or where the de
 backends' achieved fractions or fixed costs and not its own (1, or 0 s, would flatter it). Each prediction is the candidate's roofline
 time over its achieved fraction, plus the fixed costs of its stages (`DeviceProfile.fixed_costs`). The plan
 records every prediction, the skipped candidates and the pick under "auto", the schedule under "schedule".
+`auto@eager` predicts for the eager regime (the module launched from Python, as `sweep --timer eager` times
+it): each candidate also pays the profile's host cost per stage launch and its per-step planning
+(roofline/model.module_time); a profile that measured none says so in one line and prices them at 0 s.
 """
 from __future__ import annotations
 
 from ..roofline.devices import device_profile
-from ..roofline.predict import predict_module, weigh_reason
+from ..roofline.model import GRAPH, REGIMES
+from ..roofline.predict import host_note, predict_module, weigh_reason
 from ..scenarios.stats import ModelStats
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, get_backend, register, registered_names
+from .options import Choice
 
 
 AUTO_RECORD = "auto"        # plan_info's key of the pick, every candidate's prediction and the skipped ones
@@ -37,6 +42,10 @@ class AutoBackend(Backend):
     name = "auto"
     description = "the backend the model (roofline over achieved fraction, plus fixed costs) predicts fastest"
     dtypes = ("bf16", "fp8", "fp16", "fp32")
+    options = {"regime": Choice("regime", REGIMES)}
+
+    def __init__(self, regime: str = GRAPH):
+        self.regime = regime
 
     def unavailable_reason(self, dtype, device):
         reason = super().unavailable_reason(dtype, device)
@@ -54,11 +63,11 @@ class AutoBackend(Backend):
         for name in candidate_names():
             backend = get_backend(name)
             why = backend.workload_unavailable_reason(w) or weigh_reason(backend.facts, stats, profile, w.dtype,
-                                                                         backend.achieved_names(w))
+                                                                         backend.achieved_names(w), self.regime)
             if why is None:
                 try:
                     record = backend.model_record(w, profile)
-                    got = predict_module(backend.facts, stats, record, profile, w.dtype)
+                    got = predict_module(backend.facts, stats, record, profile, w.dtype, regime=self.regime)
                     if got is not None:
                         out[name] = (backend, got.seconds, {**got.used, "record": record})
                         continue
@@ -72,14 +81,16 @@ class AutoBackend(Backend):
         return out, skipped
 
     def _plan(self, w: Workload) -> Plan:
-        cands, skipped = self.candidates(w)
+        profile = device_profile(w.device)
+        cands, skipped = self.candidates(w, profile)
         pick = min(cands, key=lambda k: cands[k][1])        # ties: the first by name
         backend = cands[pick][0]
         plan = backend.plan(w)
         plan.info = {**plan.info, "schedule": backend.schedule,
                      AUTO_RECORD: {"picked": pick, "backend": backend.name,
                               "predicted_s": {k: v[1] for k, v in cands.items()},
-                              "used": {k: v[2] for k, v in cands.items()}, "skipped": skipped}}
+                              "used": {k: v[2] for k, v in cands.items()}, "skipped": skipped,
+                              "regime": self.regime, "note": host_note(profile, self.regime)}}
         plan.backend = self.name
         return plan
 
@@ -96,6 +107,8 @@ def auto_line(info: dict) -> str:
     line = f"auto picked {a.get('picked')} (predicted us: {parts})"
     if a.get("skipped"):
         line += f"; skipped {len(a['skipped'])}: {', '.join(sorted(a['skipped']))}"
+    if a.get("regime", GRAPH) != GRAPH:
+        line += f"; regime {a['regime']}" + (f" ({a['note']})" if a.get("note") else "")
     return line
 
 

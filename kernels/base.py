@@ -29,6 +29,9 @@ class Plan:
     plan_seconds: float = 0.0                      # host time spent in plan()
     info: dict = field(default_factory=dict)       # path actually taken: kernel names, configs, grid sizes
     model_record: dict | None = None               # what the model needs of it, where the plan knows it first
+    # the host work of planning a serving engine repeats every step before it launches the stages (the
+    # step's selection changes what it computes; FlashInfer's plan()), rerun as is: the eager timer times it
+    step: Callable[[], None] | None = None
 
     def run(self) -> torch.Tensor:
         for stage in self.stages.values():

@@ -366,6 +366,6 @@ class DenseMasked(Backend):
             info.update(buckets=len(buckets), sdpa_calls=len(buckets) * s.hkv,
                         bucket_shapes=sorted({(bk.batch, bk.rows, bk.blocks) for bk in buckets}),
                         mask="additive bf16, 0 on selected visible keys, -inf elsewhere (padding included)")
-        plan = Plan(backend=self.name, stages=stages, output=out, info=info)
+        plan = Plan(backend=self.name, stages=stages, output=out, info=info, step=keep[1] if keep else None)
         plan._wrapper = keep              # FlashInfer's planned state lives as long as the plan
         return plan

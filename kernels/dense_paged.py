@@ -177,7 +177,8 @@ def mask_builder(w: Workload, lay: PagedLayout, words: torch.Tensor, empty: torc
 
 
 def build_paged_stages(w: Workload):
-    """(stages, output, info, wrapper) of the paged dense path (module docstring)."""
+    """(stages, output, info, (wrapper, step)) of the paged dense path (module docstring); step: its plan() as
+    a serving engine repeats it every step."""
     fi = import_flashinfer()
     s = w.shape
     dev, b, g, hkv, d = w.device, s.block, s.group, s.hkv, s.head_dim
@@ -211,7 +212,11 @@ def build_paged_stages(w: Workload):
                                    torch.empty(ws_int, dtype=torch.uint8, device=dev))
     # the documented path: a bool mask FlashInfer packs (and whose byte offsets it writes); the mask stage
     # overwrites the packed bits in place, same layout (every row a whole number of words)
-    wrapper.plan(*args, custom_mask=torch.zeros(bits, dtype=torch.bool, device=dev), **plan_kw)
+    zeros = torch.zeros(bits, dtype=torch.bool, device=dev)
+
+    def step():
+        wrapper.plan(*args, custom_mask=zeros, **plan_kw)
+    step()
     if wrapper._custom_mask_buf.data_ptr() != mask_buf.data_ptr():
         raise BackendUnavailable("dense-masked@flashinfer: FlashInfer did not keep the given mask buffer")
     rows = lay.row_tok.numel()
@@ -243,4 +248,4 @@ def build_paged_stages(w: Workload):
     info = {"flashinfer_backend": "fa2", "flashinfer_version": getattr(fi, "__version__", "unknown"),
             "flashinfer_requests": n_req, "pages": int(kv_indices.numel()), "mask_bytes_packed": bits // 8,
             "workspace_source": ws_source}
-    return {"gather": gather, "mask": mask, "attention": attention}, out, info, wrapper
+    return {"gather": gather, "mask": mask, "attention": attention}, out, info, (wrapper, step)

@@ -258,7 +258,7 @@ class FlashInferPacked(Backend):
         output = torch.empty(n, s.hq, s.head_dim, dtype=torch.bfloat16, device=dev)
         q_heads = [q[:, h * s.group:(h + 1) * s.group] for h in range(s.hkv)]    # strided views, no copy
         build = self._paged_wrappers if self.route == "paged" else self._bsr_wrappers
-        runs, ws_info = build(fi, w, pp, kv_dtype, sm_scale)
+        runs, ws_info, replans = build(fi, w, pp, kv_dtype, sm_scale)
 
         def attention():
             for h, run in enumerate(runs):
@@ -291,8 +291,12 @@ class FlashInferPacked(Backend):
                 "pages": sum(h.kv_indices.numel() for h in pp.heads), "page_size": s.block,
                 "q_layout": "strided per-head view of Q", "output_stage": "[Hkv, N, G, D] -> [N, Hq, D] copy",
                 **ws_info}
+        def step():
+            for replan in replans:
+                replan()
+
         plan = Plan(backend=self.name, stages={"attention": attention, "output": output_stage}, output=output,
-                    buffers={"out_heads": o_heads}, info=info)
+                    buffers={"out_heads": o_heads}, info=info, step=step)
         plan._keep = (runs, pp)       # the wrappers (bound in runs) keep their buffers and plans alive
         return plan
 
@@ -322,17 +326,22 @@ class FlashInferPacked(Backend):
                       kv_data_type=kv_dtype, o_data_type=torch.bfloat16, uniform_q_len=pp.tile if uniform else None)
             staged.append((hr, wrapper, bufs, args, kw, workspace_sizes(wrapper, args, kw, r)))
         float_ws = torch.empty(max(f for *_, (f, _, _) in staged), dtype=torch.uint8, device=dev)   # shared: runs are serial
-        runs = []
+        runs, replans = [], []
         for hr, wrapper, bufs, args, kw, (_, i_bytes, _) in staged:
             wrapper.reset_workspace_buffer(float_ws, torch.empty(i_bytes, dtype=torch.uint8, device=dev))
-            wrapper.plan(*args, **kw)
-            if hr.mask_mode == MASK_CUSTOM:           # byte offsets (flashinfer PR #2201: plan leaves bits)
-                bufs["mask_indptr_buf"].copy_(hr.mask_indptr.to(dev))
+
+            def replan(wr=wrapper, args=args, kw=kw, bufs=bufs, offsets=hr.mask_indptr.to(dev)
+                       if hr.mask_mode == MASK_CUSTOM else None):
+                wr.plan(*args, **kw)
+                if offsets is not None:           # byte offsets (flashinfer PR #2201: plan leaves bits)
+                    bufs["mask_indptr_buf"].copy_(offsets)
+            replan()
+            replans.append(replan)
             runs.append(lambda qh, oh, wr=wrapper: wr.run(qh, (k, v), out=oh))
         info = {"wrapper": "BatchPrefillWithPagedKVCacheWrapper", "kv_layout": "HND", "cuda_graph_wrapper": True,
                 "uniform_q_len": pp.tile if uniform else None, "float_workspace_bytes": float_ws.numel(),
                 "int_workspace_bytes": [st[5][1] for st in staged], "workspace_source": staged[0][5][2]}
-        return runs, info
+        return runs, info, replans
 
     def _bsr_wrappers(self, fi, w: Workload, pp: PackedPlan, kv_dtype, sm_scale):
         s = w.shape
@@ -341,23 +350,30 @@ class FlashInferPacked(Backend):
         k = w.k_cache.view(cols, 1, s.head_dim)          # NHD, column block c = page * Hkv + head
         v = w.v_cache.view(cols, 1, s.head_dim)
         float_ws = torch.empty(BSR_FLOAT_WORKSPACE, dtype=torch.uint8, device=dev)
-        runs = []
+        runs, replans = [], []
         for hr in pp.heads:
             wrapper = fi.BlockSparseAttentionWrapper(float_ws, backend="fa2")
             wrapper.reset_workspace_buffer(float_ws, torch.empty(BSR_INT_WORKSPACE, dtype=torch.uint8, device=dev))
             custom = hr.mask_mode == MASK_CUSTOM
-            wrapper.plan(hr.kv_indptr.to(dev), hr.kv_indices.to(dev), w.n_tokens, cols, pp.tile, s.block,
-                         s.group, 1, s.head_dim, packed_mask=hr.packed_mask.to(dev) if custom else None,
-                         causal=hr.mask_mode == MASK_CAUSAL, sm_scale=sm_scale, q_data_type=torch.bfloat16,
-                         kv_data_type=kv_dtype, o_data_type=torch.bfloat16)
-            if custom:                                # byte offsets (flashinfer PR #2201: plan leaves bits)
-                if not hasattr(wrapper, "_mask_indptr_buf"):
-                    raise BackendUnavailable("flashinfer-packed@bsr: this FlashInfer's BlockSparseAttentionWrapper "
-                                             "keeps no _mask_indptr_buf to correct (written for 0.7.2.post1)")
-                wrapper._mask_indptr_buf = hr.mask_indptr.to(dev)
+            args = (hr.kv_indptr.to(dev), hr.kv_indices.to(dev), w.n_tokens, cols, pp.tile, s.block, s.group, 1,
+                    s.head_dim)
+            kw = dict(packed_mask=hr.packed_mask.to(dev) if custom else None, causal=hr.mask_mode == MASK_CAUSAL,
+                      sm_scale=sm_scale, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
+                      o_data_type=torch.bfloat16)
+
+            def replan(wr=wrapper, args=args, kw=kw, offsets=hr.mask_indptr.to(dev) if custom else None):
+                wr.plan(*args, **kw)
+                if offsets is not None:           # byte offsets (flashinfer PR #2201: plan leaves bits)
+                    if not hasattr(wr, "_mask_indptr_buf"):
+                        raise BackendUnavailable("flashinfer-packed@bsr: this FlashInfer's "
+                                                 "BlockSparseAttentionWrapper keeps no _mask_indptr_buf to correct "
+                                                 "(written for 0.7.2.post1)")
+                    wr._mask_indptr_buf = offsets
+            replan()
+            replans.append(replan)
             runs.append(lambda qh, oh, wr=wrapper: wr.run(qh, k, v, out=oh))
         info = {"wrapper": "BlockSparseAttentionWrapper", "kv_layout": "NHD (head-major cache as columns)",
                 "cuda_graph_wrapper": False, "float_workspace_bytes": BSR_FLOAT_WORKSPACE,
                 "int_workspace_bytes": BSR_INT_WORKSPACE, "bsr_columns": cols}
-        return runs, info
+        return runs, info, replans
 

@@ -252,7 +252,7 @@ class FlashInferQOuter(Backend):
                 "float_workspace_bytes": ws_float, "int_workspace_bytes": ws_int, "workspace_source": ws_source,
                 "kv_tokens": int(fold.kv_lens(s.block).sum()), "cuda_graph_wrapper": True}
         plan = Plan(backend=self.name, stages={"attention": attention}, output=out.view(w.n_tokens, s.hq, s.head_dim),
-                    buffers=buffers, info=info)
+                    buffers=buffers, info=info, step=lambda: wrapper.plan(*args, **plan_kw))
         plan._wrapper = wrapper         # keep FlashInfer's planned state alive with the plan
         return plan
 

@@ -40,6 +40,7 @@ from msa_bench.harness.report import summary as report
 from msa_bench.harness.report import tables
 from msa_bench.harness.store.rows import device_for_run
 from msa_bench.harness.store.results import load_run
+from msa_bench.harness.measure.timing import GPU_TIMERS
 
 REPO = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd()
 args = [a for a in sys.argv[1:] if not a.startswith("-")] if "ipykernel" not in sys.modules else []
@@ -51,7 +52,7 @@ run = load_run(RUN_DIR)
 device = device_for_run(run.meta)
 print(f"run {RUN_DIR}: scenario {run.meta.get('scenario')}, measured on {run.device_name}, timer {run.timer}")
 print(f"roofline device: {device.name if device else 'none (no profile matches; model curves omitted)'}")
-if run.timer == "cpu":
+if run.timer not in GPU_TIMERS:
     print("!! CPU RUN: host timings of the CPU pipeline, NOT GPU timings; read no performance from them.")
 
 

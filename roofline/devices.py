@@ -114,6 +114,11 @@ def fixed_costs_problem(fc) -> str | None:
     if not isinstance(items, dict) or not all("/" in k and isinstance(v, dict) and _seconds(v.get("s"))
                                               and _seconds(v.get("block_s")) for k, v in items.items()):
         return "items must map 'backend/dtype' to {'s': seconds, 'block_s': seconds per block}, each in [0, 1)"
+    host = fc.get("host", {})
+    if not isinstance(host, dict) or not all("/" in k and isinstance(v, dict) and _seconds(v.get("s"))
+                                             and _seconds(v.get("step_s", 0.0)) for k, v in host.items()):
+        return ("host must map 'backend/dtype' to {'s': host seconds per stage launch, 'step_s': per-step "
+                "planning seconds}, each in [0, 1)")
     return None
 
 

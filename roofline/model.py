@@ -140,13 +140,34 @@ def item_floor(device: DeviceProfile, backend: str, dtype: str | None, blocks: f
     return float(got["s"]) + blocks * float(got["block_s"]) if got else 0.0
 
 
+# how the module is launched: replayed from a CUDA graph (the device's time), or stage by stage from Python
+GRAPH, EAGER = "graph", "eager"
+REGIMES = (GRAPH, EAGER)
+
+
+def host_cost(device: DeviceProfile, backend: str, dtype: str | None) -> tuple[float, float] | None:
+    """(host seconds per stage launch from Python, host seconds of the plan's per-step work) `backend`
+    (BASE@OPTION counts as BASE) pays run eagerly, as calibrated ("host": "backend/dtype"); None where the
+    profile has not measured it."""
+    got = ((device.fixed_costs or {}).get("host") or {}).get(f"{base_name(backend)}/{dtype}")
+    return (float(got["s"]), float(got.get("step_s", 0.0))) if got else None
+
+
 def module_time(device: DeviceProfile, backend: str, dtype: str | None, scaled_s: float, stages,
-                item_blocks: float | None = None) -> tuple[float, dict]:
+                item_blocks: float | None = None, regime: str = GRAPH) -> tuple[float, dict]:
     """(seconds, its parts) of a backend's module: `scaled_s` (the roofline over the achieved fraction),
-    floored by its largest item's time alone, plus its stages' fixed costs."""
+    floored by its largest item's time alone, plus its stages' fixed costs. EAGER: the host's per-step
+    planning and first launch come first, then the device's time or the host's remaining launches,
+    whichever is longer (the device never runs ahead of a launch); 0 s where the profile has no host cost."""
     fixed, _ = fixed_cost(device, backend, stages, dtype)
     floor = item_floor(device, backend, dtype, item_blocks)
-    return max(scaled_s, floor) + fixed, {"fixed_s": fixed, "item_floor_s": floor}
+    seconds, parts = max(scaled_s, floor) + fixed, {"fixed_s": fixed, "item_floor_s": floor}
+    if regime != EAGER:
+        return seconds, parts
+    per_launch, step = host_cost(device, backend, dtype) or (0.0, 0.0)
+    rest = per_launch * max(len(tuple(stages)) - 1, 0)
+    return step + per_launch + max(seconds, rest), {**parts, "device_s": seconds, "host_launch_s": per_launch,
+                                                    "plan_step_s": step}
 
 
 # query tokens per request, at most, of decode work (plain, speculative, multi-token): the decode generator's

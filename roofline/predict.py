@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from .devices import DeviceProfile, achieved, has_achieved, has_fixed_costs
 from .dtypes import model_dtype
-from .model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, RESOURCES, ModelShape, Prediction, decode_work_share,
-                    fixed_cost, fraction_roofline, module_time, predict, predict_dense, scaled_time, union_tokens)
+from .model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, EAGER, GRAPH, RESOURCES, ModelShape, Prediction,
+                    decode_work_share, fixed_cost, fraction_roofline, host_cost, module_time, predict, predict_dense,
+                    scaled_time, union_tokens)
 from .schedules import Schedule
 from .shape import SHAPE_FIELDS, AttnShape
 
@@ -76,10 +77,12 @@ def unmodelled_reason(facts: KernelFacts, stats) -> str | None:
     return None
 
 
-def weigh_reason(facts: KernelFacts, stats, profile: DeviceProfile, dtype: str, fractions=None) -> str | None:
+def weigh_reason(facts: KernelFacts, stats, profile: DeviceProfile, dtype: str, fractions=None,
+                 regime: str = GRAPH) -> str | None:
     """None where `auto` weighs `facts`' backend on a workload of `stats` with `profile`, else why not: the
     model predicts it, and the profile measured its fractions (`fractions`: the names its prediction divides
-    by, default its own) and its fixed costs, or measured none (1, or 0 s, would flatter it)."""
+    by, default its own), its fixed costs and, in the EAGER regime, its host cost, or measured none of
+    them (1, or 0 s, would flatter it)."""
     reason = unmodelled_reason(facts, stats)
     if reason is not None:
         return reason
@@ -89,6 +92,8 @@ def weigh_reason(facts: KernelFacts, stats, profile: DeviceProfile, dtype: str, 
         return f"{facts.name}: profile {profile.name} has no achieved fraction of {missing[0]}/{fdtype}"
     if not has_fixed_costs(profile, facts.name, fdtype):
         return f"{facts.name}: profile {profile.name} has no fixed costs for it in {fdtype}"
+    if regime == EAGER and (profile.fixed_costs or {}).get("host") and host_cost(profile, facts.name, fdtype) is None:
+        return f"{facts.name}: profile {profile.name} has no host cost for it in {fdtype}"
     return None
 
 
@@ -159,10 +164,11 @@ class ModulePrediction:
 
 
 def predict_module(facts: KernelFacts, stats, record: dict, profile: DeviceProfile, dtype: str,
-                   stages=None) -> ModulePrediction | None:
+                   stages=None, regime: str = GRAPH) -> ModulePrediction | None:
     """The module time of `facts`' backend on a workload of `stats` in `dtype` as `record` describes its plan,
-    on `profile`; `stages`: the stages it runs (default: the record's, else every declared one). None where
-    the model does not predict it."""
+    on `profile`; `stages`: the stages it runs (default: the record's, else every declared one); `regime`:
+    GRAPH (replayed from a CUDA graph) or EAGER (launched from Python: the profile's host cost per stage
+    launch and per-step planning, model.module_time). None where the model does not predict it."""
     if unmodelled_reason(facts, stats) is not None:
         return None
     fdtype = model_dtype(dtype)
@@ -182,7 +188,7 @@ def predict_module(facts: KernelFacts, stats, record: dict, profile: DeviceProfi
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         _, union, executed = ratios(facts.schedule, stats, record)
         used.update({k: v for k, v in (("union_ratio", union), ("executed_union_ratio", executed)) if v is not None})
-    total, parts = module_time(profile, facts.name, fdtype, scaled, stages, item_blocks(facts, stats))
+    total, parts = module_time(profile, facts.name, fdtype, scaled, stages, item_blocks(facts, stats), regime)
     return ModulePrediction(total, {**used, **parts}, p, name)
 
 
@@ -209,6 +215,14 @@ def fraction_fit(facts: KernelFacts, stats, record: dict, profile: DeviceProfile
     if measured_s <= fixed:
         return None
     return fraction_name(facts, record), fraction_roofline(p, facts.fraction_terms) / (measured_s - fixed)
+
+
+def host_note(profile: DeviceProfile, regime: str) -> str | None:
+    """The one line the EAGER regime says on a profile that measured no host cost (it prices launches at 0 s)."""
+    if regime != EAGER or (profile.fixed_costs or {}).get("host"):
+        return None
+    return (f"profile {profile.name} has no host cost per launch (msa-bench calibrate measures it): the eager "
+            "regime prices launches and per-step planning at 0 s")
 
 
 # ---- the hybrid: the packed part plus the residual's KV-outer part ------------------------------

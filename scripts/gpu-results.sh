@@ -8,9 +8,13 @@
 #                      copied to ROOT/calibration), stopped after T s; its wall time is printed
 #   time:S:T[:i/n]     msa-bench sweep --scenario S (with the profile found for this GPU), stopped after T s;
 #                      i/n runs that shard of the points only (a trimmed run on a GPU with less time)
+#   eager:S:T[:i/n]    the same with --timer eager (the stages launched from Python) into ROOT/S-eager
+#   beside:S           msa-bench report ROOT/S-eager --beside ROOT/S: module time graph | eager | eager/graph
+#                      per unit both timed, into ROOT/S-eager/report
 #   warm:T             FlashInfer's JIT kernels built in the background (msa-bench check of each FlashInfer
 #                      backend and dtype), so a later step does not wait on the first build
-# MSA_BACKENDS (comma-separated) replaces the scenarios' backends. ROOT is packed into $OUT/runs.tgz after
+# MSA_BACKENDS (comma-separated) replaces the scenarios' backends; MSA_EAGER_BACKENDS, where set, those of
+# the eager steps (e.g. auto@eager next to auto). ROOT is packed into $OUT/runs.tgz after
 # each step when OUT is set. A time cap stops with SIGINT: every finished unit is on disk.
 export PYTHONUNBUFFERED=1
 R=${1:?usage: gpu-results.sh ROOT STEP...}; shift
@@ -34,15 +38,21 @@ for step in "$@"; do
             dir=$(ls -d results/*/calibration 2>/dev/null | grep -v h200 | head -1)
             [ -n "$dir" ] && rm -rf "$R/calibration" && cp -r "$dir" "$R/calibration"
             echo "$step rc=$rc in $(( $(date +%s) - t0 )) s ($dir): $(grep '^wrote\|^\[' "$R/calibrate.log" | tr '\n' ' ' | tail -c 600)" ;;
-        time)
-            dir=$R/$a; args=(--scenario "$a")
-            [ -n "${MSA_BACKENDS:-}" ] && args+=(--backend "$MSA_BACKENDS")
+        time|eager)
+            dir=$R/$a; args=(--scenario "$a"); backends=${MSA_BACKENDS:-}
+            if [ "$kind" = eager ]; then
+                dir=$R/$a-eager; args+=(--timer eager); backends=${MSA_EAGER_BACKENDS:-$backends}
+            fi
+            [ -n "$backends" ] && args+=(--backend "$backends")
             [ -n "$c" ] && args+=(--shard "$c")
             [ -f "$dir/run.json" ] && args+=(--resume)
             timeout -s INT -k 15 "$b" msa-bench sweep --out "$dir" "${args[@]}" >> "$dir.log" 2>&1
             rc=$?
             n=$(ls "$dir/units" 2>/dev/null | wc -l)
             echo "$step rc=$rc in $(( $(date +%s) - t0 )) s: $n units; $(tail -c 300 "$dir.log" | tr '\n' ' ' | tail -c 200)" ;;
+        beside)
+            msa-bench report "$R/$a-eager" --beside "$R/$a" > "$R/$a-beside.log" 2>&1
+            echo "$step rc=$? in $(( $(date +%s) - t0 )) s: $(tail -c 200 "$R/$a-beside.log" | tr '\n' ' ')" ;;
         *) echo "unknown step $step"; continue ;;
     esac
     pack

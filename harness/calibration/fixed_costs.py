@@ -21,6 +21,10 @@ time against the blocks a tile walks (the latency point's 16 included) gives its
 intercept) and one block's walk on one SM (block_s). A stage those workloads run and the latency point
 does not (q-packed-cute's schedule: a one-token plan reads its pages itself) costs, on top, its own time on
 the least work that ran it.
+Host: every candidate is also timed eagerly on the latency point (timing.py's eager timer: the stages launched
+from Python, as an engine without graphs runs them); its host cost per stage launch is the median host time
+inside its stages' calls over the stages it ran, and its per-step planning (`plan_step`) the median of
+that; `auto@eager` adds them (roofline/model.module_time).
 A candidate whose first plan would JIT-build a kernel (Backend.build_pending_reason), or whose plan and
 timing on one workload take over CANDIDATE_SECONDS, is skipped with its reason printed, so the step stays
 within its time; that dtype's entries then stay the profile's, named (merge_fixed_costs), never dropped.
@@ -29,12 +33,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 from .ceilings import theil_sen
 from ...roofline.devices import DeviceProfile
-from ..measure.timing import MODULE, TimingConfig, time_plan, warm_plan
+from ..measure.timing import MODULE, PLAN_STEP, TimingConfig, time_plan, warm_plan
+from ...roofline.model import EAGER
 
 FIXED_REQUESTS = (264, 528, 792, 1056)      # 2 to 8 one-token requests per SM: 8 to 32 packed tiles per SM
 FIXED_CONTEXT = (8192, 16384)                # each request's context, uniform in this range
@@ -45,6 +51,8 @@ ITEM_POINTS = (("decode", {"requests": 1, "context": 16384}),       # (generator
                ("drift", {"tokens": 8, "context": 131072, "drift": 1.0}))   # ~115 blocks
 LAUNCH_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 TIMING = TimingConfig(warmup=3, reps=20, max_reps=40)
+EAGER_TIMING = replace(TIMING, timer=EAGER)
+HOST_LAUNCH = "host_launch_s"       # an eager row's median host time per stage launch (measure_series)
 # a candidate whose plan and timing on one workload takes longer built something or stalled: the step is
 # meant to finish in about a minute, so it is dropped (the few ms its timing needs are far below this)
 CANDIDATE_SECONDS = 20.0
@@ -117,7 +125,6 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches}, item blocks)]} for
     every candidate here (or those in `only`); roofline times at achieved fraction 1. Each candidate
     skipped on a workload is also put in `skipped` ({"backend/dtype": why}, the first reason kept)."""
-    from dataclasses import replace
     from ...errors import one_line
     from ...kernels.auto import candidate_names
     from ...kernels.base import get_backend
@@ -170,6 +177,8 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                     del plan
                     continue
                 medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
+                if samples[MODULE].launch_s is not None:      # eager: host time per stage launch
+                    medians[HOST_LAUNCH] = statistics.median(samples[MODULE].launch_s) / max(len(plan.stages), 1)
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
                     launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
                 series.setdefault((name, dtype), []).append(
@@ -257,6 +266,21 @@ def fit_decode_achieved(series: dict, stages: dict) -> dict:
     return out
 
 
+def fit_host(series: dict) -> dict:
+    """{"backend/dtype": {"s": host seconds per stage launch, "step_s": per-step planning seconds, "module_s":
+    the eager module's wall-clock}} from an eager series (measure_series with EAGER_TIMING), on its
+    least-work row."""
+    out = {}
+    for (name, dtype), rows in series.items():
+        rows = [r for r in rows if HOST_LAUNCH in r[1]]
+        if not rows or pick_dependent(name):
+            continue
+        medians = min(rows, key=lambda r: r[0])[1]
+        out[f"{name}/{dtype}"] = {"s": medians[HOST_LAUNCH], "step_s": medians.get(PLAN_STEP, 0.0),
+                                  "module_s": medians[MODULE]}
+    return out
+
+
 def fit_items(series: dict) -> dict:
     """{"backend/dtype": {"s": 0, "block_s", "intercept_s", "points"}}: the Theil-Sen fit of module time against
     the blocks its item walks, for backends with items at two or more sizes (the latency point's and
@@ -290,15 +314,18 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=(
     items = fit_items({k: latency.get(k, []) + item_series.get(k, []) for k in set(latency) | set(item_series)})
     stages = fit_series(latency, items, item_series)
     batches = measure_series(profile, dtypes, log=log, only=only, skipped=skipped)
+    host = fit_host(measure_series(profile, dtypes, log=log, points=latency_points, only=only, skipped=skipped,
+                                   timing=EAGER_TIMING))
     generator, options = LATENCY_POINT
     fresh = {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
-            "decode_achieved": fit_decode_achieved(batches, stages), "items": items,
+            "decode_achieved": fit_decode_achieved(batches, stages), "items": items, "host": host,
             "method": f"stages: the module's time on the latency point ({generator} {options}), less its one "
                       f"item's walk where it has items, shared by the stages as their own times there; "
                       f"decode_achieved: the median of roofline time / (module time less that) on decode batches "
                       f"of {list(FIXED_REQUESTS)} one-token requests, contexts {FIXED_CONTEXT[0]}-{FIXED_CONTEXT[1]}; "
                       f"items: Theil-Sen of module time against a tile's blocks on the latency point and "
-                      f"{len(ITEM_POINTS)} one-request workloads",
+                      f"{len(ITEM_POINTS)} one-request workloads; host: the eager timer's host time per stage "
+                      f"launch and per-step planning on the latency point",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}
     out = merge_fixed_costs(profile.fixed_costs or {}, fresh, only, skipped,
                             candidates=[c for c in candidate_names() if not pick_dependent(c)])
@@ -307,7 +334,7 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=(
     return out
 
 
-PER_BACKEND = ("stages", "decode_achieved", "items")     # fixed_costs tables keyed "backend/..."
+PER_BACKEND = ("stages", "decode_achieved", "items", "host")     # fixed_costs tables keyed "backend/..."
 
 
 def unit_of(key: str) -> str:
@@ -349,7 +376,7 @@ def merge_fixed_costs(old: dict, fresh: dict, only=None, skipped: dict | None = 
            "date": fresh["date"], "seconds": fresh["seconds"]}
     for table in PER_BACKEND:
         out[table] = {**{k: v for k, v in (old.get(table) or {}).items() if not mine(k) or unit_of(k) in kept},
-                      **{k: v for k, v in fresh[table].items() if mine(k) and unit_of(k) in measured}}
+                      **{k: v for k, v in (fresh.get(table) or {}).items() if mine(k) and unit_of(k) in measured}}
     said = "; ".join(f"{u} {unmeasured_line(e)}" for u, e in kept.items())
     if only is None:
         out["method"] = fresh["method"] + (f"; {said}" if said else "")

@@ -35,7 +35,7 @@ from scipy.stats import mannwhitneyu
 from ...errors import UserError
 from .baseline import DEFAULT_FLOOR, clocked_samples, has_clock
 from ..store.results import SAMPLES_REMOVED, STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run, samples_kept
-from ..measure.timing import TIMER_GPU, l2_flush_of
+from ..measure.timing import GPU_TIMERS, l2_flush_of
 
 TIMED_STAGES = ("module", "attention")
 SET_FLAG = 0.5             # against a baseline set: flag at this fraction of the threshold (docstring)
@@ -265,10 +265,13 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
     """`base`: one run, or the K runs of a baseline set. `clock`: raw | normalize | floor | both (baseline.py)."""
     bases = [base] if isinstance(base, Run) else list(base)
     base = bases[0]
+    for b in bases:
+        if b.timer != new.timer:
+            raise UserError(f"the baseline {b.path} was timed by {b.timer!r}, the new run {new.path} by {new.timer!r}: "
+                            "compare runs of one timer (sweep --timer)")
     warnings = []
     for label, a, b in (("device", base.device_name, new.device_name),
                         ("scenario", base.meta.get("scenario"), new.meta.get("scenario")),
-                        ("timer", base.timer, new.timer),
                         ("L2 flush", l2_flush_of(base.meta), l2_flush_of(new.meta))):
         if a != b:
             warnings.append(f"different {label}: baseline {a!r}, new {b!r}")
@@ -277,7 +280,7 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
         if why:
             raise UserError(why + (f" (baseline {b.path})" if len(bases) > 1 else ""))
     cpu = [name for name, runs in (("the baseline has", bases), ("the new run has", [new]))
-           if any(r.timer != TIMER_GPU for r in runs)]
+           if any(r.timer not in GPU_TIMERS for r in runs)]
     judged = not cpu
     if not judged:
         warnings.append(CPU_TIMINGS.format(which="both runs have" if len(cpu) == 2 else cpu[0]))

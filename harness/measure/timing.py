@@ -12,6 +12,17 @@ stage and around the whole (no L2 flush, few reps, no warm-up by default: the sw
 just run the plan). One module run thus gives a sample of every stage, with its real inputs, which
 matters because the Triton interpreter makes each stage cost up to a second. Those numbers only
 exercise the pipeline; they are labelled timer="cpu" everywhere.
+
+Eager (`sweep --timer eager`): the module as an engine without graphs runs it. One sample is one call:
+the plan's per-step host work first where it has some (`Plan.step`, FlashInfer's plan(): stage
+`plan_step`, timer `host`, statistic `per_step` 1), then the L2 flush, a synchronize, and the stages
+launched one after another from Python, host perf_counter around each stage's call (its launch time),
+until a synchronize returns: the module's sample is that host wall-clock from the first launch. The
+same call is then made again after another flush with CUDA events around each stage: each stage's
+sample is its device time there, and its gap the device's idle time between the previous stage's end
+and its start. The events have a call of their own because recording them costs host time the
+wall-clock must not hold. Repetition and the CV rule are the graph timer's, on the module's wall-clock.
+On a CPU the stages run as they are called, so one call gives both (timer "cpu-eager").
 """
 from __future__ import annotations
 
@@ -26,12 +37,22 @@ import torch
 from ...errors import UserError
 from ...kernels.clock import probe_mhz, record_spin
 from ...kernels.l2 import LEGACY_PROTOCOL, NO_FLUSH, PROTOCOL, L2Flush
+from ...roofline.model import EAGER, GRAPH      # what `sweep --timer` chooses; the timer follows with the device
 
 TIMER_GPU = "cuda-graph"
 TIMER_CPU = "cpu"
-TIMER_HOST = "host"          # the plan stage: host time to build the plan, on any device
+TIMER_GPU_EAGER = "cuda-eager"
+TIMER_CPU_EAGER = "cpu-eager"
+TIMER_HOST = "host"          # the plan stages: host time to build the plan, on any device
+TIMERS = {("cuda", GRAPH): TIMER_GPU, ("cpu", GRAPH): TIMER_CPU,
+          ("cuda", EAGER): TIMER_GPU_EAGER, ("cpu", EAGER): TIMER_CPU_EAGER}
+GPU_TIMERS = (TIMER_GPU, TIMER_GPU_EAGER)
 MODULE = "module"
 PLAN = "plan"
+PLAN_STEP = "plan_step"      # eager: the host work of a plan a serving engine repeats every step
+HOST_STAGES = (PLAN, PLAN_STEP)
+PER_STEP = "per_step"        # the statistic (1) that marks a stage a serving engine repeats every step
+EAGER_COLUMNS = ("launch_s", "gap_s")    # eager samples: host time in the stage's call, device idle before it
 MIN_GPU_REPS = 20          # the protocol's floor on the GPU, whatever a scenario asks
 
 
@@ -47,9 +68,10 @@ class TimingConfig:
     cpu_warmup: int = 0
     cpu_reps: int = 5
     cpu_max_reps: int = 5        # no CV re-measurement on CPU by default: its numbers mean nothing anyway
+    timer: str = GRAPH           # GRAPH (replay) or EAGER (the stages launched from Python)
 
     @classmethod
-    def from_dict(cls, values: dict | None, reps: int | None = None) -> "TimingConfig":
+    def from_dict(cls, values: dict | None, reps: int | None = None, timer: str | None = None) -> "TimingConfig":
         """A scenario's `timing` table (reps, warmup, cold_l2) plus the CLI's --reps.
 
         A scenario's or the CLI's rep and warm-up counts apply on the GPU and on the CPU alike: the
@@ -77,6 +99,10 @@ class TimingConfig:
             kwargs["cpu_max_reps"] = kwargs["reps"]
         if "warmup" in kwargs:
             kwargs["cpu_warmup"] = kwargs["warmup"]
+        if timer is not None:
+            if timer not in (GRAPH, EAGER):
+                raise UserError(f"--timer must be {GRAPH} or {EAGER}, got {timer!r}")
+            kwargs["timer"] = timer
         cfg = cls(**kwargs)
         if cfg.warmup < 0 or cfg.cv_target <= 0:
             raise UserError("timing: warmup must be >= 0 and cv_target > 0")
@@ -91,6 +117,19 @@ class StageSamples:
     converged: bool              # CV within target when the loop stopped (always True for `plan`)
     sm_clock_mhz: list[float] | None = None          # GPU only: the spin-probed SM clock of each sample
     clock_event_reasons: list[int] | None = None     # GPU only: NVML reason mask of each sample's batch
+    launch_s: list[float] | None = None              # eager only: host time in the stage's calls (module: all)
+    gap_s: list[float] | None = None                 # eager only: device idle before the stage (module: all)
+    per_step: bool = False                           # host work a serving engine repeats every step
+
+
+def timer_for(device_type: str, mode: str) -> str:
+    """The timer of `mode` (GRAPH or EAGER) on a device of `device_type` ("cuda" or "cpu")."""
+    return TIMERS[("cuda" if device_type == "cuda" else "cpu", mode)]
+
+
+def timer_mode(timer: str) -> str:
+    """GRAPH or EAGER: how a run's timer launched the module (a CPU run's "cpu" stands for GRAPH)."""
+    return EAGER if timer in (TIMER_GPU_EAGER, TIMER_CPU_EAGER) else GRAPH
 
 
 def summarize(seconds: list[float]) -> dict[str, float]:
@@ -118,6 +157,16 @@ def coefficient_of_variation(seconds: list[float]) -> float:
         return 0.0
     mean = statistics.fmean(seconds)
     return statistics.stdev(seconds) / mean if mean > 0 else 0.0
+
+
+def reason_mask(read: Callable[[], int] | None) -> int:
+    """NVML's clock-event reason mask now (0 without NVML)."""
+    if read is None:
+        return 0
+    try:
+        return int(read())
+    except Exception:   # a failed NVML read must not kill the timing
+        return 0
 
 
 class _GraphClock:
@@ -150,12 +199,7 @@ class _GraphClock:
         return graph.replay
 
     def _reasons(self) -> int:
-        if self.read_reasons is None:
-            return 0
-        try:
-            return int(self.read_reasons())
-        except Exception:   # a failed NVML read must not kill the timing
-            return 0
+        return reason_mask(self.read_reasons)
 
     def batch(self, target, before, n: int) -> tuple[list[float], list[float], list[int]]:
         """(seconds, sm_clock_mhz, clock_event_reasons) of n samples."""
@@ -179,15 +223,26 @@ class _GraphClock:
         return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)], clocks, [mask] * n
 
 
+def _repeat(batch: Callable[[int], tuple[list[float], list]], warmup: int, reps: int, max_reps: int,
+            cv_target: float) -> tuple[list[float], list, bool]:
+    """(seconds, what else each sample recorded, converged): `batch(n)` takes n samples; warm-up batches are
+    dropped, then `reps` samples, then more while their CV exceeds `cv_target`, up to `max_reps`."""
+    if warmup:
+        batch(warmup)
+    seconds, extra = batch(reps)
+    while coefficient_of_variation(seconds) > cv_target and len(seconds) < max_reps:
+        more = batch(min(len(seconds), max_reps - len(seconds)))
+        seconds, extra = seconds + more[0], extra + more[1]
+    return seconds, extra, coefficient_of_variation(seconds) <= cv_target
+
+
 def _measure(clock, name: str, target, before, warmup: int, reps: int, max_reps: int,
              cv_target: float) -> StageSamples:
-    if warmup:
-        clock.batch(target, before, warmup)
-    seconds, mhz, reasons = clock.batch(target, before, reps)
-    while coefficient_of_variation(seconds) > cv_target and len(seconds) < max_reps:
-        more = clock.batch(target, before, min(len(seconds), max_reps - len(seconds)))
-        seconds, mhz, reasons = seconds + more[0], mhz + more[1], reasons + more[2]
-    return StageSamples(name, seconds, clock.timer, coefficient_of_variation(seconds) <= cv_target, mhz, reasons)
+    def batch(n):
+        seconds, mhz, reasons = clock.batch(target, before, n)
+        return seconds, list(zip(mhz, reasons))
+    seconds, extra, converged = _repeat(batch, warmup, reps, max_reps, cv_target)
+    return StageSamples(name, seconds, clock.timer, converged, [m for m, _ in extra], [r for _, r in extra])
 
 
 def _time_host(plan, config: TimingConfig) -> dict[str, StageSamples]:
@@ -229,12 +284,146 @@ def warm_plan(backend, workload, config: TimingConfig, device: torch.device | st
     return backend.plan(workload)
 
 
+@dataclass(frozen=True)
+class EagerCall:
+    """One eager call of a module, per stage in order: host time in its call, device time, device idle
+    before it (0 for the first); and the module's host wall-clock from the first launch to completion."""
+    wall_s: float
+    launch_s: tuple[float, ...]
+    device_s: tuple[float, ...]
+    gap_s: tuple[float, ...]
+
+
+def eager_call(t0: float, calls: list[tuple[float, float]], done: float,
+               spans: list[tuple[float, float]]) -> EagerCall:
+    """The bookkeeping of one eager call from its stamps: `t0` the host time just before the first launch,
+    `calls` each stage's host (start, end) around its call, `done` the host time the synchronize returned
+    (one host clock); `spans` each stage's device (start, end) (one device clock). ValueError on stamps out
+    of order, which a working clock never gives."""
+    if len(calls) != len(spans) or not calls:
+        raise ValueError(f"eager call: {len(calls)} stage calls and {len(spans)} device spans")
+    host = [t0] + [t for call in calls for t in call] + [done]
+    device = [t for span in spans for t in span]
+    for what, stamps in (("host", host), ("device", device)):
+        if any(b < a for a, b in zip(stamps, stamps[1:])):
+            raise ValueError(f"eager call: {what} stamps out of order: {stamps}")
+    gaps = (0.0,) + tuple(spans[i][0] - spans[i - 1][1] for i in range(1, len(spans)))
+    return EagerCall(done - t0, tuple(b - a for a, b in calls), tuple(b - a for a, b in spans), gaps)
+
+
+class _EagerClock:
+    """Calls a plan's stages as an engine without graphs does (module docstring): host perf_counter around
+    each call; on a GPU the device spans from CUDA events in a call of their own, on a CPU the calls."""
+
+    def __init__(self, plan, device: torch.device, cold_l2: bool = True,
+                 read_reasons: Callable[[], int] | None = None):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.timer = timer_for(device.type, EAGER)
+        self.stages = list(plan.stages.values())
+        self.step = plan.step
+        self.read_reasons = read_reasons if self.cuda else None
+        self.flush = L2Flush(device) if cold_l2 and self.cuda else None
+        if self.cuda:                       # compiles kernels and fills buffers before any sample
+            plan.run()
+            torch.cuda.synchronize(device)
+
+    def _idle(self) -> None:
+        """A cold L2 (GPU) and nothing left running before the first launch."""
+        if self.flush is not None:
+            self.flush()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _spans(self) -> list[tuple[float, float]]:
+        marks = []
+        for stage in self.stages:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            stage()
+            end.record()
+            marks.append((start, end))
+        torch.cuda.synchronize(self.device)
+        first = marks[0][0]
+        return [(first.elapsed_time(a) / 1e3, first.elapsed_time(b) / 1e3) for a, b in marks]
+
+    def call(self) -> tuple[EagerCall, float | None]:
+        """One sample: (the call's bookkeeping, the per-step host work's seconds or None)."""
+        step_s = None
+        if self.step is not None:
+            t = time.perf_counter()
+            self.step()
+            step_s = time.perf_counter() - t
+        self._idle()
+        calls = []
+        t0 = time.perf_counter()
+        for stage in self.stages:
+            a = time.perf_counter()
+            stage()
+            calls.append((a, time.perf_counter()))
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        done = time.perf_counter()
+        if self.cuda:
+            self._idle()
+            spans = self._spans()
+        else:
+            spans = calls
+        return eager_call(t0, calls, done, spans), step_s
+
+    def _reasons(self) -> int:
+        return reason_mask(self.read_reasons)
+
+    def batch(self, n: int) -> tuple[list[float], list]:
+        """(module wall seconds, [(EagerCall, step seconds, NVML reason mask)]) of n calls."""
+        mask = self._reasons()
+        calls = [self.call() for _ in range(n)]
+        mask |= self._reasons()
+        return [c.wall_s for c, _ in calls], [(c, step, mask) for c, step in calls]
+
+
+def eager_samples(names: list[str], timer: str, extra: list, converged: bool,
+                  reasons: bool) -> dict[str, StageSamples]:
+    """The eager calls' samples as stages: PLAN_STEP (where the plan has per-step work), each stage (device
+    time, launch, gap) and MODULE (wall-clock; launch and gap summed over the stages)."""
+    calls = [c for c, _, _ in extra]
+    masks = [m for _, _, m in extra] if reasons else None
+    out = {}
+    steps = [s for _, s, _ in extra]
+    if steps and all(s is not None for s in steps):
+        out[PLAN_STEP] = StageSamples(PLAN_STEP, steps, TIMER_HOST, True, per_step=True)
+    for i, name in enumerate(names):
+        out[name] = StageSamples(name, [c.device_s[i] for c in calls], timer, converged,
+                                 clock_event_reasons=masks, launch_s=[c.launch_s[i] for c in calls],
+                                 gap_s=[c.gap_s[i] for c in calls])
+    out[MODULE] = StageSamples(MODULE, [c.wall_s for c in calls], timer, converged, clock_event_reasons=masks,
+                               launch_s=[sum(c.launch_s) for c in calls], gap_s=[sum(c.gap_s) for c in calls])
+    return out
+
+
+def _time_eager(plan, config: TimingConfig, device: torch.device,
+                read_reasons: Callable[[], int] | None) -> dict[str, StageSamples]:
+    clock = _EagerClock(plan, device, config.cold_l2, read_reasons)
+    if clock.cuda:
+        reps = max(config.reps, MIN_GPU_REPS)
+        warmup, max_reps = config.warmup, max(config.max_reps, reps)
+    else:
+        reps, warmup = config.cpu_reps, config.cpu_warmup
+        max_reps = max(config.cpu_max_reps, reps)
+    _, extra, converged = _repeat(clock.batch, warmup, reps, max_reps, config.cv_target)
+    return eager_samples(list(plan.stages), clock.timer, extra, converged, clock.read_reasons is not None)
+
+
 def time_plan(plan, config: TimingConfig, device: torch.device | str,
               read_reasons: Callable[[], int] | None = None) -> dict[str, StageSamples]:
-    """Samples for `plan` (host planning time), each stage in order, and `module` (all stages).
+    """Samples for `plan` (host planning time), each stage in order, and `module` (all stages); eager
+    (config.timer): `plan_step` first where the plan has per-step host work.
     `read_reasons` returns NVML's clock-event reason mask (GPU only; none: 0)."""
     device = torch.device(device)
     results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], TIMER_HOST, True)}
+    if config.timer == EAGER:
+        return results | _time_eager(plan, config, device, read_reasons)
     if device.type != "cuda":
         return results | _time_host(plan, config)
     clock = _GraphClock(plan, device, config.cold_l2, read_reasons)

@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ...roofline.devices import DeviceProfile  # noqa: E402
+from ..measure.timing import GPU_TIMERS  # noqa: E402
 from ...roofline.model import ALL_SCHEDULES, ModelShape, packed_crossover_by_dtype  # noqa: E402
 from ...roofline.schedules import Schedule  # noqa: E402
 from ...roofline.shape import AttnShape  # noqa: E402
@@ -44,7 +45,7 @@ MIN_SLOT_PX = 24               # a stage bar's share of a panel: room for its fo
 
 def _title(run: Run, what: str) -> str:
     timer = run.timer
-    tag = "CPU TIMINGS, NOT GPU" if timer == "cpu" else run.device_name
+    tag = "CPU TIMINGS, NOT GPU" if timer not in GPU_TIMERS else run.device_name
     return f"{what} — {run.meta.get('scenario')} on {tag}"
 
 

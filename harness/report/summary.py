@@ -18,6 +18,8 @@ from ...roofline.devices import DeviceProfile
 from .plots import plt, report_figures, save_png
 from .dense_crossover import crossover_figures, crossover_table
 from .trace_table import trace_winners
+from .timers import eager_markdown, pair_runs
+from ..measure.timing import GPU_TIMERS
 from ..store.rows import device_for_run
 from ..store.results import STATUS_OK, Run, load_run
 from .tables import (accuracy_table, row_roofline, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
@@ -119,10 +121,11 @@ def above_roofline_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
-def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str], profile_line: str | None = None) -> str:
+def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str], profile_line: str | None = None,
+                     beside: Run | None = None) -> str:
     prov = run.meta.get("provenance") or {}
     out = [f"# msa-bench report: {run.path.name}", ""]
-    if run.timer == "cpu":
+    if run.timer not in GPU_TIMERS:
         out += ["> **CPU RUN — these are host timings of the CPU pipeline, NOT GPU timings.** "
                 "They show that the pipeline works; do not read performance from them.", ""]
     out += [f"- scenario: `{run.meta.get('scenario')}` ({run.meta.get('scenario_description', '')})",
@@ -199,6 +202,8 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str],
                 "ratio: visible context / selected keys there; model: the same from the module times the "
                 "model predicts (roofline over achieved fraction, plus fixed costs: what `auto` weighs).",
                 "", markdown_table(dense)]
+    graph, eager = pair_runs(run, beside) if beside is not None else (None, run)
+    out += eager_markdown(eager, graph, markdown_table)
     out += ["## Per-stage median latency (s)", "", markdown_table(stage_table(run))]
     bt = bytes_table(run, device)
     if not bt.empty:
@@ -230,12 +235,17 @@ def _remove_old_figures(out: Path) -> None:
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
-                 device: DeviceProfile | None = None, warn=None, figures: bool = True) -> Path:
+                 device: DeviceProfile | None = None, warn=None, figures: bool = True,
+                 beside: str | Path | None = None) -> Path:
     """Write the PNGs and summary.md into `out_dir` (default RUN/report); returns the summary path.
     `warn(line)` is told what the reader must know first: a run that is not complete. figures=False: the
-    tables alone (a committed run where results/ has no room for its plots)."""
+    tables alone (a committed run where results/ has no room for its plots). `beside`: a run of the other
+    timer on the same GPU, whose module times stand beside this run's (harness/report/timers.py)."""
     from ...roofline.devices import run_profile
     run = load_run(run_dir)
+    other = load_run(beside) if beside is not None else None
+    if other is not None:
+        pair_runs(run, other)                    # refused before anything is written
     note = incomplete(run)
     if note and warn:
         warn(note)
@@ -253,5 +263,5 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
         plt.close(fig)
         names.append(name)
     path = out / "summary.md"
-    path.write_text(summary_markdown(run, dev, names, line))
+    path.write_text(summary_markdown(run, dev, names, line, other))
     return path

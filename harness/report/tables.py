@@ -11,7 +11,8 @@ import pandas as pd
 from ...roofline.devices import DeviceProfile, has_fixed_costs
 from ...roofline.dtypes import model_dtype
 from ...kernels.auto import AUTO_RECORD, AutoBackend
-from ...kernels.base import get_backend
+from ...kernels.base import get_backend, split_name
+from ..measure.timing import timer_mode
 from ...kernels.q_packed.hybrid import HybridBackend
 from ...roofline.model import crossover, crossover_at, is_decode
 from ...roofline.predict import (fraction_fit, predict_module, schedule_roofline, shape_of, unmodelled_reason,
@@ -138,20 +139,27 @@ def auto_vs_fastest(run: Run) -> pd.DataFrame:
     """Per point and dtype where `auto` ran: its module time against the fastest other backend measured,
     and what it picked. ratio = auto / fastest (1 = auto is the fastest)."""
     t = ok_units(run)
-    if t.empty or "module.median_s" not in t or not (t["backend"] == AUTO).any():
+    if t.empty or "module.median_s" not in t or not is_auto(t["backend"]).any():
         return pd.DataFrame()
     rows = []
     for (key, dtype), g in t.groupby(["point_key", "dtype"], sort=True):
-        auto, rest = g[g["backend"] == AUTO], g[g["backend"] != AUTO]
-        if auto.empty or rest.empty:
+        autos, rest = g[is_auto(g["backend"])], g[~is_auto(g["backend"])]
+        if autos.empty or rest.empty:
             continue
-        a = auto.iloc[0]
         best = rest.loc[rest["module.median_s"].idxmin()]
-        picked = (_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("picked", "")
-        rows.append({"dtype": dtype, "N": a.get("wl_n_tokens"), "nsb/N": a.get("x"), "union_ratio P8": a.get(UNION),
-                     "auto picked": picked, "auto_s": a["module.median_s"], "fastest": best["backend"],
-                     "fastest_s": best["module.median_s"], "auto/fastest": a["module.median_s"] / best["module.median_s"]})
+        for _, a in autos.iterrows():            # `auto` and `auto@eager` each against the fastest
+            picked = (_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("picked", "")
+            rows.append({"dtype": dtype, "N": a.get("wl_n_tokens"), "nsb/N": a.get("x"),
+                         "union_ratio P8": a.get(UNION), **({AUTO: a["backend"]} if len(autos) > 1 else {}),
+                         "auto picked": picked, "auto_s": a["module.median_s"], "fastest": best["backend"],
+                         "fastest_s": best["module.median_s"],
+                         "auto/fastest": a["module.median_s"] / best["module.median_s"]})
     return pd.DataFrame(rows)
+
+
+def is_auto(backends: pd.Series) -> pd.Series:
+    """Which units are `auto`'s, of any option (`auto@eager`)."""
+    return backends.map(lambda b: split_name(b)[0] == AUTO)
 
 
 def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
@@ -173,15 +181,24 @@ def row_roofline(row, device: DeviceProfile):
     return _predict_row(row, facts.schedule, device)
 
 
+def regime_of(row) -> str:
+    """The regime a unit row was timed in (its timer's: graph replay or eager launches), which its
+    prediction takes."""
+    timer = row.get("timer")
+    return timer_mode(timer if isinstance(timer, str) else "")
+
+
 def predicted_module_s(row, device: DeviceProfile) -> float:
     """The model's module time for a unit row (roofline.predict.predict_module of its workload's statistics
     and its plan's record, `device`'s fractions and the fixed costs of the stages the unit ran); `auto` units
-    carry their pick's prediction. NaN where the model does not predict the unit."""
-    if row["backend"] == AUTO:
+    carry their pick's prediction; an eager unit's is the eager regime's. NaN where the model does not predict
+    the unit."""
+    if split_name(row["backend"])[0] == AUTO:
         a = _info(row.get("plan_info")).get(AUTO_RECORD) or {}
         return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
     facts = row_facts(row)
-    got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row)) if facts else None
+    got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row),
+                         regime_of(row)) if facts else None
     return float("nan") if got is None else got.seconds
 
 
@@ -197,17 +214,17 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
     names = set(candidate_names())
     rows = []
     for (key, dtype), g in t.groupby(["point_key", "dtype"], sort=True):
-        measured = g[g["backend"] != AUTO].set_index("backend")["module.median_s"]
+        measured = g[~is_auto(g["backend"])].set_index("backend")["module.median_s"]
         if len(measured) < 2:
             continue
         pred = {r["backend"]: predicted_module_s(r, device) for _, r in g.iterrows()
                 if r["backend"] in names and weigh_reason(row_facts(r), r, device, dtype) is None}
         hybrid = get_backend(HYBRID)
-        for _, a in g[g["backend"] == AUTO].iterrows():
+        for _, a in g[is_auto(g["backend"])].iterrows():
             record = (((_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("used") or {}).get(HYBRID) or {}).get("record")
             if record and HYBRID in measured.index and has_fixed_costs(device, HYBRID, model_dtype(dtype)):
                 got = predict_module(hybrid.facts, a, record, device, dtype,
-                                     ran_stages(hybrid.facts, g[g["backend"] == HYBRID].iloc[0]))
+                                     ran_stages(hybrid.facts, g[g["backend"] == HYBRID].iloc[0]), regime_of(a))
                 if got is not None:
                     pred[HYBRID] = got.seconds
         pred = {b: v for b, v in pred.items() if math.isfinite(v)}
@@ -331,7 +348,7 @@ def _finite_or_none(v: float) -> float | None:
 def schedule_backends(table: pd.DataFrame, schedule: str) -> list[str]:
     """Backends that ran `schedule` at every unit (`auto` and the hybrid pick per point: never one)."""
     per = table.groupby("backend")["schedule"].agg(lambda s: set(s))
-    return sorted(b for b, s in per.items() if s == {schedule} and b != AUTO)
+    return sorted(b for b, s in per.items() if s == {schedule} and split_name(b)[0] != AUTO)
 
 
 def reuse_groups(table: pd.DataFrame):

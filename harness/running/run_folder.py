@@ -10,7 +10,7 @@ from ..measure import provenance
 from ..store import results
 from ...errors import UserError
 from .request import Grid, SweepRequest
-from ..measure.timing import TIMER_CPU, TIMER_GPU, l2_flush_of
+from ..measure.timing import l2_flush_of, timer_for
 
 CPU_NOTE = ("CPU RUN: timings are host perf_counter timings of the CPU pipeline, NOT GPU timings; "
             "they only show that the pipeline works")
@@ -72,6 +72,10 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         if here != there:
             raise UserError(f"{run_dir} was measured on {there!r}; this machine is {here!r}: "
                             "resume it there or choose another --out")
+        timer = timer_for(device.type, grid.timing.timer)
+        if old.get("timer") != timer:
+            raise UserError(f"{run_dir} was timed by {old.get('timer')!r}, this sweep times by {timer!r}: resume it "
+                            "with the same --timer or choose another --out")
         flushed, flushes = l2_flush_of(old), l2_flush_of({"timing": asdict(grid.timing)})
         if flushed != flushes:
             raise UserError(f"{run_dir} was timed after the L2 flush {flushed!r}, this version flushes "
@@ -94,7 +98,7 @@ def open_run(run_dir: Path, req: SweepRequest, grid: Grid, device) -> dict:
         "units_planned": grid.mine_ids,
         "shard": {"index": grid.shard[0], "count": grid.shard[1]} if grid.shard else None,
         "timing": asdict(grid.timing),
-        "timer": TIMER_GPU if device.type == "cuda" else TIMER_CPU,
+        "timer": timer_for(device.type, grid.timing.timer),
         "provenance": provenance.collect(device, sc.name, scenario_file(sc), req.argv or None),
         "started_utc": now(),
         # the selections a trace's points hold are the file's: its digest names them as the scenario's does

@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..measure import counters as ncu_counters
@@ -22,7 +23,8 @@ from ...roofline.predict import schedule_roofline
 from ...kernels.auto import AUTO_RECORD
 from ..store.rows import schedule_of
 from ..measure.telemetry import Poller, open_telemetry, point_telemetry
-from ..measure.timing import MODULE, TIMER_CPU, TIMER_GPU, TimingConfig, summarize, time_plan, warm_plan
+from ..measure.timing import (EAGER_COLUMNS, MODULE, PER_STEP, TimingConfig, summarize, time_plan, timer_for,
+                              warm_plan)
 
 CHECK_ROWS = 512                                        # rows checked against the reference on big points
 TFLOPS_STAGES = (MODULE, "attention")
@@ -50,7 +52,7 @@ class Runner:
         self.run_dir = run_dir
         self.device = device
         self.timing = timing
-        self.timer = TIMER_GPU if device.type == "cuda" else TIMER_CPU
+        self.timer = timer_for(device.type, timing.timer)
         self.telemetry = open_telemetry(device)
         if not self.telemetry.available:
             notes.append(self.telemetry.reason)
@@ -194,10 +196,16 @@ class Runner:
             if stage in TFLOPS_STAGES and flops > 0 and summary["median_s"] > 0:
                 summary["tflops"] = flops / summary["median_s"] / 1e12
             summary["converged"] = float(s.converged)
+            for column in EAGER_COLUMNS:          # eager: the medians of the launch and gap samples
+                values = getattr(s, column)
+                if values is not None:
+                    summary[f"{column[:-2]}_median_s"] = float(np.median(values))
+            if s.per_step:
+                summary[PER_STEP] = 1.0
             stats += [self._row(point, backend, stage, k, v, s.timer) for k, v in summary.items()]
             rows = [{"point_key": point.key(), "backend": backend, "dtype": point.dtype, "stage": stage,
                      "rep": i, "seconds": float(x), "timer": s.timer} for i, x in enumerate(s.seconds)]
-            for column in results.CLOCK_COLUMNS:   # GPU stages only; the host `plan` row leaves them NaN
+            for column in results.CLOCK_COLUMNS + EAGER_COLUMNS:   # GPU or eager stages; host ones leave them NaN
                 values = getattr(s, column)
                 if values is not None:
                     for row, v in zip(rows, values):

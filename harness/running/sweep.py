@@ -136,7 +136,9 @@ def record_profile(meta: dict, choice, grid, notes: list) -> None:
     another says so in a note. A GPU without a profile cannot run `auto`: refused before any unit."""
     from ...errors import UserError
     from ...kernels.auto import AutoBackend
-    if choice.profile is None and AutoBackend.name in grid.backends and torch.cuda.is_available():
+    from ...kernels.base import split_name
+    if choice.profile is None and torch.cuda.is_available() and \
+            any(split_name(b)[0] == AutoBackend.name for b in grid.backends):
         raise UserError(f"`auto` needs a device profile: {choice.note}")
     prov = meta.setdefault("provenance", {})
     had = prov.get("profile")

@@ -45,7 +45,8 @@ from ...errors import UserError
 from .migrate import MODEL_RECORD_SCHEMA, upgrade
 from .seal import (SEAL_FIELD, SEAL_FILE, SEAL_HINT, UNSEALED, meta_change, record_change, seal_unit, sealed_meta,
                    sealed_record, unit_change)
-from ..measure.timing import TIMER_CPU, TIMER_GPU, l2_flush_of
+from ..measure.timing import (EAGER_COLUMNS, HOST_STAGES, TIMER_CPU, TIMER_CPU_EAGER, TIMER_GPU, TIMER_GPU_EAGER,
+                              TIMER_HOST, l2_flush_of)
 
 SCHEMA_VERSION = MODEL_RECORD_SCHEMA    # harness/store/migrate.py upgrades rows of earlier ones where a run is loaded
 RUN_FILE = "run.json"
@@ -58,7 +59,7 @@ STATUS_FIELD = "the unit's status: " + ", ".join(STATUSES)
 STAT_COLUMNS = ["point_key", "backend", "schedule", "dtype", "stage", "statistic", "value", "timer"]
 SAMPLE_COLUMNS = ["point_key", "backend", "dtype", "stage", "rep", "seconds", "timer"]
 # Optional sample columns (GPU-timed rows; runs made before them lack them): the spin-probed SM clock
-# of each sample (MHz) and the NVML clock-event reason mask of its batch.
+# of each sample (MHz) and the NVML clock-event reason mask of its batch. Eager rows add EAGER_COLUMNS.
 CLOCK_COLUMNS = ("sm_clock_mhz", "clock_event_reasons")
 
 
@@ -107,8 +108,8 @@ def _check_seal(where: Path, change: str | None, sealed: bool, since: str) -> No
                     "results are re-measured, never edited")
 
 
-# The timer each device kind's units are timed with (provenance device_kind).
-DEVICE_TIMERS = {"cuda": TIMER_GPU, "cpu": TIMER_CPU}
+# The timers each device kind's units may be timed with (provenance device_kind): graph replay, or eager.
+DEVICE_TIMERS = {"cuda": (TIMER_GPU, TIMER_GPU_EAGER), "cpu": (TIMER_CPU, TIMER_CPU_EAGER)}
 
 
 def _check_meta(path: Path, meta: dict) -> None:
@@ -131,9 +132,9 @@ def _check_device(path: Path, meta: dict) -> None:
     kind, name = prov.get("device_kind"), prov.get("device_name")
     gpu = kind == "cuda" or bool(prov.get("gpu_name")) or not str(name or "CPU").startswith("CPU")
     expected = DEVICE_TIMERS["cuda" if gpu else "cpu"]
-    if (kind is not None and gpu != (kind == "cuda")) or timer != expected:
+    if (kind is not None and gpu != (kind == "cuda")) or timer not in expected:
         raise UserError(f"corrupt results file {path}: provenance device {name!r} ({kind}) and timer {timer!r} "
-                        f"disagree (a {'CUDA GPU' if gpu else 'CPU'} run is timed by {expected!r})")
+                        f"disagree (a {'CUDA GPU' if gpu else 'CPU'} run is timed by {' or '.join(map(repr, expected))})")
 
 
 def _check_backends(path: Path, meta: dict, backends, whose: str) -> None:
@@ -349,8 +350,7 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
         raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int((seconds <= 0).sum())} of "
                         f"{len(seconds)} times are not positive")
     _check_clocks(folder, samples)
-    from ..measure.timing import PLAN, TIMER_HOST
-    planning = samples["stage"] == PLAN
+    planning = samples["stage"].isin(HOST_STAGES)
     timers, expected = set(samples.loc[~planning, "timer"].astype(str)), status.get("timer")
     foreign_plan_timer = set(samples.loc[planning, "timer"].astype(str)) - {TIMER_HOST}
     if len(timers) > 1 or (expected is not None and timers - {expected}) or foreign_plan_timer:
@@ -370,6 +370,32 @@ def _check_timed(folder: Path, status: dict, stats: pd.DataFrame, samples: pd.Da
             claim = "nothing" if n is None or median is None else f"{int(n)} (median {median:.6g} s)"
             raise UserError(f"corrupt results file {folder / 'samples.parquet'}: stage {stage} holds {len(group)} "
                             f"samples (median {float(group.median()):.6g} s), stats.parquet claims {claim}")
+    _check_eager(folder, stats, samples)
+
+
+def _check_eager(folder: Path, stats: pd.DataFrame, samples: pd.DataFrame) -> None:
+    """Where an eager column is present: every eager-timed row has one, finite and non-negative, and the
+    stage's median of it is the one stats.parquet claims."""
+    eager = samples["timer"].isin((TIMER_GPU_EAGER, TIMER_CPU_EAGER)).to_numpy()
+    for column in EAGER_COLUMNS:
+        statistic = f"{column[:-2]}_median_s"
+        claimed = stats[stats["statistic"] == statistic]
+        if column not in samples.columns:
+            if len(claimed):
+                raise UserError(f"corrupt results file {folder / 'stats.parquet'}: {statistic} of samples that "
+                                f"samples.parquet lacks (no column {column})")
+            continue
+        v = pd.to_numeric(samples[column], errors="coerce").to_numpy(dtype=float)
+        given = ~np.isnan(v)
+        bad = (eager & ~given) | (given & ~(np.isfinite(v) & (v >= 0)))
+        if bad.any():
+            raise UserError(f"corrupt results file {folder / 'samples.parquet'}: {int(bad.sum())} of {len(v)} "
+                            f"{column} values are missing, not finite or negative")
+        medians = pd.Series(v[given]).groupby(samples["stage"].to_numpy()[given]).median()
+        for r in claimed.itertuples():
+            if r.stage not in medians or not math.isclose(float(r.value), float(medians[r.stage]), rel_tol=1e-9):
+                raise UserError(f"corrupt results file {folder / 'stats.parquet'}: stage {r.stage} claims {statistic} "
+                                f"{float(r.value):.6g}, its samples say {medians.get(r.stage, float('nan')):.6g}")
 
 
 def _check_clocks(folder: Path, samples: pd.DataFrame) -> None:

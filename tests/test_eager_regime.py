@@ -1,0 +1,135 @@
+"""The eager regime of the model: the host cost per stage launch and per-step planning that `calibrate`
+measures (fixed_costs "host"), added by predict_module, and `auto@eager`'s pick following it."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from msa_bench.harness.measure.check import CPU_SHAPE  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
+from msa_bench.harness.calibration import fixed_costs
+from msa_bench.harness.measure.timing import MODULE, PLAN_STEP, TimingConfig
+from msa_bench.kernels import auto as auto_mod
+from msa_bench.kernels.auto import auto_line
+from msa_bench.kernels.base import get_backend
+from msa_bench.roofline.devices import PRESETS, fixed_costs_problem
+from msa_bench.roofline.model import EAGER
+from msa_bench.roofline.predict import predict_module, weigh_reason
+from msa_bench.scenarios.coselection import coselected_workload
+from msa_bench.scenarios.stats import ModelStats
+from msa_bench.scenarios.workload import AttnShape
+
+SMALL = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
+STAGES = {"launch_s": 1e-6}     # no stage measured: every candidate weighed, its launches priced
+
+
+def workload(with_tensors=False):
+    return coselected_workload(SMALL, "fp32", 64, 2048, 0.25, 1.0, group=8, seed=3, device="cpu",
+                               with_tensors=with_tensors)
+
+
+def profile(host=None):
+    return replace(PRESETS["h200"], achieved={}, fixed_costs={**STAGES, **({"host": host} if host else {})})
+
+
+def prediction(name, prof, regime="graph"):
+    b, w = get_backend(name), workload()
+    return predict_module(b.facts, ModelStats(w), b.model_record(w, prof), prof, w.dtype, regime=regime)
+
+
+def test_eager_adds_the_first_launch_and_planning_then_the_longer_of_device_and_host():
+    device = prediction("kv-outer", profile()).seconds
+    launch, step = device / 10, device / 3
+    host = {"kv-outer/bf16": {"s": launch, "step_s": step}}
+    graph = prediction("kv-outer", profile(host))
+    eager = prediction("kv-outer", profile(host), EAGER)
+    stages = len(get_backend("kv-outer").stage_names)
+    assert stages == 4 and graph.seconds == device
+    # the device outlasts the host's remaining launches here: first launch + planning on top of it
+    assert eager.seconds == pytest.approx(step + launch + device)
+    assert eager.used["device_s"] == pytest.approx(device) and eager.used["host_launch_s"] == launch
+    # a host slower than the device: the launches bind
+    slow = {"kv-outer/bf16": {"s": graph.seconds, "step_s": 0.0}}
+    assert prediction("kv-outer", profile(slow), EAGER).seconds == pytest.approx(graph.seconds * stages)
+    assert prediction("kv-outer", profile(slow)).seconds == pytest.approx(graph.seconds)   # graph: unchanged
+
+
+def test_eager_without_a_measured_host_cost_says_so_and_prices_it_at_zero(monkeypatch):
+    prof = profile()
+    assert prediction("kv-outer", prof, EAGER).seconds == pytest.approx(prediction("kv-outer", prof).seconds)
+    monkeypatch.setattr(auto_mod, "device_profile", lambda device: prof)
+    plan = get_backend("auto@eager").plan(workload(with_tensors=True))
+    line = auto_line(plan.info)
+    assert "regime eager" in line and "has no host cost per launch" in line and "at 0 s" in line
+    assert "regime" not in auto_line(get_backend("auto").plan(workload(with_tensors=True)).info)
+
+
+def test_a_candidate_without_a_host_cost_is_skipped_where_others_have_one():
+    b, w = get_backend("msa-scatter"), workload()
+    prof = profile({"kv-outer/bf16": {"s": 5e-6}})
+    assert "no host cost for it in bf16" in weigh_reason(b.facts, ModelStats(w), prof, w.dtype, regime=EAGER)
+    assert weigh_reason(b.facts, ModelStats(w), prof, w.dtype) is None
+
+
+def test_host_costs_move_the_eager_pick(monkeypatch):
+    w = workload(with_tensors=True)
+    names = ("kv-outer", "msa-scatter", "q-packed", "hybrid")
+    fast = {f"{n}/bf16": {"s": 0.0, "step_s": 0.0} for n in names}
+    monkeypatch.setattr(auto_mod, "device_profile", lambda device: profile(fast))
+    graph_pick = get_backend("auto").plan(w).info["auto"]["picked"]
+    assert get_backend("auto@eager").plan(w).info["auto"]["picked"] == graph_pick
+    slow = {**fast, f"{graph_pick}/bf16": {"s": 0.0, "step_s": 0.5}}     # its planning costs half a second a step
+    monkeypatch.setattr(auto_mod, "device_profile", lambda device: profile(slow))
+    eager = get_backend("auto@eager").plan(w).info["auto"]
+    assert eager["picked"] != graph_pick and eager["regime"] == EAGER and eager["note"] is None
+    assert get_backend("auto").plan(w).info["auto"]["picked"] == graph_pick       # graph ignores the host
+
+
+def test_a_profile_refuses_a_bad_host_table():
+    assert fixed_costs_problem({"host": {"kv-outer/bf16": {"s": 3e-6, "step_s": 0.0}}}) is None
+    for bad in ({"kv-outer": {"s": 3e-6}}, {"kv-outer/bf16": {"s": -1.0}}, {"kv-outer/bf16": {"s": 1e-6, "step_s": 2.0}},
+                {"kv-outer/bf16": {"step_s": 0.0}}, []):
+        assert "host must map" in fixed_costs_problem({"host": bad})
+
+
+def test_the_calibration_times_host_costs_eagerly_and_fits_them(monkeypatch):
+    """The GPU procedure's eager series on the CPU (cpu-eager timer, Triton's interpreter)."""
+    monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer"])
+    series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu",
+                                        points=lambda dtype: fixed_costs.latency_points(dtype, SMALL),
+                                        timing=replace(TimingConfig(cpu_reps=1, cpu_max_reps=1), timer=EAGER))
+    (roof, medians, _, _), = series[("kv-outer", "fp32")]
+    assert medians[fixed_costs.HOST_LAUNCH] > 0 and PLAN_STEP not in medians
+    host = fixed_costs.fit_host(series)
+    assert host == {"kv-outer/fp32": {"s": medians[fixed_costs.HOST_LAUNCH], "step_s": 0.0,
+                                      "module_s": medians[MODULE]}}
+    # a series timed by the graph timer holds no host cost to fit
+    graph = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu",
+                                       points=lambda dtype: fixed_costs.latency_points(dtype, SMALL),
+                                       timing=TimingConfig(cpu_reps=1, cpu_max_reps=1))
+    assert fixed_costs.fit_host(graph) == {}
+
+
+def test_merge_replaces_the_host_costs_it_measured_and_keeps_the_rest():
+    old = {"launch_s": 1e-6, "stages": {"a/attention/bf16": {"s": 1e-6, "launches": 1},
+                                        "b/attention/bf16": {"s": 1e-6, "launches": 1}},
+           "host": {"a/bf16": {"s": 9e-6}, "b/bf16": {"s": 8e-6}}}
+    fresh = {"launch_s": 2e-6, "launch_points": [], "stages": {"a/attention/bf16": {"s": 3e-6, "launches": 1}},
+             "decode_achieved": {}, "items": {}, "host": {"a/bf16": {"s": 4e-6, "step_s": 0.0}},
+             "date": "now", "seconds": 1.0, "method": "m"}
+    out = fixed_costs.merge_fixed_costs(old, fresh, only=["a"])
+    assert out["host"] == {"a/bf16": {"s": 4e-6, "step_s": 0.0}, "b/bf16": {"s": 8e-6}}
+
+
+def test_the_report_predicts_an_eager_unit_in_the_eager_regime():
+    from msa_bench.harness.report.tables import predicted_module_s
+    from msa_bench.harness.running.runner import scalar_stats
+    from msa_bench.scenarios.stats import workload_stats
+    b, w = get_backend("kv-outer"), workload()
+    prof = profile({"kv-outer/bf16": {"s": 1e-3, "step_s": 2e-3}})
+    row = {**scalar_stats(workload_stats(w)), "backend": "kv-outer", "dtype": w.dtype,
+           "plan_info": json.dumps({"model": b.model_record(w, prof)}),
+           **{f"{s}.median_s": 1e-5 for s in b.stage_names}}
+    graph = predicted_module_s({**row, "timer": "cuda-graph"}, prof)
+    eager = predicted_module_s({**row, "timer": "cuda-eager"}, prof)
+    assert graph == pytest.approx(prediction("kv-outer", prof).seconds)
+    assert eager == pytest.approx(2e-3 + 1e-3 + max(graph, 3e-3))
