@@ -192,7 +192,7 @@ def _xor_reduce_fast_path():
 
 @pytest.fixture(scope="session", autouse=True)
 def interpreter_xor_reduce():
-    """The fast path above for the whole session (the interpreter's own comes back after it)."""
+    """The fast path above for the whole test run (the interpreter's own comes back after it)."""
     from msa_bench.kernels import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton loads)
     patch = _xor_reduce_fast_path()
     if patch is None:

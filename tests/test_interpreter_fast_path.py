@@ -1,4 +1,4 @@
-"""The session's fast path for the Triton interpreter's xor_sum (conftest.interpreter_xor_reduce) gives the bits
+"""The test run's fast path for the Triton interpreter's xor_sum (conftest.interpreter_xor_reduce) gives the bits
 the interpreter's own element-by-element reduce gives, and tl.sort, whose network takes those reduces, sorts."""
 import pytest
 import torch
