@@ -341,7 +341,7 @@ def point_problem(p: Point) -> tuple[str, str] | None:
         from .serving import serving_problem
         problem = serving_problem(s, p.generator, p.chunk_tokens, p.context, p.context_min, p.requests,
                                   p.query_tokens, p.chunks, p.drift)
-        problem = problem or size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
+        problem = problem or size_problem(s, p.tokens, p.context, lambda: point_pages(p), p.seed)
         if problem and problem[0] == "tokens":        # the step's N is no option: name the one that made it
             return _step_axis(p), f"{_step_sum(p)}: {problem[1]}"
         return problem
@@ -357,7 +357,7 @@ def point_problem(p: Point) -> tuple[str, str] | None:
     for key, bad, why in problems:
         if bad:
             return key, why
-    size = size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
+    size = size_problem(s, p.tokens, p.context, lambda: point_pages(p), p.seed)
     if size:
         return size
     if p.generator == "synthetic" and p.share is not None:

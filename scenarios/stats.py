@@ -12,6 +12,7 @@ import torch
 
 from ..roofline.model import ALL_SCHEDULES, DECODE_TOKENS, decode_share
 from ..roofline.schedules import Schedule
+from ..roofline.shape import SHAPE_FIELDS
 from .tiling import query_tiles
 from .workload import Workload
 
@@ -32,8 +33,12 @@ def useful_flops(w: Workload) -> float:
     """4 x G x D per visible selected key token, summed over queries and KV heads (QK^T and PV,
     2 flop per multiply-add). Equals 4 x Hq x D x selected tokens per query when all heads alike;
     a causal local block counts only its visible tokens."""
-    s = w.shape
-    return 4.0 * s.group * s.head_dim * float(visible_tokens(w).sum())
+    return flops_of(w.shape, float(visible_tokens(w).sum()))
+
+
+def flops_of(shape, visible: float) -> float:
+    """useful_flops of `visible` selected key tokens summed over queries and KV heads."""
+    return 4.0 * shape.group * shape.head_dim * visible
 
 
 def selected_pairs(w: Workload, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,15 +128,19 @@ def workload_decode_kv_share(w: Workload, nsb: int) -> float:
     return selected_pairs(w, decode_tokens(w))[0].numel() / nsb if nsb else 0.0
 
 
+FANIN_KEYS = tuple(f"fanin_{k}" for k in ("mean", "p50", "p90", "p99", "max"))
+
+
 class ModelStats:
-    """The statistics of a workload that a prediction asks for (roofline/predict.py), each computed once
-    on first use under workload_stats' key: `auto` weighs every candidate on one of these."""
+    """A workload's statistics under workload_stats' keys, each computed here and once, on first use: a
+    prediction (roofline/predict.py) asks for the few it needs (`auto` weighs every candidate on one of
+    these), workload_stats takes them all. Statistics computed together share their work (one unique over
+    the selected pairs gives nsb, its re-read part and the fan-in)."""
 
     def __init__(self, w: Workload):
         self.w = w
         s = w.shape
-        self._values = {"hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk,
-                        "n_tokens": w.n_tokens}
+        self._values = {**{k: getattr(s, k) for k in SHAPE_FIELDS}, "n_tokens": w.n_tokens}
 
     def __contains__(self, key) -> bool:
         return self.get(key) is not None
@@ -145,58 +154,77 @@ class ModelStats:
         value = self._values[key]
         return default if value is None else value
 
+    def take(self, keys) -> dict:
+        """{key: value} of `keys`, None where a statistic has no value."""
+        return {k: self.get(k) for k in keys}
+
     def _compute(self, key: str):
-        w, s, n = self.w, self.w.shape, self.w.n_tokens
+        w = self.w
         if key.startswith(("union_ratio_p", "executed_union_ratio_p")):
             return workload_union_ratio(w, int(key.rpartition("_p")[2]), padded=key.startswith("executed"))
-        if key in ("nsb", "nsb_shared", "decode_kv_share"):
-            fanin = selected_pairs(w)[1]
-            self._values.update(nsb=int(fanin.numel()), nsb_shared=int((fanin > 1).sum()))
-            self._values["decode_kv_share"] = workload_decode_kv_share(w, int(fanin.numel()))
-            return self._values[key]
-        if key == "selected_blocks_per_query":
-            return int((w.selection >= 0).sum()) / (n * s.hkv) if n else 0.0
-        if key == "useful_flops":
-            return useful_flops(w)
-        if key == "decode_share":
-            return workload_decode_share(w)
-        if key in ("dense_kv_blocks", "dense_keys"):
-            self._values["dense_kv_blocks"], self._values["dense_keys"] = dense_extent(w)
-            return self._values[key]
+        for keys, group in _GROUPS:
+            if key in keys:
+                self._values.update(group(self))
+                return self._values[key]
         return None
+
+    def _pairs(self) -> dict:
+        w, n = self.w, self.w.n_tokens
+        _, fanin = selected_pairs(w)
+        nsb = int(fanin.numel())
+        return {"nsb": nsb, "nsb_per_n": nsb / n if n else 0.0,
+                "nsb_shared": int((fanin > 1).sum()),                 # the blocks re-reads go to (model.traffic)
+                "decode_kv_share": workload_decode_kv_share(w, nsb), **_quantiles(fanin)}
+
+    def _entries(self) -> dict:
+        w, n = self.w, self.w.n_tokens
+        entries = int((w.selection >= 0).sum())
+        return {"selected_entries": entries, "selected_blocks_per_query": entries / (n * w.shape.hkv) if n else 0.0}
+
+    def _visible(self) -> dict:
+        w, n = self.w, self.w.n_tokens
+        vis = float(visible_tokens(w).sum())
+        return {"selected_tokens": vis, "selected_tokens_per_query": vis / (n * w.shape.hkv) if n else 0.0,
+                "useful_flops": flops_of(w.shape, vis)}
+
+    def _dense(self) -> dict:
+        blocks, keys = dense_extent(self.w)
+        entries = self["selected_entries"]
+        return {"dense_kv_blocks": blocks, "dense_keys": keys,
+                "sparsity_ratio": keys * self.w.shape.hkv / (entries * self.w.shape.block) if entries else None}
+
+    def _requests(self) -> dict:
+        w = self.w
+        return {"requests": int(w.page_table.shape[0]), "context_tokens": max(kv_lens(w)),
+                "context_blocks": int((w.page_table >= 0).sum(1).max()), "decode_share": workload_decode_share(w)}
+
+
+_GROUPS = (
+    (("nsb", "nsb_per_n", "nsb_shared", "decode_kv_share", *FANIN_KEYS), ModelStats._pairs),
+    (("selected_entries", "selected_blocks_per_query"), ModelStats._entries),
+    (("selected_tokens", "selected_tokens_per_query", "useful_flops"), ModelStats._visible),
+    (("dense_kv_blocks", "dense_keys", "sparsity_ratio"), ModelStats._dense),
+    (("requests", "context_tokens", "context_blocks", "decode_share"), ModelStats._requests),
+)
 
 
 def workload_stats(w: Workload, device_profile=None) -> dict:
-    """Flat dict of statistics; with a device profile (roofline.devices.DeviceProfile or preset name)
-    also the roofline's predicted time and binding resource per schedule."""
-    s = w.shape
-    n = w.n_tokens
-    _, fanin = selected_pairs(w)
-    nsb = int(fanin.numel())
-    valid_entries = int((w.selection >= 0).sum())
-    vis = float(visible_tokens(w).sum())
-    lens = kv_lens(w)
+    """Flat dict of statistics (ModelStats computes the workload's; the rest is what its generator aimed
+    at); with a device profile (roofline.devices.DeviceProfile or preset name) also the roofline's
+    predicted time and binding resource per schedule."""
+    m = ModelStats(w)
     out = {
         "generator": w.meta.get("generator", ""), "dtype": w.dtype, "causal": w.causal,
-        "hq": s.hq, "hkv": s.hkv, "head_dim": s.head_dim, "block": s.block, "topk": s.topk,
-        "n_tokens": n, "requests": int(w.page_table.shape[0]),
-        "decode_share": workload_decode_share(w),
-        "decode_kv_share": workload_decode_kv_share(w, nsb),
-        "context_tokens": max(lens), "context_blocks": int((w.page_table >= 0).sum(1).max()),
-        "nsb": nsb, "nsb_per_n": nsb / n if n else 0.0,
-        "nsb_shared": int((fanin > 1).sum()),                 # the blocks re-reads go to (model.traffic)
+        **m.take((*SHAPE_FIELDS, "n_tokens", "requests", "decode_share", "decode_kv_share", "context_tokens",
+                  "context_blocks", "nsb", "nsb_per_n", "nsb_shared")),
         "target_reuse": w.meta.get("target_reuse"),
-        "selected_blocks_per_query": valid_entries / (n * s.hkv) if n else 0.0,
-        **_quantiles(fanin),
-        **{f"union_ratio_p{p}": workload_union_ratio(w, p) for p in UNION_TILES},
-        # what a kernel of P-token tiles executes: a request's shorter tiles counted as P tokens
-        **{f"executed_union_ratio_p{p}": workload_union_ratio(w, p, padded=True) for p in UNION_TILES + MMA_TILES},
-        "selected_tokens": vis,
-        "selected_tokens_per_query": vis / (n * s.hkv) if n else 0.0,
-        "useful_flops": useful_flops(w),
+        **m.take(("selected_blocks_per_query", *FANIN_KEYS,
+                  *(f"union_ratio_p{p}" for p in UNION_TILES),
+                  # what a kernel of P-token tiles executes: a request's shorter tiles counted as P tokens
+                  *(f"executed_union_ratio_p{p}" for p in UNION_TILES + MMA_TILES),
+                  "selected_tokens", "selected_tokens_per_query", "useful_flops",
+                  "dense_kv_blocks", "dense_keys", "sparsity_ratio")),
     }
-    out["dense_kv_blocks"], out["dense_keys"] = dense_extent(w)
-    out["sparsity_ratio"] = out["dense_keys"] * s.hkv / (valid_entries * s.block) if valid_entries else None
     if "share" in w.meta:
         out.update(share=w.meta["share"], share_group=w.meta["share_group"],
                    target_union_ratio=w.meta["target_union_ratio"])
@@ -209,7 +237,7 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
         out["case_id"] = w.meta["case_id"]
         out["weight"] = w.meta.get("weight", 0.0)
     if device_profile is not None:
-        out.update(predicted_times(w, nsb, valid_entries, out["useful_flops"], device_profile,
+        out.update(predicted_times(w, out["nsb"], m["selected_entries"], out["useful_flops"], device_profile,
                                    out[f"executed_union_ratio_p{UNION_TILES[0]}"], out["nsb_shared"]))
     return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -44,8 +45,11 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 
 # ---- sizes a workload can have, checked before anything is allocated -----------------------------
 
-def size_problem(shape: AttnShape, tokens: int, context: int, pages: int, seed: int) -> tuple[str, str] | None:
-    """(option, why) for a workload whose indices or seed overflow what the code can hold, else None."""
+def size_problem(shape: AttnShape, tokens: int, context: int, pages: Callable[[], int],
+                 seed: int) -> tuple[str, str] | None:
+    """(option, why) for a workload whose indices or seed overflow what the code can hold, else None.
+    `pages` counts its physical pages, asked only where its indices fit: a serving step of a billion
+    requests is refused by its N before its requests are laid out to count them."""
     entries = shape.hkv * tokens * shape.topk
     if not 0 <= seed < SEED_LIMIT:
         return "seed", f"seed must be in [0, 2^63), got {seed}"
@@ -54,7 +58,7 @@ def size_problem(shape: AttnShape, tokens: int, context: int, pages: int, seed: 
     if entries > INT32_MAX:
         return "tokens", (f"Hkv x N x top-k = {shape.hkv} x {tokens} x {shape.topk} = {entries} selection entries "
                           f"overflow int32 indices (at most {INT32_MAX})")
-    elements = max(pages * shape.hkv * shape.block, tokens * shape.hq) * shape.head_dim
+    elements = max(pages() * shape.hkv * shape.block, tokens * shape.hq) * shape.head_dim
     if elements > 2**62:
         return "head_dim", f"a tensor of {elements} elements overflows 64-bit offsets"
     return None

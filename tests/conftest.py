@@ -164,3 +164,41 @@ def _fake_run(path, units, scenario="gate-test", grid="g1", ref_clock=1980.0, cl
 @pytest.fixture(scope="session")
 def fake_run():
     return _fake_run
+
+
+def _xor_reduce_fast_path():
+    """The Triton interpreter reduces with a custom combine element by element in Python, and tl.sort's
+    bitonic network takes an xor_sum at each of its steps: on CPU that reduce was half of a packed schedule's
+    time (the hybrid's and q-packed's tests). XOR is associative and commutative, so numpy's reduce gives the
+    same bits (test_interpreter_fast_path.py holds it to the interpreter's own). None where this Triton has
+    no such reduce to speed up."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    combine = getattr(tl.standard, "_xor_combine", None)
+    ops = getattr(interpreter, "ReduceOps", None)
+    if combine is None or ops is None or not hasattr(ops, "apply_impl"):
+        return None
+    generic = ops.apply_impl
+
+    def apply_impl(self, input):
+        if self.combine_fn is combine and len(input) == 1:
+            x = input[0]
+            return self.to_tensor(np.bitwise_xor.reduce(x.handle.data, axis=self.axis, keepdims=self.keep_dims),
+                                  x.dtype)
+        return generic(self, input)
+    return ops, generic, apply_impl
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_xor_reduce():
+    """The fast path above for the whole test run (the interpreter's own comes back after it)."""
+    from msa_bench.kernels import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton loads)
+    patch = _xor_reduce_fast_path()
+    if patch is None:
+        yield None
+        return
+    ops, generic, fast = patch
+    ops.apply_impl = fast
+    yield generic
+    ops.apply_impl = generic

@@ -281,6 +281,29 @@ def test_auto_records_its_pick_and_matches_the_reference(poisoned_run):
         assert relative_error(plan.output, reference_attention(w)[0]) <= tolerance("fp32")
 
 
+def test_a_plan_builds_its_packed_schedule_once_and_records_that_split(monkeypatch):
+    """The packed schedule is built once per plan, the hybrid's own or auto's after weighing the hybrid's
+    record, and the plan records the split the model predicts from."""
+    from msa_bench.kernels import auto
+    from msa_bench.kernels.q_packed import hybrid
+    built = []
+
+    class Counted(PackedSchedule):
+        def __init__(self, w, tokens_per_tile, **kw):
+            built.append(tokens_per_tile)
+            super().__init__(w, tokens_per_tile, **kw)
+
+    monkeypatch.setattr(hybrid, "PackedSchedule", Counted)
+    monkeypatch.setattr(auto, "candidate_names", lambda: ["hybrid"])
+    w = edge_case_workload(SHAPE, "fp32", [300, 140], [29, 40], True, 0.6, 0.2, seed=1, device=DEVICE)
+    for name in ("hybrid", "auto"):
+        built.clear()
+        plan = get_backend(name).plan(w)
+        assert built == [8], name
+        assert plan.info["model"] == get_backend("hybrid").model_record(w), name
+        assert plan.info["model"]["split"]["min_share"] == plan.info["min_share"], name
+
+
 def test_each_part_blends_its_own_decode_share():
     """A decode token alone in its tile packs nothing: a chunked-prefill step's packed part is prefill work
     and its residual mostly decode, so each part's fraction blends by its own decode share, not the step's."""

@@ -70,19 +70,40 @@ class HybridBackend(Backend):
                  fused: bool | None = None):
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
         self.fused = fused
-        self._layout = None                 # (weakref to the workload, its layout): plan and model ask twice
+        # (weakref to a workload, {key: what was made of it}): its layout, packed schedules and split record,
+        # which wide_fits, the model (auto asks before planning) and the plan each need
+        self._memo = None
+
+    def _memo_of(self, w: Workload) -> dict:
+        if self._memo is None or self._memo[0]() is not w:
+            self._memo = (weakref.ref(w), {})
+        return self._memo[1]
 
     def layout(self, w: Workload, profile=None) -> tuple[int, bool]:
         """(tokens a tile, residual merged in the packed epilogue) of a plan of `w`: the named options, else
         the wide tile with the merge where `wide_fits`, else 8 tokens and the combine stage."""
-        cached = self._layout
-        if cached is not None and cached[0]() is w:
-            return cached[1]
-        wide = self.tokens_per_tile in (None, WIDE_TOKENS) and self.fused in (None, True) and self.wide_fits(w, profile)
-        tokens = self.tokens_per_tile or (WIDE_TOKENS if wide else 8)
-        out = tokens, self.fused if self.fused is not None else (wide and tokens == WIDE_TOKENS)
-        self._layout = (weakref.ref(w), out)
-        return out
+        memo = self._memo_of(w)
+        if "layout" not in memo:
+            wide = (self.tokens_per_tile in (None, WIDE_TOKENS) and self.fused in (None, True)
+                    and self.wide_fits(w, profile))
+            tokens = self.tokens_per_tile or (WIDE_TOKENS if wide else 8)
+            memo["layout"] = tokens, self.fused if self.fused is not None else (wide and tokens == WIDE_TOKENS)
+        return memo["layout"]
+
+    def packed_schedule(self, w: Workload, tokens: int, share: int) -> PackedSchedule:
+        """The packed schedule of `w` at `tokens` a tile and threshold `share`, run (its residual selection is
+        what KV-outer plans from), built once however many of wide_fits, the model and the plan ask for it."""
+        memo = self._memo_of(w)
+        key = ("schedule", tokens, share)
+        if key not in memo:
+            memo[key] = PackedSchedule(w, tokens, min_share=share, residual=True)
+            memo[key]()
+        return memo[key]
+
+    def _release_schedules(self) -> None:
+        """Drop the memo's schedules (a plan holds its own): they hold device buffers and the workload."""
+        if self._memo is not None:
+            self._memo = (self._memo[0], {k: v for k, v in self._memo[1].items() if k[0] != "schedule"})
 
     def wide_fits(self, w: Workload, profile=None) -> bool:
         """Whether the wide tile with the epilogue merge may run `w` by default: in WIDE_FUSED_DTYPES, where
@@ -98,8 +119,7 @@ class HybridBackend(Backend):
         kv, schedules = self.kv_backend(w.dtype, w.device, w), {}
         for tokens in (8, WIDE_TOKENS):
             share, _ = self.threshold(w, kv, "q-packed-cute", tokens, profile)
-            schedules[tokens] = PackedSchedule(w, tokens, min_share=share, residual=True)
-            schedules[tokens]()
+            schedules[tokens] = self.packed_schedule(w, tokens, share)
         loads = {tokens: int(sch.tile_count.sum()) for tokens, sch in schedules.items()}
         selected = float((w.selection >= 0).sum())
         residual = float((schedules[WIDE_TOKENS].residual_pages >= 0).sum())
@@ -178,17 +198,28 @@ class HybridBackend(Backend):
     def achieved_names(self, w: Workload) -> tuple[str, ...]:
         return self.packed_backend(w), self.kv_backend(w.dtype, w.device, w).name
 
-    def model_record(self, w: Workload, profile=None) -> dict:
-        """The split at this plan's threshold (roofline/predict.hybrid_time): the packed part's statistics and
-        the residual's, each with its kernel's facts and its decode share."""
-        s, n = w.shape, w.n_tokens
+    def split(self, w: Workload, profile=None) -> tuple[PackedSchedule, dict, int, str]:
+        """(the packed schedule a plan of `w` runs, run; the model's record of the split; its threshold; where
+        the threshold came from), each made once per workload: auto asks for the record before it plans."""
         profile = profile or device_profile(w.device)
         kv, packed_kernel = self.kv_backend(w.dtype, w.device, w), self.packed_backend(w)
-        packer = get_backend(packed_kernel)
         P, _ = self.layout(w, profile)
-        threshold, _ = self.threshold(w, kv, packed_kernel, P, profile)
-        sch = PackedSchedule(w, P, min_share=threshold, residual=True)
-        sch()
+        threshold, source = self.threshold(w, kv, packed_kernel, P, profile)
+        sch = self.packed_schedule(w, P, threshold)
+        memo = self._memo_of(w)
+        key = ("record", P, threshold)
+        if key not in memo:
+            memo[key] = self._split_record(w, sch, kv, packed_kernel)
+        return sch, memo[key], threshold, source
+
+    def model_record(self, w: Workload, profile=None) -> dict:
+        return self.split(w, profile)[1]
+
+    def _split_record(self, w: Workload, sch: PackedSchedule, kv: Backend, packed_kernel: str) -> dict:
+        """The split of schedule `sch` (run) for the model (roofline/predict.hybrid_time): the packed part's
+        statistics and the residual's, each with its kernel's facts and its decode share."""
+        s, n, P, threshold = w.shape, w.n_tokens, sch.P, sch.min_share
+        packer = get_backend(packed_kernel)
         res = sch.residual_pages
         selected = float((w.selection >= 0).sum())
         flops = useful_flops(w)
@@ -239,9 +270,10 @@ class HybridBackend(Backend):
         P, fused = self.layout(w)
         if (P == WIDE_TOKENS or fused) and packed_kernel != "q-packed-cute":
             raise BackendUnavailable(self.workload_unavailable_reason(w) or f"{self.name}: needs q-packed-cute")
-        share, source = self.threshold(w, kv, packed_kernel, P)
-        packed = PackedSchedule(w, P, min_share=share, residual=True)
-        packed()                                            # the residual selection KV-outer plans from
+        try:
+            packed, record, share, source = self.split(w)   # its residual selection is what KV-outer plans from
+        finally:
+            self._release_schedules()
         w_res = replace(w, pages=packed.residual_pages)
         kv_plan = kv.plan(w_res)
         if set(kv_plan.stages) != {"index_map", "schedule", "attention", "combine"}:
@@ -284,6 +316,6 @@ class HybridBackend(Backend):
         buffers = {**{f"kv.{k}": v for k, v in kv_plan.buffers.items()}, **packed.buffers}
         stages = {"schedule": schedule, "attention": attend} | ({} if fused else {"combine": combine})
         plan = Plan(backend=self.name, stages=stages,
-                    output=out, lse=lse, buffers=buffers, info=info)
+                    output=out, lse=lse, buffers=buffers, info=info, model_record=record)
         plan._parts = (kv_plan, packed)          # keep the KV-outer plan's state alive with this one
         return plan
