@@ -336,7 +336,7 @@ def point_problem(p: Point) -> tuple[str, str] | None:
     from .selection import check_synthetic
     s = p.shape
     if p.generator == "trace":
-        return size_problem(s, p.tokens, p.context, point_pages(p), p.seed)
+        return size_problem(s, p.tokens, p.context, lambda: point_pages(p), p.seed)
     if p.generator in SERVING:
         from .serving import serving_problem
         problem = serving_problem(s, p.generator, p.chunk_tokens, p.context, p.context_min, p.requests,
