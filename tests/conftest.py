@@ -202,3 +202,19 @@ def interpreter_xor_reduce():
     ops.apply_impl = fast
     yield generic
     ops.apply_impl = generic
+
+
+def _small_workload(n=12, blocks=4):
+    """A bf16 workload of n tokens over `blocks` blocks of 8 keys, two selected per (token, KV head)."""
+    import torch
+    from msa_bench.scenarios.workload import AttnShape, build_workload
+    shape = AttnShape(hq=8, hkv=2, head_dim=16, block=8, topk=2)
+    sel = torch.stack([torch.stack([torch.tensor([(i + h) % blocks, (i + h + 1) % blocks]) for i in range(n)])
+                       for h in range(shape.hkv)]).int()
+    return build_workload(shape, "bf16", sel, torch.arange(blocks).view(1, -1).int(), torch.zeros(n).int(),
+                          torch.full((n,), blocks * shape.block - 1).int(), blocks, causal=False, seed=0)
+
+
+@pytest.fixture
+def small_workload():
+    return _small_workload

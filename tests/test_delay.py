@@ -9,15 +9,6 @@ import torch
 from msa_bench.harness.measure.timing import MODULE, TimingConfig, time_plan
 from msa_bench.kernels.base import get_backend
 from msa_bench.kernels.delay import DELAY_STAGE, split_delay
-from msa_bench.scenarios.workload import AttnShape, build_workload
-
-
-def small_workload(n=12, blocks=4):
-    shape = AttnShape(hq=8, hkv=2, head_dim=16, block=8, topk=2)
-    sel = torch.stack([torch.stack([torch.tensor([(i + h) % blocks, (i + h + 1) % blocks]) for i in range(n)])
-                       for h in range(shape.hkv)]).int()
-    return build_workload(shape, "bf16", sel, torch.arange(blocks).view(1, -1).int(), torch.zeros(n).int(),
-                          torch.full((n,), blocks * shape.block - 1).int(), blocks, causal=False, seed=0)
 
 
 def test_split_delay():
@@ -39,7 +30,7 @@ def test_delay_option_on_any_backend_keeps_the_inner_option():
         get_backend("reference@delay0")
 
 
-def test_delay_costs_the_planted_share_of_the_module_on_cpu():
+def test_delay_costs_the_planted_share_of_the_module_on_cpu(small_workload):
     w = small_workload()
     plan = get_backend("reference@delay50").plan(w)
     assert list(plan.stages)[-1] == DELAY_STAGE
@@ -65,7 +56,7 @@ def test_delay_unit_in_a_sweep_records_the_planted_percent(tmp_path, cli):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_delay_on_gpu_is_graph_timed_and_calibrated():
+def test_delay_on_gpu_is_graph_timed_and_calibrated(small_workload):
     plan = get_backend("reference@delay10").plan(small_workload(n=256, blocks=32).to("cuda"))
     assert plan.info["delay_cycles"] > 0
     out = time_plan(plan, TimingConfig(), "cuda")

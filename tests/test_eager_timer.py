@@ -14,15 +14,7 @@ from msa_bench.errors import UserError
 from msa_bench.harness.store.results import load_run
 from msa_bench.harness.store.seal import seal_unit
 from msa_bench.kernels.base import get_backend
-from msa_bench.scenarios.workload import AttnShape, build_workload
-
-def small_workload(n=12, blocks=4):
-    shape = AttnShape(hq=8, hkv=2, head_dim=16, block=8, topk=2)
-    sel = torch.stack([torch.stack([torch.tensor([(i + h) % blocks, (i + h + 1) % blocks]) for i in range(n)])
-                       for h in range(shape.hkv)]).int()
-    return build_workload(shape, "bf16", sel, torch.arange(blocks).view(1, -1).int(), torch.zeros(n).int(),
-                          torch.full((n,), blocks * shape.block - 1).int(), blocks, causal=False, seed=0)
-
+from msa_bench.scenarios.workload import AttnShape
 
 GRID = ["--scenario", "smoke", "--backend", "reference", "--dtype", "fp32", "--reuse", "0.5", "--reps", "3"]
 
@@ -53,7 +45,7 @@ def test_timer_names_follow_device_and_mode():
     assert timer_mode("cuda-eager") == EAGER and timer_mode("cuda-graph") != EAGER and timer_mode("cpu") != EAGER
 
 
-def test_eager_on_cpu_times_launches_and_the_per_step_plan():
+def test_eager_on_cpu_times_launches_and_the_per_step_plan(small_workload):
     plan = get_backend("reference").plan(small_workload())
     calls = []
 
@@ -79,7 +71,7 @@ def test_eager_on_cpu_times_launches_and_the_per_step_plan():
         assert out["combine"].gap_s[i] == out[MODULE].gap_s[i]
 
 
-def test_eager_remeasures_until_cv_or_bound():
+def test_eager_remeasures_until_cv_or_bound(small_workload):
     plan = get_backend("reference").plan(small_workload())
     out = time_plan(plan, TimingConfig(cpu_warmup=0, cpu_reps=2, cpu_max_reps=5, cv_target=1e-12, timer=EAGER), "cpu")
     assert len(out[MODULE].seconds) == 5 and not out[MODULE].converged
@@ -170,7 +162,7 @@ def test_report_beside_a_run_of_the_same_timer_is_one_line(runs, tmp_path, cli, 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_eager_output_equals_graph_replay_and_times_add_up():
+def test_gpu_eager_output_equals_graph_replay_and_times_add_up(small_workload):
     from msa_bench.harness.measure.timing import TIMER_GPU_EAGER
     w = small_workload(n=64, blocks=8).to("cuda")
     graph_plan = get_backend("reference").plan(w)
@@ -205,7 +197,7 @@ def test_gpu_flashinfer_plan_is_timed_per_step(name):
     assert err <= tol
 
 
-def test_per_step_is_a_statistic_of_the_stage_row():
+def test_per_step_is_a_statistic_of_the_stage_row(small_workload):
     from msa_bench.harness.running.runner import Runner
     from msa_bench.scenarios.grid import point_from_options
     plan = get_backend("reference").plan(small_workload())
