@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -164,7 +165,21 @@ def _entry(path, raw, shape: AttnShape) -> CallEntry:
 
 
 def read_index(path) -> TraceInfo:
-    """The trace's shape, provenance and index, without reading any call's tensors."""
+    """The trace's shape, provenance and index, without reading any call's tensors. Read and checked once
+    per version of the file: a sweep asks for it at every point (its pages, its shape)."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return _read_index(path)             # _open says why, in one line
+    return _cached_index(str(path), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=16)
+def _cached_index(path: str, mtime_ns: int, size: int) -> TraceInfo:
+    return _read_index(path)
+
+
+def _read_index(path) -> TraceInfo:
     with _open(path) as f:
         meta = f.metadata() or {}
         names = set(f.keys())
