@@ -127,7 +127,7 @@ def workload(
                       "--share-group": share_group, "--case": case, "--seed": seed,
                       **{f"--{k.replace('_', '-')}": v for k, v in dict(hq=hq, hkv=hkv, head_dim=head_dim,
                                                                            block=block, topk=topk).items()
-                         if v != AttnShape().__getattribute__(k)}})
+                         if v != getattr(AttnShape(), k)}})
         return _workload_trace(trace, calls, dtype, device, as_json)
 
     shape = AttnShape(hq=hq, hkv=hkv, head_dim=head_dim, block=block, topk=topk)

@@ -41,7 +41,7 @@ FIT_RULE = ("median over the run's selection generators of the median over each 
 
 
 def _base(key: str) -> str:
-    return key.split("/")[0].partition("@")[0]
+    return base_name(key.split("/")[0])
 
 
 def fit_prefill(run, device: DeviceProfile, old: dict | None = None, only=None, min_units: int = MIN_UNITS) -> dict:

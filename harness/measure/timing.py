@@ -245,6 +245,14 @@ def _measure(clock, name: str, target, before, warmup: int, reps: int, max_reps:
     return StageSamples(name, seconds, clock.timer, converged, [m for m, _ in extra], [r for _, r in extra])
 
 
+def _counts(config: TimingConfig, cuda: bool) -> tuple[int, int, int]:
+    """(warm-up, reps, max reps) on a GPU (the protocol's floor of MIN_GPU_REPS) or on a CPU."""
+    if cuda:
+        reps = max(config.reps, MIN_GPU_REPS)
+        return config.warmup, reps, max(config.max_reps, reps)
+    return config.cpu_warmup, config.cpu_reps, max(config.cpu_max_reps, config.cpu_reps)
+
+
 def _time_host(plan, config: TimingConfig) -> dict[str, StageSamples]:
     """CPU: every rep runs the module once, timing each stage and the whole; more reps while the
     module's CV exceeds the target, up to cpu_max_reps."""
@@ -261,11 +269,11 @@ def _time_host(plan, config: TimingConfig) -> dict[str, StageSamples]:
         if keep:
             seconds[MODULE].append(time.perf_counter() - start)
 
-    for _ in range(config.cpu_warmup):
+    warmup, reps, max_reps = _counts(config, cuda=False)
+    for _ in range(warmup):
         rep(False)
-    for _ in range(config.cpu_reps):
+    for _ in range(reps):
         rep(True)
-    max_reps = max(config.cpu_max_reps, config.cpu_reps)
     while coefficient_of_variation(seconds[MODULE]) > config.cv_target and len(seconds[MODULE]) < max_reps:
         rep(True)
     converged = coefficient_of_variation(seconds[MODULE]) <= config.cv_target
@@ -405,13 +413,7 @@ def eager_samples(names: list[str], timer: str, extra: list, converged: bool,
 def _time_eager(plan, config: TimingConfig, device: torch.device,
                 read_reasons: Callable[[], int] | None) -> dict[str, StageSamples]:
     clock = _EagerClock(plan, device, config.cold_l2, read_reasons)
-    if clock.cuda:
-        reps = max(config.reps, MIN_GPU_REPS)
-        warmup, max_reps = config.warmup, max(config.max_reps, reps)
-    else:
-        reps, warmup = config.cpu_reps, config.cpu_warmup
-        max_reps = max(config.cpu_max_reps, reps)
-    _, extra, converged = _repeat(clock.batch, warmup, reps, max_reps, config.cv_target)
+    _, extra, converged = _repeat(clock.batch, *_counts(config, clock.cuda), config.cv_target)
     return eager_samples(list(plan.stages), clock.timer, extra, converged, clock.read_reasons is not None)
 
 
@@ -427,8 +429,7 @@ def time_plan(plan, config: TimingConfig, device: torch.device | str,
     if device.type != "cuda":
         return results | _time_host(plan, config)
     clock = _GraphClock(plan, device, config.cold_l2, read_reasons)
-    reps = max(config.reps, MIN_GPU_REPS)
-    warmup, max_reps = config.warmup, max(config.max_reps, reps)
+    warmup, reps, max_reps = _counts(config, cuda=True)
     names = list(plan.stages)
     for i, name in enumerate(names):
         before = [clock.targets[n] for n in names[:i]]
