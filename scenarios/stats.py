@@ -84,11 +84,16 @@ def workload_union_ratio(w: Workload, tile: int, padded: bool = False) -> float 
     return union_ratio(w.selection, w.q_request, tile, padded, w.q_limit, w.causal)
 
 
+def nearest_rank(srt, q: float):
+    """The nearest-rank q-quantile of `srt`, a non-empty sorted sequence (a list or a 1-D tensor)."""
+    return srt[min(len(srt) - 1, max(0, math.ceil(q * len(srt)) - 1))]
+
+
 def _quantiles(counts: torch.Tensor) -> dict:
     if counts.numel() == 0:
         return {f"fanin_{k}": 0.0 for k in ("mean", "p50", "p90", "p99", "max")}
     srt = counts.sort().values.double()
-    at = lambda q: float(srt[min(srt.numel() - 1, math.ceil(q * srt.numel()) - 1)])   # nearest rank
+    at = lambda q: float(nearest_rank(srt, q))    # noqa: E731
     return {"fanin_mean": float(srt.mean()), "fanin_p50": at(0.5), "fanin_p90": at(0.9),
             "fanin_p99": at(0.99), "fanin_max": float(srt[-1])}
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from .serving import neighbour_jaccard
-from .stats import SCHEDULES, workload_stats
+from .stats import SCHEDULES, nearest_rank, workload_stats
 from .trace import CallEntry, TraceInfo
 from .trace_workload import call_workload
 from .workload import WorkloadError
@@ -51,8 +51,7 @@ def call_stats(info: TraceInfo, entry: CallEntry, dtype: str, profile=None) -> C
 
 def quantile(values: list[float], q: float) -> float:
     """Nearest-rank quantile (as stats' fan-in quantiles)."""
-    srt = sorted(values)
-    return srt[min(len(srt) - 1, max(0, math.ceil(q * len(srt)) - 1))]
+    return nearest_rank(sorted(values), q)
 
 
 def distributions(calls: list[CallStats]) -> list[tuple[str, str, int, list[float] | None]]:
