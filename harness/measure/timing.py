@@ -53,6 +53,8 @@ PLAN_STEP = "plan_step"      # eager: the host work of a plan a serving engine r
 HOST_STAGES = (PLAN, PLAN_STEP)
 PER_STEP = "per_step"        # the statistic (1) that marks a stage a serving engine repeats every step
 EAGER_COLUMNS = ("launch_s", "gap_s")    # eager samples: host time in the stage's call, device idle before it
+# the statistic stats.parquet keeps of each: the median of the stage's samples
+EAGER_MEDIANS = {column: column.removesuffix("_s") + "_median_s" for column in EAGER_COLUMNS}
 MIN_GPU_REPS = 20          # the protocol's floor on the GPU, whatever a scenario asks
 
 

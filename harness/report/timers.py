@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ...errors import UserError
-from ..measure.timing import EAGER, GRAPH, MODULE, PLAN_STEP, timer_mode
+from ..measure.timing import EAGER, EAGER_MEDIANS, GRAPH, MODULE, PLAN_STEP, timer_mode
 from ..store.results import Run
 from ..store.rows import ok_units
 from .axes import varying_fields
@@ -40,7 +40,7 @@ def eager_table(eager: Run, graph: Run | None = None) -> pd.DataFrame:
     timer and their ratio, the launch (host) and gap (device idle) time the eager module call spent, summed
     over its stages, and the plan's per-step host work (plan_step, not in module_us eager)."""
     t = ok_units(eager)
-    if t.empty or f"{MODULE}.launch_median_s" not in t:
+    if t.empty or f"{MODULE}.{EAGER_MEDIANS['launch_s']}" not in t:
         return pd.DataFrame()
     shown = [f for f in varying_fields(t) if f in t]
     eager_us = _column(t, f"{MODULE}.median_s")
@@ -58,8 +58,8 @@ def eager_table(eager: Run, graph: Run | None = None) -> pd.DataFrame:
         table["eager/graph"] = table["module_us eager"] / table["module_us graph"]
     else:
         table["module_us eager"] = eager_us
-    table["launch_us"] = _column(t, f"{MODULE}.launch_median_s")
-    table["gap_us"] = _column(t, f"{MODULE}.gap_median_s")
+    table["launch_us"] = _column(t, f"{MODULE}.{EAGER_MEDIANS['launch_s']}")
+    table["gap_us"] = _column(t, f"{MODULE}.{EAGER_MEDIANS['gap_s']}")
     table["plan_step_us"] = _column(t, f"{PLAN_STEP}.median_s")
     return table.sort_values(["dtype", "backend", *shown]).reset_index(drop=True)
 

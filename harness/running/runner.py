@@ -23,8 +23,8 @@ from ...roofline.predict import schedule_roofline
 from ...kernels.auto import AUTO_RECORD
 from ..store.rows import schedule_of
 from ..measure.telemetry import Poller, open_telemetry, point_telemetry
-from ..measure.timing import (EAGER_COLUMNS, MODULE, PER_STEP, TimingConfig, summarize, time_plan, timer_for,
-                              warm_plan)
+from ..measure.timing import (EAGER_COLUMNS, EAGER_MEDIANS, MODULE, PER_STEP, TimingConfig, summarize,
+                              time_plan, timer_for, warm_plan)
 
 CHECK_ROWS = 512                                        # rows checked against the reference on big points
 TFLOPS_STAGES = (MODULE, "attention")
@@ -199,7 +199,7 @@ class Runner:
             for column in EAGER_COLUMNS:          # eager: the medians of the launch and gap samples
                 values = getattr(s, column)
                 if values is not None:
-                    summary[f"{column[:-2]}_median_s"] = float(np.median(values))
+                    summary[EAGER_MEDIANS[column]] = float(np.median(values))
             if s.per_step:
                 summary[PER_STEP] = 1.0
             stats += [self._row(point, backend, stage, k, v, s.timer) for k, v in summary.items()]

@@ -45,8 +45,8 @@ from ...errors import UserError
 from .migrate import MODEL_RECORD_SCHEMA, upgrade
 from .seal import (SEAL_FIELD, SEAL_FILE, SEAL_HINT, UNSEALED, meta_change, record_change, seal_unit, sealed_meta,
                    sealed_record, unit_change)
-from ..measure.timing import (EAGER_COLUMNS, HOST_STAGES, TIMER_CPU, TIMER_CPU_EAGER, TIMER_GPU, TIMER_GPU_EAGER,
-                              TIMER_HOST, l2_flush_of)
+from ..measure.timing import (EAGER_COLUMNS, EAGER_MEDIANS, HOST_STAGES, TIMER_CPU, TIMER_CPU_EAGER, TIMER_GPU,
+                              TIMER_GPU_EAGER, TIMER_HOST, l2_flush_of)
 
 SCHEMA_VERSION = MODEL_RECORD_SCHEMA    # harness/store/migrate.py upgrades rows of earlier ones where a run is loaded
 RUN_FILE = "run.json"
@@ -378,7 +378,7 @@ def _check_eager(folder: Path, stats: pd.DataFrame, samples: pd.DataFrame) -> No
     stage's median of it is the one stats.parquet claims."""
     eager = samples["timer"].isin((TIMER_GPU_EAGER, TIMER_CPU_EAGER)).to_numpy()
     for column in EAGER_COLUMNS:
-        statistic = f"{column[:-2]}_median_s"
+        statistic = EAGER_MEDIANS[column]
         claimed = stats[stats["statistic"] == statistic]
         if column not in samples.columns:
             if len(claimed):
