@@ -9,6 +9,11 @@ class NoGPUError(UserError):
     """A GPU-only command was run on a machine without a CUDA device."""
 
 
+class DoesNotFit(UserError):
+    """A workload larger than the memory free on the device it was asked of: a point sized for a larger GPU,
+    which a sweep records unavailable, as it does a backend this host lacks."""
+
+
 def require_cuda(what: str) -> None:
     import torch
     if not torch.cuda.is_available():

@@ -32,6 +32,7 @@ class Plan:
     # the host work of planning a serving engine repeats every step before it launches the stages (the
     # step's selection changes what it computes; FlashInfer's plan()), rerun as is: the eager timer times it
     step: Callable[[], None] | None = None
+    full_context: bool = False                     # output attends every visible key (Backend.full_context)
 
     def run(self) -> torch.Tensor:
         for stage in self.stages.values():
@@ -63,6 +64,9 @@ class Backend:
     union_one_only: bool = False             # modelled only where a tile's tokens select alike
     unmodelled: str | None = None            # why the model never predicts it
     dense: bool = False                      # attends each request's whole visible context, not the selection
+    # its output is attention over every key a query may see, the selection ignored (not only its cost):
+    # the float64 check takes the reference over that context (scenarios.workload.full_context)
+    full_context: bool = False
 
     @property
     def facts(self) -> KernelFacts:
@@ -116,6 +120,7 @@ class Backend:
         start = time.perf_counter()
         plan = self._plan(workload)
         plan.plan_seconds = time.perf_counter() - start
+        plan.full_context = plan.full_context or self.full_context
         plan.info.setdefault("model", plan.model_record if plan.model_record is not None
                              else self.model_record(workload))
         return plan

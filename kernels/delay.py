@@ -73,6 +73,7 @@ class DelayedBackend(Backend):
         self.inner, self.percent = inner, percent
         self.description = f"{inner.description} + a planted delay of {percent:g} % of the module"
         self.dtypes = inner.dtypes
+        self.full_context = inner.full_context
 
     def unavailable_reason(self, dtype, device):
         return self.inner.unavailable_reason(dtype, device)

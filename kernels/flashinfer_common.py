@@ -79,3 +79,28 @@ def bf16_query(w: Workload) -> torch.Tensor:
     if w.dtype == "fp8":
         return (w.q.to(torch.float32) * w.q_scale).to(torch.bfloat16)
     return w.q
+
+
+def flashinfer_reason(backend, dtype: str, device, fa3: bool = False) -> str | None:
+    """Why a FlashInfer backend cannot run `dtype` on `device`, one line, or None: what the machine lacks
+    first (no GPU, no FlashInfer: it holds for every dtype), then the backend's dtypes, then the GPU's
+    architecture (sm_80 or newer; FA3's kernels sm_90 alone)."""
+    from .base import Backend
+    no_gpu = torch.device(device).type != "cuda" or not torch.cuda.is_available()
+    try:
+        import_flashinfer()
+        missing = None
+    except BackendUnavailable as exc:
+        missing = str(exc)
+    if no_gpu:
+        return (f"{backend.name} needs a CUDA GPU and FlashInfer (pip install -e '.[gpu]' on a GPU host); this "
+                f"machine has no GPU{' and no FlashInfer' if missing else ''}")
+    reason = missing or Backend.unavailable_reason(backend, dtype, device)
+    if reason:
+        return reason
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    if major < 8:
+        return f"{backend.name} needs sm_80 or newer (this GPU is sm_{major}{minor})"
+    if fa3 and (major, minor) != (9, 0):
+        return f"{backend.name} uses FlashInfer's FA3 kernels, which need sm_90 (this GPU is sm_{major}{minor})"
+    return None

@@ -27,7 +27,7 @@ import torch
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
-from .flashinfer_common import MIB, import_flashinfer, jit_module_built, workspace_sizes  # noqa: F401  (import_flashinfer: re-exported)
+from .flashinfer_common import MIB, import_flashinfer, jit_module_built, flashinfer_reason, workspace_sizes  # noqa: F401  (import_flashinfer: re-exported)
 
 VARIANTS = ("prefill-fa2", "decode-tc", "prefill-fa3")
 FA3_MODULE_GLOB = "batch_prefill_with_kv_cache_*_sm90"       # FlashInfer's name for its FA3 prefill modules
@@ -139,27 +139,7 @@ class FlashInferQOuter(Backend):
             self.fraction_terms = ("l2", "mma")
 
     def unavailable_reason(self, dtype: str, device) -> str | None:
-        # what the machine lacks first (no GPU, no FlashInfer): it holds for every dtype, so it is the reason
-        no_gpu = torch.device(device).type != "cuda" or not torch.cuda.is_available()
-        try:
-            import_flashinfer()
-            missing = None
-        except BackendUnavailable as exc:
-            missing = str(exc)
-        if no_gpu:
-            return (f"{self.name} needs a CUDA GPU and FlashInfer (pip install -e '.[gpu]' on a GPU host); this "
-                    f"machine has no GPU{' and no FlashInfer' if missing else ''}")
-        if missing:
-            return missing
-        reason = super().unavailable_reason(dtype, device)
-        if reason:
-            return reason
-        major, minor = torch.cuda.get_device_capability(torch.device(device))
-        if self.variant == "prefill-fa3" and (major, minor) != (9, 0):
-            return f"{self.name} uses FlashInfer's FA3 backend, which needs sm_90 (this GPU is sm_{major}{minor})"
-        if major < 8:
-            return f"{self.name} needs sm_80 or newer (this GPU is sm_{major}{minor})"
-        return None
+        return flashinfer_reason(self, dtype, device, fa3=self.variant == "prefill-fa3")
 
     def build_pending_reason(self, w: Workload) -> str | None:
         # FA3 (sm_90) prefill modules are not in FlashInfer's prebuilt set: a first plan JIT-builds one

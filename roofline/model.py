@@ -36,6 +36,9 @@ from .shape import SHAPE_FIELDS, AttnShape
 
 SCHEDULES = (Schedule.Q_OUTER, Schedule.KV_OUTER, Schedule.MSA_SCATTER)   # bytes and FLOPs independent of co-selection
 ALL_SCHEDULES = (*SCHEDULES, Schedule.Q_PACKED)          # q-packed needs union_ratio; dense-masked: predict_dense
+# the selection's schedules above take its statistics (nsb, selected blocks); the dense floor takes the
+# context's (dense_floor): a table of the selection's schedules never holds it
+TRAFFIC_SCHEDULES = (*ALL_SCHEDULES, Schedule.DENSE)
 DEFAULT_TILE_TOKENS = 8                                    # P of q-packed unless a plan records its own
 # Q-outer's L2 reuse window: re-reads among this many consecutive tokens of a request hit the L2 (they run
 # at about the same time); their union at most (16 x Hkv x topk blocks: 64 MiB bf16) is about the L2, so
@@ -220,7 +223,9 @@ def _miss_rate(working_set: float, device: DeviceProfile | None, share: float = 
     Effective capacity is half the L2 (Hopper's L2 is two partitions and a line read by SMs of both
     halves is held in both) times the operand's share of the bytes flowing into L2 (streamed
     partial-O writes evict it too). Both factors were fitted to nothing: they come from the L2's
-    organisation and the schedule's byte mix, and `ncu` checks them (results/h200/README.md).
+    organisation and the schedule's byte mix, and `ncu` checks them (results/h200/README.md). A probe of
+    random 32 KiB block re-reads found an H100's whole L2 holding them; the model with that capacity
+    picked worse out of sample (docs/perf-log.md, 2026-12-07), so half stays.
     """
     if device is None or working_set <= 0:
         return 0.0
@@ -236,7 +241,7 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     shared_nsb: the (KV head, block) pairs more than one query token selects (default nsb), the working
     set K/V re-reads compete for: a block read once is never re-read (a chunked-prefill step's decode
     tokens), so it takes no part in the misses."""
-    if schedule not in ALL_SCHEDULES:
+    if schedule not in TRAFFIC_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}")
     s = shape
     n = float(n_tokens)
@@ -249,6 +254,11 @@ def traffic(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, selec
     reread_set = (nsb if shared_nsb is None else min(shared_nsb, nsb)) * s.kv_block_bytes
     hbm = {"q_read": q_bytes, "kv_read": kv_unique, "out_write": out_bytes}
     l2 = dict(hbm)
+
+    if schedule == Schedule.DENSE:
+        # nsb: every (KV head, context block) pair of the requests, read once where the paged cache holds
+        # it (the G heads of a KV head share each load); no selection, index, mask or partials
+        return hbm, l2
 
     if schedule == Schedule.Q_OUTER:
         kv_rereads = edges * s.kv_block_bytes
@@ -434,6 +444,15 @@ def crossover_at(shape: ModelShape, device: DeviceProfile, n_tokens: float, chal
     """The capacity-aware crossover for a given N (Q-outer's working set grows with nsb)."""
     return crossover_numeric(shape, device, challenger, n_tokens=n_tokens, l2_capacity=True,
                              hi=float(shape.topk * shape.hkv))
+
+
+def dense_floor(shape: ModelShape, n_tokens: float, kv_blocks: float, visible_keys: float,
+                device: DeviceProfile) -> Prediction:
+    """The dense floor's roofline (Schedule.DENSE): each request's `kv_blocks` context blocks read once per KV
+    head, Q and O (traffic), and 4 x Hq x D FLOPs per (query, key it may see): `visible_keys` summed over
+    queries, causal counted exactly."""
+    return predict(Schedule.DENSE, shape, n_tokens, kv_blocks * shape.hkv, device,
+                   flops=4.0 * shape.hq * shape.head_dim * visible_keys, l2_capacity=False)
 
 
 def dense_traffic(shape: ModelShape, n_tokens: float, kv_blocks: float, dense_keys: float,

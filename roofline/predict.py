@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from .devices import DeviceProfile, achieved, has_achieved, has_fixed_costs
 from .dtypes import model_dtype
 from .model import (ALL_SCHEDULES, DEFAULT_TILE_TOKENS, EAGER, GRAPH, RESOURCES, ModelShape, Prediction,
-                    decode_work_share, fixed_cost, fraction_roofline, host_cost, module_time, predict, predict_dense,
-                    scaled_time, union_tokens)
-from .schedules import Schedule
+                    decode_work_share, dense_floor, fixed_cost, fraction_roofline, host_cost, module_time, predict,
+                    predict_dense, scaled_time, union_tokens)
+from .schedules import DENSE_SCHEDULES, Schedule
 from .shape import SHAPE_FIELDS, AttnShape
 
 # every schedule the model predicts a module of (the hybrid as the sum of its parts)
-MODELLED = (*ALL_SCHEDULES, Schedule.HYBRID, Schedule.DENSE_MASKED)
+MODELLED = (*ALL_SCHEDULES, Schedule.HYBRID, *DENSE_SCHEDULES)
 UNION_ONE = 1.0 + 1e-9
 
 
@@ -118,18 +118,25 @@ def ratios(schedule: str, stats, record: dict) -> tuple[int | None, float | None
     return tile, (float(union) if _usable(union) else None), (float(executed) if _usable(executed) else None)
 
 
-def schedule_roofline(schedule: str, stats, record: dict, profile: DeviceProfile, dtype: str) -> Prediction | None:
+def schedule_roofline(schedule: str, stats, record: dict, profile: DeviceProfile, dtype: str,
+                      l2_capacity: bool = True) -> Prediction | None:
     """The roofline of `schedule` on a workload of `stats` in `dtype`, as the plan `record` describes it;
     None where the statistics lack what it needs (q-packed without its union_ratio: its cost is set by
-    co-selection, never assumed)."""
-    if schedule not in (*ALL_SCHEDULES, Schedule.DENSE_MASKED):
+    co-selection, never assumed). l2_capacity False: the bound, compulsory traffic alone (every re-read an
+    L2 hit), without the model's estimate of L2-capacity misses."""
+    if schedule not in (*ALL_SCHEDULES, *DENSE_SCHEDULES):
         return None
     shape = shape_of(stats, dtype, record)
     n, flops = stat(stats, "n_tokens"), stat(stats, "useful_flops")
-    if schedule == Schedule.DENSE_MASKED:
-        blocks, keys = stat(stats, "dense_kv_blocks"), stat(stats, "dense_keys")
+    if schedule in DENSE_SCHEDULES:
+        # the whole visible context: the floor's work is the keys each query sees, the masked one's every
+        # query at its request's last limit
+        blocks = stat(stats, "dense_kv_blocks")
+        keys = stat(stats, "visible_keys" if schedule == Schedule.DENSE else "dense_keys")
         if not (_usable(blocks) and _usable(keys) and _usable(n)):
             return None
+        if schedule == Schedule.DENSE:
+            return dense_floor(shape, n, blocks, keys, profile)
         return predict_dense(shape, n, blocks, keys, profile, flops=flops, gathered=not record.get("paged", False))
     nsb = stat(stats, "nsb")
     tile, union, executed = ratios(schedule, stats, record)
@@ -140,7 +147,7 @@ def schedule_roofline(schedule: str, stats, record: dict, profile: DeviceProfile
                    selected_per_query=per_query if _usable(per_query) else None,
                    flops=flops if _usable(flops) else None,
                    union_ratio=union if tile else None, tile_tokens=tile or DEFAULT_TILE_TOKENS,
-                   executed_union_ratio=executed, shared_nsb=stat(stats, "nsb_shared"))
+                   executed_union_ratio=executed, shared_nsb=stat(stats, "nsb_shared"), l2_capacity=l2_capacity)
 
 
 def fraction_name(facts: KernelFacts, record: dict) -> str:

@@ -15,6 +15,11 @@ class Schedule(StrEnum):
     Q_PACKED = "q-packed"             # token-packed Q-outer: tiles of P tokens walk their blocks' union
     HYBRID = "hybrid"                 # packed tiles plus a KV-outer residual: the sum of the two parts
     DENSE_MASKED = "dense-masked"     # dense attention over the visible context, the selection as a mask
+    DENSE = "dense"                   # dense attention over every visible key, no selection: the dense floor
+
+
+# the schedules that attend each request's whole visible context (the baselines sparsity must beat)
+DENSE_SCHEDULES = (Schedule.DENSE_MASKED, Schedule.DENSE)
 
 
 def is_schedule(name) -> bool:

@@ -431,11 +431,8 @@ def point_footprint(p: Point, with_tensors: bool = True, partials: bool = True) 
 
 
 def check_point_fits(p: Point, device, with_tensors: bool = True, partials: bool = True) -> None:
-    """UserError (one line) when the point's workload cannot fit in the memory free on `device`."""
-    try:
-        check_fits(point_footprint(p, with_tensors, partials), device, f"point {p.key()}")
-    except WorkloadError as exc:
-        raise UserError(str(exc)) from None
+    """DoesNotFit (one line) when the point's workload cannot fit in the memory free on `device`."""
+    check_fits(point_footprint(p, with_tensors, partials), device, f"point {p.key()}")
 
 
 def _points(src: str, grids: list[dict], shape: AttnShape, shape_given: bool = False) -> list[Point]:

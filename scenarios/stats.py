@@ -116,6 +116,12 @@ def dense_extent(w: Workload) -> tuple[int, int]:
     return int(blocks.sum()), int(blocks[req].sum()) * w.shape.block
 
 
+def visible_keys(w: Workload) -> int:
+    """Keys summed over queries that each query may see, its own position's causal limit exactly: the
+    dense floor's work (dense_extent's keys count every query at its request's last limit)."""
+    return int((w.q_limit.long() + 1).sum())
+
+
 def workload_decode_share(w: Workload) -> float:
     """model.decode_share of the workload's requests (their query tokens from q_request)."""
     return decode_share(torch.bincount(w.q_request.long().cpu()).tolist())
@@ -195,7 +201,7 @@ class ModelStats:
     def _dense(self) -> dict:
         blocks, keys = dense_extent(self.w)
         entries = self["selected_entries"]
-        return {"dense_kv_blocks": blocks, "dense_keys": keys,
+        return {"dense_kv_blocks": blocks, "dense_keys": keys, "visible_keys": visible_keys(self.w),
                 "sparsity_ratio": keys * self.w.shape.hkv / (entries * self.w.shape.block) if entries else None}
 
     def _requests(self) -> dict:
@@ -208,7 +214,7 @@ _GROUPS = (
     (("nsb", "nsb_per_n", "nsb_shared", "decode_kv_share", *FANIN_KEYS), ModelStats._pairs),
     (("selected_entries", "selected_blocks_per_query"), ModelStats._entries),
     (("selected_tokens", "selected_tokens_per_query", "useful_flops"), ModelStats._visible),
-    (("dense_kv_blocks", "dense_keys", "sparsity_ratio"), ModelStats._dense),
+    (("dense_kv_blocks", "dense_keys", "visible_keys", "sparsity_ratio"), ModelStats._dense),
     (("requests", "context_tokens", "context_blocks", "decode_share"), ModelStats._requests),
 )
 
@@ -228,7 +234,7 @@ def workload_stats(w: Workload, device_profile=None) -> dict:
                   # what a kernel of P-token tiles executes: a request's shorter tiles counted as P tokens
                   *(f"executed_union_ratio_p{p}" for p in UNION_TILES + MMA_TILES),
                   "selected_tokens", "selected_tokens_per_query", "useful_flops",
-                  "dense_kv_blocks", "dense_keys", "sparsity_ratio")),
+                  "dense_kv_blocks", "dense_keys", "visible_keys", "sparsity_ratio")),
     }
     if "share" in w.meta:
         out.update(share=w.meta["share"], share_group=w.meta["share_group"],

@@ -19,9 +19,11 @@ def _at(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(x) for x in mask.nonzero()[0].tolist())
 
 
-def check_layout(where: str, c: TraceCall, block: int) -> None:
-    """Requests, positions, contexts and block ids within range."""
-    ctx, req, pos, sel = c.context.long(), c.q_request.long(), c.q_position.long(), c.selection.long()
+def check_layout(where: str, c: TraceCall) -> None:
+    """The call's request layout: contexts positive, every token in one of its requests and at a position
+    inside that request's context. Its selection gets the contract's one check (selection.check_selection,
+    where the workload is assembled): ids below -1, blocks past a request's context, repeats, causality."""
+    ctx, req, pos = c.context.long(), c.q_request.long(), c.q_position.long()
     if (ctx <= 0).any():
         raise TraceError(f"{where}: request {_at(ctx <= 0)[0]} has context {int(ctx[ctx <= 0][0])}, not positive")
     bad = (req < 0) | (req >= ctx.numel())
@@ -33,16 +35,6 @@ def check_layout(where: str, c: TraceCall, block: int) -> None:
         t = _at(bad)[0]
         raise TraceError(f"{where}: token {t} sits at position {int(pos[t])}, outside its request's context "
                          f"of {int(ctx[req[t]])} tokens")
-    if (sel < -1).any():
-        h, t, r = _at(sel < -1)
-        raise TraceError(f"{where}: selection holds {int(sel[h, t, r])} at (head {h}, token {t}); ids are blocks "
-                         "or -1 (padding)")
-    blocks = (-(-ctx // block))[req].view(1, -1, 1)
-    past = sel >= blocks
-    if past.any():
-        h, t, r = _at(past)
-        raise TraceError(f"{where}: block {int(sel[h, t, r])} at (head {h}, token {t}) is past the "
-                         f"{int(blocks[0, t, 0])} blocks of its request's {int(ctx[req[t]])}-token context")
 
 
 def canonical(where: str, selection: torch.Tensor, position: torch.Tensor, block: int) -> torch.Tensor:
@@ -81,7 +73,7 @@ def call_workload(info: TraceInfo, call: int, dtype: str, seed: int = 0, device=
     c = read_call(info, call)
     where = f"{info.path}: call {call}"
     shape = info.shape
-    check_layout(where, c, shape.block)
+    check_layout(where, c)
     sel = canonical(where, c.selection, c.q_position, shape.block)
     context = [int(x) for x in c.context.tolist()]
     if c.page_table is not None:

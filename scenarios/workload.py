@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import UserError
+from ..errors import DoesNotFit, UserError
 from ..roofline.dtypes import DType
 from ..roofline.shape import AttnShape  # noqa: F401  (re-exported: the shape a workload carries)
 
@@ -99,10 +99,10 @@ def free_memory_bytes(device) -> int | None:
 
 
 def check_fits(need: int, device, what: str) -> None:
-    """WorkloadError (one line) when `need` bytes exceed the memory free on `device`."""
+    """DoesNotFit (one line) when `need` bytes exceed the memory free on `device`."""
     free = free_memory_bytes(device)
     if free is not None and need > free:
-        raise WorkloadError(f"{what} needs at least {need / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB "
+        raise DoesNotFit(f"{what} needs at least {need / 2**30:,.1f} GiB, more than the {free / 2**30:,.1f} GiB "
                             f"free on {torch.device(device).type}")
 
 
@@ -195,6 +195,22 @@ def physical_pages(selection: torch.Tensor, page_table: torch.Tensor, q_request:
     req = q_request.long().view(1, -1, 1).expand_as(selection)
     pages = page_table.long()[req, selection.long().clamp(min=0)]
     return torch.where(valid, pages, torch.full_like(pages, -1)).to(torch.int32)
+
+
+def full_context(w: Workload, rows=None) -> Workload:
+    """The workload of query `rows` (all by default) with the selection that lists every block each may see,
+    0 to its own in order (its local block last under causality): attention over it is dense attention
+    over the visible context, what a backend that ignores the selection computes (Backend.full_context).
+    Rows are taken first: a row selects up to its context's blocks, so only the rows checked are built."""
+    rows = torch.arange(w.n_tokens, device=w.device) if rows is None else torch.as_tensor(rows, device=w.device).long()
+    limit = w.q_limit[rows].long()
+    blocks = int(limit.max()) // w.shape.block + 1 if rows.numel() else 1
+    ids = torch.arange(blocks, device=w.device).view(1, -1)
+    sel = torch.where(ids <= (limit // w.shape.block).view(-1, 1), ids, -1).to(torch.int32)
+    sel = sel.unsqueeze(0).expand(w.shape.hkv, -1, -1).contiguous()
+    q_request = w.q_request[rows]
+    return replace(w, shape=replace(w.shape, topk=blocks), q=w.q[rows], selection=sel, q_request=q_request,
+                   q_limit=w.q_limit[rows], pages=physical_pages(sel, w.page_table, q_request))
 
 
 def build_workload(shape: AttnShape, dtype: str, selection: torch.Tensor, page_table: torch.Tensor,

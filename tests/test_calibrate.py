@@ -122,6 +122,16 @@ def test_profile_json_round_trips_through_devices_loader(tmp_path):
     assert data["measured"]["hbm"]["rule"].startswith("hbm_bytes_per_s = the highest read stream")
 
 
+def test_l2_ceiling_is_the_highest_rate_measured():
+    m = measurements()
+    plateau = m["l2_plateau"]["bytes_per_s"]
+    m["l2_best"] = {"kernel": "read", "bytes_per_s": plateau * 1.1}
+    prof = build_profile("h200-calibrated", m)
+    assert prof.l2_bytes_per_s == pytest.approx(plateau * 1.1)
+    m["l2_best"]["bytes_per_s"] = plateau * 0.9                         # the plateau is higher: it stands
+    assert build_profile("x", m).l2_bytes_per_s == pytest.approx(plateau)
+
+
 def test_build_profile_rejects_bad_measurements():
     m = measurements()
     m["matmul"]["bf16_flops"] = 0.0
@@ -149,12 +159,17 @@ for bypass in (False, True):
     out = torch.zeros(4, dtype=torch.float32)
     kernel[(4,)](x, out, 8, 8 * 3, BLOCK=64, BYPASS_L1=bypass)     # 8 chunks read 3 times by 4 programs
     assert float(out.sum()) == 3 * float(x.sum()), (bypass, float(out.sum()))
+gather = cal._gather_kernel()
+idx = torch.tensor([3, 0, 7, 3, 3, 5], dtype=torch.int32)
+out = torch.zeros(4, dtype=torch.float32)
+gather[(4,)](x, idx, out, 6, BLOCK=64)                              # 6 whole blocks by 4 programs
+assert float(out.sum()) == float(x.view(8, 64)[idx.long()].sum()), float(out.sum())
 print("ok")
 """
 
 
 def test_read_kernel_bypass_l1_sums_every_element_in_the_interpreter():
-    """The Triton read kernel, plain and .cg loads, in Triton's CPU interpreter (TRITON_INTERPRET must be set
+    """The Triton read kernel, plain and .cg loads, and the block gather, in Triton's CPU interpreter (TRITON_INTERPRET must be set
     before triton is imported, hence a subprocess): both flavours sum every element. Bandwidth needs a GPU."""
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], capture_output=True, text=True, timeout=300,

@@ -81,7 +81,7 @@ FULL = AttnShape()
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_paged_dense_matches_the_reference_and_replays_bitwise(dtype):
+def test_paged_dense_matches_the_reference_and_replays_bitwise(dtype, graph_replay_equals_eager):
     from msa_bench.harness.measure.check import check_backend
     from msa_bench.kernels.base import get_backend
     from msa_bench.kernels.flashinfer_common import import_flashinfer
@@ -94,15 +94,7 @@ def test_paged_dense_matches_the_reference_and_replays_bitwise(dtype):
     for w in cases:
         err, tol, details = check_backend("dense-masked@flashinfer", w)
         assert details["info"]["paged"] and err <= tol, (w.meta, err)
-        plan = get_backend("dense-masked@flashinfer").plan(w)
-        eager = plan.run().clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            plan.run()
-        plan.output.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(plan.output, eager)
+        graph_replay_equals_eager(get_backend("dense-masked@flashinfer").plan(w))
 
 
 def test_a_mask_past_flashinfers_int32_offsets_is_refused(monkeypatch):

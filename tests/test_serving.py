@@ -340,6 +340,9 @@ def test_the_crossover_figure_is_drawn():
     from msa_bench.harness.report.dense_crossover import crossover_figures
     figs = crossover_figures(_fake_run([1.0, 4.0, 16.0], [2.0, 2.0, 2.0], [2048, 8192, 32768]), None)
     assert [name for name, _ in figs] == ["dense_crossover_bf16.png"]
+    # the measured crossover (a whole number of tokens) is drawn as a vertical line at 4096
+    labels = [line.get_label() for ax in figs[0][1].axes for line in ax.get_lines()]
+    assert any(label.startswith("measured crossover") and label.endswith(" 4.0K") for label in labels), labels
 
 
 # ---- the commands --------------------------------------------------------------------------------

@@ -184,10 +184,10 @@ def _bad(tmp_path, case: str) -> Path:
 BAD = {"missing": "does not exist", "garbage": "not a safetensors file", "not-a-trace": "not a selection trace",
        "version": "version '9'", "shape": "not an attention shape", "no-index": "no 'index'",
        "missing-tensor": "has no tensor call.000001.selection", "heads": "selection is [4, 4, 4]",
-       "int64": "selection is torch.int64", "past-context": "past the 4 blocks",
+       "int64": "selection is torch.int64", "past-context": "past the blocks of its request 0",
        "future": "starts after the query's last visible key", "no-own-block": "does not select its own block",
        "repeat": "repeats block", "position": "outside its request's context", "request": "names request 1",
-       "below-minus-one": "holds -7"}
+       "below-minus-one": "holds id -7 below -1"}
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -306,6 +306,6 @@ def test_workload_trace_prints_80_columns_or_json(tmp_path, cli):
 def test_a_bad_call_stops_sweep_and_check_before_anything_runs(tmp_path, cli, one_error_line):
     bad = _bad(tmp_path, "past-context")
     code, _, err = cli("sweep", "--trace", bad, "--backend", "reference", "--dtype", "fp32", "--out", tmp_path / "r")
-    assert code == 2 and "past the 4 blocks" in one_error_line(err) and not (tmp_path / "r").exists()
+    assert code == 2 and BAD["past-context"] in one_error_line(err) and not (tmp_path / "r").exists()
     code, out, err = cli("check", "--backend", "reference", "--dtype", "fp32", "--trace", bad)
-    assert code == 2 and "past the 4 blocks" in one_error_line(err) and out == ""
+    assert code == 2 and BAD["past-context"] in one_error_line(err) and out == ""

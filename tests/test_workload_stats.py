@@ -39,7 +39,8 @@ def by_hand(w) -> dict:
             "selected_blocks_per_query": len(entries) / (n * s.hkv),
             "decode_share": len(decode) / n,
             "decode_kv_share": len({(h, pages[h][q][k]) for h, q, k in entries if q in decode}) / len(fanin),
-            "selected_tokens": visible, "useful_flops": 4 * s.group * s.head_dim * visible}
+            "selected_tokens": visible, "useful_flops": 4 * s.group * s.head_dim * visible,
+            "visible_keys": sum(lim + 1 for lim in limit)}
 
 
 @pytest.mark.parametrize("name", WORKLOADS)

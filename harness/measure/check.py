@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 from ...errors import UserError
 from ...scenarios.reference import reference_attention, relative_error
 from ...scenarios.grid import SERVING, Point, check_point_fits, make_workload, point_from_options
-from ...scenarios.workload import AttnShape, Workload, WorkloadError, build_workload, check_fits, footprint_bytes
+from ...scenarios.workload import (AttnShape, Workload, build_workload, check_fits, footprint_bytes,
+                                   full_context)
 
 TOLERANCE = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8": 5e-2}
 SAMPLED_ROWS = 512          # rows compared with the reference when the workload is bigger than this
@@ -57,7 +58,9 @@ def compare_output(plan, workload: Workload, rows=None, backend_name: str = ""):
     if workload.device.type == "cuda":
         torch.cuda.synchronize(workload.device)
     idx = None if rows is None else torch.as_tensor(rows, device=workload.device).long()
-    ref_out, ref_lse = reference_attention(workload, idx)
+    # a plan that ignores the selection is checked on the workload whose selection is every visible block
+    ref_out, ref_lse = (reference_attention(full_context(workload, idx)) if plan.full_context
+                        else reference_attention(workload, idx))
     out = plan.output if idx is None else plan.output[idx]
     tol = tolerance(workload.dtype)
     details = {"backend": backend_name, "rows": workload.n_tokens if idx is None else int(idx.numel()),
@@ -150,15 +153,12 @@ def check_workload(point: Point, requests: int | None, device) -> Workload:
 
 
 def check_fits_here(point: Point, requests: int | None, device) -> None:
-    """UserError (one line) when the workload would not fit in the memory free on `device`."""
+    """DoesNotFit (one line) when the workload would not fit in the memory free on `device`."""
     if requests is None:
         return check_point_fits(point, device)
     kv_lens, _ = request_layout(point.tokens, point.context, requests)
     pages = sum(-(-kv // point.shape.block) for kv in kv_lens) + 3        # edge_case_workload's spare pages
-    try:
-        check_fits(footprint_bytes(point.shape, point.dtype, point.tokens, pages), device, "this check's workload")
-    except WorkloadError as exc:
-        raise UserError(str(exc)) from None
+    check_fits(footprint_bytes(point.shape, point.dtype, point.tokens, pages), device, "this check's workload")
 
 
 def plan_lines(info: dict, width: int = 80) -> list[str]:

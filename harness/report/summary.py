@@ -22,7 +22,7 @@ from .timers import eager_markdown, pair_runs
 from ..measure.timing import GPU_TIMERS
 from ..store.rows import device_for_run
 from ..store.results import STATUS_OK, Run, load_run
-from .tables import (accuracy_table, row_roofline, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
+from .tables import (accuracy_table, unit_bound, achieved_table, auto_summary, auto_vs_fastest, bytes_table, crossovers,
                      fidelity_table, is_prefill_run, prefill_aggregate, roofline_picks, stage_table, status_table,
                      throughput_table, ok_units)
 
@@ -80,6 +80,9 @@ def incomplete(run: Run) -> str | None:
     head = f"run incomplete: {len(run.missing)} of {planned} planned unit(s) missing"
     if run.meta.get("merged_from"):
         return f"{head} (the folders merged lack them): sweep their shards to the end, then merge again"
+    if run.meta.get("packed"):
+        return (f"{head}; a packed run is not resumed: {run.meta.get('samples_removed') or 'its raw units'} "
+                f"brings its unit folders back, then: {resume_here(run)}")
     return f"{head}; resume with: {resume_here(run)}"
 
 
@@ -97,10 +100,13 @@ def resume_here(run: Run) -> str:
     return shlex.join(kept + ["--out", str(run.path), "--resume"])
 
 
-def above_roofline_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
-    """Every unit measured faster than its roofline allows, a model defect: today's roofline time (the
-    profile's ceilings, every fraction 1, no fixed cost) over the measured module time above 1, or the
-    run's model HBM bytes over the measured time above the profile's HBM ceiling (HBM frac)."""
+def above_roofline_table(run: Run, device: DeviceProfile | None, l2_capacity: bool = False) -> pd.DataFrame:
+    """Every unit measured faster than its bound allows, a model defect: the roofline of compulsory traffic
+    (each selected block from HBM once, every re-read from L2, `tables.unit_bound`) at the profile's
+    ceilings, every fraction 1, no fixed cost, over the measured module time above 1; HBM frac is that
+    roofline's HBM bytes over the measured time, over the HBM ceiling. l2_capacity True: against the
+    roofline with the model's L2-capacity misses, where a unit above it shows the miss estimate
+    over-counting (a fidelity defect, not a broken bound)."""
     t = ok_units(run)
     if device is None or t.empty or "module.median_s" not in t:
         return pd.DataFrame()
@@ -109,15 +115,12 @@ def above_roofline_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame
         measured = r["module.median_s"]
         if not isinstance(measured, float) or not measured > 0:
             continue
-        roof = row_roofline(r, device)
-        ratio = roof.time_s / measured if roof is not None else float("nan")
-        hbm = r.get("module.model_hbm_bytes")
-        hbm_frac = hbm / measured / device.hbm_bytes_per_s if isinstance(hbm, float) and math.isfinite(hbm) else float("nan")
-        if (math.isfinite(ratio) and ratio > 1) or (math.isfinite(hbm_frac) and hbm_frac > 1):
-            rows.append({"backend": r["backend"], "dtype": r["dtype"], "point": r["point_key"],
-                         "measured s": measured, "roofline s": roof.time_s if roof else float("nan"),
-                         "binding": roof.binding if roof else "–", "roofline / measured": ratio,
-                         "HBM frac": hbm_frac})
+        roof = unit_bound(r, device, l2_capacity)
+        if roof is None or not roof.time_s / measured > 1:
+            continue
+        rows.append({"backend": r["backend"], "dtype": r["dtype"], "point": r["point_key"], "measured s": measured,
+                     "roofline s": roof.time_s, "binding": roof.binding, "roofline / measured": roof.time_s / measured,
+                     "HBM frac": roof.hbm_bytes / measured / device.hbm_bytes_per_s})
     return pd.DataFrame(rows)
 
 
@@ -165,13 +168,17 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str],
     above = above_roofline_table(run, device)
     if device is not None:
         out += ["## Units measured above their roofline (model defects)", "",
-                f"A roofline bounds what it models: a unit measured faster than its roofline time (the profile's "
-                f"ceilings: HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s, L2 {device.l2_bytes_per_s / 1e12:.2f} TB/s, "
-                f"bf16 {device.peak_flops('bf16') / 1e12:.0f} TFLOP/s; every fraction 1, no fixed cost), or moving the "
-                "model's HBM bytes faster than the HBM ceiling, shows a defect of the model (bytes or FLOPs "
-                "over-counted, or a ceiling under the hardware's).", ""]
+                f"A roofline bounds what it models: a unit measured faster than its roofline time (compulsory "
+                f"traffic, each selected block from HBM once and every re-read from L2, at the profile's ceilings: "
+                f"HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s, L2 {device.l2_bytes_per_s / 1e12:.2f} TB/s, "
+                f"bf16 {device.peak_flops('bf16') / 1e12:.0f} TFLOP/s; every fraction 1, no fixed cost) shows a "
+                "defect of the model (bytes or FLOPs over-counted, or a ceiling under the hardware's).", ""]
         out += [f"**{len(above)} unit(s) above their roofline: model defects.**", "", markdown_table(above)] \
             if not above.empty else ["None: every modelled unit is at or under its roofline.", ""]
+        misses = above_roofline_table(run, device, l2_capacity=True)
+        if not misses.empty:
+            out += [f"{len(misses)} unit(s) ran faster than the roofline with the model's L2-capacity misses "
+                    "(its predicted HBM re-reads): there the miss estimate over-counts.", "", markdown_table(misses)]
     fid = fidelity_table(run, device)
     if not fid.empty:
         out += ["## Model fidelity: predicted module time (roofline / achieved + fixed costs) against measured", "",
@@ -198,10 +205,13 @@ def summary_markdown(run: Run, device: DeviceProfile | None, figures: list[str],
                                              for c in cr]))]
     dense = crossover_table(run, device)
     if not dense.empty:
-        out += ["## Sparse against dense-masked: the context above which sparse wins", "",
-                "ratio: visible context / selected keys there; model: the same from the module times the "
-                "model predicts (roofline over achieved fraction, plus fixed costs: what `auto` weighs).",
-                "", markdown_table(dense)]
+        out += ["## Sparse against dense: the context above which sparse wins", "",
+                "One row per dense backend: the selection as a mask (the same output as sparse), or none at "
+                "all (the dense floor: what the model costs without sparse attention). ratio: visible context / "
+                "selected keys there; model: the same from the module times the model predicts (roofline over "
+                "achieved fraction, plus fixed costs: what `auto` weighs); dense / sparse at least context: "
+                "the dense module time over the fastest sparse one's there (sparsity ratio 1 at a context of "
+                "top-k blocks).", "", markdown_table(dense)]
     graph, eager = pair_runs(run, beside) if beside is not None else (None, run)
     out += eager_markdown(eager, graph, markdown_table)
     out += ["## Per-stage median latency (s)", "", markdown_table(stage_table(run))]

@@ -44,9 +44,9 @@ def row_model_shape(row):
     return shape_of(row, row["dtype"], row_record(row))
 
 
-def _predict_row(row, schedule: str, device: DeviceProfile):
+def _predict_row(row, schedule: str, device: DeviceProfile, l2_capacity: bool = True):
     """The roofline of `schedule` for a unit row: its workload's statistics (wl_ columns) and its plan's record."""
-    return schedule_roofline(schedule, row, row_record(row), device, row["dtype"])
+    return schedule_roofline(schedule, row, row_record(row), device, row["dtype"], l2_capacity)
 
 
 def status_table(run: Run) -> pd.DataFrame:
@@ -148,7 +148,7 @@ def auto_vs_fastest(run: Run) -> pd.DataFrame:
             continue
         best = rest.loc[rest["module.median_s"].idxmin()]
         for _, a in autos.iterrows():            # `auto` and `auto@eager` each against the fastest
-            picked = (_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("picked", "")
+            picked = auto_record(a).get("picked", "")
             rows.append({"dtype": dtype, "N": a.get("wl_n_tokens"), "nsb/N": a.get("x"),
                          "union_ratio P8": a.get(UNION), **({AUTO: a["backend"]} if len(autos) > 1 else {}),
                          "auto picked": picked, "auto_s": a["module.median_s"], "fastest": best["backend"],
@@ -157,9 +157,19 @@ def auto_vs_fastest(run: Run) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def is_auto_name(backend: str) -> bool:
+    """Whether `backend` is `auto`, of any option (`auto@eager`)."""
+    return split_name(backend)[0] == AUTO
+
+
 def is_auto(backends: pd.Series) -> pd.Series:
     """Which units are `auto`'s, of any option (`auto@eager`)."""
-    return backends.map(lambda b: split_name(b)[0] == AUTO)
+    return backends.map(is_auto_name)
+
+
+def auto_record(row) -> dict:
+    """What an `auto` unit's plan recorded of its choice (picked, predicted_s, used); {} for any other."""
+    return _info(row.get("plan_info")).get(AUTO_RECORD) or {}
 
 
 def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
@@ -172,13 +182,27 @@ def auto_summary(table: pd.DataFrame, within: float = 0.05) -> dict:
             "worst": float(r.max()), "median": float(r.median())}
 
 
-def row_roofline(row, device: DeviceProfile):
+def row_roofline(row, device: DeviceProfile, l2_capacity: bool = True):
     """The roofline of a unit row's schedule at `device`'s ceilings (no fraction, no fixed cost); None for
-    `auto` units, a backend the model does not predict, and rows that lack what it needs."""
+    `auto` units, a backend the model does not predict, and rows that lack what it needs. l2_capacity
+    False: the bound (compulsory traffic, schedule_roofline)."""
     facts = row_facts(row)
     if facts is None or unmodelled_reason(facts, row) is not None:
         return None
-    return _predict_row(row, facts.schedule, device)
+    return _predict_row(row, facts.schedule, device, l2_capacity)
+
+
+def unit_bound(row, device: DeviceProfile, l2_capacity: bool = False):
+    """The bound a unit's measured time cannot beat: its schedule's roofline with compulsory traffic alone
+    (l2_capacity True: with the model's L2-capacity misses); an `auto` unit's is its pick's, whose plan it
+    ran and recorded. None where the model has no roofline for it (the hybrid's is a sum of two)."""
+    if is_auto_name(row["backend"]):
+        picked = auto_record(row).get("picked")
+        if not picked:
+            return None
+        row = row.copy()
+        row["backend"] = picked
+    return row_roofline(row, device, l2_capacity)
 
 
 def regime_of(row) -> str:
@@ -193,8 +217,8 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
     and its plan's record, `device`'s fractions and the fixed costs of the stages the unit ran); `auto` units
     carry their pick's prediction; an eager unit's is the eager regime's. NaN where the model does not predict
     the unit."""
-    if split_name(row["backend"])[0] == AUTO:
-        a = _info(row.get("plan_info")).get(AUTO_RECORD) or {}
+    if is_auto_name(row["backend"]):
+        a = auto_record(row)
         return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
     facts = row_facts(row)
     got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row),
@@ -221,7 +245,7 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
                 if r["backend"] in names and weigh_reason(row_facts(r), r, device, dtype) is None}
         hybrid = get_backend(HYBRID)
         for _, a in g[is_auto(g["backend"])].iterrows():
-            record = (((_info(a.get("plan_info")).get(AUTO_RECORD) or {}).get("used") or {}).get(HYBRID) or {}).get("record")
+            record = ((auto_record(a).get("used") or {}).get(HYBRID) or {}).get("record")
             if record and HYBRID in measured.index and has_fixed_costs(device, HYBRID, model_dtype(dtype)):
                 got = predict_module(hybrid.facts, a, record, device, dtype,
                                      ran_stages(hybrid.facts, g[g["backend"] == HYBRID].iloc[0]), regime_of(a))
@@ -348,7 +372,7 @@ def _finite_or_none(v: float) -> float | None:
 def schedule_backends(table: pd.DataFrame, schedule: str) -> list[str]:
     """Backends that ran `schedule` at every unit (`auto` and the hybrid pick per point: never one)."""
     per = table.groupby("backend")["schedule"].agg(lambda s: set(s))
-    return sorted(b for b, s in per.items() if s == {schedule} and split_name(b)[0] != AUTO)
+    return sorted(b for b, s in per.items() if s == {schedule} and not is_auto_name(b))
 
 
 def reuse_groups(table: pd.DataFrame):

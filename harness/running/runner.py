@@ -17,7 +17,7 @@ import torch
 from ..measure import counters as ncu_counters
 from ..measure import provenance
 from ..store import results
-from ...errors import UserError, one_line
+from ...errors import DoesNotFit, UserError, one_line
 from ...roofline.model import fixed_cost
 from ...roofline.predict import schedule_roofline
 from ...kernels.auto import AUTO_RECORD
@@ -39,9 +39,6 @@ def scalar_stats(stats: dict) -> dict:
         elif isinstance(value, (int, float)) and math.isfinite(float(value)):
             out[f"wl_{key}"] = float(value)
     return out
-
-
-UNFIT = "does not fit on this device: "
 
 
 class Runner:
@@ -75,16 +72,15 @@ class Runner:
         # every unit's status names the GPU (index, UUID, clocks) and, in a pool, the worker
         self.where = {**provenance.gpu_identity(device, self.telemetry.nvml_handle), **(where or {})}
 
-    def run_unit(self, point, backend: str, workload, wl_stats: dict, why: str = "", nth: int = 0) -> dict:
-        """Run one unit (or record why its workload could not be built) and write its folder; its status.
-        nth: the units this process ran on the same built workload before it (0: the first, which times one
-        plan and drops it before its timed one: see unit())."""
+    def run_unit(self, point, backend: str, workload, wl_stats: dict, why: dict | None = None,
+                 nth: int = 0) -> dict:
+        """Run one unit (or record `why`, the status and reason build_workload gave a workload it could not
+        build) and write its folder; its status. nth: the units this process ran on the same built workload
+        before it (0: the first, which times one plan and drops it before its timed one: see unit())."""
         head = {"point_key": point.key(), **point.as_dict(), "timer": self.timer, **self.where, **wl_stats,
                 "backend": backend, "schedule": schedule_of(backend) or "none", "nth_on_workload": nth}
         if workload is None:
-            # a point too large for this GPU is unavailable here, as a backend this host lacks is
-            failed = results.STATUS_UNAVAILABLE if why.startswith(UNFIT) else results.STATUS_FAILED
-            status, stats, samples = {**head, "status": failed, "reason": why}, [], []
+            status, stats, samples = {**head, **why}, [], []
         else:
             status, stats, samples = self.unit(point, backend, workload, wl_stats, head)
         results.write_unit(self.run_dir, results.unit_id(point.key(), backend), status, stats, samples)
@@ -249,22 +245,30 @@ def label(point) -> str:
     return " ".join(parts + [d["dtype"]])
 
 
-def build_workload(point, device) -> tuple[object, dict, str]:
-    """(workload, its scalar stats, "") or (None, {}, why it could not be built). A point whose workload
-    cannot fit in the device's free memory is not built: its why starts with UNFIT."""
+def build_workload(point, device) -> tuple[object, dict, dict | None]:
+    """(workload, its scalar stats, None) or (None, {}, the status and reason of its units, unbuilt()). A
+    point whose workload cannot fit in the device's free memory (DoesNotFit) is not built."""
     from ...scenarios.grid import check_point_fits, make_workload
     from ...scenarios.stats import workload_stats
     try:
         check_point_fits(point, device)
-    except UserError as exc:
-        return None, {}, f"{UNFIT}{exc}"
+    except DoesNotFit as exc:
+        return None, {}, unbuilt(exc)
     try:
         workload = make_workload(point, device)
-        return workload, scalar_stats(workload_stats(workload)), ""
-    except UserError as exc:
-        return None, {}, f"workload could not be built: {exc}"
-    except Exception as exc:  # recorded, and the sweep goes on with the next point
-        return None, {}, f"workload could not be built: {one_line(exc)}"
+        return workload, scalar_stats(workload_stats(workload)), None
+    except Exception as exc:  # recorded by each of its units, and the sweep goes on with the next point
+        return None, {}, unbuilt(exc)
+
+
+def unbuilt(exc: Exception) -> dict:
+    """The status and reason of the units of a workload `exc` kept from being built (the words, not the
+    error: its traceback would hold the frames of the build): a point too large for this GPU is unavailable
+    here, as a backend this host lacks is; any other error failed them."""
+    if isinstance(exc, DoesNotFit):
+        return {"status": results.STATUS_UNAVAILABLE, "reason": f"does not fit on this device: {exc}"}
+    return {"status": results.STATUS_FAILED,
+            "reason": f"workload could not be built: {exc if isinstance(exc, UserError) else one_line(exc)}"}
 
 
 def free_device_memory() -> None:

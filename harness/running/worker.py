@@ -45,7 +45,7 @@ def main() -> int:
     runner = Runner(Path(config["run_dir"]), device, grid.timing, False, notes, where={"worker": name})
     send({"ready": name, "notes": notes})
     kill = os.environ.get(KILL_HOOK, "")
-    held_key, workload, wl_stats, why = None, None, {}, ""
+    held_key, workload, wl_stats, why = None, None, {}, None
     nth = 0
     for line in iter(sys.stdin.readline, ""):
         uid = json.loads(line)["unit"]
