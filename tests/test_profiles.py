@@ -223,10 +223,16 @@ def test_the_bound_is_compulsory_traffic_and_a_miss_estimate_over_count_is_named
 
 
 def test_an_incomplete_packed_run_says_where_its_units_are_before_the_resume():
-    """A packed run is never resumed as it is: the report's line names the commit that holds its unit folders."""
+    """A packed run is never resumed as it is: the report's line says where its unit folders are (or that
+    they were not kept) before the resume command, and the other way when they cannot come back."""
+    from dataclasses import replace
     from msa_bench.harness.report.summary import incomplete
     from msa_bench.harness.store.results import load_run
     run = load_run(ROOT / "results" / "h100" / "sparsity")
     line = incomplete(run)
-    assert line.startswith("run incomplete: 21 of 364 planned unit(s) missing; a packed run is not resumed: ")
-    assert "git checkout" in line and line.endswith("--resume")
+    assert line.startswith("run incomplete: 21 of 364 planned unit(s) missing; a packed run is not resumed "
+                           "(raw samples not kept")
+    assert "--resume; else sweep the missing points into a new folder" in line
+    kept = replace(run, meta={**run.meta, "samples_removed": "raw samples at abc123: git checkout abc123 -- u"})
+    assert "(raw samples at abc123: git checkout abc123 -- u): with its unit folders back, msa-bench sweep" \
+        in incomplete(kept)

@@ -81,8 +81,10 @@ def incomplete(run: Run) -> str | None:
     if run.meta.get("merged_from"):
         return f"{head} (the folders merged lack them): sweep their shards to the end, then merge again"
     if run.meta.get("packed"):
-        return (f"{head}; a packed run is not resumed: {run.meta.get('samples_removed') or 'its raw units'} "
-                f"brings its unit folders back, then: {resume_here(run)}")
+        # samples_removed says where the raw unit folders are, or that they were not kept
+        where = run.meta.get("samples_removed") or "its raw unit folders were packed"
+        return (f"{head}; a packed run is not resumed ({where}): with its unit folders back, "
+                f"{resume_here(run)}; else sweep the missing points into a new folder")
     return f"{head}; resume with: {resume_here(run)}"
 
 
