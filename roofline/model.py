@@ -160,17 +160,41 @@ def module_time(device: DeviceProfile, backend: str, dtype: str | None, scaled_s
                 item_blocks: float | None = None, regime: str = GRAPH) -> tuple[float, dict]:
     """(seconds, its parts) of a backend's module: `scaled_s` (the roofline over the achieved fraction),
     floored by its largest item's time alone, plus its stages' fixed costs. EAGER: the host's per-step
-    planning and first launch come first, then the device's time or the host's remaining launches,
-    whichever is longer (the device never runs ahead of a launch); 0 s where the profile has no host cost."""
-    fixed, _ = fixed_cost(device, backend, stages, dtype)
+    planning first, then the stages launched one by one (the profile's host cost per launch each), each
+    stage's device time starting no sooner than its launch has returned (eager_wall); 0 s of host where
+    the profile has none."""
+    fixed, per_stage = fixed_cost(device, backend, stages, dtype)
     floor = item_floor(device, backend, dtype, item_blocks)
-    seconds, parts = max(scaled_s, floor) + fixed, {"fixed_s": fixed, "item_floor_s": floor}
+    work = max(scaled_s, floor)
+    seconds, parts = work + fixed, {"fixed_s": fixed, "item_floor_s": floor}
     if regime != EAGER:
         return seconds, parts
     per_launch, step = host_cost(device, backend, dtype) or (0.0, 0.0)
-    rest = per_launch * max(len(tuple(stages)) - 1, 0)
-    return step + per_launch + max(seconds, rest), {**parts, "device_s": seconds, "host_launch_s": per_launch,
-                                                    "plan_step_s": step}
+    wall = eager_wall(per_launch, stage_device_s(per_stage, work))
+    return step + wall, {**parts, "device_s": seconds, "host_launch_s": per_launch, "plan_step_s": step}
+
+
+# the stage that carries a module's work (its K/V bytes and FLOPs); the others' device time is their fixed
+# cost. Every backend has one (kernels' stage_names); where none is named the last stage carries it
+WORK_STAGE = "attention"
+
+
+def stage_device_s(per_stage: dict, work_s: float) -> list[float]:
+    """Each stage's device seconds in launch order: its fixed cost, and the module's work on WORK_STAGE
+    (else on the last stage; a module of no named stage is one stage of all its work)."""
+    if not per_stage:
+        return [work_s]
+    names = list(per_stage)
+    at = names.index(WORK_STAGE) if WORK_STAGE in names else len(names) - 1
+    return [s + (work_s if i == at else 0.0) for i, s in enumerate(per_stage.values())]
+
+
+def eager_wall(per_launch: float, device_s: list[float]) -> float:
+    """Seconds from the first launch to the last stage's end where each of the stages is launched from the
+    host in turn (`per_launch` seconds a call) and the device runs them in order, stage i starting when both
+    its launch has returned and stage i - 1 has ended: the longest of, for each i, the i launches up to
+    stage i's and the device time of stage i and every later one."""
+    return max((i + 1) * per_launch + sum(device_s[i:]) for i in range(len(device_s)))
 
 
 # query tokens per request, at most, of decode work (plain, speculative, multi-token): the decode generator's

@@ -36,7 +36,7 @@ def prediction(name, prof, regime="graph"):
     return predict_module(b.facts, ModelStats(w), b.model_record(w, prof), prof, w.dtype, regime=regime)
 
 
-def test_eager_adds_the_first_launch_and_planning_then_the_longer_of_device_and_host():
+def test_eager_adds_planning_and_the_launches_up_to_the_work_then_the_longer_of_device_and_host():
     device = prediction("kv-outer", profile()).seconds
     launch, step = device / 10, device / 3
     host = {"kv-outer/bf16": {"s": launch, "step_s": step}}
@@ -44,13 +44,28 @@ def test_eager_adds_the_first_launch_and_planning_then_the_longer_of_device_and_
     eager = prediction("kv-outer", profile(host), EAGER)
     stages = len(get_backend("kv-outer").stage_names)
     assert stages == 4 and graph.seconds == device
-    # the device outlasts the host's remaining launches here: first launch + planning on top of it
-    assert eager.seconds == pytest.approx(step + launch + device)
+    # the device outlasts the host's remaining launches here: planning, then the launches of index_map,
+    # schedule and attention (the stage that carries the work; no stage cost measured) before its work
+    assert eager.seconds == pytest.approx(step + 3 * launch + device)
     assert eager.used["device_s"] == pytest.approx(device) and eager.used["host_launch_s"] == launch
     # a host slower than the device: the launches bind
     slow = {"kv-outer/bf16": {"s": graph.seconds, "step_s": 0.0}}
     assert prediction("kv-outer", profile(slow), EAGER).seconds == pytest.approx(graph.seconds * stages)
     assert prediction("kv-outer", profile(slow)).seconds == pytest.approx(graph.seconds)   # graph: unchanged
+
+
+def test_the_eager_wall_is_the_longest_chain_of_launches_then_device_time():
+    from msa_bench.roofline.model import eager_wall, stage_device_s
+    # stage i starts once its launch has returned and stage i - 1 has ended
+    assert eager_wall(10.0, [100.0, 5.0]) == pytest.approx(10 + 100 + 5)         # the device binds
+    assert eager_wall(10.0, [5.0, 100.0]) == pytest.approx(2 * 10 + 100)         # stage 2 waits on its launch
+    assert eager_wall(10.0, [1.0, 2.0]) == pytest.approx(2 * 10 + 2)              # the host binds, then the last
+    assert eager_wall(0.0, [3.0, 4.0, 5.0]) == pytest.approx(12.0)                # no host: the device's sum
+    assert eager_wall(30.0, [50.0, 1.0, 40.0]) == pytest.approx(max(30 + 91, 60 + 41, 90 + 40))
+    # the work goes to the attention stage, or the last where none is named; a module of no stage is one
+    assert stage_device_s({"schedule": 1.0, "attention": 2.0, "combine": 3.0}, 10.0) == [1.0, 12.0, 3.0]
+    assert stage_device_s({"gather": 1.0, "output": 2.0}, 10.0) == [1.0, 12.0]
+    assert stage_device_s({}, 10.0) == [10.0]
 
 
 def test_eager_without_a_measured_host_cost_says_so_and_prices_it_at_zero(monkeypatch):
