@@ -116,10 +116,15 @@ def fixed_costs_problem(fc) -> str | None:
         return "items must map 'backend/dtype' to {'s': seconds, 'block_s': seconds per block}, each in [0, 1)"
     host = fc.get("host", {})
     if not isinstance(host, dict) or not all("/" in k and isinstance(v, dict) and _seconds(v.get("s"))
-                                             and _seconds(v.get("step_s", 0.0)) for k, v in host.items()):
+                                             and _seconds(v.get("step_s", 0.0)) and _stage_seconds(v.get("stages", {}))
+                                             for k, v in host.items()):
         return ("host must map 'backend/dtype' to {'s': host seconds per stage launch, 'step_s': per-step "
-                "planning seconds}, each in [0, 1)")
+                "planning seconds, 'stages': {stage: its own launch seconds}}, each in [0, 1)")
     return None
+
+
+def _stage_seconds(stages) -> bool:
+    return isinstance(stages, dict) and all(isinstance(k, str) and _seconds(v) for k, v in stages.items())
 
 
 def achieved(profile: DeviceProfile, backend: str, dtype: str, decode: float = 0.0) -> float:

@@ -152,8 +152,20 @@ def host_cost(device: DeviceProfile, backend: str, dtype: str | None) -> tuple[f
     """(host seconds per stage launch from Python, host seconds of the plan's per-step work) `backend`
     (BASE@OPTION counts as BASE) pays run eagerly, as calibrated ("host": "backend/dtype"); None where the
     profile has not measured it."""
-    got = ((device.fixed_costs or {}).get("host") or {}).get(f"{base_name(backend)}/{dtype}")
+    got = _host_entry(device, backend, dtype)
     return (float(got["s"]), float(got.get("step_s", 0.0))) if got else None
+
+
+def _host_entry(device: DeviceProfile, backend: str, dtype: str | None) -> dict | None:
+    return ((device.fixed_costs or {}).get("host") or {}).get(f"{base_name(backend)}/{dtype}")
+
+
+def stage_launches(device: DeviceProfile, backend: str, dtype: str | None, stages) -> list[float]:
+    """Host seconds each of `stages` takes to launch from Python: its own where the calibration measured
+    it ("host" entry's "stages"), else the backend's per-launch cost; 0 where the profile has none."""
+    got = _host_entry(device, backend, dtype) or {}
+    own = got.get("stages") or {}
+    return [float(own.get(stage, got.get("s", 0.0))) for stage in stages]
 
 
 def module_time(device: DeviceProfile, backend: str, dtype: str | None, scaled_s: float, stages,
@@ -170,7 +182,8 @@ def module_time(device: DeviceProfile, backend: str, dtype: str | None, scaled_s
     if regime != EAGER:
         return seconds, parts
     per_launch, step = host_cost(device, backend, dtype) or (0.0, 0.0)
-    wall = eager_wall(per_launch, stage_device_s(per_stage, work))
+    launches = stage_launches(device, backend, dtype, per_stage) if per_stage else [per_launch]
+    wall = eager_wall(launches, stage_device_s(per_stage, work))
     return step + wall, {**parts, "device_s": seconds, "host_launch_s": per_launch, "plan_step_s": step}
 
 
@@ -189,12 +202,12 @@ def stage_device_s(per_stage: dict, work_s: float) -> list[float]:
     return [s + (work_s if i == at else 0.0) for i, s in enumerate(per_stage.values())]
 
 
-def eager_wall(per_launch: float, device_s: list[float]) -> float:
-    """Seconds from the first launch to the last stage's end where each of the stages is launched from the
-    host in turn (`per_launch` seconds a call) and the device runs them in order, stage i starting when both
-    its launch has returned and stage i - 1 has ended: the longest of, for each i, the i launches up to
-    stage i's and the device time of stage i and every later one."""
-    return max((i + 1) * per_launch + sum(device_s[i:]) for i in range(len(device_s)))
+def eager_wall(launches: list[float], device_s: list[float]) -> float:
+    """Seconds from the first launch to the last stage's end where the stages are launched from the host in
+    turn (`launches`: each one's host seconds) and the device runs them in order, stage i starting when both
+    its launch has returned and stage i - 1 has ended: the longest of, for each i, the launches up to stage
+    i's and the device time of stage i and every later one."""
+    return max(sum(launches[:i + 1]) + sum(device_s[i:]) for i in range(len(device_s)))
 
 
 # query tokens per request, at most, of decode work (plain, speculative, multi-token): the decode generator's

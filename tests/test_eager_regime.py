@@ -57,15 +57,38 @@ def test_eager_adds_planning_and_the_launches_up_to_the_work_then_the_longer_of_
 def test_the_eager_wall_is_the_longest_chain_of_launches_then_device_time():
     from msa_bench.roofline.model import eager_wall, stage_device_s
     # stage i starts once its launch has returned and stage i - 1 has ended
-    assert eager_wall(10.0, [100.0, 5.0]) == pytest.approx(10 + 100 + 5)         # the device binds
-    assert eager_wall(10.0, [5.0, 100.0]) == pytest.approx(2 * 10 + 100)         # stage 2 waits on its launch
-    assert eager_wall(10.0, [1.0, 2.0]) == pytest.approx(2 * 10 + 2)              # the host binds, then the last
-    assert eager_wall(0.0, [3.0, 4.0, 5.0]) == pytest.approx(12.0)                # no host: the device's sum
-    assert eager_wall(30.0, [50.0, 1.0, 40.0]) == pytest.approx(max(30 + 91, 60 + 41, 90 + 40))
+    assert eager_wall([10.0, 10.0], [100.0, 5.0]) == pytest.approx(10 + 100 + 5)      # the device binds
+    assert eager_wall([10.0, 10.0], [5.0, 100.0]) == pytest.approx(2 * 10 + 100)      # stage 2 waits on its launch
+    assert eager_wall([10.0, 10.0], [1.0, 2.0]) == pytest.approx(2 * 10 + 2)          # the host binds, then the last
+    assert eager_wall([0.0] * 3, [3.0, 4.0, 5.0]) == pytest.approx(12.0)              # no host: the device's sum
+    assert eager_wall([30.0, 30.0, 30.0], [50.0, 1.0, 40.0]) == pytest.approx(max(30 + 91, 60 + 41, 90 + 40))
+    assert eager_wall([40.0, 18.0], [6.0, 36.0]) == pytest.approx(40 + 18 + 36)       # each stage its own launch
     # the work goes to the attention stage, or the last where none is named; a module of no stage is one
     assert stage_device_s({"schedule": 1.0, "attention": 2.0, "combine": 3.0}, 10.0) == [1.0, 12.0, 3.0]
     assert stage_device_s({"gather": 1.0, "output": 2.0}, 10.0) == [1.0, 12.0]
     assert stage_device_s({}, 10.0) == [10.0]
+
+
+def test_a_stage_measured_launch_cost_replaces_the_per_launch_one():
+    from msa_bench.roofline.model import module_time, stage_launches
+    host = {"q-packed/bf16": {"s": 10e-6, "step_s": 0.0, "stages": {"schedule": 40e-6}}}
+    prof = profile(host)
+    assert stage_launches(prof, "q-packed@p8", "bf16", ("schedule", "attention")) == [40e-6, 10e-6]
+    assert stage_launches(prof, "kv-outer", "bf16", ("attention",)) == [0.0]           # none measured
+    eager, parts = module_time(prof, "q-packed", "bf16", 30e-6, ("schedule", "attention"), regime=EAGER)
+    assert eager == pytest.approx(40e-6 + 10e-6 + 30e-6) and parts["host_launch_s"] == 10e-6
+    assert module_time(prof, "q-packed", "bf16", 30e-6, ("schedule", "attention"))[0] == pytest.approx(30e-6)
+
+
+def test_the_host_fit_takes_each_stage_from_the_least_work_that_ran_it():
+    H, S = fixed_costs.HOST_LAUNCH, fixed_costs.HOST_STAGES
+    rows = [(2e-6, {MODULE: 90e-6, H: 30e-6, S: {"schedule": 50e-6, "attention": 20e-6}}, {}, 50),
+            (1e-6, {MODULE: 40e-6, H: 18e-6, S: {"attention": 18e-6}}, {}, 16)]       # a one-token plan: no schedule
+    fit = fixed_costs.fit_host({("q-packed", "bf16"): rows})
+    assert fit == {"q-packed/bf16": {"s": 18e-6, "step_s": 0.0, "module_s": 40e-6,
+                                     "stages": {"attention": 18e-6, "schedule": 50e-6}}}
+    assert fixed_costs_problem({"host": fit}) is None
+    assert "host must map" in fixed_costs_problem({"host": {"q-packed/bf16": {"s": 1e-6, "stages": {"a": 2.0}}}})
 
 
 def test_eager_without_a_measured_host_cost_says_so_and_prices_it_at_zero(monkeypatch):
@@ -115,8 +138,10 @@ def test_the_calibration_times_host_costs_eagerly_and_fits_them(monkeypatch):
     (roof, medians, _, _), = series[("kv-outer", "fp32")]
     assert medians[fixed_costs.HOST_LAUNCH] > 0 and PLAN_STEP not in medians
     host = fixed_costs.fit_host(series)
+    stages = medians[fixed_costs.HOST_STAGES]
+    assert tuple(stages) == get_backend("kv-outer").stage_names and all(v > 0 for v in stages.values())
     assert host == {"kv-outer/fp32": {"s": medians[fixed_costs.HOST_LAUNCH], "step_s": 0.0,
-                                      "module_s": medians[MODULE]}}
+                                      "module_s": medians[MODULE], "stages": stages}}
     # a series timed by the graph timer holds no host cost to fit
     graph = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu",
                                        points=lambda dtype: fixed_costs.latency_points(dtype, SMALL),

@@ -53,6 +53,7 @@ LAUNCH_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 TIMING = TimingConfig(warmup=3, reps=20, max_reps=40)
 EAGER_TIMING = replace(TIMING, timer=EAGER)
 HOST_LAUNCH = "host_launch_s"       # an eager row's median host time per stage launch (measure_series)
+HOST_STAGES = "host_stage_launch_s"  # and each stage's own: {stage: median host seconds in its call}
 # a candidate whose plan and timing on one workload takes longer built something or stalled: the step is
 # meant to finish in about a minute, so it is dropped (the few ms its timing needs are far below this)
 CANDIDATE_SECONDS = 20.0
@@ -177,8 +178,10 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                     del plan
                     continue
                 medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
-                if samples[MODULE].launch_s is not None:      # eager: host time per stage launch
+                if samples[MODULE].launch_s is not None:      # eager: host time per stage launch, and each one's
                     medians[HOST_LAUNCH] = statistics.median(samples[MODULE].launch_s) / max(len(plan.stages), 1)
+                    medians[HOST_STAGES] = {st: statistics.median(samples[st].launch_s) for st in plan.stages
+                                            if st in samples and samples[st].launch_s}
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
                     launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
                 series.setdefault((name, dtype), []).append(
@@ -268,17 +271,29 @@ def fit_decode_achieved(series: dict, stages: dict) -> dict:
 
 def fit_host(series: dict) -> dict:
     """{"backend/dtype": {"s": host seconds per stage launch, "step_s": per-step planning seconds, "module_s":
-    the eager module's wall-clock}} from an eager series (measure_series with EAGER_TIMING), on its
-    least-work row."""
+    the eager module's wall-clock, "stages": {stage: its own launch seconds}}} from an eager series
+    (measure_series with EAGER_TIMING): each on its least-work row, a stage's on the least-work row that ran
+    it (q-packed-cute's schedule is not run by a one-token plan)."""
     out = {}
     for (name, dtype), rows in series.items():
-        rows = [r for r in rows if HOST_LAUNCH in r[1]]
+        rows = sorted((r for r in rows if HOST_LAUNCH in r[1]), key=lambda r: r[0])
         if not rows or pick_dependent(name):
             continue
-        medians = min(rows, key=lambda r: r[0])[1]
+        medians = rows[0][1]
+        stages: dict = {}
+        for r in rows:
+            for stage, s in r[1].get(HOST_STAGES, {}).items():
+                stages.setdefault(stage, s)
         out[f"{name}/{dtype}"] = {"s": medians[HOST_LAUNCH], "step_s": medians.get(PLAN_STEP, 0.0),
-                                  "module_s": medians[MODULE]}
+                                  "module_s": medians[MODULE], **({"stages": stages} if stages else {})}
     return out
+
+
+def host_points(dtype: str, shape=None):
+    """The eager series: the latency point, and one request's 8-token tile, whose plan runs the stages a
+    one-token plan skips (ITEM_POINTS' second)."""
+    yield from latency_points(dtype, shape)
+    yield from item_points(dtype, shape, ITEM_POINTS[1:2])
 
 
 def fit_items(series: dict) -> dict:
@@ -314,7 +329,7 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=(
     items = fit_items({k: latency.get(k, []) + item_series.get(k, []) for k in set(latency) | set(item_series)})
     stages = fit_series(latency, items, item_series)
     batches = measure_series(profile, dtypes, log=log, only=only, skipped=skipped)
-    host = fit_host(measure_series(profile, dtypes, log=log, points=latency_points, only=only, skipped=skipped,
+    host = fit_host(measure_series(profile, dtypes, log=log, points=host_points, only=only, skipped=skipped,
                                    timing=EAGER_TIMING))
     generator, options = LATENCY_POINT
     fresh = {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
@@ -325,7 +340,8 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=(
                       f"of {list(FIXED_REQUESTS)} one-token requests, contexts {FIXED_CONTEXT[0]}-{FIXED_CONTEXT[1]}; "
                       f"items: Theil-Sen of module time against a tile's blocks on the latency point and "
                       f"{len(ITEM_POINTS)} one-request workloads; host: the eager timer's host time per stage "
-                      f"launch and per-step planning on the latency point",
+                      f"launch and per-step planning on the latency point, each stage's own on the least work "
+                      f"that ran it (the latency point, or one request's 8-token tile)",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}
     out = merge_fixed_costs(profile.fixed_costs or {}, fresh, only, skipped,
                             candidates=[c for c in candidate_names() if not pick_dependent(c)])
