@@ -8,7 +8,9 @@ KV head share its loads in the kernel (GQA). Two paths, chosen by the workload:
            per token: its request's pages up to its own block, that block's visible keys as the last
            page's length. Tensor cores (FA2) by default, `@simt` FlashInfer's CUDA-core decode. fp8: bf16 Q
            (q * q_scale, exact: a power-of-two scale), e4m3 K/V read as stored (k_scale in sm_scale,
-           v_scale FlashInfer's out *= v_scale).
+           v_scale FlashInfer's out *= v_scale); FA2 converts them to bf16 for its MMAs. `@fa3d` plans the
+           same requests (one query token each) on the prefill wrapper's FA3 kernels instead, whose fp8
+           path runs e4m3 MMAs (sm_90).
   prefill  (otherwise) BatchPrefillWithPagedKVCacheWrapper, one request per workload request, causal:
            its tokens are the last positions of its context in order, FlashInfer's bottom-right causal
            mask. FA3 on sm_90 (`@fa2` elsewhere or by choice); fp8 Q/K/V on FA3's fp8 MMAs with the
@@ -31,6 +33,8 @@ from .flashinfer_common import MIB, bf16_query, import_flashinfer, jit_module_bu
 from .options import Choice
 
 PREFILL_KERNELS = ("fa3", "fa2")
+# decode: FA2 on tensor cores, FlashInfer's CUDA-core decode, or FA3's prefill kernels (e4m3 MMAs in fp8)
+DECODE_KERNELS = ("tc", "simt", "fa3d")
 FA3_MODULE_GLOB = "batch_prefill_with_kv_cache_*_sm90"       # FlashInfer's name for its FA3 prefill modules
 
 
@@ -99,11 +103,15 @@ class DenseFloor(Backend):
     full_context = True
     stage_names = ("attention",)
     options = {"kernel": Choice("prefill kernel", PREFILL_KERNELS),
-               "decode": Choice("decode kernel", {"tc": True, "simt": False})}
+               "decode": Choice("decode kernel", DECODE_KERNELS)}
 
-    def __init__(self, kernel: str | None = None, decode: bool = True, name: str = "dense-floor"):
-        self.kernel, self.tensor_cores, self.name = kernel, decode, name
+    def __init__(self, kernel: str | None = None, decode: str = "tc", name: str = "dense-floor"):
+        self.kernel, self.decode, self.name = kernel, decode, name
+        self.tensor_cores = decode != "simt"
         self.dtypes = ("bf16", "fp8")
+
+    def _uses_fa3(self, decode: bool, device) -> bool:
+        return self.decode == "fa3d" if decode else self._prefill_kernel(device) == "fa3"
 
     def _prefill_kernel(self, device) -> str:
         if self.kernel:
@@ -112,7 +120,7 @@ class DenseFloor(Backend):
         return "fa3" if cuda and torch.cuda.get_device_capability(torch.device(device)) == (9, 0) else "fa2"
 
     def unavailable_reason(self, dtype: str, device) -> str | None:
-        return flashinfer_reason(self, dtype, device, fa3=self.kernel == "fa3")
+        return flashinfer_reason(self, dtype, device, fa3=self.kernel == "fa3" or self.decode == "fa3d")
 
     def workload_unavailable_reason(self, w: Workload) -> str | None:
         reason = super().workload_unavailable_reason(w)
@@ -130,7 +138,7 @@ class DenseFloor(Backend):
         decode = bool((torch.bincount(w.q_request.long().cpu()) <= 1).all())
         if decode and not self.tensor_cores:
             return None
-        if not decode and self._prefill_kernel(w.device) == "fa3":
+        if self._uses_fa3(decode, w.device):
             module, unless, what = FA3_MODULE_GLOB, None, "FA3"
         else:
             d = w.shape.head_dim
@@ -151,7 +159,8 @@ class DenseFloor(Backend):
         except LayoutError as exc:
             raise BackendUnavailable(f"{self.name}: {exc}") from None
         fp8 = w.dtype == "fp8"
-        kernel = "fa2" if lay.decode else self._prefill_kernel(dev)
+        kernel = "fa3" if self._uses_fa3(lay.decode, dev) else "fa2" if lay.decode else self._prefill_kernel(dev)
+        decode_wrapper = lay.decode and kernel == "fa2"        # FA3 plans decode tokens as one-token requests
         fp8_mma = fp8 and kernel == "fa3"
         R = lay.num_requests
         bufs = dict(kv_indptr=torch.empty(R + 1, dtype=torch.int32, device=dev),
@@ -171,7 +180,7 @@ class DenseFloor(Backend):
             run_kwargs = {"k_scale": float(w.k_scale), "v_scale": float(w.v_scale)}
         plan_kw = dict(q_data_type=q.dtype, kv_data_type=w.k_cache.dtype, o_data_type=torch.bfloat16,
                        sm_scale=w.sm_scale)
-        if lay.decode:
+        if decode_wrapper:
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
                 float_ws, "HND", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, backend="fa2",
                 paged_kv_indptr_buffer=bufs["kv_indptr"], paged_kv_indices_buffer=bufs["kv_indices"],
@@ -200,7 +209,7 @@ class DenseFloor(Backend):
         attention()                    # loads the JIT module and caches FlashInfer's small buffers before capture
         torch.cuda.synchronize(dev)
         info = {"path": "decode" if lay.decode else "prefill", "wrapper": type(wrapper).__name__,
-                "flashinfer_backend": kernel, "tensor_cores": bool(self.tensor_cores) if lay.decode else True,
+                "flashinfer_backend": kernel, "tensor_cores": bool(self.tensor_cores) if decode_wrapper else True,
                 "flashinfer_version": getattr(fi, "__version__", "unknown"), "causal": bool(w.causal),
                 "requests": R, "pages": int(lay.kv_indices.numel()), "page_size": s.block, "kv_layout": "HND",
                 "kv_tokens": int(lay.kv_lens.sum()), "num_qo_heads": s.hq, "num_kv_heads": s.hkv,
