@@ -224,7 +224,7 @@ def test_counts_print_whole_in_reports_and_committed_summaries():
     import re
     from msa_bench.harness.report.summary import _fmt
     assert _fmt(16384.0) == "16384" and _fmt(1048576.0) == "1048576" and _fmt(0.0025) == "0.0025"
-    assert _fmt(12345.5) == "1.235e+04" and _fmt(2.5e9) == "2.500e+09"
+    assert _fmt(12345.5) == "12346" and _fmt(999999.4) == "999999" and _fmt(2.5e9) == "2.500e+09"
     for summary in sorted((REPO / "results").glob("**/report/summary.md")):
         whole = re.findall(r"\|\s*(\d\.\d+e\+0[3-6])\s*(?=\|)", summary.read_text())
         assert not [v for v in whole if float(v) == int(float(v)) and float(v) < 1e7], (summary, whole[:3])

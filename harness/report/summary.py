@@ -38,6 +38,8 @@ def _fmt(v) -> str:
         a = abs(v)
         if v == int(v) and a < 1e7:       # counts (N, context) read whole: 16384, not 1.638e+04
             return str(int(v))
+        if 1e4 <= a < 1e6:                # five or six digits read whole too: 12382, not 1.238e+04
+            return f"{v:.0f}"
         return f"{v:.3e}" if a and (a < 1e-3 or a >= 1e6) else f"{v:.4g}"
     return "–" if v is None else str(v)
 
