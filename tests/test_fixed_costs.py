@@ -292,6 +292,26 @@ def test_the_calibration_skips_a_candidate_whose_plan_would_build_a_kernel(monke
                                                         "is not built"]
 
 
+def test_a_workload_the_model_does_not_predict_a_candidate_on_is_not_its_point(monkeypatch):
+    """A per-token-mask tile is modelled only where its tokens select alike (flashinfer-packed): on an item
+    point whose tokens select apart it is left out, and its other points stand (an H100 calibration lost
+    flashinfer-packed's fixed costs to such a point)."""
+    from msa_bench.harness.calibration import fixed_costs
+    from msa_bench.harness.measure.timing import TimingConfig
+    from msa_bench.roofline import predict as predict_mod
+    monkeypatch.setattr(auto_mod, "candidate_names", lambda: ["kv-outer"])
+    monkeypatch.setattr(fixed_costs, "CANDIDATE_SECONDS", float("inf"))
+    unmodelled = predict_mod.unmodelled_reason
+    monkeypatch.setattr(predict_mod, "unmodelled_reason",     # the model does not predict it on the 32-token point
+                        lambda facts, stats: "not modelled here" if stats["n_tokens"] == 32 else unmodelled(facts, stats))
+    lines, skipped = [], {}
+    points = lambda dtype: fixed_costs.calibration_points(dtype, SMALL, (8, 32), (512, 1024))
+    series = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lines.append, device="cpu", points=points,
+                                        timing=TimingConfig(cpu_reps=1, cpu_max_reps=1), skipped=skipped)
+    assert skipped == {} and not [ln for ln in lines if "skipped" in ln]
+    assert len(series[("kv-outer", "fp32")]) == 1 and series[("kv-outer", "fp32")][0][0] > 0
+
+
 def test_the_calibration_drops_a_candidate_that_runs_past_its_time(monkeypatch):
     from msa_bench.harness.calibration import fixed_costs
     from msa_bench.harness.measure.timing import TimingConfig

@@ -129,7 +129,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     from ...errors import one_line
     from ...kernels.auto import candidate_names
     from ...kernels.base import get_backend
-    from ...roofline.predict import item_blocks, predict_module
+    from ...roofline.predict import item_blocks, predict_module, unmodelled_reason
     from ...scenarios.stats import ModelStats
     from ...scenarios.grid import make_workload
     device = torch.device(device)
@@ -152,8 +152,10 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
             first = True            # the first candidate timed on the workload times a dropped plan first
             for name in candidate_names():
                 backend = get_backend(name)
+                # a workload the backend cannot run, or the model does not predict it on (a per-token-mask
+                # tile where its tokens select apart), is not one of its points: its other points stand
                 if (only is not None and name not in only) or (name, dtype) in dropped \
-                        or backend.workload_unavailable_reason(w):      # model fit aside
+                        or backend.workload_unavailable_reason(w) or unmodelled_reason(backend.facts, stats):
                     continue
                 pending = backend.build_pending_reason(w)
                 if pending:                 # a JIT build inside the step would take it past its time
