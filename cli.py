@@ -821,14 +821,16 @@ def calibrate(
     fixed_costs_only: bool = typer.Option(False, "--fixed-costs-only", help="Measure only the fixed costs (seconds "
                                           "per kernel launch and per backend stage, host seconds per stage launch "
                                           "run eagerly) into the existing OUT/profile.json."),
-    backend: str = typer.Option("", help="Re-measure only these `auto` candidates (comma-separated, e.g. "
-                                "q-packed-cute,hybrid after a kernel change): their fixed costs and prefill fractions, "
-                                "every other entry and the ceilings kept from OUT/profile.json. Default: everything."),
+    backend: str = typer.Option("", help="Re-measure only these backends (comma-separated `auto` candidates or "
+                                "dense baselines, e.g. q-packed-cute,hybrid after a kernel change): their fixed costs "
+                                "and prefill fractions, every other entry and the ceilings kept from OUT/profile.json. "
+                                "Default: everything."),
 ):
     """Make this GPU's whole device profile in one pass: [1/4] the ceilings (HBM read stream, L2 read plateau
     from a working-set sweep, bf16/fp8 matmul peaks; the vendor's figures beside them), [2/4] a small built-in
     prefill sweep (scenario `calibrate`, whose points no shipped scenario holds), [3/4] the fixed costs
-    (seconds per kernel launch in a CUDA graph, each candidate's stages, its fraction of the roofline on decode
+    (seconds per kernel launch in a CUDA graph, the stages of each candidate and dense baseline (the dense
+    floor, which the report predicts and no pick weighs), its fraction of the roofline on decode
     batches, one packed tile's time alone, its host seconds per stage launch and per-step planning timed
     eagerly, which `auto@eager` adds), [4/4] the prefill achieved fractions fitted on that sweep. Writes
     profile.json (with what was fitted on what under "fitted"), a PNG of bandwidth versus working set and the
@@ -845,16 +847,16 @@ def calibrate(
     path = folder / "profile.json"
     only = [b.strip() for b in backend.split(",") if b.strip()] or None
     if only:
-        from .kernels.auto import candidate_names
-        candidates = candidate_names()
-        unknown = [b for b in only if b not in candidates]
+        from .harness.calibration.fixed_costs import calibrated_names
+        measured = calibrated_names()
+        unknown = [b for b in only if b not in measured]
         if unknown:
-            raise UserError(f"--backend {unknown[0]!r} is not an `auto` candidate ({', '.join(candidates)})")
+            raise UserError(f"--backend {unknown[0]!r} is not a backend calibrate measures ({', '.join(measured)})")
     if fixed_costs_only:
         if not path.is_file():
             raise UserError(f"--fixed-costs-only writes into an existing profile and {path} does not exist; "
                             "run `msa-bench calibrate` first or pass --out")
-        from .harness.fixed_costs import calibrate_fixed_costs
+        from .harness.calibration.fixed_costs import calibrate_fixed_costs
         from .roofline.devices import load_device
         profile = load_device(str(path))
         data = json.loads(path.read_text())

@@ -127,7 +127,6 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
     every candidate here (or those in `only`); roofline times at achieved fraction 1. Each candidate
     skipped on a workload is also put in `skipped` ({"backend/dtype": why}, the first reason kept)."""
     from ...errors import one_line
-    from ...kernels.auto import candidate_names
     from ...kernels.base import get_backend
     from ...roofline.predict import item_blocks, predict_module, unmodelled_reason
     from ...scenarios.stats import ModelStats
@@ -150,7 +149,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
             stats = ModelStats(w)
             count += 1
             first = True            # the first candidate timed on the workload times a dropped plan first
-            for name in candidate_names():
+            for name in calibrated_names():
                 backend = get_backend(name)
                 # a workload the backend cannot run, or the model does not predict it on (a per-token-mask
                 # tile where its tokens select apart), is not one of its points: its other points stand
@@ -193,6 +192,17 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
             torch.cuda.empty_cache()
         log(f"  fixed costs: {dtype} timed on {count} workloads")
     return series
+
+
+def calibrated_names() -> list[str]:
+    """The backends the fixed-cost steps measure: `auto`'s candidates, and the dense baselines the report
+    predicts beside them (the dense floor: its crossover's model context), which no pick weighs."""
+    from ...kernels import auto
+    from ...kernels.base import get_backend, registered_names
+    from ...roofline.schedules import DENSE_SCHEDULES
+    names = auto.candidate_names()
+    return names + [n for n in registered_names()
+                    if n not in names and n != "auto" and get_backend(n).schedule in DENSE_SCHEDULES]
 
 
 def pick_dependent(name: str) -> bool:
@@ -318,7 +328,6 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=(
     backend's entries kept from `profile`. A candidate skipped on a dtype keeps that dtype's entries from
     `profile`, named in the method and the log (merge_fixed_costs)."""
     from ...errors import require_cuda
-    from ...kernels.auto import candidate_names
     require_cuda("fixed-cost calibration")
     t0 = time.perf_counter()
     launch, points = launch_seconds(torch.device("cuda"))
@@ -346,7 +355,7 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=(
                       f"that ran it (the latency point, or one request's 8-token tile)",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}
     out = merge_fixed_costs(profile.fixed_costs or {}, fresh, only, skipped,
-                            candidates=[c for c in candidate_names() if not pick_dependent(c)])
+                            candidates=[c for c in calibrated_names() if not pick_dependent(c)])
     for unit, e in out.get("unmeasured", {}).items():
         log(f"  fixed costs: {unit} {unmeasured_line(e)}")
     return out
