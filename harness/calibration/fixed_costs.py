@@ -202,7 +202,7 @@ def calibrated_names() -> list[str]:
     from ...roofline.schedules import DENSE_SCHEDULES
     names = auto.candidate_names()
     return names + [n for n in registered_names()
-                    if n not in names and n != "auto" and get_backend(n).schedule in DENSE_SCHEDULES]
+                    if n not in names and get_backend(n).schedule in DENSE_SCHEDULES]
 
 
 def pick_dependent(name: str) -> bool:
