@@ -292,6 +292,15 @@ def test_the_calibration_skips_a_candidate_whose_plan_would_build_a_kernel(monke
                                                         "is not built"]
 
 
+def test_the_fixed_costs_steps_measure_the_candidates_and_the_dense_baselines():
+    from msa_bench.harness.calibration.fixed_costs import calibrated_names
+    from msa_bench.kernels.auto import candidate_names
+    names = calibrated_names()
+    assert names[: len(candidate_names())] == candidate_names()
+    assert "dense-floor" in names and "dense-masked" in names
+    assert "auto" not in names and "dense-gather" not in names and "reference" not in names
+
+
 def test_a_workload_the_model_does_not_predict_a_candidate_on_is_not_its_point(monkeypatch):
     """A per-token-mask tile is modelled only where its tokens select alike (flashinfer-packed): on an item
     point whose tokens select apart it is left out, and its other points stand (an H100 calibration lost

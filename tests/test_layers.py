@@ -67,6 +67,22 @@ def test_no_import_points_upward(path):
     assert not upward, f"{path.relative_to(ROOT)}: " + "; ".join(upward)
 
 
+def test_every_import_names_a_module_that_exists():
+    """Code that only a GPU host runs (a lazy import inside `calibrate --fixed-costs-only`, say) is never
+    imported by the CPU tests, so a module moved between rooms would break it unseen."""
+    import importlib
+    import importlib.util
+
+    def exists(parts: tuple[str, ...]) -> bool:
+        # a module, or a name of its package (`from . import TILE_Q`)
+        if importlib.util.find_spec(".".join(("msa_bench", *parts))) is not None:
+            return True
+        return bool(parts) and hasattr(importlib.import_module(".".join(("msa_bench", *parts[:-1]))), parts[-1])
+    missing = [f"{path.relative_to(ROOT)}:{line} imports {'.'.join(parts)}" for path in _package_files()
+               for line, parts in _imported_modules(path) if not exists(parts)]
+    assert not missing, missing
+
+
 def test_capture_stays_light_and_nothing_runs_on_it():
     """An engine imports capture: it reaches only the trace format below it, and no layer imports it."""
     for path in sorted((ROOT / "capture").rglob("*.py")):
