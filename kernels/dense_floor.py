@@ -159,7 +159,7 @@ class DenseFloor(Backend):
         except LayoutError as exc:
             raise BackendUnavailable(f"{self.name}: {exc}") from None
         fp8 = w.dtype == "fp8"
-        kernel = "fa3" if self._uses_fa3(lay.decode, dev) else "fa2" if lay.decode else self._prefill_kernel(dev)
+        kernel = "fa3" if self._uses_fa3(lay.decode, dev) else "fa2"
         decode_wrapper = lay.decode and kernel == "fa2"        # FA3 plans decode tokens as one-token requests
         fp8_mma = fp8 and kernel == "fa3"
         R = lay.num_requests
