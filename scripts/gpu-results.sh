@@ -35,7 +35,8 @@ for step in "$@"; do
         calibrate)
             timeout -s INT -k 15 "$a" msa-bench calibrate > "$R/calibrate.log" 2>&1
             rc=$?
-            dir=$(ls -d results/*/calibration 2>/dev/null | grep -v h200 | head -1)
+            # the folder calibrate names in its last line ("wrote DIR/profile.json in ...")
+            dir=$(sed -n 's|^wrote \(.*\)/profile\.json in .*|\1|p' "$R/calibrate.log" | tail -1)
             [ -n "$dir" ] && rm -rf "$R/calibration" && cp -r "$dir" "$R/calibration"
             echo "$step rc=$rc in $(( $(date +%s) - t0 )) s ($dir): $(grep '^wrote\|^\[' "$R/calibrate.log" | tr '\n' ' ' | tail -c 600)" ;;
         time|eager)
