@@ -6,11 +6,10 @@ layout, so a request's pages are its page-table row (no fold, no copy) and the H
 KV head share its loads in the kernel (GQA). Two paths, chosen by the workload:
   decode   (every request has one query token) BatchDecodeWithPagedKVCacheWrapper, one FlashInfer request
            per token: its request's pages up to its own block, that block's visible keys as the last
-           page's length. Tensor cores (FA2) by default, `@simt` FlashInfer's CUDA-core decode. fp8: bf16 Q
-           (q * q_scale, exact: a power-of-two scale), e4m3 K/V read as stored (k_scale in sm_scale,
-           v_scale FlashInfer's out *= v_scale); FA2 converts them to bf16 for its MMAs. `@fa3d` plans the
-           same requests (one query token each) on the prefill wrapper's FA3 kernels instead, whose fp8
-           path runs e4m3 MMAs (sm_90).
+           page's length, on tensor cores (FA2). fp8: bf16 Q (q * q_scale, exact: a power-of-two scale),
+           e4m3 K/V read as stored (k_scale in sm_scale, v_scale FlashInfer's out *= v_scale); FA2 converts
+           them to bf16 for its MMAs. FlashInfer's CUDA-core decode and FA3's prefill kernels with one-token
+           requests (e4m3 MMAs) lost by 3-13x and 10-16x on an H100 (docs/perf-log.md, 2026-12-07).
   prefill  (otherwise) BatchPrefillWithPagedKVCacheWrapper, one request per workload request, causal:
            its tokens are the last positions of its context in order, FlashInfer's bottom-right causal
            mask. FA3 on sm_90 (`@fa2` elsewhere or by choice); fp8 Q/K/V on FA3's fp8 MMAs with the
@@ -33,8 +32,6 @@ from .flashinfer_common import MIB, bf16_query, import_flashinfer, jit_module_bu
 from .options import Choice
 
 PREFILL_KERNELS = ("fa3", "fa2")
-# decode: FA2 on tensor cores, FlashInfer's CUDA-core decode, or FA3's prefill kernels (e4m3 MMAs in fp8)
-DECODE_KERNELS = ("tc", "simt", "fa3d")
 FA3_MODULE_GLOB = "batch_prefill_with_kv_cache_*_sm90"       # FlashInfer's name for its FA3 prefill modules
 
 
@@ -102,16 +99,14 @@ class DenseFloor(Backend):
     dense = True
     full_context = True
     stage_names = ("attention",)
-    options = {"kernel": Choice("prefill kernel", PREFILL_KERNELS),
-               "decode": Choice("decode kernel", DECODE_KERNELS)}
+    options = {"kernel": Choice("prefill kernel", PREFILL_KERNELS)}
 
-    def __init__(self, kernel: str | None = None, decode: str = "tc", name: str = "dense-floor"):
-        self.kernel, self.decode, self.name = kernel, decode, name
-        self.tensor_cores = decode != "simt"
+    def __init__(self, kernel: str | None = None, name: str = "dense-floor"):
+        self.kernel, self.name = kernel, name
         self.dtypes = ("bf16", "fp8")
 
     def _uses_fa3(self, decode: bool, device) -> bool:
-        return self.decode == "fa3d" if decode else self._prefill_kernel(device) == "fa3"
+        return not decode and self._prefill_kernel(device) == "fa3"
 
     def _prefill_kernel(self, device) -> str:
         if self.kernel:
@@ -120,7 +115,7 @@ class DenseFloor(Backend):
         return "fa3" if cuda and torch.cuda.get_device_capability(torch.device(device)) == (9, 0) else "fa2"
 
     def unavailable_reason(self, dtype: str, device) -> str | None:
-        return flashinfer_reason(self, dtype, device, fa3=self.kernel == "fa3" or self.decode == "fa3d")
+        return flashinfer_reason(self, dtype, device, fa3=self.kernel == "fa3")
 
     def workload_unavailable_reason(self, w: Workload) -> str | None:
         reason = super().workload_unavailable_reason(w)
@@ -136,8 +131,6 @@ class DenseFloor(Backend):
         # the tensor-core decode and prefill run FlashInfer's prefill modules, which a first plan may JIT-build
         # (FA3's are never prebuilt, FA2's of these dtypes not always: kernels/dense_masked.py)
         decode = bool((torch.bincount(w.q_request.long().cpu()) <= 1).all())
-        if decode and not self.tensor_cores:
-            return None
         if self._uses_fa3(decode, w.device):
             module, unless, what = FA3_MODULE_GLOB, None, "FA3"
         else:
@@ -160,7 +153,7 @@ class DenseFloor(Backend):
             raise BackendUnavailable(f"{self.name}: {exc}") from None
         fp8 = w.dtype == "fp8"
         kernel = "fa3" if self._uses_fa3(lay.decode, dev) else "fa2"
-        decode_wrapper = lay.decode and kernel == "fa2"        # FA3 plans decode tokens as one-token requests
+        decode_wrapper = lay.decode
         fp8_mma = fp8 and kernel == "fa3"
         R = lay.num_requests
         bufs = dict(kv_indptr=torch.empty(R + 1, dtype=torch.int32, device=dev),
@@ -182,7 +175,7 @@ class DenseFloor(Backend):
                        sm_scale=w.sm_scale)
         if decode_wrapper:
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                float_ws, "HND", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, backend="fa2",
+                float_ws, "HND", use_cuda_graph=True, use_tensor_cores=True, backend="fa2",
                 paged_kv_indptr_buffer=bufs["kv_indptr"], paged_kv_indices_buffer=bufs["kv_indices"],
                 paged_kv_last_page_len_buffer=bufs["last_page_len"])
             args = (lay.kv_indptr, kv_indices, lay.last_page_len, s.hq, s.hkv, s.head_dim, s.block)
@@ -209,7 +202,7 @@ class DenseFloor(Backend):
         attention()                    # loads the JIT module and caches FlashInfer's small buffers before capture
         torch.cuda.synchronize(dev)
         info = {"path": "decode" if lay.decode else "prefill", "wrapper": type(wrapper).__name__,
-                "flashinfer_backend": kernel, "tensor_cores": bool(self.tensor_cores) if decode_wrapper else True,
+                "flashinfer_backend": kernel, "tensor_cores": True,
                 "flashinfer_version": getattr(fi, "__version__", "unknown"), "causal": bool(w.causal),
                 "requests": R, "pages": int(lay.kv_indices.numel()), "page_size": s.block, "kv_layout": "HND",
                 "kv_tokens": int(lay.kv_lens.sum()), "num_qo_heads": s.hq, "num_kv_heads": s.hkv,
