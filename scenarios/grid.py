@@ -5,7 +5,7 @@ A scenario file (scenarios/*.toml) holds:
     description = "one line"                     # required
     backends = ["kv-outer", "flashinfer"]        # required, non-empty
     [shape]                                      # optional: hq, hkv, head_dim, block, topk (AttnShape defaults)
-    [timing]                                     # optional: reps, warmup, cold_l2, cv_target, pin
+    [timing]                                     # optional: reps, warmup, cold_l2, cv_target
     [[grid]]                                     # one or more grids (a single [grid] table works too)
     generator = "synthetic"                      # "synthetic" | "indexer" | "real-prefill" | "decode" | "mixed"
                                                  #   | "drift" | "trace", or a list
@@ -50,8 +50,7 @@ from .workload import AttnShape, Workload, WorkloadError, check_fits, footprint_
 
 GENERATORS = ("synthetic", "real-prefill", "indexer", *SERVING, "trace")
 TOP_KEYS = {"description", "backends", "shape", "timing", "grid"}
-# see timing.TimingConfig, which also checks pin's value (harness/measure/affinity.py)
-TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool, "cv_target": float, "pin": str}
+TIMING_KEYS = {"reps": int, "warmup": int, "cold_l2": bool, "cv_target": float}   # see timing.TimingConfig
 SHAPE_KEYS = SHAPE_FIELDS                 # the [shape] table's keys
 # axis -> (element type, generators it applies to, default)
 AXES = {
@@ -481,10 +480,7 @@ def parse_scenario(data: dict, src: str, name: str, base: Path | None = None) ->
         if key not in TIMING_KEYS:
             raise UserError(f"{src}: timing: unknown key {key!r} (known: {', '.join(TIMING_KEYS)})")
         kind = TIMING_KEYS[key]
-        if kind is str:
-            if not isinstance(value, str):
-                raise UserError(f"{src}: timing.{key} must be a string, got {value!r}")
-        elif not _type_ok(value, kind) or (kind is not bool and value < (1 if key == "reps" else 0)):
+        if not _type_ok(value, kind) or (kind is not bool and value < (1 if key == "reps" else 0)):
             raise UserError(f"{src}: timing.{key} must be {_type_name(kind)} >= {1 if key == 'reps' else 0}, "
                             f"got {value!r}")
     raw = data.get("grid", [])

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from ...errors import UserError
-from .affinity import check_pin
 from ...kernels.clock import probe_mhz, record_spin
 from ...kernels.l2 import LEGACY_PROTOCOL, NO_FLUSH, PROTOCOL, L2Flush
 from ...roofline.model import EAGER, GRAPH      # what `sweep --timer` chooses; the timer follows with the device
@@ -72,7 +71,6 @@ class TimingConfig:
     cpu_reps: int = 5
     cpu_max_reps: int = 5        # no CV re-measurement on CPU by default: its numbers mean nothing anyway
     timer: str = GRAPH           # GRAPH (replay) or EAGER (the stages launched from Python)
-    pin: str = "none"            # the timing process's cores (harness/measure/affinity.py): none, numa, core
 
     @classmethod
     def from_dict(cls, values: dict | None, reps: int | None = None, timer: str | None = None) -> "TimingConfig":
@@ -103,8 +101,6 @@ class TimingConfig:
             kwargs["cpu_max_reps"] = kwargs["reps"]
         if "warmup" in kwargs:
             kwargs["cpu_warmup"] = kwargs["warmup"]
-        if "pin" in values:
-            kwargs["pin"] = check_pin(values["pin"])
         if timer is not None:
             if timer not in (GRAPH, EAGER):
                 raise UserError(f"--timer must be {GRAPH} or {EAGER}, got {timer!r}")

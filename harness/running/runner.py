@@ -22,7 +22,6 @@ from ...roofline.model import fixed_cost
 from ...roofline.predict import schedule_roofline
 from ...kernels.auto import AUTO_RECORD
 from ..store.rows import schedule_of
-from ..measure.affinity import cpu_list, pin_process
 from ..measure.telemetry import Poller, open_telemetry, point_telemetry
 from ..measure.timing import (EAGER_COLUMNS, EAGER_MEDIANS, MODULE, PER_STEP, TimingConfig, summarize,
                               time_plan, timer_for, warm_plan)
@@ -72,11 +71,6 @@ class Runner:
         self.profile = resolve_profile(None, gpu).profile if gpu or os.environ.get(PROFILE_ENV) else None
         # every unit's status names the GPU (index, UUID, clocks) and, in a pool, the worker
         self.where = {**provenance.gpu_identity(device, self.telemetry.nvml_handle), **(where or {})}
-        if device.type == "cuda":
-            pinned = pin_process(timing.pin, self.telemetry.nvml_handle)
-            if "note" in pinned:
-                notes.append(pinned["note"])
-            self.where["cpus"] = cpu_list(pinned["cpus"])
 
     def run_unit(self, point, backend: str, workload, wl_stats: dict, why: dict | None = None,
                  nth: int = 0) -> dict:
