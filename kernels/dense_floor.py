@@ -28,11 +28,11 @@ import torch
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
-from .flashinfer_common import MIB, bf16_query, import_flashinfer, jit_module_built, flashinfer_reason, workspace_sizes
+from .flashinfer_common import (FA3_MODULE_GLOB, FA3_SUFFIX, MIB, bf16_query, fa2_prefill_module, flashinfer_reason,
+                                import_flashinfer, jit_module_built, workspace_sizes)
 from .options import Choice
 
 PREFILL_KERNELS = ("fa3", "fa2")
-FA3_MODULE_GLOB = "batch_prefill_with_kv_cache_*_sm90"       # FlashInfer's name for its FA3 prefill modules
 
 
 class LayoutError(ValueError):
@@ -134,10 +134,7 @@ class DenseFloor(Backend):
         if self._uses_fa3(decode, w.device):
             module, unless, what = FA3_MODULE_GLOB, None, "FA3"
         else:
-            d = w.shape.head_dim
-            module, unless, what = (f"batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_"
-                                    f"{'e4m3' if w.dtype == 'fp8' else 'bf16'}_dtype_o_bf16_dtype_idx_i32_head_dim_qk_"
-                                    f"{d}_head_dim_vo_{d}_posenc_0_*"), "_sm90", "FA2"
+            module, unless, what = fa2_prefill_module(w.dtype, w.shape.head_dim), FA3_SUFFIX, "FA2"
         if jit_module_built(module, unless):
             return None
         return (f"{self.name}: no built {what} prefill module ({module}) in FlashInfer's JIT cache; a first plan "
@@ -153,7 +150,6 @@ class DenseFloor(Backend):
             raise BackendUnavailable(f"{self.name}: {exc}") from None
         fp8 = w.dtype == "fp8"
         kernel = "fa3" if self._uses_fa3(lay.decode, dev) else "fa2"
-        decode_wrapper = lay.decode
         fp8_mma = fp8 and kernel == "fa3"
         R = lay.num_requests
         bufs = dict(kv_indptr=torch.empty(R + 1, dtype=torch.int32, device=dev),
@@ -173,7 +169,7 @@ class DenseFloor(Backend):
             run_kwargs = {"k_scale": float(w.k_scale), "v_scale": float(w.v_scale)}
         plan_kw = dict(q_data_type=q.dtype, kv_data_type=w.k_cache.dtype, o_data_type=torch.bfloat16,
                        sm_scale=w.sm_scale)
-        if decode_wrapper:
+        if lay.decode:
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
                 float_ws, "HND", use_cuda_graph=True, use_tensor_cores=True, backend="fa2",
                 paged_kv_indptr_buffer=bufs["kv_indptr"], paged_kv_indices_buffer=bufs["kv_indices"],

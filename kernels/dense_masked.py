@@ -273,13 +273,11 @@ class DenseMasked(Backend):
     def build_pending_reason(self, w: Workload) -> str | None:
         # the paged path's FA2 prefill module (bf16 Q and output, K/V in the data's dtype) is not in
         # FlashInfer's prebuilt set: a first plan JIT-builds it (49 s bf16, 23 s fp8 on the H200, 2026-12-03)
-        from .flashinfer_common import jit_module_built
+        from .flashinfer_common import FA3_SUFFIX, fa2_prefill_module, jit_module_built
         if PAGED not in self.candidates(w.device):
             return None
-        d = w.shape.head_dim
-        module = (f"batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_{'e4m3' if w.dtype == 'fp8' else 'bf16'}_"
-                  f"dtype_o_bf16_dtype_idx_i32_head_dim_qk_{d}_head_dim_vo_{d}_posenc_0_*")
-        if jit_module_built(module, unless="_sm90"):          # FA3's modules share the prefix
+        module = fa2_prefill_module(w.dtype, w.shape.head_dim)
+        if jit_module_built(module, unless=FA3_SUFFIX):
             return None
         return (f"{self.name}: no built FA2 prefill module ({module}) in FlashInfer's JIT cache; a first plan "
                 f"JIT-builds it (about a minute); build it ahead with `msa-bench check --backend {self.name} "

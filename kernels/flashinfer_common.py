@@ -55,6 +55,18 @@ def jit_module_built(pattern: str, unless: str | None = None) -> bool:
     return False
 
 
+FA3_MODULE_GLOB = "batch_prefill_with_kv_cache_*_sm90"       # FlashInfer's name for its FA3 prefill modules
+FA3_SUFFIX = "_sm90"           # FA3's modules share the FA2 prefix: an FA2 match leaves out names holding it
+
+
+def fa2_prefill_module(dtype: str, head_dim: int) -> str:
+    """The glob of FlashInfer's FA2 paged prefill module with bf16 Q and output and K/V in `dtype`'s storage
+    (e4m3 for fp8), the one the dense paths JIT-build; match it with jit_module_built(..., FA3_SUFFIX)."""
+    kv = "e4m3" if dtype == "fp8" else "bf16"
+    return (f"batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_{kv}_dtype_o_bf16_dtype_idx_i32_"
+            f"head_dim_qk_{head_dim}_head_dim_vo_{head_dim}_posenc_0_*")
+
+
 def gpu_reason(name: str, device, what: str = "FlashInfer kernels") -> str | None:
     """One line when `device` is no CUDA GPU of sm_80 or newer, else None (same line for every dtype)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():

@@ -27,10 +27,10 @@ import torch
 from ..roofline.schedules import Schedule
 from ..scenarios.workload import Workload
 from .base import Backend, BackendUnavailable, Plan, register
-from .flashinfer_common import MIB, import_flashinfer, jit_module_built, flashinfer_reason, workspace_sizes  # noqa: F401  (import_flashinfer: re-exported)
+from .flashinfer_common import (FA3_MODULE_GLOB, MIB, import_flashinfer, jit_module_built,  # noqa: F401  (import_flashinfer: re-exported)
+                                flashinfer_reason, workspace_sizes)
 
 VARIANTS = ("prefill-fa2", "decode-tc", "prefill-fa3")
-FA3_MODULE_GLOB = "batch_prefill_with_kv_cache_*_sm90"       # FlashInfer's name for its FA3 prefill modules
 FOLD_OF_VARIANT = {"prefill-fa2": "heads", "decode-tc": "heads", "prefill-fa3": "rows"}
 
 # The registered "flashinfer" default: the faster of prefill-fa2 and decode-tc on the H200
