@@ -117,9 +117,10 @@ def fixed_costs_problem(fc) -> str | None:
     host = fc.get("host", {})
     if not isinstance(host, dict) or not all("/" in k and isinstance(v, dict) and _seconds(v.get("s"))
                                              and _seconds(v.get("step_s", 0.0)) and _stage_seconds(v.get("stages", {}))
-                                             for k, v in host.items()):
+                                             and _seconds(v.get("probe_s", 0.0)) for k, v in host.items()):
         return ("host must map 'backend/dtype' to {'s': host seconds per stage launch, 'step_s': per-step "
-                "planning seconds, 'stages': {stage: its own launch seconds}}, each in [0, 1)")
+                "planning seconds, 'stages': {stage: its own launch seconds}, 'probe_s': the host launch probe's "
+                "seconds}, each in [0, 1)")
     return None
 
 

@@ -125,7 +125,7 @@ def test_host_costs_move_the_eager_pick(monkeypatch):
 def test_a_profile_refuses_a_bad_host_table():
     assert fixed_costs_problem({"host": {"kv-outer/bf16": {"s": 3e-6, "step_s": 0.0}}}) is None
     for bad in ({"kv-outer": {"s": 3e-6}}, {"kv-outer/bf16": {"s": -1.0}}, {"kv-outer/bf16": {"s": 1e-6, "step_s": 2.0}},
-                {"kv-outer/bf16": {"step_s": 0.0}}, []):
+                {"kv-outer/bf16": {"step_s": 0.0}}, {"kv-outer/bf16": {"s": 1e-6, "probe_s": -1e-6}}, []):
         assert "host must map" in fixed_costs_problem({"host": bad})
 
 
@@ -140,8 +140,10 @@ def test_the_calibration_times_host_costs_eagerly_and_fits_them(monkeypatch):
     host = fixed_costs.fit_host(series)
     stages = medians[fixed_costs.HOST_STAGES]
     assert tuple(stages) == get_backend("kv-outer").stage_names and all(v > 0 for v in stages.values())
+    assert 0 < medians[fixed_costs.HOST_PROBE] < 0.01           # the host's speed they were measured at
     assert host == {"kv-outer/fp32": {"s": medians[fixed_costs.HOST_LAUNCH], "step_s": 0.0,
-                                      "module_s": medians[MODULE], "stages": stages}}
+                                      "module_s": medians[MODULE], "stages": stages,
+                                      "probe_s": medians[fixed_costs.HOST_PROBE]}}
     # a series timed by the graph timer holds no host cost to fit
     graph = fixed_costs.measure_series(PRESETS["h200"], ("fp32",), log=lambda *_: None, device="cpu",
                                        points=lambda dtype: fixed_costs.latency_points(dtype, SMALL),

@@ -63,6 +63,8 @@ def test_eager_on_cpu_times_launches_and_the_per_step_plan(small_workload):
         s = out[name]
         assert s.timer == TIMER_CPU_EAGER and len(s.seconds) == 4 and len(s.launch_s) == 4 and len(s.gap_s) == 4
         assert all(x > 0 for x in s.seconds) and all(g >= 0 for g in s.gap_s)
+        # each call's host probe, the same on every stage of it, and a real launch time
+        assert s.host_probe_s == out[MODULE].host_probe_s and all(0 < p < 0.01 for p in s.host_probe_s)
     for i in range(4):
         stages = out["attention"].launch_s[i] + out["combine"].launch_s[i]
         assert out[MODULE].launch_s[i] == pytest.approx(stages)
@@ -99,22 +101,24 @@ def test_an_eager_run_carries_its_timer_and_rows(runs):
     assert "--timer eager" in run.meta["resume_command"]
     assert set(run.status["timer"]) == {TIMER_CPU_EAGER}
     s = run.samples[run.samples["stage"] != PLAN]
-    assert s["launch_s"].notna().all() and s["gap_s"].notna().all()
+    assert s["launch_s"].notna().all() and s["gap_s"].notna().all() and (s["host_probe_s"] > 0).all()
     module = run.value("launch_median_s")
     assert len(module) == len(run.status) and (module["value"] > 0).all()
     assert load_run(runs / "graph").timer == "cpu"
 
 
-def test_an_edited_launch_median_is_damage(runs, tmp_path):
+@pytest.mark.parametrize("statistic", ["launch_median_s", "host_probe_median_s"])
+def test_an_edited_launch_median_is_damage(runs, tmp_path, statistic):
     import shutil
     copy = tmp_path / "eager"
     shutil.copytree(runs / "eager", copy)
     unit = sorted((copy / "units").iterdir())[0]
     stats = pd.read_parquet(unit / "stats.parquet")
-    stats.loc[stats["statistic"] == "launch_median_s", "value"] *= 0.5
+    assert (stats["statistic"] == statistic).any()
+    stats.loc[stats["statistic"] == statistic, "value"] *= 0.5
     stats.to_parquet(unit / "stats.parquet", index=False)
     seal_unit(unit)                     # sealed as written: only the content check can tell
-    with pytest.raises(UserError, match="launch_median_s"):
+    with pytest.raises(UserError, match=statistic):
         load_run(copy)
 
 

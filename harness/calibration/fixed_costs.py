@@ -54,6 +54,7 @@ TIMING = TimingConfig(warmup=3, reps=20, max_reps=40)
 EAGER_TIMING = replace(TIMING, timer=EAGER)
 HOST_LAUNCH = "host_launch_s"       # an eager row's median host time per stage launch (measure_series)
 HOST_STAGES = "host_stage_launch_s"  # and each stage's own: {stage: median host seconds in its call}
+HOST_PROBE = "host_probe_s"         # and the host launch probe's median there (how fast the host was)
 # a candidate whose plan and timing on one workload takes longer built something or stalled: the step is
 # meant to finish in about a minute, so it is dropped (the few ms its timing needs are far below this)
 CANDIDATE_SECONDS = 20.0
@@ -183,6 +184,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                     medians[HOST_LAUNCH] = statistics.median(samples[MODULE].launch_s) / max(len(plan.stages), 1)
                     medians[HOST_STAGES] = {st: statistics.median(samples[st].launch_s) for st in plan.stages
                                             if st in samples and samples[st].launch_s}
+                    medians[HOST_PROBE] = statistics.median(samples[MODULE].host_probe_s)
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
                     launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
                 series.setdefault((name, dtype), []).append(
@@ -283,7 +285,8 @@ def fit_decode_achieved(series: dict, stages: dict) -> dict:
 
 def fit_host(series: dict) -> dict:
     """{"backend/dtype": {"s": host seconds per stage launch, "step_s": per-step planning seconds, "module_s":
-    the eager module's wall-clock, "stages": {stage: its own launch seconds}}} from an eager series
+    the eager module's wall-clock, "stages": {stage: its own launch seconds}, "probe_s": the host launch
+    probe's seconds per launch meanwhile, the host's speed these were measured at}} from an eager series
     (measure_series with EAGER_TIMING): each on its least-work row, a stage's on the least-work row that ran
     it (q-packed-cute's schedule is not run by a one-token plan)."""
     out = {}
@@ -297,7 +300,8 @@ def fit_host(series: dict) -> dict:
             for stage, s in r[1].get(HOST_STAGES, {}).items():
                 stages.setdefault(stage, s)
         out[f"{name}/{dtype}"] = {"s": medians[HOST_LAUNCH], "step_s": medians.get(PLAN_STEP, 0.0),
-                                  "module_s": medians[MODULE], **({"stages": stages} if stages else {})}
+                                  "module_s": medians[MODULE], **({"stages": stages} if stages else {}),
+                                  **({"probe_s": medians[HOST_PROBE]} if HOST_PROBE in medians else {})}
     return out
 
 

@@ -23,6 +23,12 @@ at the threshold itself would miss about half of the slowdowns of exactly that s
 the slowest run, not the median, covers a stage that lands in one of two modes from run to run
 (kv-outer-cute's bf16 attention on real prefill, 5 % apart) once the set has seen both.
 Improvements mirror it. Status and counters are judged against the set's first run.
+
+Eager runs (sweep --timer eager) carry the host launch probe of every sample (harness/measure/timing.py): a
+module launched from Python takes at most h times as long on a host h times slower, so a regression no
+larger than the unit's probe ratio (times the flag) on a host that is measurably slower (the probe judged
+as a time is) is not the code's: its verdict is HOST, and the gate exits 2 (it cannot tell) unless a real
+regression exits 1 first. An improvement the host explains is noise.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ from scipy.stats import mannwhitneyu
 from ...errors import UserError
 from .baseline import DEFAULT_FLOOR, clocked_samples, has_clock
 from ..store.results import SAMPLES_REMOVED, STATUS_FAILED, STATUS_OK, STATUS_UNAVAILABLE, Run, samples_kept
-from ..measure.timing import GPU_TIMERS, l2_flush_of
+from ..measure.timing import EAGER, GPU_TIMERS, MODULE, l2_flush_of, timer_mode
 
 TIMED_STAGES = ("module", "attention")
 SET_FLAG = 0.5             # against a baseline set: flag at this fraction of the threshold (docstring)
@@ -44,6 +50,7 @@ KEY = ["point_key", "backend", "dtype", "stage"]
 
 REGRESSION, IMPROVEMENT, UNCHANGED, NOISE = "regression", "improvement", "unchanged", "within noise"
 NOT_JUDGED = "not judged"
+HOST = "slower host"        # eager: a regression within what the host's slowdown explains (docstring)
 CPU_TIMINGS = ("timings not judged: {which} host (CPU) timings, which are no performance signal; the gate checks "
                "that every unit is present, undamaged and still ok")
 
@@ -260,6 +267,47 @@ def _both(raw: Finding, norm: Finding) -> Finding:
     return norm if agree else replace(norm, verdict=NOISE)
 
 
+def _host_probes(run: Run) -> dict | None:
+    """(point, backend, dtype) -> the module samples' host launch probes; None where the run has none (a
+    graph run, or an eager run made before the probe was recorded)."""
+    s = run.samples
+    if s.empty or "host_probe_s" not in s.columns:
+        return None
+    s = s[(s["stage"] == MODULE) & s["host_probe_s"].notna()]
+    return {key: g["host_probe_s"].to_numpy(dtype=float) for key, g in s.groupby(KEY[:3], sort=True)} or None
+
+
+def _host_rule(bases: list[Run], new: Run, findings: list[Finding], threshold: float, alpha: float,
+               flag: float, warnings: list[str]) -> list[Finding]:
+    """Eager runs: each time finding the host's own change explains, re-judged (module docstring)."""
+    probes = [_host_probes(r) for r in (*bases, new)]
+    if any(p is None for p in probes):
+        warnings.append("eager runs without the host launch probe (made before it was recorded): their times "
+                        "are judged as they are, whatever state the host was in")
+        return findings
+    out, slower = [], []
+    for f in findings:
+        key = (f.point_key, f.backend, f.dtype)
+        if f.kind != "time" or f.verdict not in (REGRESSION, IMPROVEMENT) or not all(key in p for p in probes):
+            out.append(f)
+            continue
+        verdict, h, _ = judge_samples(np.concatenate([p[key] for p in probes[:-1]]), probes[-1][key], threshold,
+                                      alpha)
+        note = f"host probe {h:.2f}x the baseline's"
+        if f.verdict == REGRESSION and verdict == REGRESSION and f.ratio <= h * (1 + flag):
+            out.append(replace(f, verdict=HOST, note=note))
+            slower.append(h)
+        elif f.verdict == IMPROVEMENT and verdict == IMPROVEMENT and f.ratio >= h / (1 + flag):
+            out.append(replace(f, verdict=NOISE, note=note))
+        else:
+            out.append(f)
+    if slower:
+        warnings.append(f"{len(slower)} eager time(s) slower by no more than their host: its launch probe read "
+                        f"{min(slower):.2f}-{max(slower):.2f}x the baseline's there, so the gate cannot tell a "
+                        "regression from the host's state; rerun when the host is as fast as the baseline's")
+    return out
+
+
 def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, counter_tolerance: float = 0.02,
                  alpha: float = 0.05, clock: str = "both", floor: float = DEFAULT_FLOOR) -> Comparison:
     """`base`: one run, or the K runs of a baseline set. `clock`: raw | normalize | floor | both (baseline.py)."""
@@ -298,6 +346,9 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
         if clock == "floor":
             warnings.append(f"--clock floor: dropped {dropped} sample(s) clocked below {floor:.0%} of their "
                             "stage's highest sampled clock")
+    setup = Setup(threshold, counter_tolerance, alpha, clock, floor, len(bases))
+    if judged and timer_mode(new.timer) == EAGER:
+        findings = _host_rule(bases, new, findings, threshold, alpha, setup.flag, warnings)
     bc, nc = _counters_by_key(base), _counters_by_key(new)
     for key in sorted(bc.keys() & nc.keys()):
         b, n = bc[key], nc[key]
@@ -327,5 +378,4 @@ def compare_runs(base: Run | Sequence[Run], new: Run, threshold: float = 0.05, c
         raise UserError("nothing to compare: the two runs share no (point, backend)")
     if not any(f.kind == "time" for f in findings):
         warnings.append("no timing samples in common (every common unit failed or was unavailable)")
-    setup = Setup(threshold, counter_tolerance, alpha, clock, floor, len(bases))
     return Comparison(findings, warnings, judged, setup)

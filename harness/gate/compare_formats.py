@@ -16,14 +16,14 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compare import IMPROVEMENT, NOISE, NOT_JUDGED, REGRESSION, UNCHANGED, Comparison, Finding
+from .compare import HOST, IMPROVEMENT, NOISE, NOT_JUDGED, REGRESSION, UNCHANGED, Comparison, Finding
 from ..store.results import Run
 
 FORMATS = ("text", "json", "markdown")
 SCHEMA_VERSION = 1
 EXIT_PASS, EXIT_REGRESSION, EXIT_UNUSABLE = 0, 1, 2
 VERDICTS = {EXIT_PASS: "pass", EXIT_REGRESSION: "regression", EXIT_UNUSABLE: "error"}
-STATUSES = (REGRESSION, IMPROVEMENT, NOISE, UNCHANGED, NOT_JUDGED)
+STATUSES = (REGRESSION, HOST, IMPROVEMENT, NOISE, UNCHANGED, NOT_JUDGED)
 UNITS = {"time": "s", "hbm_bytes": "bytes", "l2_bytes": "bytes"}
 
 
@@ -51,7 +51,8 @@ def subject(baseline: str, new: str, new_run: Run | None = None, report_url: str
 
 
 def exit_code(result: Comparison) -> int:
-    return EXIT_REGRESSION if result.regressed else EXIT_PASS
+    """1 on a regression; else 2 where a slower host hides what the gate would judge (compare.HOST); else 0."""
+    return EXIT_REGRESSION if result.regressed else EXIT_UNUSABLE if result.of(HOST) else EXIT_PASS
 
 
 # ---- JSON --------------------------------------------------------------------------------------------
@@ -170,14 +171,17 @@ def _figures(sub: Subject) -> str:
 
 def render_markdown(result: Comparison, sub: Subject) -> str:
     code, s = exit_code(result), result.setup
-    reg, imp = result.of(REGRESSION), result.of(IMPROVEMENT)
+    reg, imp, host = result.of(REGRESSION), result.of(IMPROVEMENT), result.of(HOST)
     runs = f"{s.baseline_runs} baseline runs" if s.baseline_runs > 1 else "one baseline run"
     about = ", ".join(x for x in (sub.scenario, sub.device, sub.commit and f"commit {sub.commit[:12]}") if x)
     lines = [_heading(code), "",
              f"`{sub.new}` ({about}) against `{sub.baseline}` ({runs}): {len(result.findings)} compared, "
-             f"**{len(reg)} regression(s)**, {len(imp)} improvement(s); exit code {code}.", ""]
+             f"**{len(reg)} regression(s)**, {len(imp)} improvement(s)"
+             + (f", {len(host)} on a slower host" if host else "") + f"; exit code {code}.", ""]
     for title, found in (("Regressions", reg), ("Improvements", imp)):
         lines += [f"### {title}", ""] + (_table(found) if found else ["None."]) + [""]
+    if host:
+        lines += ["### Slower on a slower host (not judged)", ""] + _table(host) + [""]
     lines += ["### Noise band", "", _noise_paragraph(result),
               f"Threshold {s.threshold:.1%}, counters {s.counter_tolerance:.1%}, clock `{s.clock}`.", ""]
     if result.warnings:
@@ -222,7 +226,7 @@ def print_text(result: Comparison, sub: Subject, console, show_all: bool = False
     s = result.setup
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)     # whole lines, text as is
-    shown = result.findings if show_all else result.of(REGRESSION) + result.of(IMPROVEMENT)
+    shown = result.findings if show_all else result.of(REGRESSION) + result.of(HOST) + result.of(IMPROVEMENT)
     sets = s.baseline_runs > 1
     if shown:
         title = f"{sub.new} vs {sub.baseline}" + (f" ({s.baseline_runs} baseline runs)" if sets else "")
@@ -241,7 +245,7 @@ def print_text(result: Comparison, sub: Subject, console, show_all: bool = False
         for col in columns:
             table.add_column(col, no_wrap=True)
         for row in rows:
-            color = {REGRESSION: "red", IMPROVEMENT: "green"}.get(row[0], "")
+            color = {REGRESSION: "red", IMPROVEMENT: "green", HOST: "yellow"}.get(row[0], "")
             table.add_row(f"[{color}]{row[0]}[/]" if color else row[0], *map(escape, row[1:]))
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
         if sum(w + 3 for w in widths) + 1 <= console.width:     # cells, their padding and rules: shown whole
@@ -256,8 +260,9 @@ def print_text(result: Comparison, sub: Subject, console, show_all: bool = False
                               f"{named['what']} {named['baseline']} -> {named['new']} (new/base "
                               f"{named['new/base']}{p}{spread}) at {escape(named['point'])}",
                               soft_wrap=True, highlight=False)
-    n_reg, n_imp = len(result.of(REGRESSION)), len(result.of(IMPROVEMENT))
-    console.print(f"{len(result.findings)} compared: {n_reg} regression(s), {n_imp} improvement(s) "
-                  f"(threshold {s.threshold:.1%}, counters {s.counter_tolerance:.1%}, clock {s.clock}"
+    n_reg, n_imp, n_host = len(result.of(REGRESSION)), len(result.of(IMPROVEMENT)), len(result.of(HOST))
+    console.print(f"{len(result.findings)} compared: {n_reg} regression(s), {n_imp} improvement(s)"
+                  + (f", {n_host} on a slower host" if n_host else "")
+                  + f" (threshold {s.threshold:.1%}, counters {s.counter_tolerance:.1%}, clock {s.clock}"
                   + (f", {s.baseline_runs} baseline runs" if sets else "")
                   + ("" if result.timings_judged else "; timings not judged: CPU run") + ")")

@@ -21,7 +21,10 @@ until a synchronize returns: the module's sample is that host wall-clock from th
 same call is then made again after another flush with CUDA events around each stage: each stage's
 sample is its device time there, and its gap the device's idle time between the previous stage's end
 and its start. The events have a call of their own because recording them costs host time the
-wall-clock must not hold. Repetition and the CV rule are the graph timer's, on the module's wall-clock.
+wall-clock must not hold. Right after the timed call has ended, a fixed burst of launches is timed from Python (kernels/clock.host_launch_probe): each
+sample carries how fast the host was then, which the gate and the model read as the host's state (a
+shared host's launches ran 1.6-2.4x apart between two runs of one GPU). Repetition and the CV rule are
+the graph timer's, on the module's wall-clock.
 On a CPU the stages run as they are called, so one call gives both (timer "cpu-eager").
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 
 from ...errors import UserError
-from ...kernels.clock import probe_mhz, record_spin
+from ...kernels.clock import host_launch_probe, probe_mhz, record_spin
 from ...kernels.l2 import LEGACY_PROTOCOL, NO_FLUSH, PROTOCOL, L2Flush
 from ...roofline.model import EAGER, GRAPH      # what `sweep --timer` chooses; the timer follows with the device
 
@@ -52,7 +55,9 @@ PLAN = "plan"
 PLAN_STEP = "plan_step"      # eager: the host work of a plan a serving engine repeats every step
 HOST_STAGES = (PLAN, PLAN_STEP)
 PER_STEP = "per_step"        # the statistic (1) that marks a stage a serving engine repeats every step
-EAGER_COLUMNS = ("launch_s", "gap_s")    # eager samples: host time in the stage's call, device idle before it
+# eager samples: host time in the stage's call, device idle before it, and the host launch probe's seconds
+# per launch right after the call (kernels/clock.host_launch_probe: how fast the host was then)
+EAGER_COLUMNS = ("launch_s", "gap_s", "host_probe_s")
 # the statistic stats.parquet keeps of each: the median of the stage's samples
 EAGER_MEDIANS = {column: column.removesuffix("_s") + "_median_s" for column in EAGER_COLUMNS}
 MIN_GPU_REPS = 20          # the protocol's floor on the GPU, whatever a scenario asks
@@ -121,6 +126,7 @@ class StageSamples:
     clock_event_reasons: list[int] | None = None     # GPU only: NVML reason mask of each sample's batch
     launch_s: list[float] | None = None              # eager only: host time in the stage's calls (module: all)
     gap_s: list[float] | None = None                 # eager only: device idle before the stage (module: all)
+    host_probe_s: list[float] | None = None          # eager only: the host launch probe after the sample's call
     per_step: bool = False                           # host work a serving engine repeats every step
 
 
@@ -334,6 +340,7 @@ class _EagerClock:
         self.step = plan.step
         self.read_reasons = read_reasons if self.cuda else None
         self.flush = L2Flush(device) if cold_l2 and self.cuda else None
+        self.probe_buf = torch.ones(1, device=device)
         if self.cuda:                       # compiles kernels and fills buffers before any sample
             plan.run()
             torch.cuda.synchronize(device)
@@ -358,8 +365,9 @@ class _EagerClock:
         first = marks[0][0]
         return [(first.elapsed_time(a) / 1e3, first.elapsed_time(b) / 1e3) for a, b in marks]
 
-    def call(self) -> tuple[EagerCall, float | None]:
-        """One sample: (the call's bookkeeping, the per-step host work's seconds or None)."""
+    def call(self) -> tuple[EagerCall, float | None, float]:
+        """One sample: (the call's bookkeeping, the per-step host work's seconds or None, the host launch
+        probe's seconds per launch, taken after the call so that it costs the call nothing)."""
         step_s = None
         if self.step is not None:
             t = time.perf_counter()
@@ -375,40 +383,45 @@ class _EagerClock:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         done = time.perf_counter()
+        probe = host_launch_probe(self.probe_buf)
         if self.cuda:
             self._idle()
             spans = self._spans()
         else:
             spans = calls
-        return eager_call(t0, calls, done, spans), step_s
+        return eager_call(t0, calls, done, spans), step_s, probe
 
     def _reasons(self) -> int:
         return reason_mask(self.read_reasons)
 
     def batch(self, n: int) -> tuple[list[float], list]:
-        """(module wall seconds, [(EagerCall, step seconds, NVML reason mask)]) of n calls."""
+        """(module wall seconds, [(EagerCall, step seconds, NVML reason mask, host probe seconds)]) of n
+        calls."""
         mask = self._reasons()
         calls = [self.call() for _ in range(n)]
         mask |= self._reasons()
-        return [c.wall_s for c, _ in calls], [(c, step, mask) for c, step in calls]
+        return [c.wall_s for c, _, _ in calls], [(c, step, mask, probe) for c, step, probe in calls]
 
 
 def eager_samples(names: list[str], timer: str, extra: list, converged: bool,
                   reasons: bool) -> dict[str, StageSamples]:
     """The eager calls' samples as stages: PLAN_STEP (where the plan has per-step work), each stage (device
-    time, launch, gap) and MODULE (wall-clock; launch and gap summed over the stages)."""
-    calls = [c for c, _, _ in extra]
-    masks = [m for _, _, m in extra] if reasons else None
+    time, launch, gap) and MODULE (wall-clock; launch and gap summed over the stages); every stage's sample
+    carries the host probe of the call it came from."""
+    calls = [c for c, _, _, _ in extra]
+    masks = [m for _, _, m, _ in extra] if reasons else None
+    probes = [p for _, _, _, p in extra]
     out = {}
-    steps = [s for _, s, _ in extra]
+    steps = [s for _, s, _, _ in extra]
     if steps and all(s is not None for s in steps):
         out[PLAN_STEP] = StageSamples(PLAN_STEP, steps, TIMER_HOST, True, per_step=True)
     for i, name in enumerate(names):
         out[name] = StageSamples(name, [c.device_s[i] for c in calls], timer, converged,
                                  clock_event_reasons=masks, launch_s=[c.launch_s[i] for c in calls],
-                                 gap_s=[c.gap_s[i] for c in calls])
+                                 gap_s=[c.gap_s[i] for c in calls], host_probe_s=probes)
     out[MODULE] = StageSamples(MODULE, [c.wall_s for c in calls], timer, converged, clock_event_reasons=masks,
-                               launch_s=[sum(c.launch_s) for c in calls], gap_s=[sum(c.gap_s) for c in calls])
+                               launch_s=[sum(c.launch_s) for c in calls], gap_s=[sum(c.gap_s) for c in calls],
+                               host_probe_s=probes)
     return out
 
 

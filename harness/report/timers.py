@@ -38,7 +38,8 @@ def _column(t: pd.DataFrame, name: str) -> pd.Series:
 def eager_table(eager: Run, graph: Run | None = None) -> pd.DataFrame:
     """One row per unit the eager run timed (and, with `graph`, the graph run timed too): module_us under each
     timer and their ratio, the launch (host) and gap (device idle) time the eager module call spent, summed
-    over its stages, and the plan's per-step host work (plan_step, not in module_us eager)."""
+    over its stages, the plan's per-step host work (plan_step, not in module_us eager) and the host launch
+    probe (probe_us, one launch of a fixed op; NaN in runs made before it was recorded)."""
     t = ok_units(eager)
     if t.empty or f"{MODULE}.{EAGER_MEDIANS['launch_s']}" not in t:
         return pd.DataFrame()
@@ -61,6 +62,7 @@ def eager_table(eager: Run, graph: Run | None = None) -> pd.DataFrame:
     table["launch_us"] = _column(t, f"{MODULE}.{EAGER_MEDIANS['launch_s']}")
     table["gap_us"] = _column(t, f"{MODULE}.{EAGER_MEDIANS['gap_s']}")
     table["plan_step_us"] = _column(t, f"{PLAN_STEP}.median_s")
+    table["probe_us"] = _column(t, f"{MODULE}.{EAGER_MEDIANS['host_probe_s']}")
     return table.sort_values(["dtype", "backend", *shown]).reset_index(drop=True)
 
 
@@ -74,5 +76,7 @@ def eager_markdown(eager: Run, graph: Run | None, markdown_table) -> list[str]:
     text = ("module_us eager: host wall-clock from the first launch to completion (sweep --timer eager); "
             "module_us graph: CUDA-graph replay of the same unit; launch_us: host time in the stages' calls; "
             "gap_us: device idle between stages; plan_step_us: the plan's host work a serving engine repeats "
-            "every step (FlashInfer's plan()), not in module_us. Medians, microseconds.")
+            "every step (FlashInfer's plan()), not in module_us; probe_us: one launch of a fixed op from Python "
+            "right after each call, how fast the host was (compare it across runs before their launch_us). "
+            "Medians, microseconds.")
     return [head, "", text, "", markdown_table(table)]
