@@ -9,15 +9,21 @@ time over its achieved fraction, plus the fixed costs of its stages (`DeviceProf
 records every prediction, the skipped candidates and the pick under "auto", the schedule under "schedule".
 `auto@eager` predicts for the eager regime (the module launched from Python, as `sweep --timer eager` times
 it): each candidate also pays the profile's host cost per stage launch and its per-step planning
-(roofline/model.module_time); a profile that measured none says so in one line and prices them at 0 s.
+(roofline/model.module_time), scaled to the host's speed at plan time (the host launch probe now over the one
+the costs were measured with); a profile that measured none says so in one line and prices them at 0 s.
 """
 from __future__ import annotations
 
 from ..roofline.devices import device_profile
-from ..roofline.model import GRAPH, REGIMES
+import statistics
+
+import torch
+
+from ..roofline.model import EAGER, GRAPH, REGIMES
 from ..roofline.predict import host_note, predict_module, weigh_reason
 from ..scenarios.stats import ModelStats
 from ..scenarios.workload import Workload
+from .clock import host_launch_probe
 from .base import Backend, BackendUnavailable, Plan, get_backend, register, registered_names
 from .options import Choice
 
@@ -35,6 +41,19 @@ def candidate_names() -> list[str]:
         if b.candidate and b.schedule is not None:
             out.append(name)
     return out
+
+
+HOST_PROBES = 5
+
+
+def host_speed(device) -> float:
+    """The host launch probe's seconds per launch now (median of HOST_PROBES bursts): the eager regime prices
+    host costs at the host's present speed, which on a shared host moves (kernels/clock.py)."""
+    buf = torch.ones(1, device=device)
+    got = statistics.median(host_launch_probe(buf) for _ in range(HOST_PROBES))
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
+    return got
 
 
 @register("auto")
@@ -55,8 +74,10 @@ class AutoBackend(Backend):
                 reason = f"{self.name}: no candidate runs here ({reasons[0]})"
         return reason
 
-    def candidates(self, w: Workload, profile=None) -> tuple[dict[str, tuple[Backend, float, dict]], dict[str, str]]:
-        """({name: (backend, predicted seconds, what the prediction used)}, {skipped name: why})."""
+    def candidates(self, w: Workload, profile=None, host_probe_s: float | None = None
+                   ) -> tuple[dict[str, tuple[Backend, float, dict]], dict[str, str]]:
+        """({name: (backend, predicted seconds, what the prediction used)}, {skipped name: why}); eager host
+        costs at the host's speed `host_probe_s` (the host launch probe's seconds) where given."""
         profile = profile or device_profile(w.device)
         stats = ModelStats(w)
         out, skipped = {}, {}
@@ -67,7 +88,8 @@ class AutoBackend(Backend):
             if why is None:
                 try:
                     record = backend.model_record(w, profile)
-                    got = predict_module(backend.facts, stats, record, profile, w.dtype, regime=self.regime)
+                    got = predict_module(backend.facts, stats, record, profile, w.dtype, regime=self.regime,
+                                         host_probe_s=host_probe_s)
                     if got is not None:
                         out[name] = (backend, got.seconds, {**got.used, "record": record})
                         continue
@@ -82,7 +104,8 @@ class AutoBackend(Backend):
 
     def _plan(self, w: Workload) -> Plan:
         profile = device_profile(w.device)
-        cands, skipped = self.candidates(w, profile)
+        probe = host_speed(w.device) if self.regime == EAGER else None
+        cands, skipped = self.candidates(w, profile, probe)
         pick = min(cands, key=lambda k: cands[k][1])        # ties: the first by name
         backend = cands[pick][0]
         plan = backend.plan(w)
@@ -90,7 +113,8 @@ class AutoBackend(Backend):
                      AUTO_RECORD: {"picked": pick, "backend": backend.name,
                               "predicted_s": {k: v[1] for k, v in cands.items()},
                               "used": {k: v[2] for k, v in cands.items()}, "skipped": skipped,
-                              "regime": self.regime, "note": host_note(profile, self.regime)}}
+                              "regime": self.regime, "note": host_note(profile, self.regime),
+                              **({"host_probe_s": probe} if probe else {})}}
         plan.backend = self.name
         return plan
 

@@ -168,23 +168,35 @@ def stage_launches(device: DeviceProfile, backend: str, dtype: str | None, stage
     return [float(own.get(stage, got.get("s", 0.0))) for stage in stages]
 
 
+def host_scale(device: DeviceProfile, backend: str, dtype: str | None, probe_s: float | None) -> float:
+    """How much slower than at calibration the host is, for `backend`'s host costs: the host launch probe
+    now (`probe_s`, seconds per launch) over the one its costs were measured with; 1 where either is
+    unknown. A launch from Python is host work, so it takes as much longer as the host's own probe does."""
+    cal = (_host_entry(device, backend, dtype) or {}).get("probe_s")
+    return probe_s / cal if probe_s and cal else 1.0
+
+
 def module_time(device: DeviceProfile, backend: str, dtype: str | None, scaled_s: float, stages,
-                item_blocks: float | None = None, regime: str = GRAPH) -> tuple[float, dict]:
+                item_blocks: float | None = None, regime: str = GRAPH,
+                host_probe_s: float | None = None) -> tuple[float, dict]:
     """(seconds, its parts) of a backend's module: `scaled_s` (the roofline over the achieved fraction),
     floored by its largest item's time alone, plus its stages' fixed costs. EAGER: the host's per-step
     planning first, then the stages launched one by one (the profile's host cost per launch each), each
     stage's device time starting no sooner than its launch has returned (eager_wall); 0 s of host where
-    the profile has none."""
+    the profile has none; host costs scaled to the host's speed where `host_probe_s` gives it (host_scale)."""
     fixed, per_stage = fixed_cost(device, backend, stages, dtype)
     floor = item_floor(device, backend, dtype, item_blocks)
     work = max(scaled_s, floor)
     seconds, parts = work + fixed, {"fixed_s": fixed, "item_floor_s": floor}
     if regime != EAGER:
         return seconds, parts
+    scale = host_scale(device, backend, dtype, host_probe_s)
     per_launch, step = host_cost(device, backend, dtype) or (0.0, 0.0)
     launches = stage_launches(device, backend, dtype, per_stage) if per_stage else [per_launch]
-    wall = eager_wall(launches, stage_device_s(per_stage, work))
-    return step + wall, {**parts, "device_s": seconds, "host_launch_s": per_launch, "plan_step_s": step}
+    per_launch, step = per_launch * scale, step * scale
+    wall = eager_wall([x * scale for x in launches], stage_device_s(per_stage, work))
+    return step + wall, {**parts, "device_s": seconds, "host_launch_s": per_launch, "plan_step_s": step,
+                         "host_scale": scale}
 
 
 # the stage that carries a module's work (its K/V bytes and FLOPs); the others' device time is their fixed

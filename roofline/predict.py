@@ -171,11 +171,12 @@ class ModulePrediction:
 
 
 def predict_module(facts: KernelFacts, stats, record: dict, profile: DeviceProfile, dtype: str,
-                   stages=None, regime: str = GRAPH) -> ModulePrediction | None:
+                   stages=None, regime: str = GRAPH, host_probe_s: float | None = None) -> ModulePrediction | None:
     """The module time of `facts`' backend on a workload of `stats` in `dtype` as `record` describes its plan,
     on `profile`; `stages`: the stages it runs (default: the record's, else every declared one); `regime`:
     GRAPH (replayed from a CUDA graph) or EAGER (launched from Python: the profile's host cost per stage
-    launch and per-step planning, model.module_time). None where the model does not predict it."""
+    launch and per-step planning, model.module_time; scaled to the host's speed where `host_probe_s`, the
+    host launch probe's seconds, gives it). None where the model does not predict it."""
     if unmodelled_reason(facts, stats) is not None:
         return None
     fdtype = model_dtype(dtype)
@@ -195,7 +196,8 @@ def predict_module(facts: KernelFacts, stats, record: dict, profile: DeviceProfi
         used = {"roofline_s": p.time_s, "achieved": frac, "binding": p.binding}
         _, union, executed = ratios(facts.schedule, stats, record)
         used.update({k: v for k, v in (("union_ratio", union), ("executed_union_ratio", executed)) if v is not None})
-    total, parts = module_time(profile, facts.name, fdtype, scaled, stages, item_blocks(facts, stats), regime)
+    total, parts = module_time(profile, facts.name, fdtype, scaled, stages, item_blocks(facts, stats), regime,
+                               host_probe_s)
     return ModulePrediction(total, {**used, **parts}, p, name)
 
 

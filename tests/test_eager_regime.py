@@ -54,6 +54,27 @@ def test_eager_adds_planning_and_the_launches_up_to_the_work_then_the_longer_of_
     assert prediction("kv-outer", profile(slow)).seconds == pytest.approx(graph.seconds)   # graph: unchanged
 
 
+def test_host_costs_follow_the_host_probe():
+    device = prediction("kv-outer", profile()).seconds
+    launch, step = device / 10, device / 3
+    b, w = get_backend("kv-outer"), workload()
+    prof = profile({"kv-outer/bf16": {"s": launch, "step_s": step, "probe_s": 2e-6}})
+
+    def eager(probe):
+        return predict_module(b.facts, ModelStats(w), b.model_record(w, prof), prof, w.dtype, regime=EAGER,
+                              host_probe_s=probe)
+    same = eager(2e-6)
+    assert same.seconds == pytest.approx(step + 3 * launch + device) and same.used["host_scale"] == 1
+    # a host twice as slow as at calibration: every launch and the planning take twice as long
+    twice = eager(4e-6)
+    assert twice.seconds == pytest.approx(2 * step + 6 * launch + device) and twice.used["host_scale"] == 2
+    assert twice.used["host_launch_s"] == pytest.approx(2 * launch)
+    assert eager(None).seconds == same.seconds                    # the speed unknown: the costs as measured
+    unprobed = profile({"kv-outer/bf16": {"s": launch, "step_s": step}})
+    assert predict_module(b.facts, ModelStats(w), b.model_record(w, unprobed), unprobed, w.dtype, regime=EAGER,
+                          host_probe_s=4e-6).seconds == pytest.approx(same.seconds)
+
+
 def test_the_eager_wall_is_the_longest_chain_of_launches_then_device_time():
     from msa_bench.roofline.model import eager_wall, stage_device_s
     # stage i starts once its launch has returned and stage i - 1 has ended
@@ -119,6 +140,7 @@ def test_host_costs_move_the_eager_pick(monkeypatch):
     monkeypatch.setattr(auto_mod, "device_profile", lambda device: profile(slow))
     eager = get_backend("auto@eager").plan(w).info["auto"]
     assert eager["picked"] != graph_pick and eager["regime"] == EAGER and eager["note"] is None
+    assert 0 < eager["host_probe_s"] < 0.01         # the host's speed the pick was priced at
     assert get_backend("auto").plan(w).info["auto"]["picked"] == graph_pick       # graph ignores the host
 
 

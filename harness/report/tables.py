@@ -12,7 +12,7 @@ from ...roofline.devices import DeviceProfile, has_fixed_costs
 from ...roofline.dtypes import model_dtype
 from ...kernels.auto import AUTO_RECORD, AutoBackend
 from ...kernels.base import get_backend, split_name
-from ..measure.timing import timer_mode
+from ..measure.timing import EAGER_MEDIANS, MODULE, timer_mode
 from ...kernels.q_packed.hybrid import HybridBackend
 from ...roofline.model import crossover, crossover_at, is_decode
 from ...roofline.predict import (fraction_fit, predict_module, schedule_roofline, shape_of, unmodelled_reason,
@@ -212,6 +212,13 @@ def regime_of(row) -> str:
     return timer_mode(timer if isinstance(timer, str) else "")
 
 
+def host_probe_of(row) -> float | None:
+    """An eager unit's host launch probe (its module samples' median), the host's speed when it ran; None
+    for a graph unit or one made before the probe was recorded."""
+    v = row.get(f"{MODULE}.{EAGER_MEDIANS['host_probe_s']}")
+    return float(v) if isinstance(v, (int, float)) and np.isfinite(v) and v > 0 else None
+
+
 def predicted_module_s(row, device: DeviceProfile) -> float:
     """The model's module time for a unit row (roofline.predict.predict_module of its workload's statistics
     and its plan's record, `device`'s fractions and the fixed costs of the stages the unit ran); `auto` units
@@ -222,7 +229,7 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
         return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
     facts = row_facts(row)
     got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row),
-                         regime_of(row)) if facts else None
+                         regime_of(row), host_probe_of(row)) if facts else None
     return float("nan") if got is None else got.seconds
 
 
