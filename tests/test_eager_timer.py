@@ -215,3 +215,13 @@ def test_per_step_is_a_statistic_of_the_stage_row(small_workload):
     assert per_step == {PLAN_STEP} and all(r["value"] == 1.0 for r in stats if r["statistic"] == PER_STEP)
     assert {r["stage"] for r in raw if "launch_s" in r} == {"attention", "combine", MODULE}
     assert json.dumps(stats)                                # plain values, as a unit's file holds them
+
+
+def test_the_report_says_how_fast_the_host_was():
+    from msa_bench.harness.report.timers import host_state_line
+    table = pd.DataFrame({"backend": ["a", "b", "b"], "probe_us": [8.0, 8.2, 12.0]})
+    (line, _) = host_state_line(table)
+    assert "median 8.20 us a launch, 8.00-12.00" in line and "1 unit(s) ran while the host was over 1.2x" in line
+    assert "(b)" in line
+    assert "No unit ran" in host_state_line(table.iloc[:2])[0]
+    assert host_state_line(pd.DataFrame({"backend": ["a"], "probe_us": [float("nan")]})) == []

@@ -79,4 +79,26 @@ def eager_markdown(eager: Run, graph: Run | None, markdown_table) -> list[str]:
             "every step (FlashInfer's plan()), not in module_us; probe_us: one launch of a fixed op from Python "
             "right after each call, how fast the host was (compare it across runs before their launch_us). "
             "Medians, microseconds.")
-    return [head, "", text, "", markdown_table(table)]
+    return [head, "", text, "", *host_state_line(table), markdown_table(table)]
+
+
+SLOW_HOST = 1.2      # a unit whose probe reads this much over the run's median ran on a slower host
+
+
+def host_state_line(table: pd.DataFrame) -> list[str]:
+    """One line on how fast the host was across the run's units (the probe's spread), and which ran on a
+    host over SLOW_HOST x the run's median probe; [] for a run without the probe."""
+    probe = table["probe_us"].dropna() if "probe_us" in table else pd.Series(dtype=float)
+    if probe.empty:
+        return []
+    mid = float(probe.median())
+    slow = table[table["probe_us"] > SLOW_HOST * mid]
+    text = (f"Host launch probe across the {len(probe)} units: median {mid:.2f} us a launch, "
+            f"{probe.min():.2f}-{probe.max():.2f}. ")
+    if slow.empty:
+        text += f"No unit ran on a host over {SLOW_HOST:.1f}x the median: their host costs are comparable."
+    else:
+        text += (f"{len(slow)} unit(s) ran while the host was over {SLOW_HOST:.1f}x slower than that, so their "
+                 "launch_us are the host's state as much as the code's (" + ", ".join(sorted(set(slow["backend"])))
+                 + ").")
+    return [text, ""]
