@@ -14,11 +14,11 @@ the costs were measured with); a profile that measured none says so in one line 
 """
 from __future__ import annotations
 
-from ..roofline.devices import device_profile
 import statistics
 
 import torch
 
+from ..roofline.devices import device_profile
 from ..roofline.model import EAGER, GRAPH, REGIMES
 from ..roofline.predict import host_note, predict_module, weigh_reason
 from ..scenarios.stats import ModelStats

@@ -28,7 +28,6 @@ def probe_mhz(probe: tuple) -> float:
     return cycles / (start.elapsed_time(end) * 1e3)      # elapsed_time is ms; cycles per us = MHz
 
 
-
 HOST_PROBE_LAUNCHES = 16
 
 

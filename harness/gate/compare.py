@@ -285,14 +285,17 @@ def _host_rule(bases: list[Run], new: Run, findings: list[Finding], threshold: f
         warnings.append("eager runs without the host launch probe (made before it was recorded): their times "
                         "are judged as they are, whatever state the host was in")
         return findings
+    host: dict = {}                 # per unit: the probe judged as a time (its stages share it)
     out, slower = [], []
     for f in findings:
         key = (f.point_key, f.backend, f.dtype)
         if f.kind != "time" or f.verdict not in (REGRESSION, IMPROVEMENT) or not all(key in p for p in probes):
             out.append(f)
             continue
-        verdict, h, _ = judge_samples(np.concatenate([p[key] for p in probes[:-1]]), probes[-1][key], threshold,
+        if key not in host:
+            host[key] = judge_samples(np.concatenate([p[key] for p in probes[:-1]]), probes[-1][key], threshold,
                                       alpha)
+        verdict, h, _ = host[key]
         note = f"host probe {h:.2f}x the baseline's"
         if f.verdict == REGRESSION and verdict == REGRESSION and f.ratio <= h * (1 + flag):
             out.append(replace(f, verdict=HOST, note=note))

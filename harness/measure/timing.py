@@ -21,10 +21,10 @@ until a synchronize returns: the module's sample is that host wall-clock from th
 same call is then made again after another flush with CUDA events around each stage: each stage's
 sample is its device time there, and its gap the device's idle time between the previous stage's end
 and its start. The events have a call of their own because recording them costs host time the
-wall-clock must not hold. Right after the timed call has ended, a fixed burst of launches is timed from Python (kernels/clock.host_launch_probe): each
-sample carries how fast the host was then, which the gate and the model read as the host's state (a
-shared host's launches ran 1.6-2.4x apart between two runs of one GPU). Repetition and the CV rule are
-the graph timer's, on the module's wall-clock.
+wall-clock must not hold. Right after the timed call has ended, a fixed burst of launches is timed
+from Python (kernels/clock.host_launch_probe): each sample carries how fast the host was then, which the
+gate and the model read as the host's state (a shared host's launches ran up to 2.5x apart between two
+runs on one GPU). Repetition and the CV rule are the graph timer's, on the module's wall-clock.
 On a CPU the stages run as they are called, so one call gives both (timer "cpu-eager").
 """
 from __future__ import annotations
