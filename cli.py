@@ -418,13 +418,15 @@ def build_kernels(
     kernel: list[str] = typer.Option([], help="kv-outer-cute kernel(s) to build, e.g. v23 (repeatable; default: all, "
                                               "one library per kernel and dtype)."),
     kv_outer: bool = typer.Option(True, help="Build the kv-outer-cute libraries."),
+    dispatch: bool = typer.Option(True, help="Build the C++ dispatch library (kv-outer-cute@op; needs nvcc)."),
     q_packed: str = typer.Option("default", help="q-packed-cute libraries to build: default (each dtype's default "
                                                  "options), all (every option set: plain, pp, sa, pp+sa), none."),
 ):
     """Compile the CuTe DSL attention stages for every configuration the sweep can ask for (no GPU needed):
     each kv-outer kernel of kernels/cute/manifest.KERNELS in each of its dtypes, and the q-packed-cute
     configurations, one shared library per configuration, with manifest.json (configs, DSL/CUDA/C++
-    versions, arch, source hash). Carry the directory to the GPU host; the backends load it."""
+    versions, arch, source hash); and the C++ dispatch library beside them (build/dispatch). Carry the
+    build directory to the GPU host; the backends load it."""
     from pathlib import Path
     from .errors import UserError
     from .roofline.dtypes import DType
@@ -445,6 +447,12 @@ def build_kernels(
         from .kernels.cute.build import build_all
         summary = build_all(configs, Path(out) if out else DEFAULT_BUILD_DIR, arch, log=typer.echo)
         typer.echo(f"wrote {summary['manifest']} ({len(summary['libraries'])} libraries, {summary['seconds']} s)")
+    if dispatch:
+        import time
+        from .kernels.dispatch.build import build
+        start = time.perf_counter()
+        path = build(Path(out).parent / "dispatch" if out else None)
+        typer.echo(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
 
 
 # ---- harness: sweep, report, compare, merge ----------------------------------------------------

@@ -103,17 +103,22 @@ class KVOuterCuteBackend(KVOuterBackend):
     description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
     dtypes = DTYPES
     options = {"kernel": Choice("kernel", tuple(KERNELS), refuses=r"v\d+"),
+               "dispatch": Choice("dispatch", ("op",)),
                "order": Rest("tile order", _tile_order_word, "S:k|S:p|phases", ("phases", "2:p", "4:8", "1:0"))}
 
-    def __init__(self, config=None, kernel: str | None = None, order: str | None = None):
+    def __init__(self, config=None, kernel: str | None = None, order: str | None = None, dispatch: str | None = None):
         """kernel None: each dtype's default (manifest.default_kernel); order: the scheduler's tile order
-        in config.tile_order's notation (None: grouped_tile_order's for the workload, or config's)."""
+        in config.tile_order's notation (None: grouped_tile_order's for the workload, or config's);
+        dispatch "op": the stages replayed from the C++ dispatch library (kernels/kv_outer/op.py), None: Python."""
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kv-outer-cute has no kernel {kernel!r} (have {', '.join(KERNELS)})")
+        if dispatch not in (None, "op"):
+            raise ValueError(f"kv-outer-cute has no dispatch {dispatch!r} (have op)")
         self._order_fields = tile_order(order) if order else {}
         super().__init__(attention_impl="cute", config=config)
         self.kernel = kernel
         self.order = order
+        self.dispatch = dispatch
 
     def kernel_for(self, dtype: str) -> str:
         return self.kernel or default_kernel(dtype)
@@ -138,6 +143,10 @@ class KVOuterCuteBackend(KVOuterBackend):
     def _plan(self, w):
         plan = super()._plan(w)
         plan.info["cute_kernel"] = plan.stages["attention"].cfg.kernel
+        if self.dispatch == "op":
+            from ..kv_outer.op import program_stages
+            plan.stages = program_stages(plan)
+            plan.info["dispatch"] = "C++ program (kernels/dispatch), one call per stage"
         plan.info["quantization"] = "e4m3 Q/K/V/P on fp8 MMA" if w.dtype == "fp8" else f"none ({w.dtype} Q/K/V/P)"
         return plan
 
@@ -167,6 +176,11 @@ class KVOuterCuteBackend(KVOuterBackend):
         reason = super().unavailable_reason(dtype, device)     # the shared Triton stages
         if reason:
             return reason
+        if self.dispatch == "op":
+            from ..dispatch.build import find_library, library_name
+            if find_library() is None:
+                return (f"{self.name}: the C++ dispatch library {library_name()} is not built "
+                        "(`msa-bench build-kernels`, needs nvcc)")
         from .loader import library_unavailable_reason
         return library_unavailable_reason(CuteConfig(self.kernel_for(dtype), dtype, ctas_per_sm=self.ctas_for(dtype)),
                                           arch)

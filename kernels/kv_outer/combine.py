@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import triton_common  # noqa: F401
+from ..dispatch.triton_launch import launch
 import triton
 import triton.language as tl
 
@@ -86,6 +87,5 @@ class Combine:
     def __call__(self) -> None:
         b = self.b
         grid = (triton.cdiv(self.n_pairs, self.pairs),)
-        combine_tiles_kernel[grid](b["o_part"], b["m_part"], b["l_part"], b["combine_index"],
-                                   self.out, self.lse, self.n_pairs, num_warps=self.num_warps,
-                                   **self.consts)
+        launch(combine_tiles_kernel, grid, b["o_part"], b["m_part"], b["l_part"], b["combine_index"], self.out,
+               self.lse, self.n_pairs, num_warps=self.num_warps, **self.consts)

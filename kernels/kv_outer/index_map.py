@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import triton_common  # noqa: F401  (before triton: the interpreter on a CPU)
+from ..dispatch.triton_launch import launch
 import triton
 import triton.language as tl
 
@@ -87,12 +88,16 @@ class CSRBuilder:
         per_head = -(-self.n_tokens * self.topk // self.tile_q)
         return self.hkv * per_head + min(self.num_keys, self.pages.numel())
 
-    def sort_and_count(self) -> None:
-        """Sorted edge keys and their permutation, CSR pointers and tile pointers."""
+    def edge_keys(self) -> None:
         n_edges = self.keys.numel()
         if n_edges:
-            edge_keys_kernel[(triton.cdiv(n_edges, PLACE_BLOCK),)](
-                self.pages, self.keys, n_edges, self.n_tokens * self.topk, self.num_pages, BLOCK=PLACE_BLOCK)
+            launch(edge_keys_kernel, (triton.cdiv(n_edges, PLACE_BLOCK),), self.pages, self.keys, n_edges,
+                   self.n_tokens * self.topk, self.num_pages, BLOCK=PLACE_BLOCK)
+
+    def sort_and_count(self) -> None:
+        """Sorted edge keys and their permutation, CSR pointers and tile pointers (kernels/kv_outer/op.py
+        does the same from C)."""
+        self.edge_keys()
         torch.sort(self.keys, stable=True, out=(self.sorted_key, self.perm))
         torch.searchsorted(self.sorted_key, self.key_ids, out_int32=True, out=self.csr_ptr)
         counts = self.csr_ptr[1:] - self.csr_ptr[:-1]
@@ -111,8 +116,10 @@ class IndexMap(CSRBuilder):
 
     def __call__(self) -> None:
         self.sort_and_count()
+        self.place()
+
+    def place(self) -> None:
         n_edges = self.perm.numel()
-        place_edges_kernel[(triton.cdiv(n_edges, PLACE_BLOCK),)](
-            self.sorted_key, self.perm, self.csr_ptr, self.tile_ptr, self.csr_query, self.combine_index,
-            n_edges, self.num_keys, self.n_tokens, HKV=self.hkv, TOPK=self.topk, TILE_Q=self.tile_q,
-            BLOCK=PLACE_BLOCK)
+        launch(place_edges_kernel, (triton.cdiv(n_edges, PLACE_BLOCK),), self.sorted_key, self.perm, self.csr_ptr,
+               self.tile_ptr, self.csr_query, self.combine_index, n_edges, self.num_keys, self.n_tokens,
+               HKV=self.hkv, TOPK=self.topk, TILE_Q=self.tile_q, BLOCK=PLACE_BLOCK)

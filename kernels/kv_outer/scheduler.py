@@ -44,6 +44,7 @@ import torch
 
 from .. import triton_common  # noqa: F401  (before triton: the interpreter on a CPU)
 from ..triton_scans import scan_min
+from ..dispatch.triton_launch import launch
 import triton
 import triton.language as tl
 
@@ -311,35 +312,46 @@ class Schedule:
         self._run_ends_sorted()
 
     def _closed_form(self) -> None:
+        if self.q_ranges > 1:
+            self.range_tiles()
+            torch.cumsum(self._counts, 0, dtype=torch.int32, out=self._group_start)
+        self.place()
+
+    def range_tiles(self) -> None:
+        """Each key's tiles per query range, group-major in _counts (q_ranges > 1)."""
+        m = self.m
+        most_tiles = -(-m.n_tokens * m.topk // self.tile_q)          # a key's list is at most every edge
+        launch(range_tiles_kernel, (triton.cdiv(self.num_keys, RANGE_BLOCK),), self.csr_ptr, self.tile_ptr,
+               m.csr_query, self._below, self._counts[1:], self.num_keys, m.num_pages, m.n_tokens, self.q_ranges,
+               TILE_Q=self.tile_q, SEARCH_STEPS=max(1, most_tiles.bit_length()), BLOCK=RANGE_BLOCK,
+               RANGES=triton.next_power_of_2(self.q_ranges))
+
+    def place(self) -> None:
+        """The closed forms after the range counts' prefix sum (_group_start): deal, place, run ends and
+        the position-addressed combine index (kernels/kv_outer/op.py replays the same launches from C)."""
         m, n = self.m, self._tiles.numel()
         s = self.q_ranges
         group_start, below = self.tile_ptr, self.tile_ptr               # one range: the heads' tile pointers
         if s > 1:
-            most_tiles = -(-m.n_tokens * m.topk // self.tile_q)          # a key's list is at most every edge
-            range_tiles_kernel[(triton.cdiv(self.num_keys, RANGE_BLOCK),)](
-                self.csr_ptr, self.tile_ptr, m.csr_query, self._below, self._counts[1:], self.num_keys,
-                m.num_pages, m.n_tokens, s, TILE_Q=self.tile_q, SEARCH_STEPS=max(1, most_tiles.bit_length()),
-                BLOCK=RANGE_BLOCK, RANGES=triton.next_power_of_2(s))
-            torch.cumsum(self._counts, 0, dtype=torch.int32, out=self._group_start)
             group_start, below = self._group_start, self._below
         position = self._position if self._position is not None else self.tile_key   # unused in key order
         deal = 1 if self.phases else 2 if self.order_chunk else 0
         block_c = triton.next_power_of_2(self.num_ctas + 1)
         if deal == 1:
-            phase_table_kernel[(1,)](group_start, self._phase_base, self.cta_range, m.num_pages, m.hkv * s,
-                                     self.num_ctas, BLOCK_C=block_c)
-        schedule_tiles_kernel[(triton.cdiv(n, SCHEDULE_BLOCK),)](
-            self.tile_ptr, self.csr_ptr, m.csr_query, group_start, below, self._phase_base, self.tile_key,
-            self.tile_edge, self.tile_count, self.tile_run_end, position, self.cta_range, n, self.num_keys,
-            m.num_pages, m.n_tokens, s, self.num_ctas, max(self.order_chunk, 1), TILE_Q=self.tile_q,
-            GROUPED=s > 1, DEAL=deal, SEARCH_STEPS=max(1, self.num_keys.bit_length()), BLOCK=SCHEDULE_BLOCK,
-            BLOCK_C=block_c)
+            launch(phase_table_kernel, (1,), group_start, self._phase_base, self.cta_range, m.num_pages, m.hkv * s,
+                   self.num_ctas, BLOCK_C=block_c)
+        launch(schedule_tiles_kernel, (triton.cdiv(n, SCHEDULE_BLOCK),),
+               self.tile_ptr, self.csr_ptr, m.csr_query, group_start, below, self._phase_base, self.tile_key,
+               self.tile_edge, self.tile_count, self.tile_run_end, position, self.cta_range, n, self.num_keys,
+               m.num_pages, m.n_tokens, s, self.num_ctas, max(self.order_chunk, 1), TILE_Q=self.tile_q,
+               GROUPED=s > 1, DEAL=deal, SEARCH_STEPS=max(1, self.num_keys.bit_length()), BLOCK=SCHEDULE_BLOCK,
+               BLOCK_C=block_c)
         if self.grouped:
             self._run_ends()
             if self.combine_index is not None:
                 src = self.m.combine_index
-                reindex_kernel[(triton.cdiv(src.numel(), REINDEX_BLOCK),)](
-                    src, self.combine_index, self._position, src.numel(), TILE_Q=self.tile_q, BLOCK=REINDEX_BLOCK)
+                launch(reindex_kernel, (triton.cdiv(src.numel(), REINDEX_BLOCK),), src, self.combine_index,
+                       self._position, src.numel(), TILE_Q=self.tile_q, BLOCK=REINDEX_BLOCK)
 
     def _slices(self, total) -> None:
         """CTA c gets positions [c * T // C, (c + 1) * T // C)."""
@@ -408,7 +420,7 @@ class Schedule:
 
     def _run_ends(self) -> None:
         n = self.tile_key.numel()
-        run_ends_kernel[(triton.cdiv(n, RUN_BLOCK),)](self.tile_key, self.tile_run_end, n, BLOCK=RUN_BLOCK)
+        launch(run_ends_kernel, (triton.cdiv(n, RUN_BLOCK),), self.tile_key, self.tile_run_end, n, BLOCK=RUN_BLOCK)
 
     def _run_ends_sorted(self) -> None:
         """The sorted path's run ends, in torch: the run number (a cumsum over run starts) never

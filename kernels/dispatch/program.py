@@ -1,0 +1,145 @@
+"""A module's program: the steps of program.cu, added at plan time from the plan's own buffers and kernels,
+and run per stage from one ctypes call (each stage of a plan becomes `ProgramStage(program, i)`).
+
+The buffers and the CuTe libraries the steps point at are kept alive by the Program. Nothing here allocates,
+syncs or reads back at run time, so a run is legal inside CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..base import BackendUnavailable
+from .triton_launch import TritonLaunch
+
+_LIB = None
+_VOID, _I32, _I64, _SIZE, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t, ctypes.c_float
+_SIGNATURES = {
+    "msa_prog_new": (_VOID, []), "msa_prog_free": (None, [_VOID]), "msa_prog_size": (ctypes.c_int, [_VOID, ctypes.c_int]),
+    "msa_prog_failed_step": (ctypes.c_int, [_VOID]),
+    "msa_sort_temp_bytes": (_SIZE, [ctypes.c_int, _I64]), "msa_scan_temp_bytes": (_SIZE, [_I64]),
+    "msa_prog_launch": (None, [_VOID, ctypes.c_int, _VOID] + [ctypes.c_uint] * 5 + [ctypes.c_char_p, _I32,
+                                                                                    ctypes.POINTER(_I32), _I32]),
+    "msa_prog_sort": (None, [_VOID, ctypes.c_int, ctypes.c_int] + [_VOID] * 4 + [_I64, _VOID, _SIZE]),
+    "msa_prog_scan": (None, [_VOID, ctypes.c_int, _VOID, _VOID, _I64, _VOID, _SIZE]),
+    "msa_prog_lower_bound": (None, [_VOID, ctypes.c_int, ctypes.c_int, _VOID, _I64, _VOID, _I64]),
+    "msa_prog_tile_counts": (None, [_VOID, ctypes.c_int, _VOID, _VOID, _I64, _I32]),
+    "msa_prog_memset": (None, [_VOID, ctypes.c_int, _VOID, _I64]),
+    "msa_prog_cute_kvo": (None, [_VOID, ctypes.c_int, _VOID, ctypes.POINTER(_VOID), ctypes.POINTER(_I32), _I32,
+                                 _I32, _I32, _F32, _F32]),
+    "msa_prog_run": (ctypes.c_int, [_VOID, ctypes.c_int, _VOID]),
+}
+
+
+def library() -> ctypes.CDLL:
+    """The prebuilt dispatch library (build.py), loaded once; BackendUnavailable with the build command."""
+    global _LIB
+    if _LIB is None:
+        from ..cute.loader import _load_cudart
+        from .build import find_library, library_name
+        path = find_library()
+        if path is None:
+            raise BackendUnavailable(f"the C++ dispatch library {library_name()} is not built: run "
+                                     "`msa-bench build-kernels` (needs nvcc, no GPU)")
+        _load_cudart()
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        _LIB = lib
+    return _LIB
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+class Program:
+    """Steps per stage (0, 1, ... in the plan's stage order), run by `run(stage)` on the current stream."""
+
+    def __init__(self, device):
+        self.lib = library()
+        self.handle = self.lib.msa_prog_new()
+        self.device = torch.device(device)
+        self.keep: list = []                # what the steps point at
+
+    def __del__(self):
+        if getattr(self, "handle", None):
+            self.lib.msa_prog_free(self.handle)
+            self.handle = None
+
+    def size(self, stage: int = -1) -> int:
+        return self.lib.msa_prog_size(self.handle, stage)
+
+    def _temp(self, nbytes: int) -> int:
+        buf = torch.empty(max(1, nbytes), dtype=torch.uint8, device=self.device)
+        self.keep.append(buf)
+        return _ptr(buf)
+
+    def triton(self, stage: int, launches: list[TritonLaunch]) -> None:
+        for t in launches:
+            offsets = (_I32 * len(t.offsets))(*t.offsets)
+            self.lib.msa_prog_launch(self.handle, stage, t.function, *t.grid, t.threads, t.shared, t.blob,
+                                     len(t.blob), offsets, len(t.offsets))
+
+    def sort(self, stage: int, keys_in, keys_out, values_in, values_out) -> None:
+        """A stable sort of keys (int16 or int32) carrying int64 values: torch.sort(stable=True)'s result
+        when values_in is 0..n-1."""
+        kb = keys_in.element_size()
+        if kb not in (2, 4) or values_in.dtype != torch.int64:
+            raise BackendUnavailable(f"the C++ dispatch sorts int16/int32 keys with int64 values, not {keys_in.dtype}")
+        n = keys_in.numel()
+        temp = self.lib.msa_sort_temp_bytes(kb, n)
+        self.keep += [keys_in, keys_out, values_in, values_out]
+        self.lib.msa_prog_sort(self.handle, stage, kb, _ptr(keys_in), _ptr(keys_out), _ptr(values_in),
+                               _ptr(values_out), n, self._temp(temp), temp)
+
+    def scan(self, stage: int, inp, out) -> None:
+        """out = inclusive prefix sum of inp (int32): torch.cumsum(inp, 0, dtype=torch.int32)."""
+        n = inp.numel()
+        temp = self.lib.msa_scan_temp_bytes(n)
+        self.keep += [inp, out]
+        self.lib.msa_prog_scan(self.handle, stage, _ptr(inp), _ptr(out), n, self._temp(temp), temp)
+
+    def lower_bound(self, stage: int, sorted_keys, out) -> None:
+        """out[t] = how many keys are below t, for t in 0..len(out)-1: torch.searchsorted(sorted_keys,
+        arange(len(out)), out_int32=True)."""
+        self.keep += [sorted_keys, out]
+        self.lib.msa_prog_lower_bound(self.handle, stage, sorted_keys.element_size(), _ptr(sorted_keys),
+                                      sorted_keys.numel(), _ptr(out), out.numel())
+
+    def tile_counts(self, stage: int, csr_ptr, tiles, tile_q: int) -> None:
+        """tiles[k] = ceil((csr_ptr[k + 1] - csr_ptr[k]) / tile_q)."""
+        self.keep += [csr_ptr, tiles]
+        self.lib.msa_prog_tile_counts(self.handle, stage, _ptr(csr_ptr), _ptr(tiles), tiles.numel(), tile_q)
+
+    def zero(self, stage: int, t) -> None:
+        self.keep.append(t)
+        self.lib.msa_prog_memset(self.handle, stage, _ptr(t), t.numel() * t.element_size())
+
+    def cute_kv_outer(self, stage: int, library, packed, scalars: tuple) -> None:
+        """A kv-outer CuTe launch through the library's C entry point, with the stage's packed arguments."""
+        entry = ctypes.cast(library._launch, _VOID).value
+        ptrs, rows = packed
+        self.keep += [library, packed]
+        self.lib.msa_prog_cute_kvo(self.handle, stage, entry, ctypes.cast(ptrs, ctypes.POINTER(_VOID)),
+                                   ctypes.cast(rows, ctypes.POINTER(_I32)), len(ptrs), *scalars)
+
+    def run(self, stage: int = -1) -> None:
+        """Run one stage's steps (-1: all) on the current stream; raises on the first failing step."""
+        err = self.lib.msa_prog_run(self.handle, stage, torch.cuda.current_stream(self.device).cuda_stream)
+        if err:
+            from ..cute.loader import cuda_error_text
+            raise RuntimeError(f"C++ dispatch: step {self.lib.msa_prog_failed_step(self.handle)} failed: "
+                               f"{cuda_error_text(err)}")
+
+
+class ProgramStage:
+    """A plan stage that runs its steps of a program."""
+
+    def __init__(self, program: Program, stage: int):
+        self.program, self.stage = program, stage
+
+    def __call__(self) -> None:
+        self.program.run(self.stage)
