@@ -1,6 +1,6 @@
-"""kv-outer-cute dispatched from C++ (kv-outer-cute@op) against the Python dispatch, bitwise: output, LSE and
-every intermediate buffer, on each workload family and tile order; in CUDA-graph capture and under
-torch.compile through the torch op."""
+"""kv-outer-cute and q-packed-cute dispatched from C++ (@op) against their Python dispatch, bitwise: output,
+LSE and every intermediate buffer, on each workload family and tile order or tile size; in CUDA-graph
+capture and under torch.compile through the torch op."""
 from __future__ import annotations
 
 import pytest
@@ -31,12 +31,14 @@ WORKLOADS = {
     "decode": lambda d: serving_workload(SHAPE, d, "decode", None, 32768, context_min=8192, requests=64, seed=9,
                                          device="cuda"),
 }
-ORDERS = ["", "2:p", "4:8"]          # the workload's own (key order on these), phases over 2 ranges, chunks
+# kv-outer-cute: the workload's own tile order (key order on these), phases over 2 ranges, chunks of 8;
+# q-packed-cute: the rule's tiles, and 12-token tiles forced
+VARIANTS = [("kv-outer-cute", ""), ("kv-outer-cute", "2:p"), ("kv-outer-cute", "4:8"),
+            ("q-packed-cute", ""), ("q-packed-cute", "p12")]
 
 
-def _plans(name: str, dtype: str, order: str):
-    python, op = ("kv-outer-cute" + (f"@{order}" if order else ""),
-                  "kv-outer-cute@op" + (f"+{order}" if order else ""))
+def _plans(name: str, dtype: str, backend: str, option: str):
+    python, op = backend + (f"@{option}" if option else ""), f"{backend}@op" + (f"+{option}" if option else "")
     for b in (python, op):
         reason = get_backend(b).unavailable_reason(dtype, "cuda")
         if reason:
@@ -51,11 +53,11 @@ def _same(a, b) -> None:
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("backend,option", VARIANTS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("name", list(WORKLOADS))
-def test_the_op_computes_the_python_dispatch_bitwise(name, dtype, order):
-    _, python, op = _plans(name, dtype, order)
+def test_the_op_computes_the_python_dispatch_bitwise(name, dtype, backend, option):
+    _, python, op = _plans(name, dtype, backend, option)
     assert op.info["dispatch"].startswith("C++")
     for plan in (python, op):
         plan.output.fill_(float("nan"))
@@ -71,13 +73,14 @@ def test_the_op_computes_the_python_dispatch_bitwise(name, dtype, order):
 
 
 def test_the_op_plan_replays_in_a_graph_as_it_runs(graph_replay_equals_eager):
-    _, _, op = _plans("prefill-short", "bf16", "")
-    graph_replay_equals_eager(op)
+    for backend in ("kv-outer-cute", "q-packed-cute"):
+        _, _, op = _plans("prefill-short", "bf16", backend, "")
+        graph_replay_equals_eager(op)
 
 
 def test_graph_capture_and_torch_compile_run_the_same_bits():
     from msa_bench.kernels.dispatch.torch_op import register, unregister
-    _, python, op = _plans("synthetic-causal", "bf16", "")
+    _, python, op = _plans("synthetic-causal", "bf16", "kv-outer-cute", "")
     python.run()
     program = op.stages["combine"].program
     handle = register(program)

@@ -177,10 +177,10 @@ class KVOuterCuteBackend(KVOuterBackend):
         if reason:
             return reason
         if self.dispatch == "op":
-            from ..dispatch.build import find_library, library_name
-            if find_library() is None:
-                return (f"{self.name}: the C++ dispatch library {library_name()} is not built "
-                        "(`msa-bench build-kernels`, needs nvcc)")
+            from ..dispatch.build import unavailable_reason
+            reason = unavailable_reason(self.name)
+            if reason:
+                return reason
         from .loader import library_unavailable_reason
         return library_unavailable_reason(CuteConfig(self.kernel_for(dtype), dtype, ctas_per_sm=self.ctas_for(dtype)),
                                           arch)

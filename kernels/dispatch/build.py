@@ -59,3 +59,10 @@ def build(out_dir: Path | None = None) -> Path:
         raise BuildError(f"building {out.name} failed: {first}")
     tmp.replace(out)
     return out
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why `backend@op` cannot run here: its library is not built."""
+    if find_library() is None:
+        return f"{backend}: the C++ dispatch library {library_name()} is not built (`msa-bench build-kernels`, needs nvcc)"
+    return None

@@ -5,7 +5,7 @@
 // binaries the Python path launches, with their arguments packed at plan time); a stable radix sort of
 // (key, int64 value) pairs or an int32 inclusive scan (CUB: what torch.sort and torch.cumsum compute);
 // a lower-bound search of 0..T-1 in sorted keys (torch.searchsorted); a key's tile count; a memset; a
-// CuTe attention launch through the library's C entry point. Steps belong to a stage; msa_prog_run
+// CuTe attention launch through its library's C entry point (either kind of library). Steps belong to a stage; msa_prog_run
 // replays one stage or all of them, in order, on the caller's stream, with no allocation or sync, so
 // that a run is legal inside CUDA-graph capture.
 //
@@ -25,8 +25,11 @@ typedef int (*LaunchKernel)(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
                             unsigned bz, unsigned smem, void *stream, void **params, void **extra);
 typedef int (*CuteKvoLaunch)(void *const *ptrs, const int32_t *rows, int32_t hkv, int32_t num_pages,
                              float scale, float out_scale, void *stream);
+typedef int (*CuteQpkLaunch)(void *const *ptrs, const int32_t *rows, int32_t hkv, int32_t n_token_tiles,
+                             int32_t union_cap, int32_t num_ctas, int32_t n_tokens, int32_t topk, int32_t direct,
+                             float scale, float out_scale, void *stream);
 
-enum Kind { LAUNCH, SORT, SCAN, LOWER_BOUND, TILE_COUNTS, MEMSET, CUTE_KVO };
+enum Kind { LAUNCH, SORT, SCAN, LOWER_BOUND, TILE_COUNTS, MEMSET, CUTE_KVO, CUTE_QPK };
 
 struct Step {
   Kind kind;
@@ -43,11 +46,11 @@ struct Step {
   size_t temp_bytes = 0;
   int64_t n = 0, m = 0;
   int32_t tile_q = 0;
-  // CUTE_KVO
+  // CUTE_KVO, CUTE_QPK: the library's launch entry point and its arguments
   void *entry = nullptr;
   std::vector<void *> ptrs;
   std::vector<int32_t> rows;
-  int32_t hkv = 0, num_pages = 0;
+  int32_t ints[7] = {0, 0, 0, 0, 0, 0, 0};
   float scale = 0.f, out_scale = 0.f;
 };
 
@@ -132,8 +135,11 @@ int run_step(Step &s, cudaStream_t stream) {
     case MEMSET:
       return (int)cudaMemsetAsync(s.a, 0, (size_t)s.n, stream);
     case CUTE_KVO:
-      return ((CuteKvoLaunch)s.entry)(s.ptrs.data(), s.rows.data(), s.hkv, s.num_pages, s.scale, s.out_scale,
+      return ((CuteKvoLaunch)s.entry)(s.ptrs.data(), s.rows.data(), s.ints[0], s.ints[1], s.scale, s.out_scale,
                                       stream);
+    case CUTE_QPK:
+      return ((CuteQpkLaunch)s.entry)(s.ptrs.data(), s.rows.data(), s.ints[0], s.ints[1], s.ints[2], s.ints[3],
+                                      s.ints[4], s.ints[5], s.ints[6], s.scale, s.out_scale, stream);
   }
   return (int)cudaErrorInvalidValue;
 }
@@ -212,13 +218,14 @@ void msa_prog_memset(void *p, int stage, void *ptr, int64_t bytes) {
   s.a = ptr; s.n = bytes;
 }
 
-void msa_prog_cute_kvo(void *p, int stage, void *entry, void *const *ptrs, const int32_t *rows, int32_t n,
-                       int32_t hkv, int32_t num_pages, float scale, float out_scale) {
-  Step &s = add((Program *)p, CUTE_KVO, stage);
+void msa_prog_cute(void *p, int stage, int packed_kind, void *entry, void *const *ptrs, const int32_t *rows,
+                   int32_t n, const int32_t *ints, int32_t n_ints, float scale, float out_scale) {
+  Step &s = add((Program *)p, packed_kind == 0 ? CUTE_KVO : CUTE_QPK, stage);
   s.entry = entry;
   s.ptrs.assign(ptrs, ptrs + n);
   s.rows.assign(rows, rows + n);
-  s.hkv = hkv; s.num_pages = num_pages; s.scale = scale; s.out_scale = out_scale;
+  for (int i = 0; i < n_ints && i < 7; ++i) s.ints[i] = ints[i];
+  s.scale = scale; s.out_scale = out_scale;
 }
 
 int msa_prog_run(void *prog, int stage, void *stream) {

@@ -26,8 +26,8 @@ _SIGNATURES = {
     "msa_prog_lower_bound": (None, [_VOID, ctypes.c_int, ctypes.c_int, _VOID, _I64, _VOID, _I64]),
     "msa_prog_tile_counts": (None, [_VOID, ctypes.c_int, _VOID, _VOID, _I64, _I32]),
     "msa_prog_memset": (None, [_VOID, ctypes.c_int, _VOID, _I64]),
-    "msa_prog_cute_kvo": (None, [_VOID, ctypes.c_int, _VOID, ctypes.POINTER(_VOID), ctypes.POINTER(_I32), _I32,
-                                 _I32, _I32, _F32, _F32]),
+    "msa_prog_cute": (None, [_VOID, ctypes.c_int, ctypes.c_int, _VOID, ctypes.POINTER(_VOID), ctypes.POINTER(_I32),
+                             _I32, ctypes.POINTER(_I32), _I32, _F32, _F32]),
     "msa_prog_run": (ctypes.c_int, [_VOID, ctypes.c_int, _VOID]),
 }
 
@@ -118,13 +118,20 @@ class Program:
         self.keep.append(t)
         self.lib.msa_prog_memset(self.handle, stage, _ptr(t), t.numel() * t.element_size())
 
-    def cute_kv_outer(self, stage: int, library, packed, scalars: tuple) -> None:
-        """A kv-outer CuTe launch through the library's C entry point, with the stage's packed arguments."""
+    def cute(self, stage: int, library, packed, scalars: tuple) -> None:
+        """A CuTe attention launch through its library's C entry point (kv-outer: hkv, num_pages; q-packed: the
+        seven ints of manifest's ABI; then the two float scales), with the stage's packed arguments."""
+        kinds = {"kv-outer": (0, 2), "q-packed": (1, 7)}
+        kind, n_ints = kinds[library.cfg.kind]
+        ints, floats = scalars[:-2], scalars[-2:]
+        if len(ints) != n_ints:
+            raise ValueError(f"{library.cfg.name}: expected {n_ints} int scalars, got {len(ints)}")
         entry = ctypes.cast(library._launch, _VOID).value
         ptrs, rows = packed
         self.keep += [library, packed]
-        self.lib.msa_prog_cute_kvo(self.handle, stage, entry, ctypes.cast(ptrs, ctypes.POINTER(_VOID)),
-                                   ctypes.cast(rows, ctypes.POINTER(_I32)), len(ptrs), *scalars)
+        self.lib.msa_prog_cute(self.handle, stage, kind, entry, ctypes.cast(ptrs, ctypes.POINTER(_VOID)),
+                               ctypes.cast(rows, ctypes.POINTER(_I32)), len(ptrs), (_I32 * n_ints)(*ints), n_ints,
+                               *floats)
 
     def run(self, stage: int = -1) -> None:
         """Run one stage's steps (-1: all) on the current stream; raises on the first failing step."""

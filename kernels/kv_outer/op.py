@@ -62,7 +62,7 @@ def program_stages(plan) -> dict:
     prog.triton(1, launches)
 
     # stage 2: the CuTe attention launch through its library's C entry point
-    prog.cute_kv_outer(2, attention.library, attention.packed, attention.scalars)
+    prog.cute(2, attention.library, attention.packed, attention.scalars)
     attention()
 
     # stage 3: the combine

@@ -164,11 +164,17 @@ class QPackedCuteBackend(Backend):
     # the words are manifest.OPTION_FLAGS's, which name the libraries
     options = {"pingpong": Choice("pingpong consumer warpgroups", {"pp": True, "plain": False}),
                "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False}),
-               "tile_size": Number("tokens a tile", "p", (TILE_TOKENS, WIDE_TOKENS))}
+               "tile_size": Number("tokens a tile", "p", (TILE_TOKENS, WIDE_TOKENS)),
+               "dispatch": Choice("dispatch", ("op",))}
 
-    def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None, tile_size: int | None = None):
+    def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None, tile_size: int | None = None,
+                 dispatch: str | None = None):
         """All None: each dtype's DEFAULT_OPTIONS; naming one flag turns the others off (`@pp` is pingpong
-        alone). tile_size: None the rule (wide_schedule), 8 never wide, 12 always (neither flag)."""
+        alone). tile_size: None the rule (wide_schedule), 8 never wide, 12 always (neither flag). dispatch
+        "op": the stages replayed from the C++ dispatch library (kernels/q_packed/op.py), None: Python."""
+        if dispatch not in (None, "op"):
+            raise ValueError(f"q-packed-cute has no dispatch {dispatch!r} (have op)")
+        self.dispatch = dispatch
         flags = (pingpong, s_ahead)
         self.flags = None if all(f is None for f in flags) else tuple(bool(f) for f in flags)
         if tile_size == WIDE_TOKENS and any(f for f in flags):
@@ -239,6 +245,11 @@ class QPackedCuteBackend(Backend):
         reason = triton_unavailable_reason(device)          # the schedule stage
         if reason:
             return reason
+        if self.dispatch == "op":
+            from ..dispatch.build import unavailable_reason
+            reason = unavailable_reason(self.name)
+            if reason:
+                return reason
         from ..cute.loader import library_unavailable_reason
         return next(filter(None, (library_unavailable_reason(c, arch) for c in self.configs_for(dtype))), None)
 
@@ -300,6 +311,11 @@ class QPackedCuteBackend(Backend):
                     quantization=("e4m3 Q/K/V/P on fp8 MMA (V d-major, keys permuted, copy made in plan)"
                                   if w.dtype == "fp8" else "bf16 Q/K/V and MMA, fp32 softmax"))
         stages = {"attention": attention} if direct else {"schedule": schedule, "attention": attention}
-        return Plan(backend=self.name, stages=stages, output=out, lse=lse,
+        plan = Plan(backend=self.name, stages=stages, output=out, lse=lse,
                     buffers=dict(schedule.buffers), info=info,
                     model_record=self.record_of(w, schedule.P, critical) if not direct else None)
+        if self.dispatch == "op":
+            from .op import program_stages
+            plan.stages = program_stages(plan)
+            plan.info["dispatch"] = "C++ program (kernels/dispatch), one call per stage"
+        return plan

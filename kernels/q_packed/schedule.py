@@ -25,6 +25,7 @@ from ...scenarios.tiling import query_tiles
 from ..cute.manifest import WIDE_TOKENS
 from .. import triton_common  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
 from ..triton_scans import scan_max, scan_min
+from ..dispatch.triton_launch import launch
 import triton
 import triton.language as tl
 
@@ -268,9 +269,9 @@ class PackedSchedule:
         if self.num_tiles == 0:
             return
         w = self.w
-        pack_tile_kernel[(self.num_tiles,)](
-            w.selection, w.q_limit, w.q_request, w.page_table, self.tile_tok0, self.tile_ntok, self.tile_count,
-            self.tile_page, self.tile_limit, self.tile_split,
-            self.tile_count if self.residual_pages is None else self.residual_pages,
-            w.n_tokens, self.n_token_tiles, w.page_table.stride(0),
-            num_warps=self.num_warps, **self.consts)
+        launch(pack_tile_kernel, (self.num_tiles,),
+               w.selection, w.q_limit, w.q_request, w.page_table, self.tile_tok0, self.tile_ntok, self.tile_count,
+               self.tile_page, self.tile_limit, self.tile_split,
+               self.tile_count if self.residual_pages is None else self.residual_pages,
+               w.n_tokens, self.n_token_tiles, w.page_table.stride(0),
+               num_warps=self.num_warps, **self.consts)
