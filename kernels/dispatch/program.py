@@ -133,9 +133,17 @@ class Program:
                                ctypes.cast(rows, ctypes.POINTER(_I32)), len(ptrs), (_I32 * n_ints)(*ints), n_ints,
                                *floats)
 
+    def _stream(self) -> int:
+        """The current stream's handle, read at each call (under capture, the capturing stream): torch's
+        raw getter where it has one (what Triton's launcher reads; a few us less than the Stream object)."""
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        return torch.cuda.current_stream(self.device).cuda_stream
+
     def run(self, stage: int = -1) -> None:
         """Run one stage's steps (-1: all) on the current stream; raises on the first failing step."""
-        err = self.lib.msa_prog_run(self.handle, stage, torch.cuda.current_stream(self.device).cuda_stream)
+        err = self.lib.msa_prog_run(self.handle, stage, self._stream())
         if err:
             from ..cute.loader import cuda_error_text
             raise RuntimeError(f"C++ dispatch: step {self.lib.msa_prog_failed_step(self.handle)} failed: "
