@@ -87,6 +87,7 @@ def test_the_op_option_selects_the_cpp_dispatch_and_refuses_a_misspelling():
     assert (b.dispatch, b.kernel, b.order) == ("op", "v23", "2:p")
     assert get_backend("kv-outer-cute").dispatch is None
     assert get_backend("q-packed-cute@op+p12").dispatch == "op" and get_backend("q-packed-cute@op").flags is None
+    assert get_backend("hybrid@op+fused").dispatch == "op" and get_backend("hybrid@op+fused").fused
     with pytest.raises(KeyError, match="sets its dispatch twice"):
         get_backend("kv-outer-cute@op+op")
 

@@ -64,12 +64,16 @@ class HybridBackend(Backend):
     options = {"tokens_per_tile": Number("tile size", "p", tuple(sorted(TILE_TOKENS + (WIDE_TOKENS,)))),
                "min_share": Number("share threshold", "m", tuple(range(1, max(TILE_TOKENS) + 1))),
                "kv_stage": Choice("KV-outer attention", tuple(KV_STAGES)),
-               "fused": Choice("residual merged in the packed epilogue", {"fused": True, "combine": False})}
+               "fused": Choice("residual merged in the packed epilogue", {"fused": True, "combine": False}),
+               "dispatch": Choice("dispatch", ("op",))}
 
     def __init__(self, tokens_per_tile: int | None = None, min_share: int | None = None, kv_stage: str | None = None,
-                 fused: bool | None = None):
+                 fused: bool | None = None, dispatch: str | None = None):
+        """dispatch "op": the stages replayed from the C++ dispatch library (both parts CuTe), None: Python."""
+        if dispatch not in (None, "op"):
+            raise ValueError(f"hybrid has no dispatch {dispatch!r} (have op)")
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
-        self.fused = fused
+        self.fused, self.dispatch = fused, dispatch
         # (weakref to a workload, {key: what was made of it}): its layout, packed schedules and split record,
         # which wide_fits, the model (auto asks before planning) and the plan each need
         self._memo = None
@@ -149,6 +153,9 @@ class HybridBackend(Backend):
         runs = WIDE_TILE_TOKENS if self.wide else get_backend("q-packed-cute").dtypes if self.fused else None
         if reason is None and runs is not None and dtype not in runs:
             reason = f"{self.name} runs {', '.join(runs)} only"
+        if reason is None and self.dispatch == "op":
+            from ..dispatch.build import unavailable_reason
+            reason = unavailable_reason(self.name)
         return reason
 
     @property
@@ -318,4 +325,10 @@ class HybridBackend(Backend):
         plan = Plan(backend=self.name, stages=stages,
                     output=out, lse=lse, buffers=buffers, info=info, model_record=record)
         plan._parts = (kv_plan, packed)          # keep the KV-outer plan's state alive with this one
+        if self.dispatch == "op":
+            if kv.name != "kv-outer-cute" or packed_kernel != "q-packed-cute":
+                raise BackendUnavailable(f"{self.name}@op runs CuTe parts only (here {kv.name} and {packed_kernel})")
+            from .op import hybrid_program_stages
+            plan.stages = hybrid_program_stages(plan, packed, kvs, parts_in_order, combine)
+            plan.info["dispatch"] = "C++ program (kernels/dispatch), one call per stage"
         return plan

@@ -1,13 +1,19 @@
 """q-packed-cute dispatched from C++ (`q-packed-cute@op`): the schedule's Triton launch, recorded as the
 Python stage made it, and the CuTe attention launch through its library's C entry point, as one program of
-kernels/dispatch replayed per stage from one ctypes call each (the same binaries and arguments: the same bits)."""
+kernels/dispatch replayed per stage from one ctypes call each (the same binaries and arguments: the same bits).
+The hybrid (`hybrid@op`) is its packed schedule and KV-outer's index map and schedule as one stage, both
+attention launches as the next, and the merging combine."""
 from __future__ import annotations
 
 import torch
 
 from ..base import BackendUnavailable
 from ..dispatch.program import Program, ProgramStage
-from ..dispatch.triton_launch import recording
+from ..kv_outer.op import add_combine, add_cute, add_index_map, add_schedule, recorded
+
+
+def add_packed_schedule(prog: Program, at: int, schedule) -> None:
+    prog.triton(at, recorded(schedule, 1 if schedule.num_tiles else 0, "the packed schedule"))
 
 
 def program_stages(plan) -> dict:
@@ -15,18 +21,26 @@ def program_stages(plan) -> dict:
     names = tuple(plan.stages)
     if names not in (("schedule", "attention"), ("attention",)):
         raise BackendUnavailable(f"the C++ dispatch runs q-packed's stages, not {names}")
-    device = plan.output.device
-    prog = Program(device)
+    prog = Program(plan.output.device)
     prog.keep.append(plan)
-    for i, name in enumerate(names):
-        stage = plan.stages[name]
-        if name == "schedule":
-            with recording() as launches:
-                stage()
-            if len(launches) != (1 if stage.num_tiles else 0):
-                raise BackendUnavailable(f"the C++ dispatch recorded {len(launches)} launches of the q-packed schedule")
-            prog.triton(i, launches)
-        elif stage.num_tiles:
-            prog.cute(i, stage.library, stage.packed, stage.scalars)
-    torch.cuda.synchronize(device)
+    for at, name in enumerate(names):
+        (add_packed_schedule if name == "schedule" else add_cute)(prog, at, plan.stages[name])
+    torch.cuda.synchronize(prog.device)
+    return {name: ProgramStage(prog, i) for i, name in enumerate(names)}
+
+
+def hybrid_program_stages(plan, packed, kv_stages: dict, parts_in_order: tuple, combine) -> dict:
+    """The hybrid's stages (schedule, attention[, combine]) as ProgramStages: its Python stages' parts, in
+    their order (the packed schedule writes the residual selection KV-outer's index map reads)."""
+    names = tuple(plan.stages)
+    prog = Program(plan.output.device)
+    prog.keep.append(plan)
+    add_packed_schedule(prog, 0, packed)
+    add_index_map(prog, 0, kv_stages["index_map"])
+    add_schedule(prog, 0, kv_stages["schedule"])
+    for part in parts_in_order:
+        add_cute(prog, 1, part)
+    if combine is not None:
+        add_combine(prog, 2, combine)
+    torch.cuda.synchronize(prog.device)
     return {name: ProgramStage(prog, i) for i, name in enumerate(names)}
