@@ -11,6 +11,8 @@ records every prediction, the skipped candidates and the pick under "auto", the 
 it): each candidate also pays the profile's host cost per stage launch and its per-step planning
 (roofline/model.module_time), scaled to the host's speed at plan time (the host launch probe now over the one
 the costs were measured with); a profile that measured none says so in one line and prices them at 0 s.
+There a candidate that can be launched from C++ (`NAME@op`, kernels/dispatch) is weighed that way too where
+calibrate measured its host cost so, and the cheaper of the two is planned.
 """
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ import statistics
 import torch
 
 from ..roofline.devices import device_profile
-from ..roofline.model import EAGER, GRAPH, REGIMES
+from ..roofline.dtypes import model_dtype
+from ..roofline.model import EAGER, GRAPH, REGIMES, host_measured
 from ..roofline.predict import host_note, predict_module, weigh_reason
 from ..scenarios.stats import ModelStats
 from ..scenarios.workload import Workload
 from .clock import host_launch_probe
+from .dispatch import op_variants
 from .base import Backend, BackendUnavailable, Plan, get_backend, register, registered_names
 from .options import Choice
 
@@ -81,7 +85,10 @@ class AutoBackend(Backend):
         profile = profile or device_profile(w.device)
         stats = ModelStats(w)
         out, skipped = {}, {}
-        for name in candidate_names():
+        names = candidate_names()
+        if self.regime == EAGER:        # launched from C++ too, where calibrate measured that launch path
+            names += [n for n in op_variants(names) if host_measured(profile, n, model_dtype(w.dtype))]
+        for name in names:
             backend = get_backend(name)
             why = backend.workload_unavailable_reason(w) or weigh_reason(backend.facts, stats, profile, w.dtype,
                                                                          backend.achieved_names(w), self.regime)

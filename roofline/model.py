@@ -149,15 +149,21 @@ REGIMES = (GRAPH, EAGER)
 
 
 def host_cost(device: DeviceProfile, backend: str, dtype: str | None) -> tuple[float, float] | None:
-    """(host seconds per stage launch from Python, host seconds of the plan's per-step work) `backend`
-    (BASE@OPTION counts as BASE) pays run eagerly, as calibrated ("host": "backend/dtype"); None where the
-    profile has not measured it."""
+    """(host seconds per stage launch, host seconds of the plan's per-step work) `backend` pays run eagerly,
+    as calibrated ("host": "backend/dtype"): its own entry where calibrate measured one (BASE@op, launched
+    from C++, is measured apart), else BASE's; None where the profile has not measured it."""
     got = _host_entry(device, backend, dtype)
     return (float(got["s"]), float(got.get("step_s", 0.0))) if got else None
 
 
+def host_measured(device: DeviceProfile, backend: str, dtype: str | None) -> bool:
+    """Whether the profile holds `backend`'s own host entry (not its base's)."""
+    return f"{backend}/{dtype}" in ((device.fixed_costs or {}).get("host") or {})
+
+
 def _host_entry(device: DeviceProfile, backend: str, dtype: str | None) -> dict | None:
-    return ((device.fixed_costs or {}).get("host") or {}).get(f"{base_name(backend)}/{dtype}")
+    table = (device.fixed_costs or {}).get("host") or {}
+    return table.get(f"{backend}/{dtype}") or table.get(f"{base_name(backend)}/{dtype}")
 
 
 def stage_launches(device: DeviceProfile, backend: str, dtype: str | None, stages) -> list[float]:

@@ -197,3 +197,34 @@ def test_the_report_predicts_an_eager_unit_in_the_eager_regime():
     eager = predicted_module_s({**row, "timer": "cuda-eager"}, prof)
     assert graph == pytest.approx(prediction("kv-outer", prof).seconds)
     assert eager == pytest.approx(2e-3 + 1e-3 + max(graph, 3e-3))
+
+
+def test_a_cpp_launch_path_has_its_own_host_cost_and_falls_back_to_nothing_else():
+    from msa_bench.roofline.model import host_cost, host_measured
+    prof = profile({"kv-outer-cute/bf16": {"s": 90e-6, "step_s": 0.0}, "kv-outer-cute@op/bf16": {"s": 5e-6}})
+    assert host_cost(prof, "kv-outer-cute@op", "bf16") == (5e-6, 0.0)
+    assert host_cost(prof, "kv-outer-cute@v23", "bf16") == (90e-6, 0.0)      # any other option is its base
+    assert host_measured(prof, "kv-outer-cute@op", "bf16") and not host_measured(prof, "kv-outer-cute@v23", "bf16")
+
+
+def test_auto_eager_weighs_the_cpp_launch_path_only_where_calibrate_measured_it():
+    w = workload()
+    host = {f"{n}/bf16": {"s": 1e-6} for n in auto_mod.candidate_names()}        # the model prices fp32 as bf16
+    measured = profile({**host, "kv-outer-cute@op/bf16": {"s": 4e-7}})
+    cands, skipped = get_backend("auto@eager").candidates(w, measured, host_probe_s=None)
+    weighed = set(cands) | set(skipped)
+    assert "kv-outer-cute@op" in weighed and "q-packed-cute@op" not in weighed     # its host path unmeasured
+    cands, skipped = get_backend("auto").candidates(w, measured)
+    assert not any(n.endswith("@op") for n in set(cands) | set(skipped))         # graph replay: one launch path
+
+
+def test_calibrate_measures_host_costs_of_both_launch_paths_and_merges_an_op_entry_alone():
+    assert {"kv-outer-cute@op", "q-packed-cute@op", "hybrid@op"} <= set(fixed_costs.host_names())
+    assert fixed_costs.host_scope(["kv-outer-cute"]) == ["kv-outer-cute", "kv-outer-cute@op"]
+    assert fixed_costs.host_scope(None) is None
+    old = {"launch_s": 1e-6, "stages": {"a/attention/bf16": {"s": 1e-6, "launches": 1}}, "host": {"a/bf16": {"s": 9e-6}}}
+    fresh = {"launch_s": 2e-6, "launch_points": [], "stages": {"a/attention/bf16": {"s": 3e-6, "launches": 1}},
+             "decode_achieved": {}, "items": {}, "date": "now", "seconds": 1.0, "method": "m",
+             "host": {"a/bf16": {"s": 4e-6, "step_s": 0.0}, "a@op/bf16": {"s": 1e-6, "step_s": 0.0}}}
+    out = fixed_costs.merge_fixed_costs(old, fresh, only=["a"])
+    assert out["host"] == fresh["host"]              # the @op entry has no stages of its own and is kept

@@ -39,6 +39,7 @@ import torch
 
 from .ceilings import theil_sen
 from ...roofline.devices import DeviceProfile
+from ...roofline.names import base_name
 from ..measure.timing import MODULE, PLAN_STEP, TimingConfig, time_plan, warm_plan
 from ...roofline.model import EAGER
 
@@ -123,7 +124,7 @@ def item_points(dtype: str, shape=None, points=ITEM_POINTS):
 
 
 def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, device="cuda", points=None,
-                   timing: TimingConfig = TIMING, only=None, skipped: dict | None = None) -> dict:
+                   timing: TimingConfig = TIMING, only=None, skipped: dict | None = None, names=None) -> dict:
     """{(backend, dtype): [(roofline s, {stage: median s}, {stage: launches}, item blocks)]} for
     every candidate here (or those in `only`); roofline times at achieved fraction 1. Each candidate
     skipped on a workload is also put in `skipped` ({"backend/dtype": why}, the first reason kept)."""
@@ -150,7 +151,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
             stats = ModelStats(w)
             count += 1
             first = True            # the first candidate timed on the workload times a dropped plan first
-            for name in calibrated_names():
+            for name in names or calibrated_names():
                 backend = get_backend(name)
                 # a workload the backend cannot run, or the model does not predict it on (a per-token-mask
                 # tile where its tokens select apart), is not one of its points: its other points stand
@@ -205,6 +206,21 @@ def calibrated_names() -> list[str]:
     names = auto.candidate_names()
     return names + [n for n in registered_names()
                     if n not in names and get_backend(n).schedule in DENSE_SCHEDULES]
+
+
+def host_names() -> list[str]:
+    """The backends whose host costs calibrate measures: calibrated_names(), and each one launched from C++
+    (NAME@op, kernels/dispatch; where its library is not built it runs no workload, so it is not measured),
+    so `auto@eager` can weigh both launch paths."""
+    from ...kernels.dispatch import op_variants
+    names = calibrated_names()
+    return names + op_variants(names)
+
+
+def host_scope(only):
+    """`only` (backend names) with their C++ launch paths, for the host series."""
+    from ...kernels.dispatch import op_variants
+    return None if only is None else list(only) + op_variants(only)
 
 
 def pick_dependent(name: str) -> bool:
@@ -344,8 +360,8 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=(
     items = fit_items({k: latency.get(k, []) + item_series.get(k, []) for k in set(latency) | set(item_series)})
     stages = fit_series(latency, items, item_series)
     batches = measure_series(profile, dtypes, log=log, only=only, skipped=skipped)
-    host = fit_host(measure_series(profile, dtypes, log=log, points=host_points, only=only, skipped=skipped,
-                                   timing=EAGER_TIMING))
+    host = fit_host(measure_series(profile, dtypes, log=log, points=host_points, only=host_scope(only),
+                                   skipped=skipped, timing=EAGER_TIMING, names=host_names()))
     generator, options = LATENCY_POINT
     fresh = {"launch_s": launch, "launch_points": [list(p) for p in points], "stages": stages,
             "decode_achieved": fit_decode_achieved(batches, stages), "items": items, "host": host,
@@ -359,7 +375,7 @@ def calibrate_fixed_costs(profile: DeviceProfile, log=print, only=None, dtypes=(
                       f"that ran it (the latency point, or one request's 8-token tile)",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0}
     out = merge_fixed_costs(profile.fixed_costs or {}, fresh, only, skipped,
-                            candidates=[c for c in calibrated_names() if not pick_dependent(c)])
+                            candidates=[c for c in host_names() if not pick_dependent(c)])
     for unit, e in out.get("unmeasured", {}).items():
         log(f"  fixed costs: {unit} {unmeasured_line(e)}")
     return out
@@ -390,9 +406,10 @@ def merge_fixed_costs(old: dict, fresh: dict, only=None, skipped: dict | None = 
     never dropped in silence. A calibration that measured nothing in scope is a UserError: nothing is written."""
     from ...errors import UserError
     skipped = skipped or {}
-    mine = (lambda key: True) if only is None else (lambda key: key.split("/")[0] in set(only))   # noqa: E731
+    mine = (lambda key: True) if only is None else (lambda key: base_name(key.split("/")[0]) in set(only))  # noqa: E731
     live = set(candidates) if candidates is not None else None
-    measured = {unit_of(k) for k in fresh["stages"]} - set(skipped)
+    # a C++ launch path (NAME@op) has host costs alone: its stages are NAME's
+    measured = {unit_of(k) for table in ("stages", "host") for k in (fresh.get(table) or {})} - set(skipped)
     if not any(mine(u) for u in measured):
         scope = "any candidate" if only is None else ", ".join(sorted(only))
         raise UserError(f"fixed costs of {scope} were not measured (the log above says why); the profile is unchanged")
