@@ -38,13 +38,18 @@ VARIANTS = [("kv-outer-cute", ""), ("kv-outer-cute", "2:p"), ("kv-outer-cute", "
             ("q-packed-cute", ""), ("q-packed-cute", "p12"), ("hybrid", ""), ("hybrid", "fused")]
 
 
+_CACHE: dict = {}
+
+
 def _plans(name: str, dtype: str, backend: str, option: str):
     python, op = backend + (f"@{option}" if option else ""), f"{backend}@op" + (f"+{option}" if option else "")
     for b in (python, op):
         reason = get_backend(b).unavailable_reason(dtype, "cuda")
         if reason:
             pytest.skip(reason)
-    w = WORKLOADS[name](dtype)
+    if (name, dtype) not in _CACHE:
+        _CACHE[(name, dtype)] = WORKLOADS[name](dtype)
+    w = _CACHE[(name, dtype)]
     return w, get_backend(python).plan(w), get_backend(op).plan(w)
 
 
