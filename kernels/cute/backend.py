@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..base import BackendUnavailable, register
+from ..dispatch import DISPATCH, checked
 from ..options import Choice, Rest
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
 from ...roofline.dtypes import DType
@@ -103,7 +104,7 @@ class KVOuterCuteBackend(KVOuterBackend):
     description = "kv-outer with the attention stage as a CuTe DSL sm_90a kernel (prebuilt, loaded with ctypes)"
     dtypes = DTYPES
     options = {"kernel": Choice("kernel", tuple(KERNELS), refuses=r"v\d+"),
-               "dispatch": Choice("dispatch", ("op",)),
+               "dispatch": DISPATCH,
                "order": Rest("tile order", _tile_order_word, "S:k|S:p|phases", ("phases", "2:p", "4:8", "1:0"))}
 
     def __init__(self, config=None, kernel: str | None = None, order: str | None = None, dispatch: str | None = None):
@@ -112,13 +113,11 @@ class KVOuterCuteBackend(KVOuterBackend):
         dispatch "op": the stages replayed from the C++ dispatch library (kernels/kv_outer/op.py), None: Python."""
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kv-outer-cute has no kernel {kernel!r} (have {', '.join(KERNELS)})")
-        if dispatch not in (None, "op"):
-            raise ValueError(f"kv-outer-cute has no dispatch {dispatch!r} (have op)")
         self._order_fields = tile_order(order) if order else {}
         super().__init__(attention_impl="cute", config=config)
         self.kernel = kernel
         self.order = order
-        self.dispatch = dispatch
+        self.dispatch = checked("kv-outer-cute", dispatch)
 
     def kernel_for(self, dtype: str) -> str:
         return self.kernel or default_kernel(dtype)
@@ -143,10 +142,9 @@ class KVOuterCuteBackend(KVOuterBackend):
     def _plan(self, w):
         plan = super()._plan(w)
         plan.info["cute_kernel"] = plan.stages["attention"].cfg.kernel
-        if self.dispatch == "op":
-            from ..kv_outer.op import program_stages
-            plan.stages = program_stages(plan)
-            plan.info["dispatch"] = "C++ program (kernels/dispatch), one call per stage"
+        if self.dispatch:
+            from ..kv_outer.op import dispatch
+            dispatch(plan)
         plan.info["quantization"] = "e4m3 Q/K/V/P on fp8 MMA" if w.dtype == "fp8" else f"none ({w.dtype} Q/K/V/P)"
         return plan
 
@@ -176,7 +174,7 @@ class KVOuterCuteBackend(KVOuterBackend):
         reason = super().unavailable_reason(dtype, device)     # the shared Triton stages
         if reason:
             return reason
-        if self.dispatch == "op":
+        if self.dispatch:
             from ..dispatch.build import unavailable_reason
             reason = unavailable_reason(self.name)
             if reason:

@@ -24,7 +24,7 @@ DSL_PIP = 'pip install "nvidia-cutlass-dsl[cu13]==4.8.1"'
 
 
 class BuildError(UserError):
-    """The CuTe build could not be done; the message is one line."""
+    """A kernel build (the CuTe libraries, the dispatch library) could not be done; the message is one line."""
 
 
 def dsl_unavailable_reason() -> str | None:

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ...errors import UserError
+from ..cute.build import BuildError, cuda_home
 
 SOURCE = Path(__file__).with_name("program.cu")
 # sm_90 code and compute_90 PTX: the Triton and CuTe binaries it launches are built apart
@@ -18,17 +18,13 @@ DIR_ENV = "MSA_BENCH_DISPATCH_DIR"
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "build" / "dispatch"
 
 
-class BuildError(UserError):
-    """The dispatch library could not be built; the message is one line."""
-
-
 def library_name() -> str:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
     return f"libmsa_dispatch_{digest}.so"
 
 
 def nvcc() -> str:
-    home = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
+    home = cuda_home()
     found = shutil.which("nvcc") or (str(home / "bin" / "nvcc") if (home / "bin" / "nvcc").is_file() else None)
     if not found:
         raise BuildError("nvcc not found (install the CUDA 13 toolkit or set CUDA_HOME) to build the dispatch library")
@@ -61,8 +57,14 @@ def build(out_dir: Path | None = None) -> Path:
     return out
 
 
-def unavailable_reason(backend: str) -> str | None:
-    """Why `backend@op` cannot run here: its library is not built."""
+def not_built() -> str | None:
+    """Why the library cannot be loaded here (it is not built), or None."""
     if find_library() is None:
-        return f"{backend}: the C++ dispatch library {library_name()} is not built (`msa-bench build-kernels`, needs nvcc)"
+        return f"the C++ dispatch library {library_name()} is not built (`msa-bench build-kernels`, needs nvcc)"
     return None
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why `backend@op` cannot run here."""
+    why = not_built()
+    return f"{backend}: {why}" if why else None

@@ -13,6 +13,7 @@
 // otherwise; msa_prog_failed_step names the step that returned it.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <dlfcn.h>
 #include <cuda_runtime.h>
@@ -38,8 +39,7 @@ struct Step {
   void *function = nullptr;
   unsigned grid[3] = {1, 1, 1}, threads = 0, smem = 0;
   std::vector<char> blob;              // the packed arguments
-  std::vector<int32_t> offsets;        // each argument's byte offset in blob
-  std::vector<void *> params;          // pointers into blob, rebuilt once the blob stops moving
+  std::vector<void *> params;          // each argument's address in blob (a moved Step keeps blob's buffer)
   // SORT, SCAN, LOWER_BOUND, TILE_COUNTS, MEMSET
   int key_bytes = 0;
   void *a = nullptr, *b = nullptr, *c = nullptr, *d = nullptr, *temp = nullptr;
@@ -53,6 +53,9 @@ struct Step {
   int32_t ints[7] = {0, 0, 0, 0, 0, 0, 0};
   float scale = 0.f, out_scale = 0.f;
 };
+
+// steps grow by moving, and only a move keeps each blob's buffer where its params point
+static_assert(std::is_nothrow_move_constructible<Step>::value, "a Step must move, not copy");
 
 struct Program {
   std::vector<Step> steps;
@@ -186,7 +189,7 @@ void msa_prog_launch(void *p, int stage, void *function, unsigned gx, unsigned g
   s.threads = threads;
   s.smem = smem;
   s.blob.assign((const char *)blob, (const char *)blob + blob_bytes);
-  s.offsets.assign(offsets, offsets + nargs);
+  for (int32_t i = 0; i < nargs; ++i) s.params.push_back(s.blob.data() + offsets[i]);
 }
 
 void msa_prog_sort(void *p, int stage, int key_bytes, void *keys_in, void *keys_out, void *vals_in, void *vals_out,
@@ -230,12 +233,6 @@ void msa_prog_cute(void *p, int stage, int packed_kind, void *entry, void *const
 
 int msa_prog_run(void *prog, int stage, void *stream) {
   Program *p = (Program *)prog;
-  // the launch parameters point into each step's blob; the blobs stopped moving with the last add
-  for (Step &s : p->steps)
-    if (s.kind == LAUNCH && s.params.size() != s.offsets.size()) {
-      s.params.clear();
-      for (int32_t off : s.offsets) s.params.push_back(s.blob.data() + off);
-    }
   cudaStream_t st = (cudaStream_t)stream;
   for (size_t i = 0; i < p->steps.size(); ++i) {
     Step &s = p->steps[i];

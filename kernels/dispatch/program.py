@@ -37,11 +37,10 @@ def library() -> ctypes.CDLL:
     global _LIB
     if _LIB is None:
         from ..cute.loader import _load_cudart
-        from .build import find_library, library_name
+        from .build import find_library, not_built
         path = find_library()
         if path is None:
-            raise BackendUnavailable(f"the C++ dispatch library {library_name()} is not built: run "
-                                     "`msa-bench build-kernels` (needs nvcc, no GPU)")
+            raise BackendUnavailable(not_built())
         _load_cudart()
         lib = ctypes.CDLL(str(path))
         for name, (restype, argtypes) in _SIGNATURES.items():
@@ -63,6 +62,7 @@ class Program:
         self.handle = self.lib.msa_prog_new()
         self.device = torch.device(device)
         self.keep: list = []                # what the steps point at
+        self._stream = _stream_getter(self.device)
 
     def __del__(self):
         if getattr(self, "handle", None):
@@ -133,14 +133,6 @@ class Program:
                                ctypes.cast(rows, ctypes.POINTER(_I32)), len(ptrs), (_I32 * n_ints)(*ints), n_ints,
                                *floats)
 
-    def _stream(self) -> int:
-        """The current stream's handle, read at each call (under capture, the capturing stream): torch's
-        raw getter where it has one (what Triton's launcher reads; a few us less than the Stream object)."""
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return raw(self.device.index if self.device.index is not None else torch.cuda.current_device())
-        return torch.cuda.current_stream(self.device).cuda_stream
-
     def run(self, stage: int = -1) -> None:
         """Run one stage's steps (-1: all) on the current stream; raises on the first failing step."""
         err = self.lib.msa_prog_run(self.handle, stage, self._stream())
@@ -148,6 +140,31 @@ class Program:
             from ..cute.loader import cuda_error_text
             raise RuntimeError(f"C++ dispatch: step {self.lib.msa_prog_failed_step(self.handle)} failed: "
                                f"{cuda_error_text(err)}")
+
+
+def _stream_getter(device: torch.device):
+    """A function returning the current stream's handle, to call at each run (under capture it is the
+    capturing stream): torch's raw getter where it has one (what Triton's launcher reads; a few us less than
+    the Stream object), bound to the device's index once."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None or device.type != "cuda":
+        return lambda: torch.cuda.current_stream(device).cuda_stream
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return lambda: raw(index)
+
+
+INFO = "C++ program (kernels/dispatch), one call per stage"
+
+
+def dispatch_plan(plan, fill) -> None:
+    """Swap `plan`'s stages for ProgramStages of one program (stage i: the plan's i-th), which `fill(prog)`
+    builds from the plan's own stages; the program keeps the plan's buffers alive."""
+    prog = Program(plan.output.device)
+    prog.keep.append(plan)
+    fill(prog)
+    torch.cuda.synchronize(prog.device)
+    plan.stages = {name: ProgramStage(prog, i) for i, name in enumerate(plan.stages)}
+    plan.info["dispatch"] = INFO
 
 
 class ProgramStage:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..base import BackendUnavailable
-from ..dispatch.program import Program, ProgramStage
+from ..dispatch.program import Program, dispatch_plan
 from ..dispatch.triton_launch import recording
 
 STAGES = ("index_map", "schedule", "attention", "combine")
@@ -72,13 +72,12 @@ def add_combine(prog: Program, at: int, combine) -> None:
     prog.triton(at, recorded(combine, 1, "combine"))
 
 
-def program_stages(plan) -> dict:
-    """The plan's stages as ProgramStages of one program (the plan's buffers, its CuTe library)."""
+def dispatch(plan) -> None:
+    """The plan's stages replayed from one program (its buffers, its CuTe library)."""
     if tuple(plan.stages) != STAGES:
         raise BackendUnavailable(f"the C++ dispatch runs kv-outer's stages {STAGES}, not {tuple(plan.stages)}")
-    prog = Program(plan.output.device)
-    prog.keep.append(plan)
-    for at, (name, add) in enumerate(zip(STAGES, (add_index_map, add_schedule, add_cute, add_combine))):
-        add(prog, at, plan.stages[name])
-    torch.cuda.synchronize(prog.device)
-    return {name: ProgramStage(prog, i) for i, name in enumerate(STAGES)}
+
+    def fill(prog: Program) -> None:
+        for at, (name, add) in enumerate(zip(STAGES, (add_index_map, add_schedule, add_cute, add_combine))):
+            add(prog, at, plan.stages[name])
+    dispatch_plan(plan, fill)

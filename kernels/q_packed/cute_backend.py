@@ -24,6 +24,7 @@ from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SKI
                              SUPPORTED_ARCHS, WIDE_MAX_RATIO, WIDE_MIN_TILES_PER_SM, WIDE_TILE_TOKENS, WIDE_TOKENS,
                              QPackedConfig,
                              device_arch, fp8_v_key_order, wide_config)
+from ..dispatch import DISPATCH, checked
 from ..options import Choice, Number
 
 TILE_TOKENS = 8
@@ -165,16 +166,14 @@ class QPackedCuteBackend(Backend):
     options = {"pingpong": Choice("pingpong consumer warpgroups", {"pp": True, "plain": False}),
                "s_ahead": Choice("S of the next block issued with P V", {"sa": True, "plain": False}),
                "tile_size": Number("tokens a tile", "p", (TILE_TOKENS, WIDE_TOKENS)),
-               "dispatch": Choice("dispatch", ("op",))}
+               "dispatch": DISPATCH}
 
     def __init__(self, pingpong: bool | None = None, s_ahead: bool | None = None, tile_size: int | None = None,
                  dispatch: str | None = None):
         """All None: each dtype's DEFAULT_OPTIONS; naming one flag turns the others off (`@pp` is pingpong
         alone). tile_size: None the rule (wide_schedule), 8 never wide, 12 always (neither flag). dispatch
         "op": the stages replayed from the C++ dispatch library (kernels/q_packed/op.py), None: Python."""
-        if dispatch not in (None, "op"):
-            raise ValueError(f"q-packed-cute has no dispatch {dispatch!r} (have op)")
-        self.dispatch = dispatch
+        self.dispatch = checked("q-packed-cute", dispatch)
         flags = (pingpong, s_ahead)
         self.flags = None if all(f is None for f in flags) else tuple(bool(f) for f in flags)
         if tile_size == WIDE_TOKENS and any(f for f in flags):
@@ -245,7 +244,7 @@ class QPackedCuteBackend(Backend):
         reason = triton_unavailable_reason(device)          # the schedule stage
         if reason:
             return reason
-        if self.dispatch == "op":
+        if self.dispatch:
             from ..dispatch.build import unavailable_reason
             reason = unavailable_reason(self.name)
             if reason:
@@ -314,8 +313,7 @@ class QPackedCuteBackend(Backend):
         plan = Plan(backend=self.name, stages=stages, output=out, lse=lse,
                     buffers=dict(schedule.buffers), info=info,
                     model_record=self.record_of(w, schedule.P, critical) if not direct else None)
-        if self.dispatch == "op":
-            from .op import program_stages
-            plan.stages = program_stages(plan)
-            plan.info["dispatch"] = "C++ program (kernels/dispatch), one call per stage"
+        if self.dispatch:
+            from .op import dispatch
+            dispatch(plan)
         return plan

@@ -26,6 +26,7 @@ import torch
 from ..base import Backend, BackendUnavailable, Plan, get_backend, register
 from ..cute.manifest import WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
 from ..kv_outer.combine import Combine
+from ..dispatch import DISPATCH, checked
 from ..options import Choice, Number
 from ..triton_common import partial_dtype, triton_dtype_reason
 from ...roofline.devices import achieved, device_profile
@@ -65,15 +66,13 @@ class HybridBackend(Backend):
                "min_share": Number("share threshold", "m", tuple(range(1, max(TILE_TOKENS) + 1))),
                "kv_stage": Choice("KV-outer attention", tuple(KV_STAGES)),
                "fused": Choice("residual merged in the packed epilogue", {"fused": True, "combine": False}),
-               "dispatch": Choice("dispatch", ("op",))}
+               "dispatch": DISPATCH}
 
     def __init__(self, tokens_per_tile: int | None = None, min_share: int | None = None, kv_stage: str | None = None,
                  fused: bool | None = None, dispatch: str | None = None):
         """dispatch "op": the stages replayed from the C++ dispatch library (both parts CuTe), None: Python."""
-        if dispatch not in (None, "op"):
-            raise ValueError(f"hybrid has no dispatch {dispatch!r} (have op)")
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
-        self.fused, self.dispatch = fused, dispatch
+        self.fused, self.dispatch = fused, checked("hybrid", dispatch)
         # (weakref to a workload, {key: what was made of it}): its layout, packed schedules and split record,
         # which wide_fits, the model (auto asks before planning) and the plan each need
         self._memo = None
@@ -153,7 +152,7 @@ class HybridBackend(Backend):
         runs = WIDE_TILE_TOKENS if self.wide else get_backend("q-packed-cute").dtypes if self.fused else None
         if reason is None and runs is not None and dtype not in runs:
             reason = f"{self.name} runs {', '.join(runs)} only"
-        if reason is None and self.dispatch == "op":
+        if reason is None and self.dispatch:
             from ..dispatch.build import unavailable_reason
             reason = unavailable_reason(self.name)
         return reason
@@ -325,10 +324,9 @@ class HybridBackend(Backend):
         plan = Plan(backend=self.name, stages=stages,
                     output=out, lse=lse, buffers=buffers, info=info, model_record=record)
         plan._parts = (kv_plan, packed)          # keep the KV-outer plan's state alive with this one
-        if self.dispatch == "op":
+        if self.dispatch:
             if kv.name != "kv-outer-cute" or packed_kernel != "q-packed-cute":
                 raise BackendUnavailable(f"{self.name}@op runs CuTe parts only (here {kv.name} and {packed_kernel})")
-            from .op import hybrid_program_stages
-            plan.stages = hybrid_program_stages(plan, packed, kvs, parts_in_order, combine)
-            plan.info["dispatch"] = "C++ program (kernels/dispatch), one call per stage"
+            from .op import dispatch_hybrid
+            dispatch_hybrid(plan, packed, kvs, parts_in_order, combine)
         return plan

@@ -5,10 +5,8 @@ The hybrid (`hybrid@op`) is its packed schedule and KV-outer's index map and sch
 attention launches as the next, and the merging combine."""
 from __future__ import annotations
 
-import torch
-
 from ..base import BackendUnavailable
-from ..dispatch.program import Program, ProgramStage
+from ..dispatch.program import Program, dispatch_plan
 from ..kv_outer.op import add_combine, add_cute, add_index_map, add_schedule, recorded
 
 
@@ -16,31 +14,28 @@ def add_packed_schedule(prog: Program, at: int, schedule) -> None:
     prog.triton(at, recorded(schedule, 1 if schedule.num_tiles else 0, "the packed schedule"))
 
 
-def program_stages(plan) -> dict:
-    """The plan's stages ({schedule, attention}, or attention alone for one-token tiles) as ProgramStages."""
+def dispatch(plan) -> None:
+    """The plan's stages ({schedule, attention}, or attention alone for one-token tiles) replayed from one
+    program."""
     names = tuple(plan.stages)
     if names not in (("schedule", "attention"), ("attention",)):
         raise BackendUnavailable(f"the C++ dispatch runs q-packed's stages, not {names}")
-    prog = Program(plan.output.device)
-    prog.keep.append(plan)
-    for at, name in enumerate(names):
-        (add_packed_schedule if name == "schedule" else add_cute)(prog, at, plan.stages[name])
-    torch.cuda.synchronize(prog.device)
-    return {name: ProgramStage(prog, i) for i, name in enumerate(names)}
+
+    def fill(prog: Program) -> None:
+        for at, name in enumerate(names):
+            (add_packed_schedule if name == "schedule" else add_cute)(prog, at, plan.stages[name])
+    dispatch_plan(plan, fill)
 
 
-def hybrid_program_stages(plan, packed, kv_stages: dict, parts_in_order: tuple, combine) -> dict:
-    """The hybrid's stages (schedule, attention[, combine]) as ProgramStages: its Python stages' parts, in
-    their order (the packed schedule writes the residual selection KV-outer's index map reads)."""
-    names = tuple(plan.stages)
-    prog = Program(plan.output.device)
-    prog.keep.append(plan)
-    add_packed_schedule(prog, 0, packed)
-    add_index_map(prog, 0, kv_stages["index_map"])
-    add_schedule(prog, 0, kv_stages["schedule"])
-    for part in parts_in_order:
-        add_cute(prog, 1, part)
-    if combine is not None:
-        add_combine(prog, 2, combine)
-    torch.cuda.synchronize(prog.device)
-    return {name: ProgramStage(prog, i) for i, name in enumerate(names)}
+def dispatch_hybrid(plan, packed, kv_stages: dict, parts_in_order: tuple, combine) -> None:
+    """The hybrid's stages (schedule, attention[, combine]) replayed from one program: its Python stages'
+    parts, in their order (the packed schedule writes the residual selection KV-outer's index map reads)."""
+    def fill(prog: Program) -> None:
+        add_packed_schedule(prog, 0, packed)
+        add_index_map(prog, 0, kv_stages["index_map"])
+        add_schedule(prog, 0, kv_stages["schedule"])
+        for part in parts_in_order:
+            add_cute(prog, 1, part)
+        if combine is not None:
+            add_combine(prog, 2, combine)
+    dispatch_plan(plan, fill)
