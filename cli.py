@@ -526,6 +526,12 @@ def sweep(
                                             "(device idle before it) beside its device time, and the plan's "
                                             "per-step host work as stage plan_step. The run records the timer; "
                                             "compare never mixes timers."),
+    rounds: int = typer.Option(None, help="With --timer eager: a point's units take their samples in this many "
+                                          "interleaved rounds (each round every backend takes its share, in an "
+                                          "order rotated each round), so that all of them are timed across the "
+                                          "same stretch of host time; every plan of a point is held at once. "
+                                          "Default: the scenario's timing.rounds, else 1 (each unit alone, in "
+                                          "turn).", show_default=False),
     gpus: str = typer.Option(None, help="One worker process per GPU, dealt units from one queue into one run folder: "
                                         "all, N (the first N) or a list of indices (0,2; one GPU: 3,). Indices as "
                                         "CUDA numbers them under CUDA_VISIBLE_DEVICES. GPUs of different models are "
@@ -552,7 +558,8 @@ def sweep(
                        generator=generator, share=_split(share, "share", float),
                        share_group=_split(share_group, "share-group", int), trace=trace, calls=calls, out=out,
                        resume=resume, shard=shard, counters=counters, reps=reps,
-                       timer=None if timer == "graph" else timer, gpus=gpus, device=device, argv=list(sys.argv))
+                       timer=None if timer == "graph" else timer, rounds=rounds, gpus=gpus, device=device,
+                       argv=list(sys.argv))
     try:
         summary = run_sweep(req)
     except SweepInterrupted as exc:

@@ -76,10 +76,12 @@ class TimingConfig:
     cpu_reps: int = 5
     cpu_max_reps: int = 5        # no CV re-measurement on CPU by default: its numbers mean nothing anyway
     timer: str = GRAPH           # GRAPH (replay) or EAGER (the stages launched from Python)
+    rounds: int = 1              # eager: a point's units take their samples in this many interleaved rounds
 
     @classmethod
-    def from_dict(cls, values: dict | None, reps: int | None = None, timer: str | None = None) -> "TimingConfig":
-        """A scenario's `timing` table (reps, warmup, cold_l2) plus the CLI's --reps.
+    def from_dict(cls, values: dict | None, reps: int | None = None, timer: str | None = None,
+                  rounds: int | None = None) -> "TimingConfig":
+        """A scenario's `timing` table (reps, warmup, cold_l2, rounds) plus the CLI's --reps, --timer, --rounds.
 
         A scenario's or the CLI's rep and warm-up counts apply on the GPU and on the CPU alike: the
         scenario that asks for them (the CPU `smoke`, a GPU grid) knows where it is meant to run.
@@ -88,7 +90,9 @@ class TimingConfig:
         if reps is not None:
             values["reps"] = reps
         kwargs = {}
-        for key, kind in (("reps", int), ("warmup", int), ("cold_l2", bool), ("cv_target", float)):
+        if rounds is not None:
+            values["rounds"] = rounds
+        for key, kind in (("reps", int), ("warmup", int), ("cold_l2", bool), ("cv_target", float), ("rounds", int)):
             if key not in values:
                 continue
             v = values[key]
@@ -113,6 +117,11 @@ class TimingConfig:
         cfg = cls(**kwargs)
         if cfg.warmup < 0 or cfg.cv_target <= 0:
             raise UserError("timing: warmup must be >= 0 and cv_target > 0")
+        if cfg.rounds < 1:
+            raise UserError(f"rounds must be at least 1, got {cfg.rounds}")
+        if cfg.rounds > 1 and cfg.timer != EAGER:
+            raise UserError("rounds interleave the eager timer's units (--timer eager); graph replay times the "
+                            "device, which the host's state does not move")
         return cfg
 
 
@@ -332,14 +341,14 @@ class _EagerClock:
     each call; on a GPU the device spans from CUDA events in a call of their own, on a CPU the calls."""
 
     def __init__(self, plan, device: torch.device, cold_l2: bool = True,
-                 read_reasons: Callable[[], int] | None = None):
+                 read_reasons: Callable[[], int] | None = None, flush: L2Flush | None = None):
         self.cuda = device.type == "cuda"
         self.device = device
         self.timer = timer_for(device.type, EAGER)
         self.stages = list(plan.stages.values())
         self.step = plan.step
         self.read_reasons = read_reasons if self.cuda else None
-        self.flush = L2Flush(device) if cold_l2 and self.cuda else None
+        self.flush = (flush or L2Flush(device)) if cold_l2 and self.cuda else None
         self.probe_buf = torch.ones(1, device=device)
         if self.cuda:                       # compiles kernels and fills buffers before any sample
             plan.run()
@@ -423,6 +432,62 @@ def eager_samples(names: list[str], timer: str, extra: list, converged: bool,
                                launch_s=[sum(c.launch_s) for c in calls], gap_s=[sum(c.gap_s) for c in calls],
                                host_probe_s=probes)
     return out
+
+
+def time_rounds(plans: dict, config: TimingConfig, device: torch.device | str,
+                read_reasons: Callable[[], int] | None = None) -> dict[str, dict[str, StageSamples] | Exception]:
+    """Eager samples of several plans of one workload (backend -> plan), taken in `config.rounds` interleaved
+    rounds: each round every plan takes its share of the samples, in an order rotated by one each round, so
+    that every backend's samples spread over the same stretch of host time (the host's launch rate moved
+    1.6-2x between states that last about a point: docs/perf-log.md, 2026-12-07). Warm-up calls are
+    interleaved alike. While a plan's module CV exceeds the target, further rounds take its samples, up to
+    the max. Backend -> its samples as time_plan gives them, or the exception its clock raised (that plan
+    drops out of the rounds; the others go on)."""
+    device = torch.device(device)
+    out: dict[str, dict[str, StageSamples] | Exception] = {}
+    clocks = {}
+    flush = L2Flush(device) if config.cold_l2 and device.type == "cuda" else None    # one buffer for all
+    for name, plan in plans.items():
+        try:
+            clocks[name] = _EagerClock(plan, device, config.cold_l2, read_reasons, flush)
+        except Exception as exc:
+            out[name] = exc
+    warmup, reps, max_reps = _counts(config, device.type == "cuda")
+    share = -(-reps // config.rounds)
+    taken: dict[str, list] = {name: [] for name in clocks}
+
+    order = list(plans)
+
+    def one_round(r: int, names: list[str], n: int, keep: bool) -> None:
+        k = r % len(order)
+        for name in order[k:] + order[:k]:
+            if name not in names or name not in clocks:
+                continue
+            try:
+                _, extra = clocks[name].batch(n)
+            except Exception as exc:
+                out[name] = exc
+                del clocks[name]
+                continue
+            if keep:
+                taken[name] += extra
+
+    def module_cv(name: str) -> float:
+        return coefficient_of_variation([c.wall_s for c, _, _, _ in taken[name]])
+
+    if warmup:
+        one_round(0, list(clocks), warmup, keep=False)
+    for r in range(config.rounds):
+        one_round(r, list(clocks), share, keep=True)
+    r = config.rounds
+    while todo := [n for n in clocks if module_cv(n) > config.cv_target and len(taken[n]) < max_reps]:
+        one_round(r, todo, min(share, max_reps - max(len(taken[n]) for n in todo)), keep=True)
+        r += 1
+    for name, clock in clocks.items():
+        out[name] = {PLAN: StageSamples(PLAN, [plans[name].plan_seconds], TIMER_HOST, True)} | eager_samples(
+            list(plans[name].stages), clock.timer, taken[name], module_cv(name) <= config.cv_target,
+            clock.read_reasons is not None)
+    return {name: out[name] for name in plans}
 
 
 def _time_eager(plan, config: TimingConfig, device: torch.device,

@@ -35,6 +35,7 @@ class SweepRequest:
     counters: bool = False
     reps: int | None = None
     timer: str | None = None         # --timer graph|eager (harness/measure/timing.py); None: graph
+    rounds: int | None = None        # --rounds: eager, a point's units in interleaved rounds; None: the scenario's
     gpus: str | None = None          # --gpus all|N|LIST: one worker process per GPU (harness/running/pool.py)
     device: str | None = None        # --device: the profile `auto` and the model rows use (roofline.devices)
     argv: list[str] = field(default_factory=list)
@@ -44,7 +45,8 @@ class SweepRequest:
         return dict(scenario=self.scenario, reuse=self.reuse, tokens=self.tokens, context=self.context,
                     skew=self.skew, dtypes=self.dtypes, backends=self.backends, causal=self.causal,
                     generator=self.generator, share=self.share, share_group=self.share_group, shard=self.shard,
-                    reps=self.reps, trace=self.trace, calls=self.calls, timer=self.timer)
+                    reps=self.reps, trace=self.trace, calls=self.calls, timer=self.timer,
+                    rounds=self.rounds)
 
 
 @dataclass
@@ -137,7 +139,8 @@ def resolve(req: SweepRequest, device, notes: list[str]) -> Grid:
     every_ids = [results.unit_id(p.key(), b) for p, b in every]
     if len(set(every_ids)) != len(every_ids):
         raise UserError(f"scenario {scenario.name!r} has duplicate points (same key twice)")
-    timing = TimingConfig.from_dict(getattr(scenario, "timing", None), reps=req.reps, timer=req.timer)
+    timing = TimingConfig.from_dict(getattr(scenario, "timing", None), reps=req.reps, timer=req.timer,
+                                    rounds=req.rounds)
     return Grid(scenario, overrides, backends, shard, every, mine,
                 [results.unit_id(p.key(), b) for p, b in mine], results.grid_digest(every_ids), timing)
 
@@ -186,6 +189,8 @@ def resume_command(req: SweepRequest, scenario_name: str, run_dir) -> str:
         args += ["--reps", str(req.reps)]
     if req.timer is not None:
         args += ["--timer", req.timer]
+    if req.rounds is not None:
+        args += ["--rounds", str(req.rounds)]
     if req.gpus is not None:
         args += ["--gpus", req.gpus]
     return shlex.join(args + ["--out", str(run_dir), "--resume"])

@@ -72,19 +72,49 @@ class Runner:
         # every unit's status names the GPU (index, UUID, clocks) and, in a pool, the worker
         self.where = {**provenance.gpu_identity(device, self.telemetry.nvml_handle), **(where or {})}
 
+    def head(self, point, backend: str, wl_stats: dict, nth: int) -> dict:
+        """What every unit's status starts with: the point, timer, GPU, workload stats and backend."""
+        return {"point_key": point.key(), **point.as_dict(), "timer": self.timer, **self.where, **wl_stats,
+                "backend": backend, "schedule": schedule_of(backend) or "none", "nth_on_workload": nth}
+
     def run_unit(self, point, backend: str, workload, wl_stats: dict, why: dict | None = None,
                  nth: int = 0) -> dict:
         """Run one unit (or record `why`, the status and reason build_workload gave a workload it could not
         build) and write its folder; its status. nth: the units this process ran on the same built workload
         before it (0: the first, which times one plan and drops it before its timed one: see unit())."""
-        head = {"point_key": point.key(), **point.as_dict(), "timer": self.timer, **self.where, **wl_stats,
-                "backend": backend, "schedule": schedule_of(backend) or "none", "nth_on_workload": nth}
+        head = self.head(point, backend, wl_stats, nth)
         if workload is None:
             status, stats, samples = {**head, **why}, [], []
         else:
             status, stats, samples = self.unit(point, backend, workload, wl_stats, head)
         results.write_unit(self.run_dir, results.unit_id(point.key(), backend), status, stats, samples)
         return status
+
+    def run_rounds(self, point, backends: list[str], workload, wl_stats: dict, nth: int = 0) -> list[dict]:
+        """The point's units timed together, eager, in timing.rounds interleaved rounds (timing.time_rounds):
+        every plan of the point is made and held at once, then each is checked and written as unit() does.
+        Their statuses, in the order of `backends`."""
+        from ..measure.timing import time_rounds
+        heads = {b: self.head(point, b, wl_stats, nth + i) for i, b in enumerate(backends)}
+        plans, ended = {}, {}
+        for b in backends:
+            plan = self._plan(b, workload, heads[b])
+            if isinstance(plan, dict):
+                ended[b] = (plan, [], [])
+            else:
+                plans[b] = plan
+        if plans:
+            timed, telemetry = self._timed(lambda: time_rounds(plans, self.timing, self.device, self._reasons()))
+            for b, got in timed.items():
+                ended[b] = (self._raised(heads[b], got) if isinstance(got, Exception) else
+                            self._finish(point, b, workload, wl_stats, plans[b], got, telemetry, heads[b]))
+                plans[b] = None       # the next unit's check runs without this plan's memory
+        out = []
+        for b in backends:
+            status, stats, samples = ended[b]
+            results.write_unit(self.run_dir, results.unit_id(point.key(), b), status, stats, samples)
+            out.append(status)
+        return out
 
     def unit(self, point, backend_name: str, workload, wl_stats: dict, base: dict) -> tuple[dict, list, list]:
         """Status, tidy stat rows and sample rows of one unit. Never raises for a backend's failure.
@@ -95,30 +125,57 @@ class Runner:
 
         The first unit on a workload (base's nth_on_workload 0) times its plan after a dropped one
         (timing.warm_plan)."""
-        from ...kernels.base import BackendUnavailable, get_backend
-        from ..measure.check import compare_output, poison
-        status = dict(base)
-        backend = get_backend(backend_name)
-        rows = None
-        if workload.n_tokens > 4 * CHECK_ROWS:
-            rows = torch.linspace(0, workload.n_tokens - 1, CHECK_ROWS).round().long().unique()
+        plan = self._plan(backend_name, workload, base)
+        if isinstance(plan, dict):
+            return plan, [], []
         try:
-            # BackendUnavailable when it cannot run this workload here
+            samples, telemetry = self._timed(lambda: time_plan(plan, self.timing, self.device, self._reasons()))
+        except Exception as exc:
+            return self._raised(base, exc)
+        return self._finish(point, backend_name, workload, wl_stats, plan, samples, telemetry, base)
+
+    def _plan(self, backend_name: str, workload, base: dict):
+        """The unit's plan, its outputs poisoned with NaN, or the status of a unit that cannot run here
+        (unavailable) or whose planning raised (failed)."""
+        from ...kernels.base import BackendUnavailable, get_backend
+        from ..measure.check import poison
+        backend = get_backend(backend_name)
+        try:
             plan = (warm_plan(backend, workload, self.timing, self.device) if base.get("nth_on_workload") == 0
                     else backend.plan(workload))
             poison(plan)
-            before = self.telemetry.sample()
-            poller = Poller(self.telemetry.sample).start() if self.telemetry.available else None
-            try:
-                samples = time_plan(plan, self.timing, self.device,
-                                    self.telemetry.clock_reasons if self.telemetry.available else None)
-            finally:
-                during = poller.stop() if poller else []
-            after = self.telemetry.sample()
+            return plan
         except BackendUnavailable as exc:
-            return {**status, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}, [], []
+            return {**base, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}
         except Exception as exc:
-            return {**status, "status": results.STATUS_FAILED, "reason": f"timing raised {one_line(exc)}"}, [], []
+            return self._raised(base, exc)[0]
+
+    def _raised(self, base: dict, exc: Exception) -> tuple[dict, list, list]:
+        from ...kernels.base import BackendUnavailable
+        if isinstance(exc, BackendUnavailable):
+            return {**base, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}, [], []
+        return {**base, "status": results.STATUS_FAILED, "reason": f"timing raised {one_line(exc)}"}, [], []
+
+    def _reasons(self):
+        return self.telemetry.clock_reasons if self.telemetry.available else None
+
+    def _timed(self, timing):
+        """timing()'s result and the telemetry of its span (before, after, polled during)."""
+        before = self.telemetry.sample()
+        poller = Poller(self.telemetry.sample).start() if self.telemetry.available else None
+        try:
+            got = timing()
+        finally:
+            during = poller.stop() if poller else []
+        return got, (before, self.telemetry.sample(), during)
+
+    def _finish(self, point, backend_name: str, workload, wl_stats: dict, plan, samples, telemetry, base: dict):
+        """Check the output the last timed run left, then the unit's status, stat rows and sample rows."""
+        from ..measure.check import compare_output
+        status = dict(base)
+        rows = None
+        if workload.n_tokens > 4 * CHECK_ROWS:
+            rows = torch.linspace(0, workload.n_tokens - 1, CHECK_ROWS).round().long().unique()
         try:
             err, tol, _ = compare_output(plan, workload, rows, backend_name)
         except Exception as exc:
@@ -128,7 +185,7 @@ class Runner:
             return {**status, "status": results.STATUS_FAILED,
                     "reason": f"output disagrees with the reference (max rel err {err:.3g} > tol {tol:.3g}); "
                               "its timings are discarded"}, [], []
-        status.update(point_telemetry(before, after, during))
+        status.update(point_telemetry(*telemetry))
         ref_clock = self.telemetry.max_sm_clock_mhz()
         if ref_clock:
             status["sm_clock_max_mhz"] = ref_clock

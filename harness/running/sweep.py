@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..store import results
+from ...errors import UserError
 from .progress import SweepProgress
 from .request import Grid, SweepRequest, check_memory, resolve, resume_command
 from .run_folder import CPU_NOTE, RUNS_ROOT, SweepSummary, close_run, open_run, run_dir_for, set_aside_damaged, summarize
@@ -73,13 +74,23 @@ class _Loop:
         self.progress.working(self.WORKER, f"{label(point)} · building workload")
         workload, wl_stats, why = build_workload(point, self.device)
         want = []
+        if self.runner.timing.rounds > 1 and workload is not None:     # the point's units together
+            self.progress.working(self.WORKER, f"{label(point)} · {len(todo)} backends in "
+                                               f"{self.runner.timing.rounds} rounds")
+            ran = list(zip(todo, self.runner.run_rounds(point, todo, workload, wl_stats)))
+            each = (time.monotonic() - start) / len(todo)
+        else:
+            ran, each = None, None
         for nth, b in enumerate(todo):
-            self.progress.working(self.WORKER, f"{label(point)} · {b}")
-            status = self.runner.run_unit(point, b, workload, wl_stats, why, nth)
+            if ran is None:
+                self.progress.working(self.WORKER, f"{label(point)} · {b}")
+                status = self.runner.run_unit(point, b, workload, wl_stats, why, nth)
+            else:
+                status = ran[nth][1]
             if wants_counters(status) and self.runner.ncu is not None:
                 want.append(b)
             self.written += 1
-            self.progress.finished(self.WORKER, b, status["status"], time.monotonic() - start)
+            self.progress.finished(self.WORKER, b, status["status"], each or time.monotonic() - start)
             start = time.monotonic()
             if self.interrupt_after and self.written >= self.interrupt_after:
                 raise KeyboardInterrupt
@@ -134,7 +145,6 @@ def use_profile(req: SweepRequest, device, console):
 def record_profile(meta: dict, choice, grid, notes: list) -> None:
     """The run's provenance names the profile it used (path and sha256); a resumed run that now resolves
     another says so in a note. A GPU without a profile cannot run `auto`: refused before any unit."""
-    from ...errors import UserError
     from ...kernels.auto import AutoBackend
     from ...kernels.base import split_name
     if choice.profile is None and torch.cuda.is_available() and \
@@ -176,6 +186,9 @@ def _run_sweep(req: SweepRequest, console=None) -> SweepSummary:
         from .pool import WorkerPool
         pool = WorkerPool.for_request(req, notes)      # refuses bad --gpus and mixed GPU models
     grid = resolve(req, device, notes)
+    if pool is not None and grid.timing.rounds > 1:
+        raise UserError("--rounds times a point's units together in one process; --gpus deals them one by one "
+                        "to workers: drop one of the two")
     check_memory(grid, device, notes)
     run_dir = run_dir_for(req, grid)
     meta = open_run(run_dir, req, grid, device)
