@@ -3,7 +3,7 @@
 //
 // A step is one of: a launch of a compiled kernel by its CUfunction (the Triton stages: the same
 // binaries the Python path launches, with their arguments packed at plan time); a stable radix sort of
-// (key, int64 value) pairs or an int32 inclusive scan (CUB: what torch.sort and torch.cumsum compute);
+// (key, int64 value) pairs over the key bits that can differ, or an int32 inclusive scan (CUB: what torch.sort and torch.cumsum compute);
 // a lower-bound search of 0..T-1 in sorted keys (torch.searchsorted); a key's tile count; a memset; a
 // CuTe attention launch through its library's C entry point (either kind of library). Steps belong to a stage; msa_prog_run
 // replays one stage or all of them, in order, on the caller's stream, with no allocation or sync, so
@@ -41,7 +41,7 @@ struct Step {
   std::vector<char> blob;              // the packed arguments
   std::vector<void *> params;          // each argument's address in blob (a moved Step keeps blob's buffer)
   // SORT, SCAN, LOWER_BOUND, TILE_COUNTS, MEMSET
-  int key_bytes = 0;
+  int key_bytes = 0, end_bit = 0;      // SORT: keys differ only in bits [0, end_bit)
   void *a = nullptr, *b = nullptr, *c = nullptr, *d = nullptr, *temp = nullptr;
   size_t temp_bytes = 0;
   int64_t n = 0, m = 0;
@@ -93,14 +93,14 @@ template <typename K>
 cudaError_t sort_pairs(Step &s, cudaStream_t stream) {
   size_t bytes = s.temp_bytes;
   return cub::DeviceRadixSort::SortPairs(s.temp, bytes, (const K *)s.a, (K *)s.b, (const int64_t *)s.c,
-                                         (int64_t *)s.d, s.n, 0, (int)sizeof(K) * 8, stream);
+                                         (int64_t *)s.d, s.n, 0, s.end_bit, stream);
 }
 
 template <typename K>
-size_t sort_bytes(int64_t n) {
+size_t sort_bytes(int64_t n, int end_bit) {
   size_t bytes = 0;
   cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const K *)nullptr, (K *)nullptr, (const int64_t *)nullptr,
-                                  (int64_t *)nullptr, n, 0, (int)sizeof(K) * 8, (cudaStream_t)0);
+                                  (int64_t *)nullptr, n, 0, end_bit, (cudaStream_t)0);
   return bytes;
 }
 
@@ -171,8 +171,8 @@ int msa_prog_size(void *p, int stage) {
 
 int msa_prog_failed_step(void *p) { return ((Program *)p)->failed; }
 
-size_t msa_sort_temp_bytes(int key_bytes, int64_t n) {
-  return key_bytes == 2 ? sort_bytes<int16_t>(n) : sort_bytes<int32_t>(n);
+size_t msa_sort_temp_bytes(int key_bytes, int64_t n, int end_bit) {
+  return key_bytes == 2 ? sort_bytes<int16_t>(n, end_bit) : sort_bytes<int32_t>(n, end_bit);
 }
 
 size_t msa_scan_temp_bytes(int64_t n) {
@@ -192,10 +192,11 @@ void msa_prog_launch(void *p, int stage, void *function, unsigned gx, unsigned g
   for (int32_t i = 0; i < nargs; ++i) s.params.push_back(s.blob.data() + offsets[i]);
 }
 
-void msa_prog_sort(void *p, int stage, int key_bytes, void *keys_in, void *keys_out, void *vals_in, void *vals_out,
-                   int64_t n, void *temp, size_t temp_bytes) {
+void msa_prog_sort(void *p, int stage, int key_bytes, int end_bit, void *keys_in, void *keys_out, void *vals_in,
+                   void *vals_out, int64_t n, void *temp, size_t temp_bytes) {
   Step &s = add((Program *)p, SORT, stage);
   s.key_bytes = key_bytes;
+  s.end_bit = end_bit;
   s.a = keys_in; s.b = keys_out; s.c = vals_in; s.d = vals_out;
   s.n = n; s.temp = temp; s.temp_bytes = temp_bytes;
 }

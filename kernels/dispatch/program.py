@@ -18,10 +18,10 @@ _VOID, _I32, _I64, _SIZE, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 _SIGNATURES = {
     "msa_prog_new": (_VOID, []), "msa_prog_free": (None, [_VOID]), "msa_prog_size": (ctypes.c_int, [_VOID, ctypes.c_int]),
     "msa_prog_failed_step": (ctypes.c_int, [_VOID]),
-    "msa_sort_temp_bytes": (_SIZE, [ctypes.c_int, _I64]), "msa_scan_temp_bytes": (_SIZE, [_I64]),
+    "msa_sort_temp_bytes": (_SIZE, [ctypes.c_int, _I64, ctypes.c_int]), "msa_scan_temp_bytes": (_SIZE, [_I64]),
     "msa_prog_launch": (None, [_VOID, ctypes.c_int, _VOID] + [ctypes.c_uint] * 5 + [ctypes.c_char_p, _I32,
                                                                                     ctypes.POINTER(_I32), _I32]),
-    "msa_prog_sort": (None, [_VOID, ctypes.c_int, ctypes.c_int] + [_VOID] * 4 + [_I64, _VOID, _SIZE]),
+    "msa_prog_sort": (None, [_VOID, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [_VOID] * 4 + [_I64, _VOID, _SIZE]),
     "msa_prog_scan": (None, [_VOID, ctypes.c_int, _VOID, _VOID, _I64, _VOID, _SIZE]),
     "msa_prog_lower_bound": (None, [_VOID, ctypes.c_int, ctypes.c_int, _VOID, _I64, _VOID, _I64]),
     "msa_prog_tile_counts": (None, [_VOID, ctypes.c_int, _VOID, _VOID, _I64, _I32]),
@@ -83,16 +83,20 @@ class Program:
             self.lib.msa_prog_launch(self.handle, stage, t.function, *t.grid, t.threads, t.shared, t.blob,
                                      len(t.blob), offsets, len(t.offsets))
 
-    def sort(self, stage: int, keys_in, keys_out, values_in, values_out) -> None:
+    def sort(self, stage: int, keys_in, keys_out, values_in, values_out, top: int | None = None) -> None:
         """A stable sort of keys (int16 or int32) carrying int64 values: torch.sort(stable=True)'s result
-        when values_in is 0..n-1."""
+        when values_in is 0..n-1. top: the largest key there can be (keys are at least 0), so that the radix
+        sort passes over its bits only; None: every bit of the key's type."""
         kb = keys_in.element_size()
         if kb not in (2, 4) or values_in.dtype != torch.int64:
             raise BackendUnavailable(f"the C++ dispatch sorts int16/int32 keys with int64 values, not {keys_in.dtype}")
+        bits = 8 * kb if top is None else max(1, int(top).bit_length())
+        if bits > 8 * kb - 1 and top is not None:
+            raise BackendUnavailable(f"sort keys up to {top} do not fit a non-negative int{8 * kb}")
         n = keys_in.numel()
-        temp = self.lib.msa_sort_temp_bytes(kb, n)
+        temp = self.lib.msa_sort_temp_bytes(kb, n, bits)
         self.keep += [keys_in, keys_out, values_in, values_out]
-        self.lib.msa_prog_sort(self.handle, stage, kb, _ptr(keys_in), _ptr(keys_out), _ptr(values_in),
+        self.lib.msa_prog_sort(self.handle, stage, kb, bits, _ptr(keys_in), _ptr(keys_out), _ptr(values_in),
                                _ptr(values_out), n, self._temp(temp), temp)
 
     def scan(self, stage: int, inp, out) -> None:

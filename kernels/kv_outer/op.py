@@ -36,7 +36,7 @@ def add_index_map(prog: Program, at: int, index_map) -> None:
     if n_edges:
         prog.triton(at, launches[:1])
     values = torch.arange(n_edges, dtype=torch.int64, device=device)
-    prog.sort(at, index_map.keys, index_map.sorted_key, values, index_map.perm)
+    prog.sort(at, index_map.keys, index_map.sorted_key, values, index_map.perm, top=index_map.num_keys)
     prog.lower_bound(at, index_map.sorted_key, index_map.csr_ptr)
     tiles = torch.empty(index_map.num_keys, dtype=torch.int32, device=device)
     prog.tile_counts(at, index_map.csr_ptr, tiles, index_map.tile_q)
