@@ -28,6 +28,16 @@ def test_arguments_are_packed_as_the_launcher_passes_them():
     assert blob[32:] == bytes(16)
 
 
+def test_floats_and_flags_are_packed_as_the_launchers_storage_types():
+    sig = {"h": "fp16", "b": "bf16", "d": "fp64", "flag": "i1"}
+    blob, _ = pack_arguments(sig, list(sig), dict(h=1.5, b=-2.75, d=0.1, flag=True))
+    assert struct.unpack_from("<e", blob, 0)[0] == 1.5                             # IEEE half
+    top = struct.unpack_from("<I", struct.pack("<f", -2.75))[0] >> 16               # a float32's top half
+    assert struct.unpack_from("<H", blob, 8)[0] == top
+    assert struct.unpack_from("<d", blob, 16)[0] == 0.1
+    assert blob[24] == 1 and blob[25:32] == bytes(7)                                # one byte (int8_t)
+
+
 def test_an_argument_type_it_cannot_pass_is_refused():
     with pytest.raises(BackendUnavailable, match="tensordesc"):
         pack_arguments({"d": "tensordesc<fp16[64]>"}, ["d"], {"d": None})
@@ -43,6 +53,7 @@ def _compiled(**meta):
 class _Kernel:
     """A compiled kernel's stand-in: __getitem__ launches (records the call) and returns its CompiledKernel."""
     arg_names = ["a", "n", "B"]
+    params = [SimpleNamespace(name="n", default=3, has_default=True)]
 
     def __init__(self, compiled):
         self.compiled, self.calls = compiled, []
@@ -64,6 +75,13 @@ def test_a_launch_inside_recording_is_kept_with_its_grid_block_and_arguments():
     k = kept[0]
     assert (k.function, k.grid, k.threads, k.shared) == (0xABC, (5, 1, 1), 128, 1024)
     assert struct.unpack_from("<Qi", k.blob, 0) == (a.data_ptr(), 9) and k.offsets == (0, 8, 16, 24)
+
+
+def test_an_argument_left_to_its_default_is_packed_at_its_default():
+    a = torch.zeros(3, dtype=torch.int32)
+    with recording() as kept:
+        tl_launch.launch(_Kernel(_compiled()), (2,), a, B=128)                      # n left at 3
+    assert struct.unpack_from("<Qi", kept[0].blob, 0) == (a.data_ptr(), 3)
 
 
 @pytest.mark.parametrize("meta,what", [(dict(global_scratch_size=64), "global scratch"),

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from ..base import BackendUnavailable
 
-# Triton signature type -> struct format of the C type its launcher passes (driver.ty_to_cpp)
-_FORMATS = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "q", "u1": "I", "u8": "B", "u16": "H",
-            "u32": "I", "u64": "Q", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d"}
+# Triton signature type -> struct format of the C type its launcher passes (driver.ty_to_cpp; floats as their
+# storage, FLOAT_STORAGE_TYPE: fp16 as IEEE half, bf16 as a float32's top 16 bits, fp32 as float32)
+_FORMATS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "q", "u1": "B", "u8": "B", "u16": "H",
+            "u32": "I", "u64": "Q", "fp16": "e", "fp32": "f", "f32": "f", "fp64": "d"}
 _SCRATCH = 2                # global_scratch, profile_scratch: null pointers (the kernels here need none)
 _recorded: list | None = None
 
@@ -43,6 +44,8 @@ def pack_arguments(signature: dict, arg_names: list[str], values: dict) -> tuple
         value = values[name]
         if ty.startswith("*"):
             fmt, value = "Q", (value.data_ptr() if hasattr(value, "data_ptr") else int(value or 0))
+        elif ty == "bf16":          # the launcher's pack_bf16: the float32's bits, truncated
+            fmt, value = "H", struct.unpack("<I", struct.pack("<f", value))[0] >> 16
         elif ty in _FORMATS:
             fmt = _FORMATS[ty]
         else:
@@ -66,7 +69,8 @@ def replayable(kernel, compiled, grid, args: tuple, kwargs: dict) -> TritonLaunc
                                    ("a cooperative grid", getattr(meta, "launch_cooperative_grid", False))) if on]
     if extra:
         raise BackendUnavailable(f"the C++ dispatch cannot replay {meta.name}: it needs {extra[0]}")
-    values = dict(zip(kernel.arg_names, args)) | kwargs
+    defaults = {p.name: p.default for p in kernel.params if p.has_default}
+    values = defaults | dict(zip(kernel.arg_names, args)) | kwargs
     blob, offsets = pack_arguments(compiled.src.signature, list(kernel.arg_names), values)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     compiled._init_handles()
