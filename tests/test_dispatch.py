@@ -155,6 +155,33 @@ def test_a_program_counts_its_steps_per_stage_without_running_them(built, monkey
     assert ctypes.sizeof(ctypes.c_void_p) == 8
 
 
+@needs_nvcc
+def test_a_dispatched_plan_keeps_the_stages_it_replaced_alive(built, monkeypatch):
+    # a recorded launch points at tensors its stage alone may own: they must live as long as the program
+    import gc
+    import weakref
+    from types import SimpleNamespace
+    from msa_bench.kernels.dispatch import build as b, program as p
+    monkeypatch.setenv(b.DIR_ENV, str(built.parent))
+    monkeypatch.setattr(p, "_LIB", None)
+
+    class Stage:
+        def __init__(self):
+            self.owned = torch.zeros(4)
+
+        def __call__(self):
+            pass
+    plan = SimpleNamespace(output=torch.zeros(1), stages={"a": Stage(), "b": Stage()}, info={})
+    alive = [weakref.ref(s) for s in plan.stages.values()]
+    p.dispatch_plan(plan, lambda prog: None)
+    gc.collect()
+    assert all(isinstance(s, p.ProgramStage) for s in plan.stages.values())
+    assert all(ref() is not None for ref in alive)
+    plan.stages = {}
+    gc.collect()
+    assert all(ref() is None for ref in alive)                 # freed with the program
+
+
 def test_without_the_library_the_op_backend_says_how_to_build_it(monkeypatch, tmp_path):
     from msa_bench.kernels.dispatch import build as b, program as p
     monkeypatch.setenv(b.DIR_ENV, str(tmp_path))

@@ -122,9 +122,12 @@ class Program:
         self.keep.append(t)
         self.lib.msa_prog_memset(self.handle, stage, _ptr(t), t.numel() * t.element_size())
 
-    def cute(self, stage: int, library, packed, scalars: tuple) -> None:
-        """A CuTe attention launch through its library's C entry point (kv-outer: hkv, num_pages; q-packed: the
-        seven ints of manifest's ABI; then the two float scales), with the stage's packed arguments."""
+    def cute(self, stage: int, attention) -> None:
+        """A CuTe attention stage's launch through its library's C entry point (kv-outer: hkv, num_pages;
+        q-packed: the seven ints of manifest's ABI; then the two float scales), with its packed arguments.
+        The stage itself is kept with the program: the packed pointers are its tensors' (fp8's d-major V
+        copy is the stage's alone), which must live as long as the program replays them."""
+        library, packed, scalars = attention.library, attention.packed, attention.scalars
         kinds = {"kv-outer": (0, 2), "q-packed": (1, 7)}
         kind, n_ints = kinds[library.cfg.kind]
         ints, floats = scalars[:-2], scalars[-2:]
@@ -132,7 +135,7 @@ class Program:
             raise ValueError(f"{library.cfg.name}: expected {n_ints} int scalars, got {len(ints)}")
         entry = ctypes.cast(library._launch, _VOID).value
         ptrs, rows = packed
-        self.keep += [library, packed]
+        self.keep += [attention, library, packed]
         self.lib.msa_prog_cute(self.handle, stage, kind, entry, ctypes.cast(ptrs, ctypes.POINTER(_VOID)),
                                ctypes.cast(rows, ctypes.POINTER(_I32)), len(ptrs), (_I32 * n_ints)(*ints), n_ints,
                                *floats)
@@ -162,11 +165,14 @@ INFO = "C++ program (kernels/dispatch), one call per stage"
 
 def dispatch_plan(plan, fill) -> None:
     """Swap `plan`'s stages for ProgramStages of one program (stage i: the plan's i-th), which `fill(prog)`
-    builds from the plan's own stages; the program keeps the plan's buffers alive."""
+    builds from the plan's own stages; the program keeps the plan's buffers alive, and the stages it replaces:
+    the recorded launches point at tensors a stage alone may own (a schedule's range counts, fp8's d-major V
+    copy), which would be freed with it and their memory handed to the next allocation."""
     prog = Program(plan.output.device)
-    prog.keep.append(plan)
+    prog.keep += [plan, dict(plan.stages)]
     fill(prog)
-    torch.cuda.synchronize(prog.device)
+    if prog.device.type == "cuda":
+        torch.cuda.synchronize(prog.device)
     plan.stages = {name: ProgramStage(prog, i) for i, name in enumerate(plan.stages)}
     plan.info["dispatch"] = INFO
 

@@ -64,7 +64,7 @@ def add_cute(prog: Program, at: int, attention) -> None:
     """A CuTe attention stage through its library's C entry point (run once, as the others are)."""
     if getattr(attention, "num_tiles", 1) == 0:              # a packed stage with no tiles launches nothing
         return
-    prog.cute(at, attention.library, attention.packed, attention.scalars)
+    prog.cute(at, attention)
     attention()
 
 
