@@ -137,7 +137,7 @@ class Runner:
     def _plan(self, backend_name: str, workload, base: dict):
         """The unit's plan, its outputs poisoned with NaN, or the status of a unit that cannot run here
         (unavailable) or whose planning raised (failed)."""
-        from ...kernels.base import BackendUnavailable, get_backend
+        from ...kernels.base import get_backend
         from ..measure.check import poison
         backend = get_backend(backend_name)
         try:
@@ -145,9 +145,7 @@ class Runner:
                     else backend.plan(workload))
             poison(plan)
             return plan
-        except BackendUnavailable as exc:
-            return {**base, "status": results.STATUS_UNAVAILABLE, "reason": str(exc)}
-        except Exception as exc:
+        except Exception as exc:        # BackendUnavailable: it cannot run this workload here
             return self._raised(base, exc)[0]
 
     def _raised(self, base: dict, exc: Exception) -> tuple[dict, list, list]:

@@ -77,7 +77,7 @@ class _Loop:
         if self.runner.timing.rounds > 1 and workload is not None:     # the point's units together
             self.progress.working(self.WORKER, f"{label(point)} · {len(todo)} backends in "
                                                f"{self.runner.timing.rounds} rounds")
-            ran = list(zip(todo, self.runner.run_rounds(point, todo, workload, wl_stats)))
+            ran = self.runner.run_rounds(point, todo, workload, wl_stats)
             each = (time.monotonic() - start) / len(todo)
         else:
             ran, each = None, None
@@ -86,7 +86,7 @@ class _Loop:
                 self.progress.working(self.WORKER, f"{label(point)} · {b}")
                 status = self.runner.run_unit(point, b, workload, wl_stats, why, nth)
             else:
-                status = ran[nth][1]
+                status = ran[nth]
             if wants_counters(status) and self.runner.ncu is not None:
                 want.append(b)
             self.written += 1

@@ -90,9 +90,11 @@ class Program:
         kb = keys_in.element_size()
         if kb not in (2, 4) or values_in.dtype != torch.int64:
             raise BackendUnavailable(f"the C++ dispatch sorts int16/int32 keys with int64 values, not {keys_in.dtype}")
-        bits = 8 * kb if top is None else max(1, int(top).bit_length())
-        if bits > 8 * kb - 1 and top is not None:
-            raise BackendUnavailable(f"sort keys up to {top} do not fit a non-negative int{8 * kb}")
+        bits = 8 * kb
+        if top is not None:
+            bits = max(1, int(top).bit_length())
+            if bits >= 8 * kb:
+                raise BackendUnavailable(f"sort keys up to {top} do not fit a non-negative int{8 * kb}")
         n = keys_in.numel()
         temp = self.lib.msa_sort_temp_bytes(kb, n, bits)
         self.keep += [keys_in, keys_out, values_in, values_out]
@@ -135,7 +137,7 @@ class Program:
             raise ValueError(f"{library.cfg.name}: expected {n_ints} int scalars, got {len(ints)}")
         entry = ctypes.cast(library._launch, _VOID).value
         ptrs, rows = packed
-        self.keep += [attention, library, packed]
+        self.keep.append(attention)           # its library, packed arrays and tensors
         self.lib.msa_prog_cute(self.handle, stage, kind, entry, ctypes.cast(ptrs, ctypes.POINTER(_VOID)),
                                ctypes.cast(rows, ctypes.POINTER(_I32)), len(ptrs), (_I32 * n_ints)(*ints), n_ints,
                                *floats)

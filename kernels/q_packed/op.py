@@ -31,7 +31,6 @@ def dispatch_hybrid(plan, packed, kv_stages: dict, parts_in_order: tuple, combin
     """The hybrid's stages (schedule, attention[, combine]) replayed from one program: its Python stages'
     parts, in their order (the packed schedule writes the residual selection KV-outer's index map reads)."""
     def fill(prog: Program) -> None:
-        prog.keep += [packed, kv_stages, parts_in_order, combine]      # what the launches point into
         add_packed_schedule(prog, 0, packed)
         add_index_map(prog, 0, kv_stages["index_map"])
         add_schedule(prog, 0, kv_stages["schedule"])
