@@ -177,7 +177,10 @@ def test_a_dispatched_plan_keeps_the_stages_it_replaced_alive(built, monkeypatch
     gc.collect()
     assert all(isinstance(s, p.ProgramStage) for s in plan.stages.values())
     assert all(ref() is not None for ref in alive)
-    plan.stages = {}
+    prog = plan.stages["a"].program
+    assert plan.module == prog.run and plan.stages["b"].program is prog     # the module: the program whole
+    del prog
+    plan.stages, plan.module = {}, None
     gc.collect()
     assert all(ref() is None for ref in alive)                 # freed with the program
 

@@ -40,6 +40,40 @@ def test_eager_call_refuses_stamps_out_of_order(calls, done, spans):
         eager_call(10.0, calls, done, spans)
 
 
+def test_eager_call_of_a_module_called_once():
+    # one call (10.5, 12.5) runs both stages; their own host times (0.75, 0.5) come from the stage pass
+    call = eager_call(10.0, [(10.5, 12.5)], 20.0, [(0.0, 4.0), (6.0, 7.0)], [0.75, 0.5])
+    assert call.launch_s == (0.75, 0.5) and call.module_launch_s == 2.0
+    assert call.wall_s == 10.0 and call.gap_s == (0.0, 2.0)
+    with pytest.raises(ValueError):             # a stage launch per span
+        eager_call(10.0, [(10.5, 12.5)], 20.0, [(0.0, 4.0), (6.0, 7.0)], [0.75])
+
+
+def test_eager_calls_a_plans_module_once_and_times_its_stages_alone(small_workload):
+    plan = get_backend("reference").plan(small_workload())
+    stages, log = dict(plan.stages), []
+
+    def logged(name):
+        def run():
+            log.append(name)
+            stages[name]()
+        return run
+    plan.stages = {name: logged(name) for name in stages}
+
+    def module():                               # what a C++ program's one call is: every stage, and its cost
+        log.append("module")
+        for fn in stages.values():
+            fn()
+        time.sleep(0.003)
+    plan.module = module
+    out = time_plan(plan, TimingConfig(cpu_warmup=0, cpu_reps=3, cpu_max_reps=3, cv_target=10.0, timer=EAGER), "cpu")
+    assert log.count("module") == 3             # once a sample (a CPU clock runs no warm call)
+    assert log.count("attention") == log.count("combine") == 3    # each sample's stage pass
+    for i in range(3):
+        assert out[MODULE].launch_s[i] >= 0.003 and out[MODULE].seconds[i] >= 0.003
+        assert out["attention"].launch_s[i] < 0.003 and out["combine"].launch_s[i] < 0.003
+
+
 def test_timer_names_follow_device_and_mode():
     assert timer_for("cuda", EAGER) == "cuda-eager" and timer_for("cpu", EAGER) == TIMER_CPU_EAGER
     assert timer_mode("cuda-eager") == EAGER and timer_mode("cuda-graph") != EAGER and timer_mode("cpu") != EAGER

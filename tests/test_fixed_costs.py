@@ -572,3 +572,17 @@ def test_the_first_candidate_on_each_calibration_workload_times_a_dropped_plan_f
     assert set(series) == {("kv-outer", "fp32"), ("msa-scatter", "fp32")}      # flashinfer: no GPU here
     per_workload = [("kv-outer", 1), ("kv-outer", 2), ("msa-scatter", 2)]
     assert calls == per_workload * 2
+
+
+def test_host_medians_share_a_one_call_module_among_its_stages():
+    from types import SimpleNamespace as NS
+    from msa_bench.harness.calibration.fixed_costs import HOST_LAUNCH, HOST_PROBE, HOST_STAGES, host_medians
+    from msa_bench.harness.measure.timing import MODULE
+    samples = {MODULE: NS(launch_s=[12e-6, 12e-6, 30e-6], host_probe_s=[8e-6] * 3),
+               "schedule": NS(launch_s=[8e-6] * 3), "attention": NS(launch_s=[7e-6, 8e-6, 9e-6])}
+    apart = host_medians(samples, ("schedule", "attention"), one_call=False)
+    assert apart[HOST_LAUNCH] == pytest.approx(6e-6) and apart[HOST_PROBE] == 8e-6
+    assert apart[HOST_STAGES] == {"schedule": 8e-6, "attention": 8e-6}            # each in its own call
+    once = host_medians(samples, ("schedule", "attention"), one_call=True)
+    assert once[HOST_STAGES] == pytest.approx({"schedule": 6e-6, "attention": 6e-6})  # the one call, shared
+    assert sum(once[HOST_STAGES].values()) == pytest.approx(2 * once[HOST_LAUNCH])

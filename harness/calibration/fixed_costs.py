@@ -182,10 +182,7 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
                     continue
                 medians = {s: statistics.median(v.seconds) for s, v in samples.items() if s != "plan"}
                 if samples[MODULE].launch_s is not None:      # eager: host time per stage launch, and each one's
-                    medians[HOST_LAUNCH] = statistics.median(samples[MODULE].launch_s) / max(len(plan.stages), 1)
-                    medians[HOST_STAGES] = {st: statistics.median(samples[st].launch_s) for st in plan.stages
-                                            if st in samples and samples[st].launch_s}
-                    medians[HOST_PROBE] = statistics.median(samples[MODULE].host_probe_s)
+                    medians.update(host_medians(samples, tuple(plan.stages), plan.module is not None))
                 if (name, dtype) not in launches:        # the profiler is slow to start: once per backend
                     launches[(name, dtype)] = {s: count_launches(fn) for s, fn in plan.stages.items()}
                 series.setdefault((name, dtype), []).append(
@@ -195,6 +192,18 @@ def measure_series(profile: DeviceProfile, dtypes=("bf16", "fp8"), log=print, de
             torch.cuda.empty_cache()
         log(f"  fixed costs: {dtype} timed on {count} workloads")
     return series
+
+
+def host_medians(samples: dict, stages: tuple, one_call: bool) -> dict:
+    """An eager row's host medians: HOST_LAUNCH the module's host time per stage launch, HOST_STAGES each
+    stage's own (in its own call; where `one_call` launches the module, shared so that they add up to that
+    call), HOST_PROBE the host launch probe's."""
+    launch = statistics.median(samples[MODULE].launch_s) / max(len(stages), 1)
+    own = {st: statistics.median(samples[st].launch_s) for st in stages if st in samples and samples[st].launch_s}
+    if one_call and sum(own.values()) > 0:
+        share = launch * len(stages) / sum(own.values())
+        own = {st: x * share for st, x in own.items()}
+    return {HOST_LAUNCH: launch, HOST_STAGES: own, HOST_PROBE: statistics.median(samples[MODULE].host_probe_s)}
 
 
 def calibrated_names() -> list[str]:

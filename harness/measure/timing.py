@@ -312,33 +312,43 @@ def warm_plan(backend, workload, config: TimingConfig, device: torch.device | st
 @dataclass(frozen=True)
 class EagerCall:
     """One eager call of a module, per stage in order: host time in its call, device time, device idle
-    before it (0 for the first); and the module's host wall-clock from the first launch to completion."""
+    before it (0 for the first); the module's host wall-clock from the first launch to completion, and its
+    host time in its calls (the stages' sum, or the one call of a plan with a `module`)."""
     wall_s: float
     launch_s: tuple[float, ...]
     device_s: tuple[float, ...]
     gap_s: tuple[float, ...]
+    module_launch_s: float
 
 
 def eager_call(t0: float, calls: list[tuple[float, float]], done: float,
-               spans: list[tuple[float, float]]) -> EagerCall:
+               spans: list[tuple[float, float]], launches: list[float] | None = None) -> EagerCall:
     """The bookkeeping of one eager call from its stamps: `t0` the host time just before the first launch,
-    `calls` each stage's host (start, end) around its call, `done` the host time the synchronize returned
-    (one host clock); `spans` each stage's device (start, end) (one device clock). ValueError on stamps out
-    of order, which a working clock never gives."""
-    if len(calls) != len(spans) or not calls:
-        raise ValueError(f"eager call: {len(calls)} stage calls and {len(spans)} device spans")
+    `calls` the host (start, end) around each call the module took (one per stage, or one for a plan's
+    `module`), `done` the host time the synchronize returned (one host clock); `spans` each stage's device
+    (start, end) (one device clock); `launches` each stage's host seconds in its own call where `calls` does
+    not give them (a module called once: they come from the pass that times the spans). ValueError on stamps
+    out of order, which a working clock never gives."""
+    stages = len(calls) if launches is None else len(launches)
+    if not calls or stages != len(spans):
+        raise ValueError(f"eager call: {len(calls)} calls, {len(spans)} device spans and "
+                         f"{'no' if launches is None else len(launches)} stage launches")
     host = [t0] + [t for call in calls for t in call] + [done]
     device = [t for span in spans for t in span]
     for what, stamps in (("host", host), ("device", device)):
         if any(b < a for a, b in zip(stamps, stamps[1:])):
             raise ValueError(f"eager call: {what} stamps out of order: {stamps}")
     gaps = (0.0,) + tuple(spans[i][0] - spans[i - 1][1] for i in range(1, len(spans)))
-    return EagerCall(done - t0, tuple(b - a for a, b in calls), tuple(b - a for a, b in spans), gaps)
+    called = tuple(b - a for a, b in calls)
+    per_stage = called if launches is None else tuple(launches)
+    return EagerCall(done - t0, per_stage, tuple(b - a for a, b in spans), gaps, sum(called))
 
 
 class _EagerClock:
-    """Calls a plan's stages as an engine without graphs does (module docstring): host perf_counter around
-    each call; on a GPU the device spans from CUDA events in a call of their own, on a CPU the calls."""
+    """Calls a plan as an engine without graphs does (module docstring): its `module` where it has one (one
+    call), else its stages one by one, host perf_counter around each call. The device spans come from a pass
+    of their own that calls each stage alone between CUDA events (on a CPU, from the calls; from that pass
+    too for a plan called as one `module`, with each stage's host time)."""
 
     def __init__(self, plan, device: torch.device, cold_l2: bool = True,
                  read_reasons: Callable[[], int] | None = None, flush: L2Flush | None = None):
@@ -346,6 +356,7 @@ class _EagerClock:
         self.device = device
         self.timer = timer_for(device.type, EAGER)
         self.stages = list(plan.stages.values())
+        self.module = plan.module
         self.step = plan.step
         self.read_reasons = read_reasons if self.cuda else None
         self.flush = (flush or L2Flush(device)) if cold_l2 and self.cuda else None
@@ -361,18 +372,27 @@ class _EagerClock:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def _spans(self) -> list[tuple[float, float]]:
-        marks = []
+    def _stage_pass(self) -> tuple[list[tuple[float, float]], list[float]]:
+        """Each stage called alone, in order: (device spans from the first one's start, host seconds per
+        call); on a CPU the calls are the spans."""
+        marks, launches = [], []
         for stage in self.stages:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = end = None
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            a = time.perf_counter()
             stage()
-            end.record()
-            marks.append((start, end))
+            b = time.perf_counter()
+            if self.cuda:
+                end.record()
+            marks.append((start, end) if self.cuda else (a, b))
+            launches.append(b - a)
+        if not self.cuda:
+            return [(a - marks[0][0], b - marks[0][0]) for a, b in marks], launches
         torch.cuda.synchronize(self.device)
         first = marks[0][0]
-        return [(first.elapsed_time(a) / 1e3, first.elapsed_time(b) / 1e3) for a, b in marks]
+        return [(first.elapsed_time(a) / 1e3, first.elapsed_time(b) / 1e3) for a, b in marks], launches
 
     def call(self) -> tuple[EagerCall, float | None, float]:
         """One sample: (the call's bookkeeping, the per-step host work's seconds or None, the host launch
@@ -385,20 +405,19 @@ class _EagerClock:
         self._idle()
         calls = []
         t0 = time.perf_counter()
-        for stage in self.stages:
+        for fn in ([self.module] if self.module is not None else self.stages):
             a = time.perf_counter()
-            stage()
+            fn()
             calls.append((a, time.perf_counter()))
         if self.cuda:
             torch.cuda.synchronize(self.device)
         done = time.perf_counter()
         probe = host_launch_probe(self.probe_buf)
-        if self.cuda:
-            self._idle()
-            spans = self._spans()
-        else:
-            spans = calls
-        return eager_call(t0, calls, done, spans), step_s, probe
+        if not self.cuda and self.module is None:
+            return eager_call(t0, calls, done, calls), step_s, probe
+        self._idle()
+        spans, launches = self._stage_pass()
+        return eager_call(t0, calls, done, spans, launches if self.module is not None else None), step_s, probe
 
     def _reasons(self) -> int:
         return reason_mask(self.read_reasons)
@@ -429,7 +448,7 @@ def eager_samples(names: list[str], timer: str, extra: list, converged: bool,
                                  clock_event_reasons=masks, launch_s=[c.launch_s[i] for c in calls],
                                  gap_s=[c.gap_s[i] for c in calls], host_probe_s=probes)
     out[MODULE] = StageSamples(MODULE, [c.wall_s for c in calls], timer, converged, clock_event_reasons=masks,
-                               launch_s=[sum(c.launch_s) for c in calls], gap_s=[sum(c.gap_s) for c in calls],
+                               launch_s=[c.module_launch_s for c in calls], gap_s=[sum(c.gap_s) for c in calls],
                                host_probe_s=probes)
     return out
 

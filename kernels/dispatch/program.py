@@ -162,12 +162,12 @@ def _stream_getter(device: torch.device):
     return lambda: raw(index)
 
 
-INFO = "C++ program (kernels/dispatch), one call per stage"
+INFO = "C++ program (kernels/dispatch): the module in one call, a stage timed alone in one call each"
 
 
 def dispatch_plan(plan, fill) -> None:
     """Swap `plan`'s stages for ProgramStages of one program (stage i: the plan's i-th), which `fill(prog)`
-    builds from the plan's own stages; the program keeps the plan's buffers alive, and the stages it replaces:
+    builds from the plan's own stages, and run the module as the program whole (one call: `plan.module`); the program keeps the plan's buffers alive, and the stages it replaces:
     the recorded launches point at tensors a stage alone may own (a schedule's range counts, fp8's d-major V
     copy), which would be freed with it and their memory handed to the next allocation."""
     prog = Program(plan.output.device)
@@ -176,6 +176,7 @@ def dispatch_plan(plan, fill) -> None:
     if prog.device.type == "cuda":
         torch.cuda.synchronize(prog.device)
     plan.stages = {name: ProgramStage(prog, i) for i, name in enumerate(plan.stages)}
+    plan.module = prog.run
     plan.info["dispatch"] = INFO
 
 
