@@ -1,5 +1,6 @@
 """A module's program: the steps of program.cu, added at plan time from the plan's own buffers and kernels,
-and run per stage from one ctypes call (each stage of a plan becomes `ProgramStage(program, i)`).
+and run from one ctypes call: the module whole (`plan.module`), or one stage (each stage of a plan becomes
+`ProgramStage(program, i)`, so that stages are timed alone).
 
 The buffers and the CuTe libraries the steps point at are kept alive by the Program. Nothing here allocates,
 syncs or reads back at run time, so a run is legal inside CUDA-graph capture.

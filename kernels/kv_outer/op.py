@@ -1,5 +1,5 @@
 """kv-outer-cute dispatched from C++ (`kv-outer-cute@op`): the plan's four stages as one program of
-kernels/dispatch, replayed per stage from one ctypes call each.
+kernels/dispatch, replayed whole from one ctypes call (a stage alone from one call each).
 
 The program is made from the Python plan itself: each stage runs once, in order, with its Triton launches
 recorded (the same compiled kernels and arguments), and the torch operations between them become the

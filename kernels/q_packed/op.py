@@ -1,6 +1,7 @@
 """q-packed-cute dispatched from C++ (`q-packed-cute@op`): the schedule's Triton launch, recorded as the
 Python stage made it, and the CuTe attention launch through its library's C entry point, as one program of
-kernels/dispatch replayed per stage from one ctypes call each (the same binaries and arguments: the same bits).
+kernels/dispatch replayed whole from one ctypes call, or a stage alone from one call each (the same binaries and
+arguments: the same bits).
 The hybrid (`hybrid@op`) is its packed schedule and KV-outer's index map and schedule as one stage, both
 attention launches as the next, and the merging combine."""
 from __future__ import annotations
