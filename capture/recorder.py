@@ -12,13 +12,19 @@ Put one `record(...)` right after the indexer's top-k in any PyTorch engine (doc
     rec.close()                                   # writes the file
 
 Off (`Recorder(None, ...)`, or `Recorder.from_env` without MSA_BENCH_TRACE set), `wants` is False and
-`record` returns at once. On a GPU each tensor is copied into pinned host memory with non_blocking on the
-current stream and an event marks it done: the engine never waits for the copy. Finished copies are taken
-at the next step and at close.
+`record` returns at once. On a GPU, `record` reserves room in a pinned staging ring (allocated once, at the
+first GPU call, min(max_bytes, STAGING_BYTES) bytes, then reused), issues non_blocking copies into it on the
+current stream and records one event: the engine never waits for the copy, only for room when the ring is
+full. A daemon thread waits on each call's event, copies its bytes into ordinary host tensors and frees
+its room; close() waits for it and writes the file. A call larger than the ring gets a pinned buffer of its
+own. CPU tensors are copied at once.
 """
 from __future__ import annotations
 
 import os
+import queue
+import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +33,113 @@ from ..roofline.shape import SHAPE_FIELDS, AttnShape
 from ..scenarios.trace import index_entry, write_trace
 
 ENV = "MSA_BENCH_TRACE"          # from_env: the trace path; unset or empty: recording off
+STAGING_BYTES = 64 << 20         # the pinned staging ring's size at most (it is min(max_bytes, this))
+ALIGN = 64                       # each staged tensor starts at a multiple of this many bytes
 
 
 @dataclass
 class _Pending:
     entry: dict
-    tensors: dict          # field -> host int32 tensor (pinned when copied from a GPU)
-    event: object | None   # torch.cuda.Event marking the copies done, or None (copied already)
+    tensors: dict          # field -> host int32 tensor; a GPU field is None until the drain thread fills it
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _cuda_event():
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class _Stager:
+    """Device -> host copies through one reused staging ring, drained by a daemon thread.
+
+    alloc(nbytes) gives the (pinned) uint8 staging memory; mark() records and returns an event whose
+    synchronize() returns once the copies issued before it are done. Calls are drained in the order they
+    were staged, so their room is freed oldest first and the ring's live bytes stay one run, possibly
+    wrapped."""
+
+    def __init__(self, capacity: int, alloc=_pinned, mark=_cuda_event):
+        self.capacity, self._alloc, self._mark = capacity, alloc, mark
+        self._ring = alloc(capacity)
+        self._live = deque()            # (start, end) of each staged call not drained yet, oldest first
+        self._room = threading.Condition()
+        self._queue = queue.SimpleQueue()
+        self._error = None
+        self._thread = threading.Thread(target=self._drain, name="msa-bench-recorder-drain", daemon=True)
+        self._thread.start()
+
+    def put(self, fields: dict, into: dict) -> None:
+        """Copy each tensor of `fields` into `into[name]` as a host int32 tensor, in the background."""
+        layout, end = [], 0
+        for name, t in fields.items():
+            start = -(-end // ALIGN) * ALIGN
+            end = start + t.numel() * t.element_size()
+            layout.append((name, t, start, end))
+        size = max(-(-end // ALIGN) * ALIGN, ALIGN)
+        if size > self.capacity:
+            region, memory = None, self._alloc(size)
+        else:
+            region = self._reserve(size)
+            memory = self._ring[region[0]:region[1]]
+        staged = {}
+        try:
+            for name, t, a, b in layout:
+                staged[name] = memory[a:b].view(t.dtype).view(t.shape)
+                staged[name].copy_(t, non_blocking=True)
+        finally:                 # queued even when a copy fails: the drain must free its room in turn
+            self._queue.put((staged, into, self._mark(), region))
+
+    def _reserve(self, size: int) -> tuple[int, int]:
+        with self._room:
+            # The ring is full: the engine thread blocks here until the drain frees the oldest call's room.
+            while (start := self._fit(size)) is None:
+                self._room.wait()
+            self._live.append((start, start + size))
+            return start, start + size
+
+    def _fit(self, size: int) -> int | None:
+        if not self._live:
+            return 0
+        tail, head = self._live[0][0], self._live[-1][1]
+        if tail < head:                                   # live bytes are [tail, head): room after, then before
+            if head + size <= self.capacity:
+                return head
+            return 0 if size <= tail else None
+        return head if head + size <= tail else None      # wrapped: the room is [head, tail)
+
+    def _release(self) -> None:
+        with self._room:
+            self._live.popleft()            # drained in staging order: the oldest call's room
+            self._room.notify_all()
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            staged, into, event, region = item
+            try:
+                event.synchronize()
+                for name, t in staged.items():
+                    into[name] = t.to(torch.int32, copy=True)
+            except BaseException as exc:    # kept for close(); the room is freed all the same, or record would hang
+                if self._error is None:
+                    self._error = exc
+            finally:
+                if region is not None:
+                    self._release()
+
+    def close(self) -> None:
+        """Wait until every staged call is drained, then stop the thread; raises the first error it met."""
+        self._queue.put(None)
+        self._thread.join()
+        self._ring = None
+        if self._error is not None:
+            raise self._error
 
 
 class Recorder:
@@ -59,6 +165,7 @@ class Recorder:
         self.bytes = 0
         self.dropped = 0            # calls sampled but not recorded: over max_bytes
         self._calls: list[_Pending] = []
+        self._stager: _Stager | None = None
 
     @classmethod
     def from_env(cls, shape, **options) -> "Recorder":
@@ -71,7 +178,6 @@ class Recorder:
         """Count one engine step (one forward pass over every layer)."""
         if self.on:
             self.steps += 1
-            self._collect(wait=False)
 
     @property
     def _step(self) -> int:
@@ -112,34 +218,23 @@ class Recorder:
             self.bytes = self.max_bytes          # full: wants() is False from now on
             return False
         self.bytes += size
-        host, event = self._to_host(fields)
         entry = {"call": len(self._calls), "layer": int(layer), "step": self._step, "weight": float(self.every)}
-        self._calls.append(_Pending(entry, host, event))
+        self._calls.append(_Pending(entry, self._to_host(fields)))
         return True
 
-    def _to_host(self, fields: dict) -> tuple[dict, object | None]:
-        cuda = any(t.is_cuda for t in fields.values())
-        host = {}
+    def _to_host(self, fields: dict) -> dict:
+        host = dict.fromkeys(fields)              # the fields' order, whichever copy fills them first
+        gpu = {}
         for name, t in fields.items():
-            if t.is_cuda:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                buf.copy_(t, non_blocking=True)
+            if _on_gpu(t):
+                gpu[name] = t
             else:                                 # the engine may reuse its buffer: a copy of its own
-                buf = t.to(torch.int32, copy=True)
-            host[name] = buf
-        if not cuda:
-            return host, None
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    def _collect(self, wait: bool) -> None:
-        """Drop the events of copies that finished (all of them, waiting, when `wait`)."""
-        for p in self._calls:
-            if p.event is not None and (wait or p.event.query()):
-                if wait:
-                    p.event.synchronize()
-                p.event = None
+                host[name] = t.to(torch.int32, copy=True)
+        if gpu:
+            if self._stager is None:
+                self._stager = _Stager(min(self.max_bytes, STAGING_BYTES))
+            self._stager.put(gpu, host)
+        return host
 
     # ---- after the run ----------------------------------------------------------------------------
 
@@ -149,9 +244,15 @@ class Recorder:
 
     def close(self):
         """Write the trace (when recording and anything was kept); returns its path, else None."""
+        if self._stager is not None:
+            stager, self._stager = self._stager, None
+            try:
+                stager.close()
+            except BaseException:
+                self._calls = []          # some copies never arrived: no trace to write
+                raise
         if not self.on or not self._calls:
             return None
-        self._collect(wait=True)
         b = self.shape.block
         calls = []
         for p in self._calls:

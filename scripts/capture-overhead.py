@@ -1,9 +1,10 @@
 """What the recorder costs an engine's forward pass, per top-k call: off, sampled out, and recording.
 
 Off must cost next to nothing: the benchmark fails (exit 1) when one call of `wants` + `record` with
-recording off takes more than OFF_BOUND_S on average. Recording on a GPU is timed as the host time to
-enqueue the copy (pinned memory, non_blocking, an event), next to a synchronous .cpu() copy of the same
-selection; on a CPU the copy is a plain clone.
+recording off takes more than OFF_BOUND_S on average. Recording on a GPU is timed as the host time of
+`record` (room in the recorder's reused pinned staging ring, non_blocking copies, an event; calls back to
+back fill the ring, and from then on it includes waiting for the drain thread to free room), next to a
+synchronous .cpu() copy of the same selection; on a CPU the copy is a plain clone.
 
     python scripts/capture-overhead.py [--tokens 16384] [--repeat 2000]
 """
