@@ -47,6 +47,15 @@ def candidate_names() -> list[str]:
     return out
 
 
+def weighed_names(profile, dtype: str, regime: str = GRAPH) -> list[str]:
+    """The backends `auto` weighs for `dtype` in `regime`: the candidates, and in the eager regime each one's
+    C++ dispatch (NAME@op) where the profile measured that launch path's host cost."""
+    names = candidate_names()
+    if regime == EAGER:
+        names += [n for n in op_variants(names) if host_measured(profile, n, model_dtype(dtype))]
+    return names
+
+
 HOST_PROBES = 5
 
 
@@ -85,10 +94,7 @@ class AutoBackend(Backend):
         profile = profile or device_profile(w.device)
         stats = ModelStats(w)
         out, skipped = {}, {}
-        names = candidate_names()
-        if self.regime == EAGER:        # launched from C++ too, where calibrate measured that launch path
-            names += [n for n in op_variants(names) if host_measured(profile, n, model_dtype(w.dtype))]
-        for name in names:
+        for name in weighed_names(profile, w.dtype, self.regime):
             backend = get_backend(name)
             why = backend.workload_unavailable_reason(w) or weigh_reason(backend.facts, stats, profile, w.dtype,
                                                                          backend.achieved_names(w), self.regime)
@@ -143,4 +149,4 @@ def auto_line(info: dict) -> str:
     return line
 
 
-__all__ = ["AutoBackend", "MODELLED", "auto_line", "candidate_names"]
+__all__ = ["AutoBackend", "MODELLED", "auto_line", "candidate_names", "weighed_names"]

@@ -238,16 +238,16 @@ def model_pick_table(run: Run, device: DeviceProfile | None) -> pd.DataFrame:
     would weigh (roofline.predict.weigh_reason; the hybrid's prediction from an `auto` unit's record, where
     one ran), against the fastest measured. Replays the pick of today's model on a run made with any `auto`,
     or none."""
-    from ...kernels.auto import candidate_names
+    from ...kernels.auto import weighed_names
     t = ok_units(run)
     if device is None or t.empty or "module.median_s" not in t:
         return pd.DataFrame()
-    names = set(candidate_names())
     rows = []
     for (key, dtype), g in t.groupby(["point_key", "dtype"], sort=True):
         measured = g[~is_auto(g["backend"])].set_index("backend")["module.median_s"]
         if len(measured) < 2:
             continue
+        names = set(weighed_names(device, dtype, regime_of(g.iloc[0])))
         pred = {r["backend"]: predicted_module_s(r, device) for _, r in g.iterrows()
                 if r["backend"] in names and weigh_reason(row_facts(r), r, device, dtype) is None}
         hybrid = get_backend(HYBRID)
