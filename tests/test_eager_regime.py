@@ -2,6 +2,7 @@
 measures (fixed_costs "host"), added by predict_module, and `auto@eager`'s pick following it."""
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -11,12 +12,15 @@ from msa_bench.harness.measure.timing import MODULE, PLAN_STEP, TimingConfig
 from msa_bench.kernels import auto as auto_mod
 from msa_bench.kernels.auto import auto_line
 from msa_bench.kernels.base import get_backend
-from msa_bench.roofline.devices import PRESETS, fixed_costs_problem
+from msa_bench.harness.store.results import load_run
+from msa_bench.roofline.devices import PRESETS, fixed_costs_problem, run_profile
 from msa_bench.roofline.model import EAGER
 from msa_bench.roofline.predict import predict_module, weigh_reason
 from msa_bench.scenarios.coselection import coselected_workload
 from msa_bench.scenarios.stats import ModelStats
 from msa_bench.scenarios.workload import AttnShape
+
+RESULTS_H100 = Path(__file__).resolve().parents[1] / "results" / "h100"
 
 SMALL = AttnShape(hq=8, hkv=2, head_dim=32, block=16, topk=4)
 STAGES = {"launch_s": 1e-6}     # no stage measured: every candidate weighed, its launches priced
@@ -216,6 +220,21 @@ def test_auto_eager_weighs_the_cpp_launch_path_only_where_calibrate_measured_it(
     assert "kv-outer-cute@op" in weighed and "q-packed-cute@op" not in weighed     # its host path unmeasured
     cands, skipped = get_backend("auto").candidates(w, measured)
     assert not any(n.endswith("@op") for n in set(cands) | set(skipped))         # graph replay: one launch path
+
+
+def test_the_replayed_pick_weighs_what_auto_weighs_in_the_runs_regime():
+    from msa_bench.harness.report import tables
+    from msa_bench.kernels.auto import weighed_names
+    measured = profile({"kv-outer-cute@op/bf16": {"s": 4e-7}})
+    assert "kv-outer-cute@op" in weighed_names(measured, "bf16", "eager")
+    assert "kv-outer-cute@op" not in weighed_names(measured, "fp8", "eager")          # measured for bf16 only
+    assert not any(n.endswith("@op") for n in weighed_names(measured, "bf16", "graph"))
+    # an eager run whose fastest unit is an @op one: the replay may pick it (it weighed only NAME before)
+    run = load_run(RESULTS_H100 / "real-prefill-eager")
+    prof = run_profile(run.meta).profile
+    mp = tables.model_pick_table(run, prof)
+    assert mp["fastest"].str.endswith("@op").any()
+    assert mp["model pick"].str.endswith("@op").any() and (mp["pick/fastest"] >= 1.0).all()
 
 
 def test_calibrate_measures_host_costs_of_both_launch_paths_and_merges_an_op_entry_alone():
