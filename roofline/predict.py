@@ -49,7 +49,7 @@ def stat(stats, key: str):
     """A statistic from workload_stats keys or a result row's `wl_` columns; None where absent or not a
     finite number >= 0."""
     value = stats.get(key) if key in stats else stats.get(f"wl_{key}")
-    return value if _usable(value) or value == 0 else None
+    return value if usable(value) or value == 0 else None
 
 
 def union_ratio_at(stats, tile: int) -> float | None:
@@ -57,7 +57,7 @@ def union_ratio_at(stats, tile: int) -> float | None:
     plain one; None where the statistics do not hold that P."""
     for key in (f"executed_union_ratio_p{tile}", f"union_ratio_p{tile}"):
         value = stat(stats, key)
-        if _usable(value):
+        if usable(value):
             return float(value)
     return None
 
@@ -70,7 +70,7 @@ def unmodelled_reason(facts: KernelFacts, stats) -> str | None:
         return f"{facts.name}: the model has no schedule '{facts.schedule}'"
     if facts.union_one_only:
         u = stat(stats, f"union_ratio_p{facts.tile_tokens}")
-        u = float(u) if _usable(u) else None
+        u = float(u) if usable(u) else None
         if u is None or u > UNION_ONE:
             return (f"{facts.name}: modelled only at union_ratio 1 (per-token masks); this workload's is "
                     f"{'unknown' if u is None else format(u, '.3g')}")
@@ -115,7 +115,7 @@ def ratios(schedule: str, stats, record: dict) -> tuple[int | None, float | None
     executed = record.get("executed_union_ratio")
     if executed is None and union and record.get("mma_tokens") and schedule == Schedule.Q_PACKED:
         executed = union_ratio_at(stats, int(record["mma_tokens"]))
-    return tile, (float(union) if _usable(union) else None), (float(executed) if _usable(executed) else None)
+    return tile, (float(union) if usable(union) else None), (float(executed) if usable(executed) else None)
 
 
 def schedule_roofline(schedule: str, stats, record: dict, profile: DeviceProfile, dtype: str,
@@ -133,19 +133,19 @@ def schedule_roofline(schedule: str, stats, record: dict, profile: DeviceProfile
         # query at its request's last limit
         blocks = stat(stats, "dense_kv_blocks")
         keys = stat(stats, "visible_keys" if schedule == Schedule.DENSE else "dense_keys")
-        if not (_usable(blocks) and _usable(keys) and _usable(n)):
+        if not (usable(blocks) and usable(keys) and usable(n)):
             return None
         if schedule == Schedule.DENSE:
             return dense_floor(shape, n, blocks, keys, profile)
         return predict_dense(shape, n, blocks, keys, profile, flops=flops, gathered=not record.get("paged", False))
     nsb = stat(stats, "nsb")
     tile, union, executed = ratios(schedule, stats, record)
-    if not _usable(n) or nsb is None or (schedule == Schedule.Q_PACKED and union is None):
+    if not usable(n) or nsb is None or (schedule == Schedule.Q_PACKED and union is None):
         return None
     per_query = stat(stats, "selected_blocks_per_query")
     return predict(schedule, shape, n, nsb, profile,
-                   selected_per_query=per_query if _usable(per_query) else None,
-                   flops=flops if _usable(flops) else None,
+                   selected_per_query=per_query if usable(per_query) else None,
+                   flops=flops if usable(flops) else None,
                    union_ratio=union if tile else None, tile_tokens=tile or DEFAULT_TILE_TOKENS,
                    executed_union_ratio=executed, shared_nsb=stat(stats, "nsb_shared"), l2_capacity=l2_capacity)
 
@@ -207,7 +207,7 @@ def item_blocks(facts: KernelFacts, stats) -> float | None:
     if facts.schedule != Schedule.Q_PACKED:
         return None
     u, topk = stat(stats, f"union_ratio_p{facts.tile_tokens}"), stat(stats, "topk")
-    return float(topk) * float(u) if _usable(u) and _usable(topk) else None
+    return float(topk) * float(u) if usable(u) and usable(topk) else None
 
 
 def fraction_fit(facts: KernelFacts, stats, record: dict, profile: DeviceProfile, dtype: str,
@@ -260,5 +260,6 @@ def hybrid_time(split: dict, profile: DeviceProfile, dtype: str) -> tuple[float,
                                                      "kv_outer") if k in split}}
 
 
-def _usable(v) -> bool:
+def usable(v) -> bool:
+    """A positive, finite real number (numpy scalars too; not a bool): a statistic the model can use."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0

@@ -16,11 +16,11 @@ from ..measure.timing import EAGER_MEDIANS, MODULE, timer_mode
 from ...kernels.q_packed.hybrid import HybridBackend
 from ...roofline.model import crossover, crossover_at, is_decode
 from ...roofline.predict import (fraction_fit, predict_module, schedule_roofline, shape_of, unmodelled_reason,
-                                 weigh_reason)
+                                 usable, weigh_reason)
 from ...roofline.schedules import Schedule
 from ...roofline.shape import AttnShape
 from .axes import UNION, group_label, varying_fields
-from ..store.rows import (_info, _usable, launch_labels, ok_units, plan_config, quantization, ran_stages, row_facts, row_record,
+from ..store.rows import (_info, launch_labels, ok_units, plan_config, quantization, ran_stages, row_facts, row_record,
                           schedule_of, unit_table)
 from ..store.results import STATUS_OK, Run
 
@@ -216,7 +216,7 @@ def host_probe_of(row) -> float | None:
     """An eager unit's host launch probe (its module samples' median), the host's speed when it ran; None
     for a graph unit or one made before the probe was recorded."""
     v = row.get(f"{MODULE}.{EAGER_MEDIANS['host_probe_s']}")
-    return float(v) if _usable(v) else None
+    return float(v) if usable(v) else None
 
 
 def predicted_module_s(row, device: DeviceProfile) -> float:

@@ -12,6 +12,7 @@ import pandas as pd
 from ...kernels.base import get_backend
 from ...roofline.devices import DeviceProfile, run_profile
 from ...roofline.model import ALL_SCHEDULES, DEFAULT_TILE_TOKENS, ModelShape, Prediction, predict, union_tokens
+from ...roofline.predict import usable
 from ...roofline.schedules import Schedule, is_schedule
 from .results import STATUS_OK, Run
 
@@ -84,10 +85,6 @@ def device_for_run(meta: dict, override: DeviceProfile | None = None) -> DeviceP
     return run_profile(meta).profile
 
 
-def _usable(v) -> bool:
-    return v is not None and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
-
-
 def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float, device: DeviceProfile,
                   flops: float | None = None, selected_per_query: float | None = None,
                   union_ratio: float | None = None, tile: int = DEFAULT_TILE_TOKENS,
@@ -98,17 +95,17 @@ def predict_point(schedule: str, shape: ModelShape, n_tokens: float, nsb: float,
     q-packed without a union_ratio: its cost is set by co-selection, never assumed."""
     if schedule not in ALL_SCHEDULES:       # hybrid: no one closed form (auto models it as a sum)
         return None
-    if schedule is None or not _usable(n_tokens) or nsb is None or not math.isfinite(nsb):
+    if schedule is None or not usable(n_tokens) or nsb is None or not math.isfinite(nsb):
         return None
-    if schedule == Schedule.Q_PACKED and not _usable(union_ratio):
+    if schedule == Schedule.Q_PACKED and not usable(union_ratio):
         return None
     return predict(schedule, shape, n_tokens, nsb, device,
-                   selected_per_query=selected_per_query if _usable(selected_per_query) else None,
-                   flops=flops if _usable(flops) else None,
-                   union_ratio=float(union_ratio) if _usable(union_ratio) and union_tokens(schedule) else None,
+                   selected_per_query=selected_per_query if usable(selected_per_query) else None,
+                   flops=flops if usable(flops) else None,
+                   union_ratio=float(union_ratio) if usable(union_ratio) and union_tokens(schedule) else None,
                    tile_tokens=tile,
-                   executed_union_ratio=float(executed_union_ratio) if _usable(executed_union_ratio) else None,
-                   shared_nsb=float(shared_nsb) if _usable(shared_nsb) or shared_nsb == 0 else None)
+                   executed_union_ratio=float(executed_union_ratio) if usable(executed_union_ratio) else None,
+                   shared_nsb=float(shared_nsb) if usable(shared_nsb) or shared_nsb == 0 else None)
 
 
 # ---- a run's rows ------------------------------------------------------------------------------
