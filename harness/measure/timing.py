@@ -17,14 +17,16 @@ Eager (`sweep --timer eager`): the module as an engine without graphs runs it. O
 the plan's per-step host work first where it has some (`Plan.step`, FlashInfer's plan(): stage
 `plan_step`, timer `host`, statistic `per_step` 1), then the L2 flush, a synchronize, and the stages
 launched one after another from Python (a plan with one call for its module, `Plan.module`, makes that
-call), host perf_counter around each call (its launch time), until a synchronize returns: the module's sample is that host wall-clock from the first launch. The
-same call is then made again after another flush with CUDA events around each stage: each stage's
-sample is its device time there, and its gap the device's idle time between the previous stage's end
-and its start (with a `Plan.module`, each stage's launch time is taken there, in its own call). The
-events have a call of their own because recording them costs host time the wall-clock must not hold. Right after the timed call has ended, a fixed burst of launches is timed
-from Python (kernels/clock.host_launch_probe): each sample carries how fast the host was then, which the
-gate and the model read as the host's state (a shared host's launches ran up to 2.5x apart between two
-runs on one GPU). Repetition and the CV rule are the graph timer's, on the module's wall-clock.
+call), host perf_counter around each call (its launch time), until a synchronize returns: the module's
+sample is that host wall-clock from the first launch. The same call is then made again after another
+flush with CUDA events around each stage: each stage's sample is its device time there, and its gap the
+device's idle time between the previous stage's end and its start (with a `Plan.module`, each stage's
+launch time is taken there, in its own call). The events have a call of their own because recording them
+costs host time the wall-clock must not hold. Right after the timed call has ended, a fixed burst of
+launches is timed from Python (kernels/clock.host_launch_probe): each sample carries how fast the host
+was then, which the gate and the model read as the host's state (a shared host's launches ran up to 2.5x
+apart between two runs on one GPU). Repetition and the CV rule are the graph timer's, on the module's
+wall-clock.
 On a CPU the stages run as they are called, so one call gives both (timer "cpu-eager").
 """
 from __future__ import annotations
