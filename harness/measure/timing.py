@@ -357,7 +357,7 @@ class _EagerClock:
         self.cuda = device.type == "cuda"
         self.device = device
         self.timer = timer_for(device.type, EAGER)
-        self.stages = list(plan.stages.values())
+        self.names, self.stages = list(plan.stages), list(plan.stages.values())
         self.module = plan.module
         self.step = plan.step
         self.read_reasons = read_reasons if self.cuda else None
@@ -423,6 +423,10 @@ class _EagerClock:
 
     def _reasons(self) -> int:
         return reason_mask(self.read_reasons)
+
+    def samples(self, extra: list, converged: bool) -> dict[str, StageSamples]:
+        """The stages' and the module's samples of the calls `batch` gave (eager_samples)."""
+        return eager_samples(self.names, self.timer, extra, converged, self.read_reasons is not None)
 
     def batch(self, n: int) -> tuple[list[float], list]:
         """(module wall seconds, [(EagerCall, step seconds, NVML reason mask, host probe seconds)]) of n
@@ -505,9 +509,7 @@ def time_rounds(plans: dict, config: TimingConfig, device: torch.device | str,
         one_round(r, todo, min(share, max_reps - max(len(taken[n]) for n in todo)), keep=True)
         r += 1
     for name, clock in clocks.items():
-        out[name] = {PLAN: StageSamples(PLAN, [plans[name].plan_seconds], TIMER_HOST, True)} | eager_samples(
-            list(plans[name].stages), clock.timer, taken[name], module_cv(name) <= config.cv_target,
-            clock.read_reasons is not None)
+        out[name] = _plan_samples(plans[name]) | clock.samples(taken[name], module_cv(name) <= config.cv_target)
     return {name: out[name] for name in plans}
 
 
@@ -515,7 +517,12 @@ def _time_eager(plan, config: TimingConfig, device: torch.device,
                 read_reasons: Callable[[], int] | None) -> dict[str, StageSamples]:
     clock = _EagerClock(plan, device, config.cold_l2, read_reasons)
     _, extra, converged = _repeat(clock.batch, *_counts(config, clock.cuda), config.cv_target)
-    return eager_samples(list(plan.stages), clock.timer, extra, converged, clock.read_reasons is not None)
+    return clock.samples(extra, converged)
+
+
+def _plan_samples(plan) -> dict[str, StageSamples]:
+    """The plan's host planning time, as stage PLAN."""
+    return {PLAN: StageSamples(PLAN, [plan.plan_seconds], TIMER_HOST, True)}
 
 
 def time_plan(plan, config: TimingConfig, device: torch.device | str,
@@ -524,7 +531,7 @@ def time_plan(plan, config: TimingConfig, device: torch.device | str,
     (config.timer): `plan_step` first where the plan has per-step host work.
     `read_reasons` returns NVML's clock-event reason mask (GPU only; none: 0)."""
     device = torch.device(device)
-    results = {PLAN: StageSamples(PLAN, [plan.plan_seconds], TIMER_HOST, True)}
+    results = _plan_samples(plan)
     if config.timer == EAGER:
         return results | _time_eager(plan, config, device, read_reasons)
     if device.type != "cuda":

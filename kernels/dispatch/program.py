@@ -168,9 +168,10 @@ INFO = "C++ program (kernels/dispatch): the module in one call, a stage timed al
 
 def dispatch_plan(plan, fill) -> None:
     """Swap `plan`'s stages for ProgramStages of one program (stage i: the plan's i-th), which `fill(prog)`
-    builds from the plan's own stages, and run the module as the program whole (one call: `plan.module`); the program keeps the plan's buffers alive, and the stages it replaces:
-    the recorded launches point at tensors a stage alone may own (a schedule's range counts, fp8's d-major V
-    copy), which would be freed with it and their memory handed to the next allocation."""
+    builds from the plan's own stages, and run the module as the program whole (one call: `plan.module`).
+    The program keeps the plan's buffers alive, and the stages it replaces: the recorded launches point at
+    tensors a stage alone may own (a schedule's range counts, fp8's d-major V copy), which would be freed
+    with it and their memory handed to the next allocation."""
     prog = Program(plan.output.device)
     prog.keep += [plan, dict(plan.stages)]
     fill(prog)
