@@ -106,8 +106,12 @@ def test_the_op_option_selects_the_cpp_dispatch_and_refuses_a_misspelling():
     assert get_backend("kv-outer-cute").dispatch is None
     assert get_backend("q-packed-cute@op+p12").dispatch == "op" and get_backend("q-packed-cute@op").flags is None
     assert get_backend("hybrid@op+fused").dispatch == "op" and get_backend("hybrid@op+fused").fused
+    assert get_backend("q-packed-cute@graph").dispatch == "graph"
+    assert get_backend("hybrid@graph+fused").dispatch == "graph"
     with pytest.raises(KeyError, match="sets its dispatch twice"):
         get_backend("kv-outer-cute@op+op")
+    with pytest.raises(KeyError, match="sets its dispatch twice"):
+        get_backend("kv-outer-cute@op+graph")
 
 
 def test_the_torch_op_is_registered_with_its_schema():
@@ -151,6 +155,7 @@ def test_a_program_counts_its_steps_per_stage_without_running_them(built, monkey
     prog.lower_bound(3, t.to(torch.int16), t)
     assert [prog.size(s) for s in (-1, 0, 1, 2, 3)] == [5, 3, 1, 0, 1]
     assert p.ProgramStage(prog, 1).stage == 1
+    assert callable(prog.lib.msa_prog_instantiate)          # the module as one graph (run on a GPU only)
     del prog                                   # freed through msa_prog_free
     assert ctypes.sizeof(ctypes.c_void_p) == 8
 

@@ -112,3 +112,20 @@ def test_graph_capture_and_torch_compile_run_the_same_bits():
         assert torch.isfinite(total)
     finally:
         unregister(handle)
+
+
+@pytest.mark.parametrize("backend", ["kv-outer-cute", "q-packed-cute", "hybrid"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("name", ["prefill-short", "drift-causal", "decode"])
+def test_the_module_as_one_graph_launch_computes_the_op_bitwise(name, dtype, backend, graph_replay_equals_eager):
+    w, _, op = _plans(name, dtype, backend, "")
+    graph = get_backend(f"{backend}@graph").plan(w)
+    assert "CUDA graph" in graph.info["dispatch"]
+    for plan in (op, graph, graph):                 # the graph launched twice: the second reads no first-run state
+        plan.output.fill_(float("nan"))
+        plan.lse.fill_(float("nan"))
+        plan.run()
+        torch.cuda.synchronize()
+        _same(op.output, plan.output)
+        _same(op.lse, plan.lse)
+    graph_replay_equals_eager(graph)                # under capture it adds its steps, not a graph launch

@@ -238,8 +238,8 @@ def test_the_replayed_pick_weighs_what_auto_weighs_in_the_runs_regime():
 
 
 def test_calibrate_measures_host_costs_of_both_launch_paths_and_merges_an_op_entry_alone():
-    assert {"kv-outer-cute@op", "q-packed-cute@op", "hybrid@op"} <= set(fixed_costs.host_names())
-    assert fixed_costs.host_scope(["kv-outer-cute"]) == ["kv-outer-cute", "kv-outer-cute@op"]
+    assert {"kv-outer-cute@op", "q-packed-cute@graph", "hybrid@op"} <= set(fixed_costs.host_names())
+    assert fixed_costs.host_scope(["kv-outer-cute"]) == ["kv-outer-cute", "kv-outer-cute@op", "kv-outer-cute@graph"]
     assert fixed_costs.host_scope(None) is None
     old = {"launch_s": 1e-6, "stages": {"a/attention/bf16": {"s": 1e-6, "launches": 1}}, "host": {"a/bf16": {"s": 9e-6}}}
     fresh = {"launch_s": 2e-6, "launch_points": [], "stages": {"a/attention/bf16": {"s": 3e-6, "launches": 1}},

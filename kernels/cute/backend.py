@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..base import BackendUnavailable, register
-from ..dispatch import DISPATCH, checked
+from ..dispatch import DISPATCH, GRAPH, checked
 from ..options import Choice, Rest
 from ..kv_outer.backend import KVOuterBackend, check_shape, register_attention_impl
 from ...roofline.dtypes import DType
@@ -110,7 +110,8 @@ class KVOuterCuteBackend(KVOuterBackend):
     def __init__(self, config=None, kernel: str | None = None, order: str | None = None, dispatch: str | None = None):
         """kernel None: each dtype's default (manifest.default_kernel); order: the scheduler's tile order
         in config.tile_order's notation (None: grouped_tile_order's for the workload, or config's);
-        dispatch "op": the stages replayed from the C++ dispatch library (kernels/kv_outer/op.py), None: Python."""
+        dispatch "op": the stages replayed from the C++ dispatch library (kernels/kv_outer/op.py), "graph":
+        those stages captured at plan time as one CUDA graph the module launches, None: Python."""
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"kv-outer-cute has no kernel {kernel!r} (have {', '.join(KERNELS)})")
         self._order_fields = tile_order(order) if order else {}
@@ -144,7 +145,7 @@ class KVOuterCuteBackend(KVOuterBackend):
         plan.info["cute_kernel"] = plan.stages["attention"].cfg.kernel
         if self.dispatch:
             from ..kv_outer.op import dispatch
-            dispatch(plan)
+            dispatch(plan, self.dispatch == GRAPH)
         plan.info["quantization"] = "e4m3 Q/K/V/P on fp8 MMA" if w.dtype == "fp8" else f"none ({w.dtype} Q/K/V/P)"
         return plan
 

@@ -9,6 +9,10 @@
 // replays one stage or all of them, in order, on the caller's stream, with no allocation or sync, so
 // that a run is legal inside CUDA-graph capture.
 //
+// msa_prog_instantiate captures the whole program once as a CUDA graph (plan time); msa_prog_run of every
+// stage then launches that graph, one driver call where the steps are several, except on a stream that is
+// itself being captured, where it adds the steps as before (a graph launch is not a capturable call).
+//
 // Every entry point returns 0 or an error code: a CUresult for kernel launches, a cudaError_t
 // otherwise; msa_prog_failed_step names the step that returned it.
 #include <cstdint>
@@ -60,6 +64,7 @@ static_assert(std::is_nothrow_move_constructible<Step>::value, "a Step must move
 struct Program {
   std::vector<Step> steps;
   int failed = -1;
+  cudaGraphExec_t exec = nullptr;      // the whole program as one graph, once msa_prog_instantiate made it
 };
 
 LaunchKernel launch_kernel() {
@@ -161,7 +166,11 @@ extern "C" {
 
 void *msa_prog_new(void) { return new Program(); }
 
-void msa_prog_free(void *p) { delete (Program *)p; }
+void msa_prog_free(void *prog) {
+  Program *p = (Program *)prog;
+  if (p->exec) cudaGraphExecDestroy(p->exec);
+  delete p;
+}
 
 int msa_prog_size(void *p, int stage) {
   int n = 0;
@@ -232,9 +241,7 @@ void msa_prog_cute(void *p, int stage, int packed_kind, void *entry, void *const
   s.scale = scale; s.out_scale = out_scale;
 }
 
-int msa_prog_run(void *prog, int stage, void *stream) {
-  Program *p = (Program *)prog;
-  cudaStream_t st = (cudaStream_t)stream;
+static int run_steps(Program *p, int stage, cudaStream_t st) {
   for (size_t i = 0; i < p->steps.size(); ++i) {
     Step &s = p->steps[i];
     if (stage >= 0 && s.stage != stage) continue;
@@ -245,6 +252,44 @@ int msa_prog_run(void *prog, int stage, void *stream) {
     }
   }
   return 0;
+}
+
+int msa_prog_run(void *prog, int stage, void *stream) {
+  Program *p = (Program *)prog;
+  cudaStream_t st = (cudaStream_t)stream;
+  if (stage < 0 && p->exec) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    cudaError_t err = cudaStreamIsCapturing(st, &capturing);
+    if (err) return (int)err;
+    if (capturing == cudaStreamCaptureStatusNone) {
+      err = cudaGraphLaunch(p->exec, st);
+      if (err) p->failed = -2;
+      return (int)err;
+    }
+  }
+  return run_steps(p, stage, st);
+}
+
+// Capture every step on a stream of its own (thread-local mode: other threads' CUDA calls are not
+// refused meanwhile) and instantiate the graph; the steps stay, to run a stage alone or under capture.
+int msa_prog_instantiate(void *prog) {
+  Program *p = (Program *)prog;
+  if (p->exec) return 0;
+  cudaStream_t st = nullptr;
+  cudaError_t err = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+  if (err) return (int)err;
+  err = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
+  int step_err = err ? 0 : run_steps(p, -1, st);
+  cudaGraph_t graph = nullptr;
+  if (!err) {
+    cudaError_t end = cudaStreamEndCapture(st, &graph);
+    err = step_err ? (cudaError_t)step_err : end;
+  }
+  if (!err) err = cudaGraphInstantiate(&p->exec, graph, 0);
+  if (graph) cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  if (err) p->exec = nullptr;
+  return (int)err;
 }
 
 }  // extern "C"

@@ -30,6 +30,7 @@ _SIGNATURES = {
     "msa_prog_cute": (None, [_VOID, ctypes.c_int, ctypes.c_int, _VOID, ctypes.POINTER(_VOID), ctypes.POINTER(_I32),
                              _I32, ctypes.POINTER(_I32), _I32, _F32, _F32]),
     "msa_prog_run": (ctypes.c_int, [_VOID, ctypes.c_int, _VOID]),
+    "msa_prog_instantiate": (ctypes.c_int, [_VOID]),
 }
 
 
@@ -144,12 +145,20 @@ class Program:
                                *floats)
 
     def run(self, stage: int = -1) -> None:
-        """Run one stage's steps (-1: all) on the current stream; raises on the first failing step."""
-        err = self.lib.msa_prog_run(self.handle, stage, self._stream())
+        """Run one stage's steps (-1: all, as one graph launch once instantiated) on the current stream;
+        raises on the first failing step."""
+        self._raise(self.lib.msa_prog_run(self.handle, stage, self._stream()))
+
+    def instantiate(self) -> None:
+        """Capture the whole program as one CUDA graph, which every later run(-1) outside capture launches."""
+        self._raise(self.lib.msa_prog_instantiate(self.handle), "capturing the module as a graph")
+
+    def _raise(self, err: int, doing: str = "") -> None:
         if err:
             from ..cute.loader import cuda_error_text
-            raise RuntimeError(f"C++ dispatch: step {self.lib.msa_prog_failed_step(self.handle)} failed: "
-                               f"{cuda_error_text(err)}")
+            step = self.lib.msa_prog_failed_step(self.handle)
+            where = "the module's graph launch" if step == -2 else f"step {step}"
+            raise RuntimeError(f"C++ dispatch: {doing + ': ' if doing else ''}{where} failed: {cuda_error_text(err)}")
 
 
 def _stream_getter(device: torch.device):
@@ -164,22 +173,29 @@ def _stream_getter(device: torch.device):
 
 
 INFO = "C++ program (kernels/dispatch): the module in one call, a stage timed alone in one call each"
+INFO_GRAPH = ("C++ program (kernels/dispatch) captured as one CUDA graph at plan time: the module one graph launch, "
+              "a stage timed alone in one call each")
 
 
-def dispatch_plan(plan, fill) -> None:
+def dispatch_plan(plan, fill, graph: bool = False) -> None:
     """Swap `plan`'s stages for ProgramStages of one program (stage i: the plan's i-th), which `fill(prog)`
     builds from the plan's own stages, and run the module as the program whole (one call: `plan.module`).
     The program keeps the plan's buffers alive, and the stages it replaces: the recorded launches point at
     tensors a stage alone may own (a schedule's range counts, fp8's d-major V copy), which would be freed
-    with it and their memory handed to the next allocation."""
+    with it and their memory handed to the next allocation.
+    graph: the program is also captured as one CUDA graph (instantiated here, at plan time, so an engine that
+    plans every step pays it in the per-step plan), which the module call launches."""
     prog = Program(plan.output.device)
     prog.keep += [plan, dict(plan.stages)]
     fill(prog)
+    graph = graph and prog.device.type == "cuda"
     if prog.device.type == "cuda":
         torch.cuda.synchronize(prog.device)
+        if graph:
+            prog.instantiate()
     plan.stages = {name: ProgramStage(prog, i) for i, name in enumerate(plan.stages)}
     plan.module = prog.run
-    plan.info["dispatch"] = INFO
+    plan.info["dispatch"] = INFO_GRAPH if graph else INFO
 
 
 class ProgramStage:

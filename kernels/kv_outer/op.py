@@ -72,12 +72,13 @@ def add_combine(prog: Program, at: int, combine) -> None:
     prog.triton(at, recorded(combine, 1, "combine"))
 
 
-def dispatch(plan) -> None:
-    """The plan's stages replayed from one program (its buffers, its CuTe library)."""
+def dispatch(plan, graph: bool = False) -> None:
+    """The plan's stages replayed from one program (its buffers, its CuTe library); graph: the module one
+    graph launch (dispatch_plan)."""
     if tuple(plan.stages) != STAGES:
         raise BackendUnavailable(f"the C++ dispatch runs kv-outer's stages {STAGES}, not {tuple(plan.stages)}")
 
     def fill(prog: Program) -> None:
         for at, (name, add) in enumerate(zip(STAGES, (add_index_map, add_schedule, add_cute, add_combine))):
             add(prog, at, plan.stages[name])
-    dispatch_plan(plan, fill)
+    dispatch_plan(plan, fill, graph)

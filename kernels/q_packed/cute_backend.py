@@ -24,7 +24,7 @@ from ..cute.manifest import (DEFAULT_OPTIONS, DTYPES, OPTION_FLAGS, P_SHIFT, SKI
                              SUPPORTED_ARCHS, WIDE_MAX_RATIO, WIDE_MIN_TILES_PER_SM, WIDE_TILE_TOKENS, WIDE_TOKENS,
                              QPackedConfig,
                              device_arch, fp8_v_key_order, wide_config)
-from ..dispatch import DISPATCH, checked
+from ..dispatch import DISPATCH, GRAPH, checked
 from ..options import Choice, Number
 
 TILE_TOKENS = 8
@@ -172,7 +172,8 @@ class QPackedCuteBackend(Backend):
                  dispatch: str | None = None):
         """All None: each dtype's DEFAULT_OPTIONS; naming one flag turns the others off (`@pp` is pingpong
         alone). tile_size: None the rule (wide_schedule), 8 never wide, 12 always (neither flag). dispatch
-        "op": the stages replayed from the C++ dispatch library (kernels/q_packed/op.py), None: Python."""
+        "op": the stages replayed from the C++ dispatch library (kernels/q_packed/op.py), "graph": that
+        program captured at plan time as one CUDA graph the module launches, None: Python."""
         self.dispatch = checked("q-packed-cute", dispatch)
         flags = (pingpong, s_ahead)
         self.flags = None if all(f is None for f in flags) else tuple(bool(f) for f in flags)
@@ -315,5 +316,5 @@ class QPackedCuteBackend(Backend):
                     model_record=self.record_of(w, schedule.P, critical) if not direct else None)
         if self.dispatch:
             from .op import dispatch
-            dispatch(plan)
+            dispatch(plan, self.dispatch == GRAPH)
         return plan

@@ -26,7 +26,7 @@ import torch
 from ..base import Backend, BackendUnavailable, Plan, get_backend, register
 from ..cute.manifest import WIDE_TILE_TOKENS, WIDE_TOKENS, wide_config
 from ..kv_outer.combine import Combine
-from ..dispatch import DISPATCH, checked
+from ..dispatch import DISPATCH, GRAPH, checked
 from ..options import Choice, Number
 from ..triton_common import partial_dtype, triton_dtype_reason
 from ...roofline.devices import achieved, device_profile
@@ -70,7 +70,8 @@ class HybridBackend(Backend):
 
     def __init__(self, tokens_per_tile: int | None = None, min_share: int | None = None, kv_stage: str | None = None,
                  fused: bool | None = None, dispatch: str | None = None):
-        """dispatch "op": the stages replayed from the C++ dispatch library (both parts CuTe), None: Python."""
+        """dispatch "op": the stages replayed from the C++ dispatch library (both parts CuTe), "graph": that
+        program captured at plan time as one CUDA graph the module launches, None: Python."""
         self.tokens_per_tile, self.min_share, self.kv_stage = tokens_per_tile, min_share, kv_stage
         self.fused, self.dispatch = fused, checked("hybrid", dispatch)
         # (weakref to a workload, {key: what was made of it}): its layout, packed schedules and split record,
@@ -328,5 +329,5 @@ class HybridBackend(Backend):
             if kv.name != "kv-outer-cute" or packed_kernel != "q-packed-cute":
                 raise BackendUnavailable(f"{self.name}@op runs CuTe parts only (here {kv.name} and {packed_kernel})")
             from .op import dispatch_hybrid
-            dispatch_hybrid(plan, packed, kvs, parts_in_order, combine)
+            dispatch_hybrid(plan, packed, kvs, parts_in_order, combine, self.dispatch == GRAPH)
         return plan

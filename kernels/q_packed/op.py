@@ -15,7 +15,7 @@ def add_packed_schedule(prog: Program, at: int, schedule) -> None:
     prog.triton(at, recorded(schedule, 1 if schedule.num_tiles else 0, "the packed schedule"))
 
 
-def dispatch(plan) -> None:
+def dispatch(plan, graph: bool = False) -> None:
     """The plan's stages ({schedule, attention}, or attention alone for one-token tiles) replayed from one
     program."""
     names = tuple(plan.stages)
@@ -25,10 +25,10 @@ def dispatch(plan) -> None:
     def fill(prog: Program) -> None:
         for at, name in enumerate(names):
             (add_packed_schedule if name == "schedule" else add_cute)(prog, at, plan.stages[name])
-    dispatch_plan(plan, fill)
+    dispatch_plan(plan, fill, graph)
 
 
-def dispatch_hybrid(plan, packed, kv_stages: dict, parts_in_order: tuple, combine) -> None:
+def dispatch_hybrid(plan, packed, kv_stages: dict, parts_in_order: tuple, combine, graph: bool = False) -> None:
     """The hybrid's stages (schedule, attention[, combine]) replayed from one program: its Python stages'
     parts, in their order (the packed schedule writes the residual selection KV-outer's index map reads)."""
     def fill(prog: Program) -> None:
@@ -39,4 +39,4 @@ def dispatch_hybrid(plan, packed, kv_stages: dict, parts_in_order: tuple, combin
             add_cute(prog, 1, part)
         if combine is not None:
             add_combine(prog, 2, combine)
-    dispatch_plan(plan, fill)
+    dispatch_plan(plan, fill, graph)
