@@ -71,6 +71,7 @@ class _Stager:
         self._live = deque()            # (start, end) of each staged call not drained yet, oldest first
         self._room = threading.Condition()
         self._queue = queue.SimpleQueue()
+        self._staged = self._drained = 0      # calls put, and calls the drain has finished (under _room)
         self._error = None
         self._thread = threading.Thread(target=self._drain, name="msa-bench-recorder-drain", daemon=True)
         self._thread.start()
@@ -94,6 +95,8 @@ class _Stager:
                 staged[name] = memory[a:b].view(t.dtype).view(t.shape)
                 staged[name].copy_(t, non_blocking=True)
         finally:                 # queued even when a copy fails: the drain must free its room in turn
+            with self._room:
+                self._staged += 1
             self._queue.put((staged, into, self._mark(), region))
 
     def _reserve(self, size: int) -> tuple[int, int]:
@@ -114,10 +117,18 @@ class _Stager:
             return 0 if size <= tail else None
         return head if head + size <= tail else None      # wrapped: the room is [head, tail)
 
-    def _release(self) -> None:
+    def _release(self, region) -> None:
         with self._room:
-            self._live.popleft()            # drained in staging order: the oldest call's room
+            if region is not None:
+                self._live.popleft()        # drained in staging order: the oldest call's room
+            self._drained += 1
             self._room.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every call staged so far is on the host."""
+        with self._room:
+            while self._drained < self._staged:
+                self._room.wait()
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -130,8 +141,7 @@ class _Stager:
                 if self._error is None:
                     self._error = exc
             finally:
-                if region is not None:
-                    self._release()
+                self._release(region)
 
     def close(self) -> None:
         """Wait until every staged call is drained, then stop the thread; raises the first error it met."""
@@ -241,6 +251,11 @@ class Recorder:
     @property
     def calls(self) -> int:
         return len(self._calls)
+
+    def flush(self) -> None:
+        """Wait until every call recorded so far is in host memory."""
+        if self._stager is not None:
+            self._stager.flush()
 
     def close(self):
         """Write the trace (when recording and anything was kept); returns its path, else None."""

@@ -153,6 +153,24 @@ def test_a_call_larger_than_the_ring_gets_its_own_buffer():
     assert torch.equal(into[0]["x"], big) and torch.equal(into[1]["x"], small)
 
 
+def test_flush_returns_once_every_call_so_far_is_on_the_host():
+    stand = Stand(closed=True)
+    st = stand.stager(2 * ALIGN)
+    into = [{}, {}]
+    put_soon(st, {"x": ints(ALIGN, 5)}, into[0])
+    put_soon(st, {"x": ints(3 * ALIGN, 6)}, into[1])      # its own buffer, not in the ring: flushed all the same
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (st.flush(), done.set()), daemon=True)
+    waiter.start()
+    stand.gates[0].open()
+    assert not done.wait(0.2), "flush returned with a call still on the device"
+    stand.gates[1].open()
+    assert done.wait(10)
+    assert into[0]["x"][0] == 5 and into[1]["x"][0] == 6
+    st.flush()                                          # nothing staged since: returns at once
+    st.close()
+
+
 def test_a_drain_error_is_raised_at_close_and_never_holds_record():
     stand = Stand(error=RuntimeError("copy failed"))
     st = stand.stager(2 * ALIGN)
