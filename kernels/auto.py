@@ -11,8 +11,9 @@ records every prediction, the skipped candidates and the pick under "auto", the 
 it): each candidate also pays the profile's host cost per stage launch and its per-step planning
 (roofline/model.module_time), scaled to the host's speed at plan time (the host launch probe now over the one
 the costs were measured with); a profile that measured none says so in one line and prices them at 0 s.
-There a candidate that can be launched from C++ (`NAME@op`, kernels/dispatch) is weighed that way too where
-calibrate measured its host cost so, and the cheaper of the two is planned.
+There a candidate that can be launched from C++ (`NAME@op`, and `NAME@graph`, one graph launch a module:
+kernels/dispatch) is weighed those ways too where calibrate measured their host cost, and the cheapest is
+planned.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def candidate_names() -> list[str]:
 
 def weighed_names(profile, dtype: str, regime: str = GRAPH) -> list[str]:
     """The backends `auto` weighs for `dtype` in `regime`: the candidates, and in the eager regime each one's
-    C++ dispatch (NAME@op) where the profile measured that launch path's host cost."""
+    C++ dispatch (NAME@op, NAME@graph) where the profile measured that launch path's host cost."""
     names = candidate_names()
     if regime == EAGER:
         names += [n for n in op_variants(names) if host_measured(profile, n, model_dtype(dtype))]

@@ -219,8 +219,8 @@ def calibrated_names() -> list[str]:
 
 def host_names() -> list[str]:
     """The backends whose host costs calibrate measures: calibrated_names(), and each one launched from C++
-    (NAME@op, kernels/dispatch; where its library is not built it runs no workload, so it is not measured),
-    so `auto@eager` can weigh both launch paths."""
+    (NAME@op and NAME@graph, kernels/dispatch; where its library is not built it runs no workload, so it is
+    not measured), so `auto@eager` can weigh every launch path."""
     from ...kernels.dispatch import op_variants
     names = calibrated_names()
     return names + op_variants(names)

@@ -192,7 +192,8 @@ def dispatch_plan(plan, fill, graph: bool = False) -> None:
     if prog.device.type == "cuda":
         torch.cuda.synchronize(prog.device)
         if graph:
-            prog.instantiate()
+            with torch.cuda.device(prog.device):          # the graph is made on the current device
+                prog.instantiate()
     plan.stages = {name: ProgramStage(prog, i) for i, name in enumerate(plan.stages)}
     plan.module = prog.run
     plan.info["dispatch"] = INFO_GRAPH if graph else INFO
