@@ -14,8 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-JOINERS = "+@-"
-_SPLIT = re.compile(f"[{re.escape(JOINERS)}]")
+from ..roofline.names import JOINERS, option_words  # noqa: F401  (JOINERS re-exported: the names' one grammar)
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ def parse_options(backend: str, options: dict[str, Option], text: str) -> dict[s
     rest = [key for key, o in options.items() if o.rest]
     kwargs: dict[str, Any] = {}
     try:
-        for word in _SPLIT.split(text):
+        for word in option_words(text):
             if not word:
                 raise ValueError(f"{backend}@{text} has an empty option")
             keys = [key for key, o in options.items() if not o.rest and o.takes(word)] or rest

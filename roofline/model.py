@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from .devices import DeviceProfile
-from .names import base_name
+from .names import base_name, host_keys
 from .dtypes import DType
 from .schedules import Schedule
 from .shape import SHAPE_FIELDS, AttnShape
@@ -150,8 +150,9 @@ REGIMES = (GRAPH, EAGER)
 
 def host_cost(device: DeviceProfile, backend: str, dtype: str | None) -> tuple[float, float] | None:
     """(host seconds per stage launch, host seconds of the plan's per-step work) `backend` pays run eagerly,
-    as calibrated ("host": "backend/dtype"): its own entry where calibrate measured one (BASE@op, launched
-    from C++, is measured apart), else BASE's; None where the profile has not measured it."""
+    as calibrated ("host": "backend/dtype"): its own entry where calibrate measured one, else BASE's, or for
+    a name launched another way (BASE@op, BASE@graph: names.LAUNCH_WORDS) that launch path's alone; None
+    where the profile has not measured it."""
     got = _host_entry(device, backend, dtype)
     return (float(got["s"]), float(got.get("step_s", 0.0))) if got else None
 
@@ -163,7 +164,7 @@ def host_measured(device: DeviceProfile, backend: str, dtype: str | None) -> boo
 
 def _host_entry(device: DeviceProfile, backend: str, dtype: str | None) -> dict | None:
     table = (device.fixed_costs or {}).get("host") or {}
-    return table.get(f"{backend}/{dtype}") or table.get(f"{base_name(backend)}/{dtype}")
+    return next((table[k] for k in (f"{n}/{dtype}" for n in host_keys(backend)) if k in table), None)
 
 
 def stage_launches(device: DeviceProfile, backend: str, dtype: str | None, stages) -> list[float]:

@@ -92,8 +92,14 @@ def weigh_reason(facts: KernelFacts, stats, profile: DeviceProfile, dtype: str, 
         return f"{facts.name}: profile {profile.name} has no achieved fraction of {missing[0]}/{fdtype}"
     if not has_fixed_costs(profile, facts.name, fdtype):
         return f"{facts.name}: profile {profile.name} has no fixed costs for it in {fdtype}"
-    if regime == EAGER and (profile.fixed_costs or {}).get("host") and host_cost(profile, facts.name, fdtype) is None:
-        return f"{facts.name}: profile {profile.name} has no host cost for it in {fdtype}"
+    return host_reason(profile, facts.name, fdtype, regime)
+
+
+def host_reason(profile: DeviceProfile, name: str, dtype: str, regime: str) -> str | None:
+    """Why `name` cannot be predicted in `regime`: in the EAGER one, a profile that measured host costs but
+    not this launch path's (0 s, or another path's cost, would misprice it); else None."""
+    if regime == EAGER and (profile.fixed_costs or {}).get("host") and host_cost(profile, name, dtype) is None:
+        return f"{name}: profile {profile.name} has no host cost for it in {dtype}"
     return None
 
 

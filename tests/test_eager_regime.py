@@ -209,6 +209,20 @@ def test_a_cpp_launch_path_has_its_own_host_cost_and_falls_back_to_nothing_else(
     assert host_cost(prof, "kv-outer-cute@op", "bf16") == (5e-6, 0.0)
     assert host_cost(prof, "kv-outer-cute@v23", "bf16") == (90e-6, 0.0)      # any other option is its base
     assert host_measured(prof, "kv-outer-cute@op", "bf16") and not host_measured(prof, "kv-outer-cute@v23", "bf16")
+    assert host_cost(prof, "kv-outer-cute@v23+op", "bf16") == (5e-6, 0.0)    # its launch path's
+    # another launch path, or @op where calibrate measured only BASE: no cost of another path stands in
+    assert host_cost(prof, "kv-outer-cute@graph", "bf16") is None
+    assert host_cost(prof, "kv-outer-cute@op", "fp8") is None
+    assert host_cost(profile({"hybrid/bf16": {"s": 90e-6}}), "hybrid@op", "bf16") is None
+
+
+def test_host_keys_follow_the_launch_word():
+    from msa_bench.roofline.names import host_keys
+    assert host_keys("q-packed-cute") == ["q-packed-cute"]
+    assert host_keys("q-packed-cute@p12") == ["q-packed-cute@p12", "q-packed-cute"]
+    assert host_keys("q-packed-cute@op+p12") == ["q-packed-cute@op+p12", "q-packed-cute@op"]
+    assert host_keys("hybrid@fused-graph") == ["hybrid@fused-graph", "hybrid@graph"]
+    assert host_keys("hybrid@graph") == ["hybrid@graph"]
 
 
 def test_auto_eager_weighs_the_cpp_launch_path_only_where_calibrate_measured_it():
@@ -247,3 +261,15 @@ def test_calibrate_measures_host_costs_of_both_launch_paths_and_merges_an_op_ent
              "host": {"a/bf16": {"s": 4e-6, "step_s": 0.0}, "a@op/bf16": {"s": 1e-6, "step_s": 0.0}}}
     out = fixed_costs.merge_fixed_costs(old, fresh, only=["a"])
     assert out["host"] == fresh["host"]              # the @op entry has no stages of its own and is kept
+
+
+def test_an_eager_unit_whose_launch_path_has_no_host_cost_is_not_predicted():
+    # the H100 profile measured kv-outer-cute@op's and q-packed-cute@op's host costs, not hybrid@op's: its
+    # units were once predicted with the Python hybrid's launches (1.5x their measure)
+    from msa_bench.harness.report import tables
+    run = load_run(RESULTS_H100 / "real-prefill-eager")
+    prof = run_profile(run.meta).profile
+    fid = tables.fidelity_table(run, prof)
+    assert "hybrid@op" not in set(fid["backend"])
+    assert {"hybrid", "kv-outer-cute@op", "q-packed-cute@op"} <= set(fid["backend"])
+    assert (fid["units"] == 16).all()

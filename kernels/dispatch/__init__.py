@@ -4,11 +4,13 @@ launch (NAME@op), or launches the program captured at plan time as one CUDA grap
 compiles the library ahead of time (nvcc, no GPU); program.py loads it, adds the steps and swaps a plan's
 stages for them; triton_launch.py records the Triton stages' launches; torch_op.py runs a module's program
 as a torch op."""
-from ..options import Choice
 
-OPTION = "op"         # the option word of a backend dispatched from C++: NAME@op
-GRAPH = "graph"       # NAME@graph: the same program, captured once per plan as a CUDA graph the module launches
-WORDS = (OPTION, GRAPH)
+from ..options import Choice
+from ...roofline.names import LAUNCH_WORDS as WORDS
+
+# NAME@op: the module's launches replayed from C; NAME@graph: the same program, captured once per plan as a
+# CUDA graph the module launches
+OPTION, GRAPH = WORDS
 DISPATCH = Choice("dispatch", WORDS)      # the constructor flag `dispatch` of every backend that has it
 
 
