@@ -270,15 +270,22 @@ int msa_prog_run(void *prog, int stage, void *stream) {
   return run_steps(p, stage, st);
 }
 
-// Capture every step on a stream of its own (thread-local mode: other threads' CUDA calls are not
-// refused meanwhile) and instantiate the graph; the steps stay, to run a stage alone or under capture.
+// Run every step once (each kernel's module is loaded before capture), then capture them on a stream of
+// their own (thread-local mode: other threads' CUDA calls are not refused meanwhile) and instantiate the
+// graph; the steps stay, to run a stage alone or under capture.
 int msa_prog_instantiate(void *prog) {
   Program *p = (Program *)prog;
   if (p->exec) return 0;
   cudaStream_t st = nullptr;
   cudaError_t err = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
   if (err) return (int)err;
-  err = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
+  int warm = run_steps(p, -1, st);
+  if (warm) {
+    cudaStreamDestroy(st);
+    return warm;
+  }
+  err = cudaStreamSynchronize(st);
+  if (!err) err = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
   int step_err = err ? 0 : run_steps(p, -1, st);
   cudaGraph_t graph = nullptr;
   if (!err) {
