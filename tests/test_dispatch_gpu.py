@@ -59,6 +59,14 @@ def _same(a, b) -> None:
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _nan_run(plan) -> None:
+    """Run `plan` into a NaN-filled output and LSE, and wait for it."""
+    plan.output.fill_(float("nan"))
+    plan.lse.fill_(float("nan"))
+    plan.run()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("backend,option", VARIANTS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("name", list(WORKLOADS))
@@ -66,10 +74,7 @@ def test_the_op_computes_the_python_dispatch_bitwise(name, dtype, backend, optio
     _, python, op = _plans(name, dtype, backend, option)
     assert op.info["dispatch"].startswith("C++")
     for plan in (python, op):
-        plan.output.fill_(float("nan"))
-        plan.lse.fill_(float("nan"))
-        plan.run()
-    torch.cuda.synchronize()
+        _nan_run(plan)
     _same(python.output, op.output)
     _same(python.lse, op.lse)
     for key, buf in python.buffers.items():
@@ -122,10 +127,7 @@ def test_the_module_as_one_graph_launch_computes_the_op_bitwise(name, dtype, bac
     graph = get_backend(f"{backend}@graph").plan(w)
     assert "CUDA graph" in graph.info["dispatch"]
     for plan in (op, graph, graph):                 # the graph launched twice: the second reads no first-run state
-        plan.output.fill_(float("nan"))
-        plan.lse.fill_(float("nan"))
-        plan.run()
-        torch.cuda.synchronize()
+        _nan_run(plan)
         _same(op.output, plan.output)
         _same(op.lse, plan.lse)
     graph_replay_equals_eager(graph)                # under capture it adds its steps, not a graph launch
