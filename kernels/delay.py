@@ -21,7 +21,7 @@ import torch
 from .base import Backend, Plan
 from .clock import probe_mhz, record_spin
 from .l2 import L2Flush
-from .options import JOINERS
+from ..roofline.names import JOINERS
 
 DELAY_STAGE = "delay"
 CALIBRATION_RUNS = 5

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..roofline.names import JOINERS, option_words  # noqa: F401  (JOINERS re-exported: the names' one grammar)
+from ..roofline.names import option_words
 
 
 @dataclass(frozen=True)

@@ -182,10 +182,11 @@ def predict_module(facts: KernelFacts, stats, record: dict, profile: DeviceProfi
     on `profile`; `stages`: the stages it runs (default: the record's, else every declared one); `regime`:
     GRAPH (replayed from a CUDA graph) or EAGER (launched from Python: the profile's host cost per stage
     launch and per-step planning, model.module_time; scaled to the host's speed where `host_probe_s`, the
-    host launch probe's seconds, gives it). None where the model does not predict it."""
-    if unmodelled_reason(facts, stats) is not None:
-        return None
+    host launch probe's seconds, gives it). None where the model does not predict it, or, EAGER, where the
+    profile measured host costs but not this launch path's (host_reason)."""
     fdtype = model_dtype(dtype)
+    if unmodelled_reason(facts, stats) is not None or host_reason(profile, facts.name, fdtype, regime):
+        return None
     stages = tuple(stages if stages is not None else record.get("stages") or facts.stage_names)
     p, name = None, facts.name
     if facts.schedule == Schedule.HYBRID:

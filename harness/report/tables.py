@@ -15,8 +15,8 @@ from ...kernels.base import get_backend, split_name
 from ..measure.timing import EAGER_MEDIANS, MODULE, timer_mode
 from ...kernels.q_packed.hybrid import HybridBackend
 from ...roofline.model import crossover, crossover_at, is_decode
-from ...roofline.predict import (fraction_fit, host_reason, predict_module, schedule_roofline, shape_of,
-                                 unmodelled_reason, usable, weigh_reason)
+from ...roofline.predict import (fraction_fit, predict_module, schedule_roofline, shape_of, unmodelled_reason,
+                                 usable, weigh_reason)
 from ...roofline.schedules import Schedule
 from ...roofline.shape import AttnShape
 from .axes import UNION, group_label, varying_fields
@@ -228,10 +228,8 @@ def predicted_module_s(row, device: DeviceProfile) -> float:
         a = auto_record(row)
         return float((a.get("predicted_s") or {}).get(a.get("picked"), np.nan))
     facts = row_facts(row)
-    if facts is None or host_reason(device, row["backend"], model_dtype(row["dtype"]), regime_of(row)):
-        return float("nan")
     got = predict_module(facts, row, row_record(row), device, row["dtype"], ran_stages(facts, row),
-                         regime_of(row), host_probe_of(row))
+                         regime_of(row), host_probe_of(row)) if facts else None
     return float("nan") if got is None else got.seconds
 
 
