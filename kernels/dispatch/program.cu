@@ -61,6 +61,8 @@ struct Step {
 // steps grow by moving, and only a move keeps each blob's buffer where its params point
 static_assert(std::is_nothrow_move_constructible<Step>::value, "a Step must move, not copy");
 
+const int GRAPH_LAUNCH_FAILED = -2;    // `failed` after msa_prog_run's graph launch failed (program.py reads it)
+
 struct Program {
   std::vector<Step> steps;
   int failed = -1;
@@ -263,7 +265,7 @@ int msa_prog_run(void *prog, int stage, void *stream) {
     if (err) return (int)err;
     if (capturing == cudaStreamCaptureStatusNone) {
       err = cudaGraphLaunch(p->exec, st);
-      if (err) p->failed = -2;
+      if (err) p->failed = GRAPH_LAUNCH_FAILED;
       return (int)err;
     }
   }

@@ -52,6 +52,9 @@ def library() -> ctypes.CDLL:
     return _LIB
 
 
+GRAPH_LAUNCH_FAILED = -2     # msa_prog_failed_step after a failed graph launch (program.cu)
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
@@ -157,7 +160,7 @@ class Program:
         if err:
             from ..cute.loader import cuda_error_text
             step = self.lib.msa_prog_failed_step(self.handle)
-            where = "the module's graph launch" if step == -2 else f"step {step}"
+            where = "the module's graph launch" if step == GRAPH_LAUNCH_FAILED else f"step {step}"
             raise RuntimeError(f"C++ dispatch: {doing + ': ' if doing else ''}{where} failed: {cuda_error_text(err)}")
 
 
@@ -188,12 +191,12 @@ def dispatch_plan(plan, fill, graph: bool = False) -> None:
     prog = Program(plan.output.device)
     prog.keep += [plan, dict(plan.stages)]
     fill(prog)
-    graph = graph and prog.device.type == "cuda"
+    graph = graph and prog.device.type == "cuda"          # a CPU program runs nothing to capture
     if prog.device.type == "cuda":
         torch.cuda.synchronize(prog.device)
-        if graph:
-            with torch.cuda.device(prog.device):          # the graph is made on the current device
-                prog.instantiate()
+    if graph:
+        with torch.cuda.device(prog.device):              # the graph is made on the current device
+            prog.instantiate()
     plan.stages = {name: ProgramStage(prog, i) for i, name in enumerate(plan.stages)}
     plan.module = prog.run
     plan.info["dispatch"] = INFO_GRAPH if graph else INFO
